@@ -1,0 +1,23 @@
+"""Shared fixtures. Tests see 8 simulated CPU devices (for the sharding tests)."""
+
+import os
+
+# Must happen before JAX initialises its backends.
+os.environ.setdefault("XLA_FLAGS", "")
+if "--xla_force_host_platform_device_count" not in os.environ["XLA_FLAGS"]:
+    os.environ["XLA_FLAGS"] += " --xla_force_host_platform_device_count=8"
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
+
+from hypothesis import settings  # noqa: E402
+
+settings.register_profile("ci", max_examples=15, deadline=None, derandomize=True)
+settings.load_profile("ci")
+
+
+@pytest.fixture
+def key():
+    """A fixed PRNG key; tests split it for what they need."""
+    return jax.random.PRNGKey(0)

@@ -1,0 +1,277 @@
+"""Exact attention over the tiles a :class:`BlockLayout` lists: the XLA path of flash attention.
+
+Rabe & Staats, "Self-attention Does Not Need O(n^2) Memory" (2021), survey T2 4.4; Dao et al.,
+"FlashAttention" (2022). Scores are never held beyond one ``block_q x block_k`` tile: a
+``lax.scan`` walks the layout's compacted list of non-empty tiles, keeping a running maximum,
+normaliser and output accumulator per query row (the online softmax). The backward pass is a
+``jax.custom_vjp`` that recomputes each tile from the saved log-sum-exp instead of storing the
+probabilities, so forward plus backward memory is linear in the sequence length and the work
+is proportional to the number of non-empty tiles (causal does about half, a band much less).
+
+Why a flat scan over tiles rather than "map over query blocks, scan over key blocks": rows of
+a sparse or causal layout hold different numbers of tiles, and a scan over the compacted list
+does exactly the listed work with static shapes, which is also what keeps the skipping real
+under ``jax.vmap`` (a data-dependent ``lax.cond`` would turn into a select and do it all).
+Full tiles and partial tiles run in two scans so full tiles carry no in-tile mask.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ._contract import STATS_DTYPE
+from . import _tiles
+from .patterns import BlockLayout
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Static:
+    """Everything static about one call (hashed by identity)."""
+
+    layout: BlockLayout
+    scale: float
+    dropout_rate: float
+    bias_fn: Callable[..., Any] | None  # closure-converted: bias_fn(q_pos, k_pos, *consts)
+    bias_is_array: bool
+    # Which optional dynamic inputs are present.
+    has_kv_mask: bool
+    has_segments: bool
+
+
+def _pad_to(x, length, axis=0, value=0):
+    pad = length - x.shape[axis]
+    if pad == 0:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, pad)
+    return jnp.pad(x, widths, constant_values=value)
+
+
+class _Tile:
+    """The score tile (qi, kj) and its masks, shared by the forward and the backward scans."""
+
+    def __init__(self, st: _Static, q, k, dyn, bias, qi, kj, mi, with_static_mask: bool):
+        lay = st.layout
+        bq, bk = lay.block_q, lay.block_k
+        self.q0, self.k0 = qi * bq, kj * bk
+        self.q_pos = self.q0 + jnp.arange(bq, dtype=jnp.int32)[:, None]
+        self.k_pos = self.k0 + jnp.arange(bk, dtype=jnp.int32)[None, :]
+        self.q = jax.lax.dynamic_slice_in_dim(q, self.q0, bq)
+        self.k = jax.lax.dynamic_slice_in_dim(k, self.k0, bk)
+        kv_mask, q_seg, kv_seg, seed, masks = dyn
+        mask = _tiles.dynamic_mask(
+            jax.lax.dynamic_slice_in_dim(kv_mask, self.k0, bk) if st.has_kv_mask else None,
+            jax.lax.dynamic_slice_in_dim(q_seg, self.q0, bq) if st.has_segments else None,
+            jax.lax.dynamic_slice_in_dim(kv_seg, self.k0, bk) if st.has_segments else None,
+        )
+        if with_static_mask:
+            mask = _tiles.and_masks(mask, masks[mi])
+        self.mask = mask
+        s = jnp.einsum("qd,kd->qk", self.q, self.k, preferred_element_type=STATS_DTYPE)
+        s = s * st.scale
+        if st.bias_is_array:
+            s = s + jax.lax.dynamic_slice(bias, (self.q0, self.k0), (bq, bk)).astype(STATS_DTYPE)
+        elif st.bias_fn is not None:
+            s = s + st.bias_fn(self.q_pos, self.k_pos, *bias).astype(STATS_DTYPE)
+        self.s = s if mask is None else jnp.where(mask, s, -jnp.inf)
+        self.keep = (
+            _tiles.dropout_keep(seed, self.q_pos, self.k_pos, st.dropout_rate)
+            if st.dropout_rate > 0.0
+            else None
+        )
+
+    def dropped(self, p, rate):
+        return p if self.keep is None else jnp.where(self.keep, p / (1.0 - rate), 0.0)
+
+
+def _tile_groups(layout: BlockLayout):
+    """The non-empty tiles split into (full, partial) lists of ``(q_block, k_block, mask)``."""
+    qb, kb, mi = layout.pairs
+    full = mi < 0
+    return (
+        (qb[full], kb[full], np.zeros_like(mi[full])),
+        (qb[~full], kb[~full], mi[~full]),
+    )
+
+
+def _forward(st: _Static, q, k, v, bias, dyn):
+    lay = st.layout
+    bq = lay.block_q
+    lq_p = lay.num_q_blocks * bq
+    acc = jnp.zeros((lq_p, v.shape[1]), STATS_DTYPE)
+    m = jnp.full((lq_p,), -jnp.inf, STATS_DTYPE)
+    l = jnp.zeros((lq_p,), STATS_DTYPE)
+
+    for group, with_mask in zip(_tile_groups(lay), (False, True)):
+        if len(group[0]) == 0:
+            continue
+
+        def body(carry, xs, with_mask=with_mask):
+            acc, m, l = carry
+            qi, kj, mi = xs
+            t = _Tile(st, q, k, dyn, bias, qi, kj, mi, with_mask)
+            v_t = jax.lax.dynamic_slice_in_dim(v, t.k0, lay.block_k)
+            m_old = jax.lax.dynamic_slice_in_dim(m, t.q0, bq)
+            l_old = jax.lax.dynamic_slice_in_dim(l, t.q0, bq)
+            a_old = jax.lax.dynamic_slice_in_dim(acc, t.q0, bq)
+            m_new = jnp.maximum(m_old, t.s.max(axis=-1))
+            m_safe = _tiles.safe_max(m_new)
+            p = jnp.exp(t.s - m_safe[:, None])
+            alpha = jnp.exp(m_old - m_safe)
+            l_new = alpha * l_old + p.sum(axis=-1)
+            pv = jnp.einsum(
+                "qk,kd->qd",
+                t.dropped(p, st.dropout_rate).astype(v.dtype),
+                v_t,
+                preferred_element_type=STATS_DTYPE,
+            )
+            a_new = alpha[:, None] * a_old + pv
+            acc = jax.lax.dynamic_update_slice_in_dim(acc, a_new, t.q0, 0)
+            m = jax.lax.dynamic_update_slice_in_dim(m, m_new, t.q0, 0)
+            l = jax.lax.dynamic_update_slice_in_dim(l, l_new, t.q0, 0)
+            return (acc, m, l), None
+
+        (acc, m, l), _ = jax.lax.scan(body, (acc, m, l), tuple(map(jnp.asarray, group)))
+
+    return _tiles.normalise(acc, l), _tiles.log_sum_exp(m, l)
+
+
+def _backward(st: _Static, q, k, v, bias, dyn, out, lse, d_out):
+    lay = st.layout
+    bq, bk = lay.block_q, lay.block_k
+    delta = jnp.sum(d_out.astype(STATS_DTYPE) * out.astype(STATS_DTYPE), axis=-1)
+    # A row that saw no key has lse = -inf; +inf makes every exp(s - lse) of it zero.
+    lse = jnp.where(jnp.isneginf(lse), jnp.inf, lse)
+    dq = jnp.zeros(q.shape, STATS_DTYPE)
+    dk = jnp.zeros(k.shape, STATS_DTYPE)
+    dv = jnp.zeros(v.shape, STATS_DTYPE)
+    if st.bias_is_array:
+        d_bias = jnp.zeros(bias.shape, STATS_DTYPE)
+    else:
+        d_bias = jax.tree_util.tree_map(lambda c: jnp.zeros(c.shape, STATS_DTYPE), bias)
+
+    for group, with_mask in zip(_tile_groups(lay), (False, True)):
+        if len(group[0]) == 0:
+            continue
+
+        def body(carry, xs, with_mask=with_mask):
+            dq, dk, dv, d_bias = carry
+            qi, kj, mi = xs
+            t = _Tile(st, q, k, dyn, bias, qi, kj, mi, with_mask)
+            v_t = jax.lax.dynamic_slice_in_dim(v, t.k0, bk)
+            do_t = jax.lax.dynamic_slice_in_dim(d_out, t.q0, bq)
+            lse_t = jax.lax.dynamic_slice_in_dim(lse, t.q0, bq)
+            delta_t = jax.lax.dynamic_slice_in_dim(delta, t.q0, bq)
+            p = jnp.exp(t.s - lse_t[:, None])
+            p_drop = t.dropped(p, st.dropout_rate)
+            dv_t = jnp.einsum(
+                "qk,qd->kd", p_drop.astype(do_t.dtype), do_t, preferred_element_type=STATS_DTYPE
+            )
+            dp = jnp.einsum("qd,kd->qk", do_t, v_t, preferred_element_type=STATS_DTYPE)
+            dp = t.dropped(dp, st.dropout_rate)
+            ds = p * (dp - delta_t[:, None])
+            ds_c = ds.astype(q.dtype)
+            dq_t = jnp.einsum("qk,kd->qd", ds_c, t.k, preferred_element_type=STATS_DTYPE)
+            dk_t = jnp.einsum("qk,qd->kd", ds_c, t.q, preferred_element_type=STATS_DTYPE)
+
+            def add(buf, upd, start):
+                old = jax.lax.dynamic_slice_in_dim(buf, start, upd.shape[0])
+                return jax.lax.dynamic_update_slice_in_dim(buf, old + upd, start, 0)
+
+            dq = add(dq, dq_t * st.scale, t.q0)
+            dk = add(dk, dk_t * st.scale, t.k0)
+            dv = add(dv, dv_t, t.k0)
+            if st.bias_is_array:
+                d_bias = jax.lax.dynamic_update_slice(d_bias, ds, (t.q0, t.k0))
+            elif st.bias_fn is not None and d_bias:
+                _, pull = jax.vjp(lambda *c: st.bias_fn(t.q_pos, t.k_pos, *c), *bias)
+                d_bias = jax.tree_util.tree_map(
+                    lambda a, g: a + g.astype(STATS_DTYPE), d_bias, list(pull(ds))
+                )
+            return (dq, dk, dv, d_bias), None
+
+        (dq, dk, dv, d_bias), _ = jax.lax.scan(
+            body, (dq, dk, dv, d_bias), tuple(map(jnp.asarray, group))
+        )
+    return dq, dk, dv, d_bias
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _attend(st, q, k, v, bias, dyn):
+    return _forward(st, q, k, v, bias, dyn)
+
+
+def _attend_fwd(st, q, k, v, bias, dyn):
+    out, lse = _forward(st, q, k, v, bias, dyn)
+    return (out, lse), (q, k, v, bias, dyn, out, lse)
+
+
+def _attend_bwd(st, res, cotangents):
+    q, k, v, bias, dyn, out, lse = res
+    d_out, _ = cotangents  # the log-sum-exp output is a statistic; its cotangent is ignored
+    dq, dk, dv, d_bias = _backward(st, q, k, v, bias, dyn, out, lse, d_out)
+    if st.bias_is_array:
+        d_bias = d_bias.astype(bias.dtype)
+    else:
+        d_bias = jax.tree_util.tree_map(lambda g, c: g.astype(c.dtype), d_bias, bias)
+    d_dyn = jax.tree_util.tree_map(lambda _: None, dyn)
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), d_bias, d_dyn
+
+
+_attend.defvjp(_attend_fwd, _attend_bwd)
+
+
+def attend_layout(
+    q,
+    k,
+    v,
+    layout: BlockLayout,
+    *,
+    kv_mask=None,
+    segments=None,
+    bias=None,
+    scale: float,
+    dropout_rate: float = 0.0,
+    key=None,
+):
+    """Runs the tiled kernel on checked inputs. Returns ``(out [Lq, Dv], lse f32[Lq])``.
+
+    Inputs are padded to whole tiles here; the layout already masks keys past ``lk``.
+    """
+    lq, lk = q.shape[0], k.shape[0]
+    lq_p = layout.num_q_blocks * layout.block_q
+    lk_p = layout.num_k_blocks * layout.block_k
+    q_p, k_p, v_p = _pad_to(q, lq_p), _pad_to(k, lk_p), _pad_to(v, lk_p)
+    kv_mask_p = _pad_to(kv_mask, lk_p, value=False) if kv_mask is not None else jnp.zeros((0,), bool)
+    if segments is not None:
+        q_seg, kv_seg = _pad_to(segments[0], lq_p, value=-1), _pad_to(segments[1], lk_p, value=-2)
+    else:
+        q_seg = kv_seg = jnp.zeros((0,), jnp.int32)
+    seed = _tiles.dropout_seed(key) if dropout_rate > 0.0 else jnp.zeros((2,), jnp.uint32)
+    bias_fn, bias_arg, bias_is_array = None, (), False
+    if bias is not None and not callable(bias):
+        bias_arg, bias_is_array = _pad_to(_pad_to(bias, lq_p, 0), lk_p, 1), True
+    elif bias is not None:
+        pos_q = jnp.zeros((layout.block_q, 1), jnp.int32)
+        pos_k = jnp.zeros((1, layout.block_k), jnp.int32)
+        bias_fn, consts = jax.closure_convert(bias, pos_q, pos_k)
+        bias_arg = list(consts)
+    st = _Static(
+        layout=layout,
+        scale=float(scale),
+        dropout_rate=float(dropout_rate),
+        bias_fn=bias_fn,
+        bias_is_array=bias_is_array,
+        has_kv_mask=kv_mask is not None,
+        has_segments=segments is not None,
+    )
+    masks = jnp.asarray(layout.partial_masks)
+    dyn = (kv_mask_p, q_seg, kv_seg, seed, masks)
+    out, lse = _attend(st, q_p, k_p, v_p, bias_arg, dyn)
+    return out[:lq].astype(q.dtype), lse[:lq]

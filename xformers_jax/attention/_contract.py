@@ -1,0 +1,175 @@
+"""The attention contract: argument checks, dtype policy and scaling shared by every variant.
+
+Every attention variant in :mod:`xformers_jax.attention` is a pure function over one sequence
+and one head::
+
+    out = variant(q, k, v, *variant_arrays, causal=False, kv_mask=None, scale=None, key=None,
+                  **static_hyperparameters)
+    # q: [Lq, Dk]  k: [Lk, Dk]  v: [Lk, Dv]  ->  out: [Lq, Dv]
+
+The helpers here are what each variant calls first, so that every family checks its input the
+same way and says the same thing when the input is wrong. Static problems raise ``ValueError``
+at trace time with the shapes in the message; data-dependent checks use ``eqx.error_if``.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+# Softmax statistics, normalisers and accumulators are always kept in this dtype.
+STATS_DTYPE = jnp.float32
+
+
+class QKV(NamedTuple):
+    """Checked attention inputs and their sizes."""
+
+    q: jax.Array
+    k: jax.Array
+    v: jax.Array
+    lq: int
+    lk: int
+    dk: int
+    dv: int
+
+
+def _shape(x) -> tuple:
+    return tuple(getattr(x, "shape", ()))
+
+
+def check_qkv(name: str, q, k, v) -> QKV:
+    """Checks one-sequence one-head inputs ``q: [Lq, Dk], k: [Lk, Dk], v: [Lk, Dv]``.
+
+    Returns the arrays (as jax arrays) with their sizes. Raises ``ValueError`` naming the shapes
+    when ranks or sizes disagree or when an input is not floating point.
+    """
+    q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
+    shapes = f"q{_shape(q)}, k{_shape(k)}, v{_shape(v)}"
+    for arg_name, x in (("q", q), ("k", k), ("v", v)):
+        if x.ndim != 2:
+            hint = (
+                " (batch and heads come from jax.vmap: lift the function with "
+                "xformers_jax.attention.multihead)" if x.ndim > 2 else ""
+            )
+            raise ValueError(
+                f"{name}: {arg_name} must have rank 2 ([length, dim]) but got shape "
+                f"{_shape(x)}; inputs were {shapes}{hint}"
+            )
+        if not jnp.issubdtype(x.dtype, jnp.floating):
+            raise ValueError(
+                f"{name}: {arg_name} must be floating point but has dtype {x.dtype}; "
+                f"inputs were {shapes}"
+            )
+    if q.shape[1] != k.shape[1]:
+        raise ValueError(
+            f"{name}: q and k must share their last dimension (Dk) but got {shapes}"
+        )
+    if k.shape[0] != v.shape[0]:
+        raise ValueError(
+            f"{name}: k and v must have the same length (Lk) but got {shapes}"
+        )
+    if q.shape[0] == 0 or k.shape[0] == 0:
+        raise ValueError(f"{name}: empty sequences are not supported; inputs were {shapes}")
+    return QKV(q, k, v, q.shape[0], k.shape[0], q.shape[1], v.shape[1])
+
+
+def check_kv_mask(name: str, kv_mask, lk: int):
+    """Checks ``kv_mask: bool[Lk]`` (True for real tokens). Returns it as a jax array or None."""
+    if kv_mask is None:
+        return None
+    kv_mask = jnp.asarray(kv_mask)
+    if kv_mask.dtype != jnp.bool_:
+        raise ValueError(
+            f"{name}: kv_mask must be boolean (True marks real tokens) but has dtype "
+            f"{kv_mask.dtype} and shape {_shape(kv_mask)}; convert it with `mask > 0` or "
+            "`mask.astype(bool)`"
+        )
+    if kv_mask.shape != (lk,):
+        raise ValueError(
+            f"{name}: kv_mask must have shape (Lk,) = ({lk},) but got {_shape(kv_mask)}"
+        )
+    return kv_mask
+
+
+def check_segment_ids(name: str, segment_ids, lq: int, lk: int):
+    """Checks packed-sequence ids; returns ``(q_segment_ids, kv_segment_ids)`` or ``None``.
+
+    ``segment_ids`` is one integer array ``[L]`` (self-attention, ``Lq == Lk``) or a pair
+    ``(q_segment_ids [Lq], kv_segment_ids [Lk])``. Query i may see key j only when their ids
+    are equal, which makes the attention block-diagonal over packed sequences.
+    """
+    if segment_ids is None:
+        return None
+    if isinstance(segment_ids, (tuple, list)):
+        if len(segment_ids) != 2:
+            raise ValueError(
+                f"{name}: segment_ids must be one array [L] or a pair (q_ids [Lq], kv_ids [Lk]); "
+                f"got a sequence of {len(segment_ids)}"
+            )
+        q_ids, kv_ids = (jnp.asarray(s) for s in segment_ids)
+    else:
+        q_ids = kv_ids = jnp.asarray(segment_ids)
+        if lq != lk:
+            raise ValueError(
+                f"{name}: a single segment_ids array needs Lq == Lk, but Lq={lq}, Lk={lk}; pass a "
+                "pair (q_segment_ids, kv_segment_ids) for cross attention"
+            )
+    for arg, ids, length in (("q segment ids", q_ids, lq), ("kv segment ids", kv_ids, lk)):
+        if not jnp.issubdtype(ids.dtype, jnp.integer):
+            raise ValueError(f"{name}: {arg} must be integers but have dtype {ids.dtype}")
+        if ids.shape != (length,):
+            raise ValueError(
+                f"{name}: {arg} must have shape ({length},) but got {_shape(ids)}"
+            )
+    return q_ids.astype(jnp.int32), kv_ids.astype(jnp.int32)
+
+
+def check_bias(name: str, bias, lq: int, lk: int):
+    """Checks an additive score bias: an array ``[Lq, Lk]`` or a callable of positions.
+
+    A callable is called as ``bias(q_positions [bq, 1], k_positions [1, bk])`` with int32
+    positions and must broadcast to ``[bq, bk]``; exact kernels call it per block, so no L x L
+    array is built. A callable with trainable parameters should be a pytree (an ``eqx.Module``
+    or ``jax.tree_util.Partial``) or close over them; either way gradients reach them.
+    """
+    if bias is None or callable(bias):
+        return bias
+    bias = jnp.asarray(bias)
+    if bias.shape != (lq, lk):
+        raise ValueError(
+            f"{name}: an array bias must have shape (Lq, Lk) = ({lq}, {lk}) but got "
+            f"{_shape(bias)}; for a bias that depends only on positions pass a callable "
+            "bias(q_positions, k_positions)"
+        )
+    if not jnp.issubdtype(bias.dtype, jnp.floating):
+        raise ValueError(f"{name}: bias must be floating point but has dtype {bias.dtype}")
+    return bias
+
+
+def check_dropout(name: str, dropout_rate: float, key):
+    if not 0.0 <= float(dropout_rate) < 1.0:
+        raise ValueError(f"{name}: dropout_rate must be in [0, 1) but got {dropout_rate}")
+    if dropout_rate > 0.0 and key is None:
+        raise ValueError(
+            f"{name}: dropout_rate={dropout_rate} needs an explicit PRNG `key` (randomness in "
+            "this library always comes from an explicit key)"
+        )
+
+
+def resolve_scale(dk: int, scale) -> float:
+    """The score scale: ``1/sqrt(Dk)`` unless given."""
+    return float(1.0 / np.sqrt(dk)) if scale is None else scale
+
+
+def causal_unsupported(name: str, reason: str):
+    """Raises the error a non-decodable variant gives for ``causal=True``."""
+    raise NotImplementedError(f"{name} does not support causal=True: {reason}")
+
+
+def check_positive_int(name: str, arg: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value <= 0:
+        raise ValueError(f"{name}: {arg} must be a positive integer but got {value!r}")
+    return int(value)

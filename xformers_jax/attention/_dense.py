@@ -1,0 +1,98 @@
+"""Scaled dot-product attention, computed densely: the reference every variant is tested against.
+
+Vaswani et al., "Attention Is All You Need" (2017); survey P 2.1, T1 2.1.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from . import _contract as C
+from . import _tiles
+from .patterns import Causal, Pattern
+
+
+def combined_pattern(name: str, pattern: Pattern | None, causal: bool) -> Pattern | None:
+    """The static pattern a call asks for: ``pattern``, intersected with Causal if causal."""
+    if pattern is not None and not isinstance(pattern, Pattern):
+        raise ValueError(
+            f"{name}: pattern must be an xformers_jax.attention.patterns.Pattern, got "
+            f"{type(pattern).__name__}"
+        )
+    if causal:
+        return Causal() if pattern is None else pattern & Causal()
+    return pattern
+
+
+def dot_product_attention(
+    q,
+    k,
+    v,
+    *,
+    causal: bool = False,
+    kv_mask=None,
+    segment_ids=None,
+    bias=None,
+    pattern: Pattern | None = None,
+    scale: float | None = None,
+    dropout_rate: float = 0.0,
+    key=None,
+    return_weights: bool = False,
+):
+    """Dense softmax attention for one sequence and one head.
+
+    ``softmax(q k^T * scale + bias, masked) v``, with the full ``[Lq, Lk]`` score matrix in
+    memory. Masked positions get exactly zero weight; a query that sees no key gets a zero
+    output and zero (finite) gradients.
+
+    Args:
+      q: ``[Lq, Dk]`` queries.
+      k: ``[Lk, Dk]`` keys.
+      v: ``[Lk, Dv]`` values.
+      causal: query i sees keys ``j <= i`` only.
+      kv_mask: ``bool[Lk]``, True for real keys.
+      segment_ids: ``int[L]`` or a pair ``(int[Lq], int[Lk])``: packed sequences; queries see
+        only keys with the same id.
+      bias: additive score bias, an array ``[Lq, Lk]`` or a callable
+        ``bias(q_positions [Lq, 1], k_positions [1, Lk]) -> [Lq, Lk]``.
+      pattern: a static :class:`~xformers_jax.attention.patterns.Pattern` (e.g. ``Local``).
+      scale: score scale; ``1/sqrt(Dk)`` by default.
+      dropout_rate: attention dropout on the normalised weights (needs ``key``).
+      key: PRNG key for dropout.
+      return_weights: also return the ``[Lq, Lk]`` weights applied to ``v``.
+
+    Returns:
+      ``[Lq, Dv]`` in q's dtype, or ``(out, weights)`` with float32 weights.
+    """
+    name = "dot_product_attention"
+    x = C.check_qkv(name, q, k, v)
+    kv_mask = C.check_kv_mask(name, kv_mask, x.lk)
+    segs = C.check_segment_ids(name, segment_ids, x.lq, x.lk)
+    bias = C.check_bias(name, bias, x.lq, x.lk)
+    C.check_dropout(name, dropout_rate, key)
+    pattern = combined_pattern(name, pattern, causal)
+    scale = C.resolve_scale(x.dk, scale)
+
+    q_pos = jnp.arange(x.lq, dtype=jnp.int32)[:, None]
+    k_pos = jnp.arange(x.lk, dtype=jnp.int32)[None, :]
+    s = jnp.einsum("qd,kd->qk", x.q, x.k, preferred_element_type=C.STATS_DTYPE) * scale
+    if bias is not None:
+        s = s + (bias(q_pos, k_pos) if callable(bias) else bias).astype(C.STATS_DTYPE)
+    mask = _tiles.dynamic_mask(kv_mask, *(segs or (None, None)))
+    if pattern is not None:
+        mask = _tiles.and_masks(mask, jnp.asarray(pattern.dense(x.lq, x.lk)))
+    if mask is not None:
+        s = jnp.where(mask, s, -jnp.inf)
+    m = jax.lax.stop_gradient(_tiles.safe_max(jnp.max(s, axis=-1)))
+    p = jnp.exp(s - m[:, None])
+    if mask is not None:
+        p = jnp.where(mask, p, 0.0)
+    weights = p / jnp.where(p.sum(-1) == 0, 1.0, p.sum(-1))[:, None]
+    if dropout_rate > 0.0:
+        keep = _tiles.dropout_keep(_tiles.dropout_seed(key), q_pos, k_pos, dropout_rate)
+        weights = jnp.where(keep, weights / (1.0 - dropout_rate), 0.0)
+    out = jnp.einsum(
+        "qk,kd->qd", weights.astype(x.v.dtype), x.v, preferred_element_type=C.STATS_DTYPE
+    ).astype(x.q.dtype)
+    return (out, weights) if return_weights else out
