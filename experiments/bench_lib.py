@@ -1,0 +1,253 @@
+"""The benchmark harness: cases, measurement in fresh subprocesses, results and checks.
+
+A suite is a module ``experiments/suites/<name>.py`` defining:
+
+- ``TITLE``: one line for BENCHMARKS.md;
+- ``cases(quick: bool) -> list[Case]``: what to measure (``quick`` shrinks it to seconds);
+- a builder per case (``Case.builder = "experiments.suites.<name>:<function>"``) called in the
+  worker process as ``builder(**case.params) -> Workload``;
+- ``checks(results: Results) -> list[Check]``: the issue's figures, computed from this run's
+  measurements as ratios (machines are shared and noisy, so only ratios within one run count).
+
+Every case runs in a fresh subprocess so its peak resident memory (``ru_maxrss``) is its own;
+on GPU/TPU the device's ``peak_bytes_in_use`` is reported too. Time is the median of repeats
+after a warm-up call (which includes compilation). Forward+backward differentiates the sum of
+the outputs with respect to the workload's float arguments.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from typing import Any, Callable, Sequence
+
+MODES = ("fwd", "fwdbwd")
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One thing to measure. ``params`` must be JSON-serialisable; they become table columns."""
+
+    name: str
+    builder: str
+    params: dict
+    modes: tuple = MODES
+
+    def key(self, mode: str) -> str:
+        return json.dumps([self.name, mode, self.params], sort_keys=True)
+
+
+@dataclasses.dataclass
+class Workload:
+    """What a builder returns: ``fn(*args)`` is the forward computation.
+
+    ``flops`` is the forward's useful floating point work (e.g. ``4 * B * H * Lq * Lk * D`` for
+    attention), used for GFLOP/s; fwd+bwd counts it as 3.5x (the usual flash accounting:
+    forward 2 matmuls, backward 5 with the recomputation). ``grad_argnums`` defaults to every
+    floating point argument.
+    """
+
+    fn: Callable[..., Any]
+    args: tuple
+    flops: float | None = None
+    grad_argnums: tuple | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Check:
+    """One figure from an issue, computed from a run: ``ok`` is None when it could not be
+    computed (a case failed)."""
+
+    figure: str
+    measured: str
+    target: str
+    ok: bool | None
+
+
+FWDBWD_FLOP_FACTOR = 3.5
+
+
+class Results:
+    """Measurements of one suite run, looked up by case name, mode and parameters."""
+
+    def __init__(self, records: Sequence[dict], matmul_gflops: float | None):
+        self.records = list(records)
+        self.matmul_gflops = matmul_gflops
+
+    def find(self, name: str, mode: str, **params) -> dict | None:
+        for r in self.records:
+            if r["name"] == name and r["mode"] == mode and all(
+                r["params"].get(k) == v for k, v in params.items()
+            ):
+                return r
+        return None
+
+    def time(self, name: str, mode: str, **params) -> float | None:
+        r = self.find(name, mode, **params)
+        return None if r is None or r.get("error") else r["time_s"]
+
+    def value(self, field: str, name: str, mode: str, **params):
+        r = self.find(name, mode, **params)
+        return None if r is None or r.get("error") else r.get(field)
+
+
+def ratio_check(figure: str, num, den, *, at_least=None, at_most=None, fmt="{:.2f}x") -> Check:
+    """A check on ``num / den`` against a bound; None-safe when a case failed."""
+    target = f">= {at_least}" if at_least is not None else f"<= {at_most}"
+    if num is None or den is None or den == 0:
+        return Check(figure, "n/a (case failed)", target, None)
+    value = num / den
+    ok = value >= at_least if at_least is not None else value <= at_most
+    return Check(figure, fmt.format(value), target, bool(ok))
+
+
+def value_check(figure: str, value, *, at_least=None, at_most=None, fmt="{:.1f}") -> Check:
+    target = f">= {at_least}" if at_least is not None else f"<= {at_most}"
+    if value is None:
+        return Check(figure, "n/a (case failed)", target, None)
+    ok = value >= at_least if at_least is not None else value <= at_most
+    return Check(figure, fmt.format(value), target, bool(ok))
+
+
+def linear_growth_check(figure: str, results: Results, field: str, name: str, mode: str,
+                        lengths: Sequence[int], *, slack: float = 1.3, **params) -> Check:
+    """Checks that ``field`` grows at most linearly from the first to the last length:
+    ``value(L_last) / value(L_first) <= slack * L_last / L_first``."""
+    lo = results.value(field, name, mode, L=lengths[0], **params)
+    hi = results.value(field, name, mode, L=lengths[-1], **params)
+    bound = slack * lengths[-1] / lengths[0]
+    return ratio_check(figure, hi, lo, at_most=round(bound, 2))
+
+
+# -- measurement (runs in the worker subprocess) ---------------------------------------------
+
+def _max_rss_mb() -> float:
+    # Linux reports ru_maxrss in kilobytes.
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+def _import(path: str):
+    import importlib
+
+    module, _, attr = path.partition(":")
+    return getattr(importlib.import_module(module), attr)
+
+
+def _timed(f, args, min_repeats: int, budget_s: float):
+    import jax
+
+    t0 = time.perf_counter()
+    jax.block_until_ready(f(*args))  # compile + warm-up
+    warm = time.perf_counter() - t0
+    times = []
+    while len(times) < min_repeats or (sum(times) < budget_s and len(times) < 50):
+        t = time.perf_counter()
+        jax.block_until_ready(f(*args))
+        times.append(time.perf_counter() - t)
+        if warm > budget_s and len(times) >= min_repeats:
+            break
+    return statistics.median(times), warm, len(times)
+
+
+def run_worker(case_json: str, mode: str, min_repeats: int, budget_s: float) -> dict:
+    """Measures one case in this (fresh) process; returns a JSON-able record."""
+    import jax
+    import jax.numpy as jnp
+
+    jax.devices()  # initialise the backend before the baseline reading
+    baseline = _max_rss_mb()
+    spec = json.loads(case_json)
+    work: Workload = _import(spec["builder"])(**spec["params"])
+    if mode == "fwd":
+        f = jax.jit(work.fn)
+    else:
+        argnums = work.grad_argnums
+        if argnums is None:
+            argnums = tuple(
+                i for i, a in enumerate(work.args)
+                if hasattr(a, "dtype") and jnp.issubdtype(a.dtype, jnp.floating)
+            )
+
+        def loss(*args):
+            out = work.fn(*args)
+            return sum(jnp.sum(x.astype(jnp.float32)) for x in jax.tree_util.tree_leaves(out))
+
+        f = jax.jit(jax.grad(loss, argnums=argnums))
+    median, warm, n = _timed(f, work.args, min_repeats, budget_s)
+    record = dict(time_s=median, warmup_s=warm, repeats=n, baseline_rss_mb=baseline,
+                  peak_rss_mb=_max_rss_mb())
+    record["delta_rss_mb"] = record["peak_rss_mb"] - baseline
+    stats = jax.devices()[0].memory_stats() if jax.default_backend() != "cpu" else None
+    if stats and "peak_bytes_in_use" in stats:
+        record["device_peak_mb"] = stats["peak_bytes_in_use"] / 2**20
+    if work.flops:
+        flops = work.flops * (1.0 if mode == "fwd" else FWDBWD_FLOP_FACTOR)
+        record["gflops"] = flops / median / 1e9
+    return record
+
+
+def matmul_workload(n: int = 2048) -> Workload:
+    """The reference rate: one ``n x n`` float32 matmul."""
+    import jax
+
+    a, b = jax.random.normal(jax.random.PRNGKey(0), (2, n, n))
+    return Workload(lambda x, y: x @ y, (a, b), flops=2.0 * n**3)
+
+
+MATMUL_CASE = Case("matmul", "experiments.bench_lib:matmul_workload", {"n": 2048}, ("fwd",))
+
+
+# -- orchestration (parent process) ---------------------------------------------------------
+
+def measure(case: Case, mode: str, *, min_repeats: int, budget_s: float, timeout_s: float,
+            env: dict | None = None) -> dict:
+    """Runs one case in a fresh subprocess; failures become records with an ``error``."""
+    cmd = [
+        sys.executable, "-m", "experiments.benchmark", "--worker",
+        "--case", json.dumps(dataclasses.asdict(case)), "--mode", mode,
+        "--min_repeats", str(min_repeats), "--budget_s", str(budget_s),
+    ]
+    record = dict(name=case.name, mode=mode, params=case.params)
+    try:
+        proc = subprocess.run(
+            cmd, capture_output=True, text=True, timeout=timeout_s,
+            env={**os.environ, **(env or {})},
+            cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+        )
+    except subprocess.TimeoutExpired:
+        record["error"] = f"timeout after {timeout_s:.0f} s"
+        return record
+    lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
+    if proc.returncode != 0 or not lines:
+        tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
+        record["error"] = f"exit {proc.returncode}: {tail[0][:200]}"
+        return record
+    record.update(json.loads(lines[-1][len("RESULT "):]))
+    return record
+
+
+def machine_info() -> dict:
+    import jax
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    return dict(
+        cpu=cpu, cores=os.cpu_count(), backend=jax.default_backend(),
+        devices=[d.device_kind for d in jax.devices()][:1],
+        jax=jax.__version__, python=platform.python_version(),
+        date=time.strftime("%Y-%m-%d %H:%M"),
+    )

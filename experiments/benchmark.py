@@ -1,0 +1,230 @@
+r"""Benchmarks: time, peak memory and GFLOP/s of attention variants, side by side in one run.
+
+Runs the suites in ``experiments/suites/`` (each case in a fresh subprocess), writes
+``<results_dir>/<suite>.json`` and regenerates BENCHMARKS.md (tables, the issues' figures as
+checks, and plots when matplotlib is installed) from every suite's stored results.
+
+  python -m experiments.benchmark --suite=attention          # one suite, full size
+  python -m experiments.benchmark --suite=attention,sparse   # several
+  python -m experiments.benchmark --suite=all --quick        # every suite shrunk to seconds
+
+``--quick`` writes to a temporary directory and leaves BENCHMARKS.md alone unless
+``--markdown`` is given explicitly: quick figures are smoke tests, not measurements.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import json
+import os
+import pkgutil
+import sys
+import tempfile
+
+from absl import app, flags
+
+from experiments import bench_lib
+from experiments.bench_lib import Case
+
+_SUITE = flags.DEFINE_string("suite", "attention", "Comma-separated suites, or 'all'.")
+_QUICK = flags.DEFINE_bool("quick", False, "Tiny sizes: a smoke test of the suites.")
+_RESULTS_DIR = flags.DEFINE_string(
+    "results_dir", None, "Where suite JSON goes (default experiments/results; a temp dir "
+    "with --quick).")
+_MARKDOWN = flags.DEFINE_string(
+    "markdown", None, "BENCHMARKS.md to regenerate (default BENCHMARKS.md at the repository "
+    "root; none with --quick).")
+_MIN_REPEATS = flags.DEFINE_integer("min_repeats", 3, "Timed repeats per case at least.")
+_BUDGET_S = flags.DEFINE_float("budget_s", 2.0, "Keep repeating until this many seconds.")
+_TIMEOUT_S = flags.DEFINE_float("timeout_s", 900.0, "Per-case subprocess time limit.")
+_WORKER = flags.DEFINE_bool("worker", False, "Internal: measure one case in this process.")
+_CASE = flags.DEFINE_string("case", None, "Internal: the case (JSON) for --worker.")
+_MODE = flags.DEFINE_string("mode", "fwd", "Internal: fwd or fwdbwd for --worker.")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# Suites in the order BENCHMARKS.md lists them; others follow alphabetically.
+ORDER = ("attention", "sparse", "linear", "lowrank", "learned", "models", "lra", "parallel")
+
+
+def available_suites() -> list[str]:
+    import experiments.suites as pkg
+
+    names = [m.name for m in pkgutil.iter_modules(pkg.__path__) if not m.name.startswith("_")]
+    return sorted(names, key=lambda n: (ORDER.index(n) if n in ORDER else len(ORDER), n))
+
+
+def load_suite(name: str):
+    if name not in available_suites():
+        raise app.UsageError(f"unknown suite {name!r}; available: {available_suites()}")
+    return importlib.import_module(f"experiments.suites.{name}")
+
+
+def run_suite(name: str, *, quick: bool, results_dir: str, log=print) -> dict:
+    suite = load_suite(name)
+    opts = dict(min_repeats=1 if quick else _MIN_REPEATS.value,
+                budget_s=0.0 if quick else _BUDGET_S.value, timeout_s=_TIMEOUT_S.value)
+    matmul = bench_lib.measure(bench_lib.MATMUL_CASE, "fwd", **opts)
+    rate = matmul.get("gflops")
+    log(f"[{name}] matmul reference: {rate and round(rate, 1)} GFLOP/s")
+    records = []
+    for case in suite.cases(quick):
+        for mode in case.modes:
+            r = bench_lib.measure(case, mode, **opts)
+            if rate and r.get("gflops"):
+                r["matmul_fraction"] = r["gflops"] / rate
+            records.append(r)
+            log(f"[{name}] {_row(r)}")
+    results = bench_lib.Results(records, rate)
+    checks = [dataclasses.asdict(c) for c in suite.checks(results)]
+    for c in checks:
+        log(f"[{name}] check: {c['figure']}: {c['measured']} (target {c['target']}) "
+            f"{'OK' if c['ok'] else 'MISSED' if c['ok'] is False else 'n/a'}")
+    payload = dict(suite=name, title=suite.TITLE, quick=quick, machine=bench_lib.machine_info(),
+                   matmul_gflops=rate, records=records, checks=checks)
+    os.makedirs(results_dir, exist_ok=True)
+    with open(os.path.join(results_dir, f"{name}.json"), "w") as f:
+        json.dump(payload, f, indent=1)
+    return payload
+
+
+def _fmt(x, spec):
+    return "" if x is None else format(x, spec)
+
+
+def _row(r: dict) -> str:
+    params = " ".join(f"{k}={v}" for k, v in r["params"].items())
+    if r.get("error"):
+        return f"{r['name']:<28} {params:<40} {r['mode']:<7} ERROR {r['error']}"
+    return (f"{r['name']:<28} {params:<40} {r['mode']:<7} {r['time_s'] * 1e3:10.2f} ms "
+            f"{_fmt(r.get('gflops'), '8.1f')} GFLOP/s  peak {r['peak_rss_mb']:8.0f} MB "
+            f"(+{r['delta_rss_mb']:.0f})")
+
+
+def _plot(payload: dict, path: str) -> bool:
+    """Time against L for each (case, mode), log-log. False when matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    series: dict = {}
+    for r in payload["records"]:
+        if r.get("error") or "L" not in r["params"]:
+            continue
+        other = ", ".join(f"{k}={v}" for k, v in r["params"].items() if k != "L")
+        label = f"{r['name']} {r['mode']}" + (f" ({other})" if other else "")
+        series.setdefault(label, []).append((r["params"]["L"], r["time_s"]))
+    if not series:
+        return False
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for label, pts in sorted(series.items()):
+        pts.sort()
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("sequence length L")
+    ax.set_ylabel("time (s, median)")
+    ax.set_title(payload["title"])
+    ax.legend(fontsize=7)
+    ax.grid(True, which="both", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return True
+
+
+def render_markdown(results_dir: str, markdown_path: str) -> str:
+    """BENCHMARKS.md from every suite JSON in ``results_dir`` (generated; do not edit)."""
+    payloads = []
+    for name in available_suites():
+        path = os.path.join(results_dir, f"{name}.json")
+        if os.path.exists(path):
+            with open(path) as f:
+                payloads.append(json.load(f))
+    out = [
+        "# Benchmarks",
+        "",
+        "Generated by `python -m experiments.benchmark` from `experiments/results/*.json`; do "
+        "not edit by hand. Each case runs in a fresh subprocess: time is the median of repeats "
+        "after a warm-up call, peak RSS is the process's maximum resident memory (Δ is above "
+        "the process after JAX start-up), GFLOP/s counts useful forward work (x3.5 for "
+        "forward+backward), and '% mm' is that rate as a fraction of a 2048² float32 matmul "
+        "measured in the same run. Machines are shared and noisy: compare within a suite's run.",
+        "",
+    ]
+    for p in payloads:
+        m = p["machine"]
+        out += [
+            f"## `{p['suite']}`: {p['title']}",
+            "",
+            f"Run {m['date']} on {m['cpu']} ({m['cores']} cores, backend {m['backend']}), "
+            f"JAX {m['jax']}; matmul reference {_fmt(p['matmul_gflops'], '.1f')} GFLOP/s."
+            + (" **Quick mode: smoke-test sizes, not measurements.**" if p["quick"] else ""),
+            "",
+        ]
+        if p["checks"]:
+            out += ["| figure | measured | target | met |", "|---|---|---|---|"]
+            for c in p["checks"]:
+                met = {True: "yes", False: "**no**", None: "n/a"}[c["ok"]]
+                out.append(f"| {c['figure']} | {c['measured']} | {c['target']} | {met} |")
+            out.append("")
+        keys = []
+        for r in p["records"]:
+            keys += [k for k in r["params"] if k not in keys]
+        head = ["case", *keys, "mode", "time (ms)", "GFLOP/s", "% mm", "peak RSS (MB)", "Δ RSS (MB)"]
+        out += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+        for r in p["records"]:
+            cells = [r["name"], *[str(r["params"].get(k, "")) for k in keys], r["mode"]]
+            if r.get("error"):
+                cells += [f"error: {r['error']}", "", "", "", ""]
+            else:
+                frac = r.get("matmul_fraction")
+                cells += [
+                    f"{r['time_s'] * 1e3:.1f}", _fmt(r.get("gflops"), ".1f"),
+                    "" if frac is None else f"{100 * frac:.0f}%",
+                    f"{r['peak_rss_mb']:.0f}", f"{r['delta_rss_mb']:.0f}",
+                ]
+            out.append("| " + " | ".join(cells) + " |")
+        out.append("")
+        png = os.path.join(results_dir, f"{p['suite']}.png")
+        if _plot(p, png):
+            rel = os.path.relpath(png, os.path.dirname(os.path.abspath(markdown_path)))
+            out += [f"![{p['suite']}]({rel})", ""]
+    text = "\n".join(out)
+    with open(markdown_path, "w") as f:
+        f.write(text)
+    return text
+
+
+def main(argv: Sequence[str]) -> None:
+    del argv
+    if _WORKER.value:
+        record = bench_lib.run_worker(_CASE.value, _MODE.value, _MIN_REPEATS.value,
+                                      _BUDGET_S.value)
+        print("RESULT " + json.dumps(record), flush=True)
+        return
+    names = available_suites() if _SUITE.value == "all" else _SUITE.value.split(",")
+    for n in names:
+        load_suite(n)  # fail fast on a typo
+    results_dir = _RESULTS_DIR.value or (
+        tempfile.mkdtemp(prefix="xformers_jax_bench_") if _QUICK.value
+        else os.path.join(ROOT, "experiments", "results"))
+    markdown = _MARKDOWN.value or (None if _QUICK.value else os.path.join(ROOT, "BENCHMARKS.md"))
+    failed_checks = []
+    for n in names:
+        payload = run_suite(n, quick=_QUICK.value, results_dir=results_dir)
+        failed_checks += [c for c in payload["checks"] if c["ok"] is False]
+    if markdown:
+        render_markdown(results_dir, markdown)
+        print(f"wrote {markdown} and {results_dir}/*.json")
+    else:
+        print(f"wrote {results_dir}/*.json")
+    if failed_checks and not _QUICK.value:
+        print(f"{len(failed_checks)} figure(s) missed their targets (see the table)")
+
+
+if __name__ == "__main__":
+    sys.exit(app.run(main))

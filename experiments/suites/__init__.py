@@ -1,0 +1,1 @@
+"""Benchmark suites for ``experiments/benchmark.py``; see ``experiments/bench_lib.py``."""
