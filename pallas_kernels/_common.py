@@ -1,0 +1,217 @@
+"""What the GPU and TPU kernels share: tile math, the kernel object, padding and the VJP.
+
+The tile math follows the XLA path (``xformers_jax.attention._blocksparse``) step for step:
+the online softmax of FlashAttention (Dao et al. 2022; survey T2 4.4) in the forward pass,
+and a backward pass that recomputes each tile's probabilities from the saved log-sum-exp.
+Each backend module supplies ``forward(cfg, plan, q, k, v, dyn) -> (out, lse)`` and
+``backward(cfg, plan, q, k, v, dyn, lse, delta, d_out) -> (dq, dk, dv)`` on padded inputs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from xformers_jax.attention import _tiles
+from xformers_jax.attention._contract import STATS_DTYPE
+
+from . import _planner
+
+_NT = (((1,), (1,)), ((), ()))  # a @ b.T
+_NN = (((1,), (0,)), ((), ()))  # a @ b
+_TN = (((0,), (0,)), ((), ()))  # a.T @ b
+
+SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+
+def dot(a, b, dims):
+    return jax.lax.dot_general(a, b, dims, preferred_element_type=STATS_DTYPE)
+
+
+def tile_mask(cfg, plan, q0, k0, *, partial, static_mask, kv_valid, q_seg, k_seg):
+    """The ``bool[bq, bk]`` mask of one tile, or None when nothing is masked.
+
+    ``static_mask`` is the loaded partial mask (None in band mode); ``kv_valid [1, bk]``,
+    ``q_seg [bq, 1]``, ``k_seg [1, bk]`` are the dynamic inputs' slices (or None).
+    """
+    mask = None
+    if partial:
+        if plan.band is not None:
+            left, right = plan.band
+            i = q0 + jax.lax.broadcasted_iota(jnp.int32, (plan.block_q, plan.block_k), 0)
+            j = k0 + jax.lax.broadcasted_iota(jnp.int32, (plan.block_q, plan.block_k), 1)
+            mask = (j >= i - left) & (j <= i + right) & (j < plan.lk)
+        else:
+            mask = static_mask
+    if kv_valid is not None:
+        mask = _tiles.and_masks(mask, kv_valid)
+    if q_seg is not None:
+        mask = _tiles.and_masks(mask, q_seg == k_seg)
+    return mask
+
+
+def scores(cfg, q, k, mask):
+    s = dot(q, k, _NT) * cfg.scale
+    return s if mask is None else jnp.where(mask, s, -jnp.inf)
+
+
+def online_step(s, v, m_old, l_old, acc_old):
+    """One online-softmax update with scores ``s [bq, bk]``; ``m, l: [bq, 1]``."""
+    m_new = jnp.maximum(m_old, s.max(axis=-1, keepdims=True))
+    m_safe = _tiles.safe_max(m_new)
+    p = jnp.exp(s - m_safe)
+    alpha = jnp.exp(m_old - m_safe)
+    l_new = alpha * l_old + p.sum(axis=-1, keepdims=True)
+    acc_new = alpha * acc_old + dot(p.astype(v.dtype), v, _NN)
+    return m_new, l_new, acc_new
+
+
+def finish(m, l, acc):
+    """``(out f32 [bq, dv], lse [bq, 1])``; rows that saw no key give 0 and -inf."""
+    out = acc / jnp.where(l == 0, 1.0, l)
+    lse = jnp.where(l > 0, m + jnp.log(jnp.where(l > 0, l, 1.0)), -jnp.inf)
+    return out, lse
+
+
+def tile_grads(cfg, s, q, k, v, d_out, lse, delta):
+    """``(ds [bq, bk] f32, p [bq, bk] f32)`` of one tile, from the saved ``lse`` (+inf for
+    rows that saw nothing, so their probabilities are 0) and ``delta = rowsum(dO * O)``."""
+    p = jnp.exp(s - lse)
+    dp = dot(d_out, v, _NT)
+    return p * (dp - delta), p
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """Static configuration of one kernel call (hashable: part of the jit cache key)."""
+
+    scale: float
+    block_q: int
+    block_k: int
+    has_kv_mask: bool
+    has_segments: bool
+    interpret: bool
+    extra: tuple = ()
+
+
+def _pad(x, length, axis, value=0):
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, length - x.shape[axis])
+    return jnp.pad(x, widths, constant_values=value) if length != x.shape[axis] else x
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _attend(backend, cfg, plan, q, k, v, dyn):
+    return backend.forward(cfg, plan, q, k, v, dyn)
+
+
+def _attend_fwd(backend, cfg, plan, q, k, v, dyn):
+    out, lse = backend.forward(cfg, plan, q, k, v, dyn)
+    return (out, lse), (q, k, v, dyn, out, lse)
+
+
+def _attend_bwd(backend, cfg, plan, res, cotangents):
+    q, k, v, dyn, out, lse = res
+    d_out, _ = cotangents  # the log-sum-exp is a statistic; its cotangent is ignored
+    d_out = d_out.astype(q.dtype)
+    delta = jnp.sum(d_out.astype(STATS_DTYPE) * out.astype(STATS_DTYPE), axis=-1)
+    lse = jnp.where(jnp.isneginf(lse), jnp.inf, lse)
+    dq, dk, dv = backend.backward(cfg, plan, q, k, v, dyn, lse, delta, d_out)
+    return dq, dk, dv, jax.tree_util.tree_map(lambda _: None, dyn)
+
+
+_attend.defvjp(_attend_fwd, _attend_bwd)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class PallasAttention:
+    """A registered kernel: ``kernel(q, k, v, layout, *, kv_mask, segments, bias, scale,
+    dropout_rate, key) -> (out [Lq, Dv], lse f32[Lq])`` for one sequence and one head.
+
+    Differentiable (a ``custom_vjp`` with Pallas backward kernels) and vmappable (Pallas adds
+    a grid axis per vmapped dimension). ``interpret=True`` runs the same kernels in Pallas
+    interpret mode on any backend (tests on CPU).
+
+    Attributes:
+      name: shown in dispatch errors. platform: ``"gpu"`` or ``"tpu"``. backend: the module
+      with ``forward``/``backward``/``head_dim``/``check_blocks``. block_q, block_k: tiles.
+    """
+
+    name: str
+    platform: str
+    backend: Any
+    block_q: int
+    block_k: int
+    interpret: bool = False
+    extra: tuple = ()
+
+    def with_options(self, **changes) -> "PallasAttention":
+        """A copy with other tiles or ``interpret`` (e.g. ``interpret=True`` for CPU tests)."""
+        return dataclasses.replace(self, **changes)
+
+    def unsupported(self, call) -> list[str]:
+        """Reasons this kernel cannot run ``call`` (the dispatch dict); empty when it can."""
+        why = []
+        if not self.interpret and call.get("backend") != self.platform:
+            why.append(f"runs on backend {self.platform!r}, not {call.get('backend')!r}")
+        if jnp.dtype(call["dtype"]) not in SUPPORTED_DTYPES:
+            why.append(f"dtype {jnp.dtype(call['dtype'])} is not one of float32/bfloat16/float16")
+        if call.get("dropout_rate", 0.0) > 0.0:
+            why.append("attention dropout is not implemented in the kernel")
+        if call.get("bias", "none") != "none":
+            why.append(f"a {call['bias']} bias is not implemented in the kernel")
+        why += self.backend.head_dim_problems(call["dk"], call["dv"])
+        why += self.backend.block_problems(self.block_q, self.block_k)
+        return why
+
+    def __call__(self, q, k, v, layout, *, kv_mask=None, segments=None, bias=None, scale,
+                 dropout_rate=0.0, key=None):
+        del key
+        call = dict(dtype=q.dtype, dropout_rate=dropout_rate,
+                    bias="none" if bias is None else "array", dk=q.shape[1], dv=v.shape[1],
+                    backend=self.platform)
+        why = self.unsupported(call)
+        if why:
+            raise NotImplementedError(f"{self.name}: " + "; ".join(why))
+        plan = _planner.plan(layout, self.block_q, self.block_k)
+        lq, lk = q.shape[0], k.shape[0]
+        lq_p, lk_p = plan.nq * plan.block_q, plan.nk * plan.block_k
+        dk_p = self.backend.head_dim(q.shape[1])
+        dv_p = self.backend.head_dim(v.shape[1])
+        q_p = _pad(_pad(q, lq_p, 0), dk_p, 1)
+        k_p = _pad(_pad(k, lk_p, 0), dk_p, 1)
+        v_p = _pad(_pad(v.astype(q.dtype), lk_p, 0), dv_p, 1)
+        kv_valid = None if kv_mask is None else _pad(kv_mask.astype(jnp.int32), lk_p, 0)
+        segs = None
+        if segments is not None:
+            segs = (_pad(segments[0], lq_p, 0, -1), _pad(segments[1], lk_p, 0, -2))
+        cfg = Config(
+            scale=float(scale), block_q=self.block_q, block_k=self.block_k,
+            has_kv_mask=kv_mask is not None, has_segments=segments is not None,
+            interpret=self.interpret, extra=self.extra,
+        )
+        out, lse = _attend(self.backend, cfg, plan, q_p, k_p, v_p, (kv_valid, segs))
+        return out[:lq, : v.shape[1]].astype(q.dtype), lse[:lq]
+
+
+def tables(blocks: "_planner.Blocks", *, fetch: bool):
+    """``(blocks, mask ids, counts, full)`` as flat int32 constants (scalar memory is 1-D).
+
+    ``fetch`` picks the pipelined form of the mask ids (no -1; see ``Blocks.fetch_ids``).
+    """
+    ids = blocks.fetch_ids if fetch else blocks.mask_ids
+    return tuple(
+        jnp.asarray(np.ascontiguousarray(a).reshape(-1))
+        for a in (blocks.blocks, ids, blocks.counts, blocks.full)
+    )
+
+
+def masks_array(plan, dtype=jnp.int32):
+    """The partial masks as an integer array (kernels load integers, not bools)."""
+    return jnp.asarray(plan.masks.astype(np.int32)).astype(dtype)
+

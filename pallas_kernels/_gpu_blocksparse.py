@@ -1,0 +1,230 @@
+"""GPU (Triton) kernels: block-sparse flash attention, forward and backward.
+
+Flash attention is the special case whose plan lists every key block (``Full``) or the blocks
+up to the diagonal (``Causal``, mask evaluated from positions), so one set of kernels serves
+both ops. One program per query block (forward, dq) or key block (dk, dv) loops over exactly
+the blocks its plan row lists: FULL blocks first without any in-tile mask, then PARTIAL ones.
+Block indices are read from the plan tables in global memory, one scalar per step.
+
+Triton rules honoured here: every loaded tile has power-of-two sides (tiles >= 16, head dims
+padded to the next power of two, at most 256); 1-D statistics are kept as ``[bq, 1]`` tiles so
+no value needs slicing; ``num_warps`` grows with the head dim.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from xformers_jax.attention._contract import STATS_DTYPE
+
+from . import _common as C
+
+MAX_HEAD_DIM = 256
+DEFAULT_BLOCK_Q = 64
+DEFAULT_BLOCK_K = 64
+
+
+def head_dim(d: int) -> int:
+    return max(16, pl.next_power_of_2(d))
+
+
+def head_dim_problems(dk: int, dv: int) -> list[str]:
+    return [f"head dim {d} > {MAX_HEAD_DIM}" for d in (dk, dv) if d > MAX_HEAD_DIM]
+
+
+def block_problems(bq: int, bk: int) -> list[str]:
+    return [
+        f"{name}={b} is not a power of two >= 16 (Triton tiles)"
+        for name, b in (("block_q", bq), ("block_k", bk))
+        if b < 16 or b & (b - 1)
+    ]
+
+
+def _params(d: int):
+    return plgpu.CompilerParams(num_warps=4 if d <= 64 else 8, num_stages=2)
+
+
+def _loop(counts_ref, full_ref, r, step, carry):
+    """Runs ``step(t, carry, partial)`` over row ``r``'s FULL then PARTIAL listed blocks."""
+    n_full, n = full_ref[r], counts_ref[r]
+    carry = jax.lax.fori_loop(0, n_full, functools.partial(step, partial=False), carry)
+    return jax.lax.fori_loop(n_full, n, functools.partial(step, partial=True), carry)
+
+
+class _Inputs:
+    """Unpacks the optional inputs (masks, mask ids, kv mask, segment ids) of a kernel."""
+
+    def __init__(self, cfg, plan, refs):
+        refs = list(refs)
+        self.masks = refs.pop(0) if plan.masks.size else None
+        self.kv_valid = refs.pop(0) if cfg.has_kv_mask else None
+        self.q_seg, self.k_seg = (refs.pop(0), refs.pop(0)) if cfg.has_segments else (None, None)
+        self.rest = refs
+
+    @staticmethod
+    def arrays(cfg, plan, dyn):
+        kv_valid, segs = dyn
+        out = [C.masks_array(plan, jnp.int32)] if plan.masks.size else []
+        if cfg.has_kv_mask:
+            out.append(kv_valid[None, :])
+        if cfg.has_segments:
+            out += [segs[0][:, None], segs[1][None, :]]
+        return out
+
+    def mask(self, cfg, plan, q0, k0, mask_id, partial, q_seg=None):
+        bk = plan.block_k
+        static = None
+        if partial and self.masks is not None:
+            static = self.masks[mask_id] != 0
+        kv_valid = None if self.kv_valid is None else self.kv_valid[:, pl.ds(k0, bk)] != 0
+        k_seg = None if self.k_seg is None else self.k_seg[:, pl.ds(k0, bk)]
+        if q_seg is None and self.q_seg is not None:
+            q_seg = self.q_seg[pl.ds(q0, plan.block_q), :]
+        return C.tile_mask(cfg, plan, q0, k0, partial=partial, static_mask=static,
+                           kv_valid=kv_valid, q_seg=q_seg, k_seg=k_seg)
+
+
+def _fwd_kernel(blocks_ref, mids_ref, counts_ref, full_ref, q_ref, k_ref, v_ref, *refs, cfg,
+                plan):
+    ins = _Inputs(cfg, plan, refs)
+    o_ref, lse_ref = ins.rest
+    bq, bk, width = plan.block_q, plan.block_k, plan.rows.width
+    i = pl.program_id(0)
+    q0 = i * bq
+    q = q_ref[...]
+
+    def step(t, carry, partial):
+        m, l, acc = carry
+        k0 = pl.multiple_of(blocks_ref[i * width + t] * bk, bk)
+        mask = ins.mask(cfg, plan, q0, k0, mids_ref[i * width + t], partial)
+        s = C.scores(cfg, q, k_ref[pl.ds(k0, bk), :], mask)
+        return C.online_step(s, v_ref[pl.ds(k0, bk), :], m, l, acc)
+
+    init = (
+        jnp.full((bq, 1), -jnp.inf, STATS_DTYPE),
+        jnp.zeros((bq, 1), STATS_DTYPE),
+        jnp.zeros((bq, o_ref.shape[-1]), STATS_DTYPE),
+    )
+    out, lse = C.finish(*_loop(counts_ref, full_ref, i, step, init))
+    o_ref[...] = out.astype(o_ref.dtype)
+    lse_ref[...] = lse
+
+
+def _dq_kernel(blocks_ref, mids_ref, counts_ref, full_ref, q_ref, k_ref, v_ref, do_ref, lse_ref,
+               delta_ref, *refs, cfg, plan):
+    ins = _Inputs(cfg, plan, refs)
+    (dq_ref,) = ins.rest
+    bq, bk, width = plan.block_q, plan.block_k, plan.rows.width
+    i = pl.program_id(0)
+    q0 = i * bq
+    q, d_out, lse, delta = q_ref[...], do_ref[...], lse_ref[...], delta_ref[...]
+
+    def step(t, dq, partial):
+        k0 = pl.multiple_of(blocks_ref[i * width + t] * bk, bk)
+        k = k_ref[pl.ds(k0, bk), :]
+        mask = ins.mask(cfg, plan, q0, k0, mids_ref[i * width + t], partial)
+        s = C.scores(cfg, q, k, mask)
+        ds, _ = C.tile_grads(cfg, s, q, k, v_ref[pl.ds(k0, bk), :], d_out, lse, delta)
+        return dq + C.dot(ds.astype(k.dtype), k, C._NN)
+
+    dq = _loop(counts_ref, full_ref, i, step, jnp.zeros(q.shape, STATS_DTYPE))
+    dq_ref[...] = (dq * cfg.scale).astype(dq_ref.dtype)
+
+
+def _dkv_kernel(blocks_ref, mids_ref, counts_ref, full_ref, q_ref, k_ref, v_ref, do_ref, lse_ref,
+                delta_ref, *refs, cfg, plan):
+    ins = _Inputs(cfg, plan, refs)
+    dk_ref, dv_ref = ins.rest
+    bq, bk, width = plan.block_q, plan.block_k, plan.cols.width
+    j = pl.program_id(0)
+    k0 = j * bk
+    k, v = k_ref[...], v_ref[...]
+
+    def step(t, carry, partial):
+        dk, dv = carry
+        q0 = pl.multiple_of(blocks_ref[j * width + t] * bq, bq)
+        q = q_ref[pl.ds(q0, bq), :]
+        d_out = do_ref[pl.ds(q0, bq), :]
+        mask = ins.mask(cfg, plan, q0, k0, mids_ref[j * width + t], partial)
+        s = C.scores(cfg, q, k, mask)
+        ds, p = C.tile_grads(cfg, s, q, k, v, d_out, lse_ref[pl.ds(q0, bq), :],
+                             delta_ref[pl.ds(q0, bq), :])
+        dv = dv + C.dot(p.astype(d_out.dtype), d_out, C._TN)
+        dk = dk + C.dot(ds.astype(q.dtype), q, C._TN)
+        return dk, dv
+
+    init = (jnp.zeros(k.shape, STATS_DTYPE), jnp.zeros(v.shape, STATS_DTYPE))
+    dk, dv = _loop(counts_ref, full_ref, j, step, init)
+    dk_ref[...] = (dk * cfg.scale).astype(dk_ref.dtype)
+    dv_ref[...] = dv.astype(dv_ref.dtype)
+
+
+def _whole(x):
+    return pl.BlockSpec(x.shape, lambda *_: (0,) * x.ndim)
+
+
+def _by_block(size, width):
+    return pl.BlockSpec((size, width), lambda b: (b, 0))
+
+
+def forward(cfg, plan, q, k, v, dyn):
+    bq, lq_p, dv = plan.block_q, q.shape[0], v.shape[1]
+    extra = _Inputs.arrays(cfg, plan, dyn)
+    args = [*C.tables(plan.rows, fetch=False), q, k, v, *extra]
+    specs = [_whole(a) for a in args]
+    specs[4] = _by_block(bq, q.shape[1])
+    out, lse = pl.pallas_call(
+        functools.partial(_fwd_kernel, cfg=cfg, plan=plan),
+        grid=(plan.nq,),
+        in_specs=specs,
+        out_specs=[_by_block(bq, dv), _by_block(bq, 1)],
+        out_shape=[jax.ShapeDtypeStruct((lq_p, dv), q.dtype),
+                   jax.ShapeDtypeStruct((lq_p, 1), STATS_DTYPE)],
+        compiler_params=_params(max(q.shape[1], dv)),
+        interpret=cfg.interpret,
+        name="xformers_blocksparse_fwd",
+    )(*args)
+    return out, lse[:, 0]
+
+
+def backward(cfg, plan, q, k, v, dyn, lse, delta, d_out):
+    bq, bk = plan.block_q, plan.block_k
+    extra = _Inputs.arrays(cfg, plan, dyn)
+    stats = [lse[:, None], delta[:, None]]
+    params = _params(max(q.shape[1], v.shape[1]))
+
+    args = [*C.tables(plan.rows, fetch=False), q, k, v, d_out, *stats, *extra]
+    specs = [_whole(a) for a in args]
+    for n in (4, 7, 8, 9):  # q, dO, lse, delta: this program's query block
+        specs[n] = _by_block(bq, args[n].shape[1])
+    dq = pl.pallas_call(
+        functools.partial(_dq_kernel, cfg=cfg, plan=plan),
+        grid=(plan.nq,),
+        in_specs=specs,
+        out_specs=_by_block(bq, q.shape[1]),
+        out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+        compiler_params=params,
+        interpret=cfg.interpret,
+        name="xformers_blocksparse_dq",
+    )(*args)
+
+    args = [*C.tables(plan.cols, fetch=False), q, k, v, d_out, *stats, *extra]
+    specs = [_whole(a) for a in args]
+    for n in (5, 6):  # k, v: this program's key block
+        specs[n] = _by_block(bk, args[n].shape[1])
+    dk, dv = pl.pallas_call(
+        functools.partial(_dkv_kernel, cfg=cfg, plan=plan),
+        grid=(plan.nk,),
+        in_specs=specs,
+        out_specs=[_by_block(bk, k.shape[1]), _by_block(bk, v.shape[1])],
+        out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
+        compiler_params=params,
+        interpret=cfg.interpret,
+        name="xformers_blocksparse_dkv",
+    )(*args)
+    return dq, dk, dv
