@@ -33,7 +33,7 @@ def dot(a, b, dims):
     return jax.lax.dot_general(a, b, dims, preferred_element_type=STATS_DTYPE)
 
 
-def tile_mask(cfg, plan, q0, k0, *, partial, static_mask, kv_valid, q_seg, k_seg):
+def tile_mask(plan, q0, k0, *, partial, static_mask, kv_valid, q_seg, k_seg):
     """The ``bool[bq, bk]`` mask of one tile, or None when nothing is masked.
 
     ``static_mask`` is the loaded partial mask (None in band mode); ``kv_valid [1, bk]``,
@@ -78,7 +78,7 @@ def finish(m, l, acc):
     return out, lse
 
 
-def tile_grads(cfg, s, q, k, v, d_out, lse, delta):
+def tile_grads(s, v, d_out, lse, delta):
     """``(ds [bq, bk] f32, p [bq, bk] f32)`` of one tile, from the saved ``lse`` (+inf for
     rows that saw nothing, so their probabilities are 0) and ``delta = rowsum(dO * O)``."""
     p = jnp.exp(s - lse)

@@ -76,16 +76,15 @@ class _Inputs:
             out += [segs[0][:, None], segs[1][None, :]]
         return out
 
-    def mask(self, cfg, plan, q0, k0, mask_id, partial, q_seg=None):
+    def mask(self, plan, q0, k0, mask_id, partial):
         bk = plan.block_k
         static = None
         if partial and self.masks is not None:
             static = self.masks[mask_id] != 0
         kv_valid = None if self.kv_valid is None else self.kv_valid[:, pl.ds(k0, bk)] != 0
         k_seg = None if self.k_seg is None else self.k_seg[:, pl.ds(k0, bk)]
-        if q_seg is None and self.q_seg is not None:
-            q_seg = self.q_seg[pl.ds(q0, plan.block_q), :]
-        return C.tile_mask(cfg, plan, q0, k0, partial=partial, static_mask=static,
+        q_seg = None if self.q_seg is None else self.q_seg[pl.ds(q0, plan.block_q), :]
+        return C.tile_mask(plan, q0, k0, partial=partial, static_mask=static,
                            kv_valid=kv_valid, q_seg=q_seg, k_seg=k_seg)
 
 
@@ -101,7 +100,7 @@ def _fwd_kernel(blocks_ref, mids_ref, counts_ref, full_ref, q_ref, k_ref, v_ref,
     def step(t, carry, partial):
         m, l, acc = carry
         k0 = pl.multiple_of(blocks_ref[i * width + t] * bk, bk)
-        mask = ins.mask(cfg, plan, q0, k0, mids_ref[i * width + t], partial)
+        mask = ins.mask(plan, q0, k0, mids_ref[i * width + t], partial)
         s = C.scores(cfg, q, k_ref[pl.ds(k0, bk), :], mask)
         return C.online_step(s, v_ref[pl.ds(k0, bk), :], m, l, acc)
 
@@ -127,9 +126,9 @@ def _dq_kernel(blocks_ref, mids_ref, counts_ref, full_ref, q_ref, k_ref, v_ref, 
     def step(t, dq, partial):
         k0 = pl.multiple_of(blocks_ref[i * width + t] * bk, bk)
         k = k_ref[pl.ds(k0, bk), :]
-        mask = ins.mask(cfg, plan, q0, k0, mids_ref[i * width + t], partial)
+        mask = ins.mask(plan, q0, k0, mids_ref[i * width + t], partial)
         s = C.scores(cfg, q, k, mask)
-        ds, _ = C.tile_grads(cfg, s, q, k, v_ref[pl.ds(k0, bk), :], d_out, lse, delta)
+        ds, _ = C.tile_grads(s, v_ref[pl.ds(k0, bk), :], d_out, lse, delta)
         return dq + C.dot(ds.astype(k.dtype), k, C._NN)
 
     dq = _loop(counts_ref, full_ref, i, step, jnp.zeros(q.shape, STATS_DTYPE))
@@ -150,9 +149,9 @@ def _dkv_kernel(blocks_ref, mids_ref, counts_ref, full_ref, q_ref, k_ref, v_ref,
         q0 = pl.multiple_of(blocks_ref[j * width + t] * bq, bq)
         q = q_ref[pl.ds(q0, bq), :]
         d_out = do_ref[pl.ds(q0, bq), :]
-        mask = ins.mask(cfg, plan, q0, k0, mids_ref[j * width + t], partial)
+        mask = ins.mask(plan, q0, k0, mids_ref[j * width + t], partial)
         s = C.scores(cfg, q, k, mask)
-        ds, p = C.tile_grads(cfg, s, q, k, v, d_out, lse_ref[pl.ds(q0, bq), :],
+        ds, p = C.tile_grads(s, v, d_out, lse_ref[pl.ds(q0, bq), :],
                              delta_ref[pl.ds(q0, bq), :])
         dv = dv + C.dot(p.astype(d_out.dtype), d_out, C._TN)
         dk = dk + C.dot(ds.astype(q.dtype), q, C._TN)

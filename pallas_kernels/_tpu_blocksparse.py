@@ -68,9 +68,6 @@ class _Side:
         self.cfg, self.plan, self.row_is_q = cfg, plan, row_is_q
         self.width = (plan.rows if row_is_q else plan.cols).width
 
-    def _listed(self, tables):
-        return lambda r, t: tables[0][r * self.width + t]
-
     def arrays_and_specs(self, dyn):
         """Inputs and BlockSpecs; index maps get ``(row, step, blocks, fetch_ids, ...)``."""
         cfg, plan, w = self.cfg, self.plan, self.width
@@ -109,7 +106,7 @@ class _Side:
         kv_valid = None if self.kv_valid_ref is None else self.kv_valid_ref[0:1, :] != 0
         q_seg = None if self.q_seg_ref is None else self.q_seg_ref[:, 0:1]
         k_seg = None if self.k_seg_ref is None else self.k_seg_ref[0:1, :]
-        return C.tile_mask(self.cfg, self.plan, q0, k0, partial=partial, static_mask=static,
+        return C.tile_mask(self.plan, q0, k0, partial=partial, static_mask=static,
                            kv_valid=kv_valid, q_seg=q_seg, k_seg=k_seg)
 
 
@@ -162,7 +159,7 @@ def _dq_kernel(blocks_ref, fids_ref, counts_ref, full_ref, q_ref, k_ref, v_ref, 
         mask = side.mask(i * plan.block_q, kb * plan.block_k, partial)
         q, k = q_ref[...], k_ref[...]
         s = C.scores(side.cfg, q, k, mask)
-        ds, _ = C.tile_grads(side.cfg, s, q, k, v_ref[...], do_ref[...], lse_ref[:, 0:1],
+        ds, _ = C.tile_grads(s, v_ref[...], do_ref[...], lse_ref[:, 0:1],
                              delta_ref[:, 0:1])
         dq_scr[...] += C.dot(ds.astype(k.dtype), k, C._NN)
 
@@ -188,7 +185,7 @@ def _dkv_kernel(blocks_ref, fids_ref, counts_ref, full_ref, q_ref, k_ref, v_ref,
         mask = side.mask(qb * plan.block_q, j * plan.block_k, partial)
         q, k, d_out = q_ref[...], k_ref[...], do_ref[...]
         s = C.scores(side.cfg, q, k, mask)
-        ds, p = C.tile_grads(side.cfg, s, q, k, v_ref[...], d_out, lse_ref[:, 0:1],
+        ds, p = C.tile_grads(s, v_ref[...], d_out, lse_ref[:, 0:1],
                              delta_ref[:, 0:1])
         dv_scr[...] += C.dot(p.astype(d_out.dtype), d_out, C._TN)
         dk_scr[...] += C.dot(ds.astype(q.dtype), q, C._TN)
