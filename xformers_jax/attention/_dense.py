@@ -11,6 +11,7 @@ import jax.numpy as jnp
 from . import _contract as C
 from . import _tiles
 from .patterns import Causal, Pattern
+from .patterns._sparse import is_encoder_only
 
 
 def combined_pattern(name: str, pattern: Pattern | None, causal: bool) -> Pattern | None:
@@ -19,6 +20,11 @@ def combined_pattern(name: str, pattern: Pattern | None, causal: bool) -> Patter
         raise ValueError(
             f"{name}: pattern must be an xformers_jax.attention.patterns.Pattern, got "
             f"{type(pattern).__name__}"
+        )
+    if causal and pattern is not None and is_encoder_only(pattern):
+        C.causal_unsupported(
+            name, f"{pattern!r} is an encoder-only pattern (its global, random or permuted "
+            "connections are defined over the whole sequence, so it cannot decode)"
         )
     if causal:
         return Causal() if pattern is None else pattern & Causal()

@@ -18,3 +18,19 @@ from ._basic import KeyPadding as KeyPadding
 from ._basic import Local as Local
 from ._basic import Segments as Segments
 # --- sparse patterns (issue 3) ---
+from ._sparse import BlockBERT as BlockBERT
+from ._sparse import BlockLocal as BlockLocal
+from ._sparse import BPTree as BPTree
+from ._sparse import Cascade as Cascade
+from ._sparse import Dilated as Dilated
+from ._sparse import Fixed as Fixed
+from ._sparse import Global as Global
+from ._sparse import ImageLocal1D as ImageLocal1D
+from ._sparse import ImageLocal2D as ImageLocal2D
+from ._sparse import LogSparse as LogSparse
+from ._sparse import Longformer as Longformer
+from ._sparse import PerHead as PerHead
+from ._sparse import Star as Star
+from ._sparse import Strided as Strided
+from ._sparse_random import BigBird as BigBird
+from ._sparse_random import Random as Random
