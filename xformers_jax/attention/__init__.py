@@ -35,4 +35,21 @@ from ._linear import linear_attention_init_state as linear_attention_init_state
 from ._linear import linear_attention_step as linear_attention_step
 from ._linear import performer_attention as performer_attention
 # --- low-rank / compression family (issue 5) ---
+from ._clustered import clustered_attention as clustered_attention
+from ._clustered import improved_clustered_attention as improved_clustered_attention
+from ._linformer import init_linformer_projections as init_linformer_projections
+from ._linformer import linformer_attention as linformer_attention
+from ._luna import init_luna_sequence as init_luna_sequence
+from ._luna import luna_attention as luna_attention
+from ._nystrom import init_nystrom_conv as init_nystrom_conv
+from ._nystrom import nystrom_attention as nystrom_attention
 # --- learned sparsity family (issue 6) ---
+from ._lsh import init_lsh_rotations as init_lsh_rotations
+from ._lsh import lsh_attention as lsh_attention
+from ._routing import RoutingAux as RoutingAux
+from ._routing import RoutingState as RoutingState
+from ._routing import init_routing_state as init_routing_state
+from ._routing import routing_attention as routing_attention
+from ._sinkhorn import SinkhornSortNet as SinkhornSortNet
+from ._sinkhorn import init_sinkhorn_sort_net as init_sinkhorn_sort_net
+from ._sinkhorn import sinkhorn_attention as sinkhorn_attention
