@@ -44,3 +44,12 @@ from ._luna import luna_attention as luna_attention
 from ._nystrom import init_nystrom_conv as init_nystrom_conv
 from ._nystrom import nystrom_attention as nystrom_attention
 # --- learned sparsity family (issue 6) ---
+from ._lsh import init_lsh_rotations as init_lsh_rotations
+from ._lsh import lsh_attention as lsh_attention
+from ._routing import RoutingAux as RoutingAux
+from ._routing import RoutingState as RoutingState
+from ._routing import init_routing_state as init_routing_state
+from ._routing import routing_attention as routing_attention
+from ._sinkhorn import SinkhornSortNet as SinkhornSortNet
+from ._sinkhorn import init_sinkhorn_sort_net as init_sinkhorn_sort_net
+from ._sinkhorn import sinkhorn_attention as sinkhorn_attention
