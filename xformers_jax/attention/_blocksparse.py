@@ -261,7 +261,7 @@ def attend_layout(
         pos_q = jnp.zeros((layout.block_q, 1), jnp.int32)
         pos_k = jnp.zeros((1, layout.block_k), jnp.int32)
         bias_fn, consts = jax.closure_convert(bias, pos_q, pos_k)
-        bias_arg = list(consts)
+        bias_arg = [jnp.asarray(c) for c in consts]
     st = _Static(
         layout=layout,
         scale=float(scale),
