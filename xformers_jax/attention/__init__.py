@@ -53,3 +53,9 @@ from ._routing import routing_attention as routing_attention
 from ._sinkhorn import SinkhornSortNet as SinkhornSortNet
 from ._sinkhorn import init_sinkhorn_sort_net as init_sinkhorn_sort_net
 from ._sinkhorn import sinkhorn_attention as sinkhorn_attention
+from ._entmax import entmax15 as entmax15
+from ._entmax import entmax_alpha as entmax_alpha
+from ._entmax import entmax_attention as entmax_attention
+from ._entmax import entmax_bisect as entmax_bisect
+from ._entmax import sparsemax as sparsemax
+from ._topk import topk_attention as topk_attention
