@@ -59,3 +59,9 @@ from ._entmax import entmax_attention as entmax_attention
 from ._entmax import entmax_bisect as entmax_bisect
 from ._entmax import sparsemax as sparsemax
 from ._topk import topk_attention as topk_attention
+from ._adaptive_span import adaptive_span_attention as adaptive_span_attention
+from ._adaptive_span import adaptive_span_penalty as adaptive_span_penalty
+from ._dam import dam_attention as dam_attention
+from ._dam import dam_mask as dam_mask
+from ._dam import dam_penalty as dam_penalty
+from ._dam import init_dam_logits as init_dam_logits
