@@ -1,0 +1,32 @@
+"""Sharding across device meshes: data, FSDP, tensor and sequence parallelism, multi-host.
+
+Everything goes through JAX's own partitioner: ``jax.jit`` with in/out shardings (what ``pjit``
+became) for the step, ``jax.lax.with_sharding_constraint`` for activations (:func:`constrain`),
+and ``jax.shard_map`` for ring attention and sequence-parallel linear attention. Without an
+active mesh every sharding call is a no-op.
+"""
+
+from . import _axes as axes
+from ._checkpoint import restore_checkpoint as restore_checkpoint
+from ._checkpoint import save_checkpoint as save_checkpoint
+from ._linear_sp import sequence_parallel_linear_attention as sequence_parallel_linear_attention
+from ._mesh import active as active
+from ._mesh import make_mesh as make_mesh
+from ._mesh import resolve_mesh_shape as resolve_mesh_shape
+from ._mesh import use_mesh as use_mesh
+from ._multihost import global_batch as global_batch
+from ._multihost import initialize_from_env as initialize_from_env
+from ._multihost import process_batch_slice as process_batch_slice
+from ._ring import ring_attention as ring_attention
+from ._ring import zigzag_order as zigzag_order
+from ._rules import DEFAULT_COMPUTE_RULES as DEFAULT_COMPUTE_RULES
+from ._rules import DEFAULT_PARAM_RULES as DEFAULT_PARAM_RULES
+from ._rules import constrain as constrain
+from ._rules import logical_sharding as logical_sharding
+from ._rules import logical_to_spec as logical_to_spec
+from ._rules import param_logical_names as param_logical_names
+from ._rules import param_shardings as param_shardings
+from ._rules import path_string as path_string
+from ._strategies import STRATEGIES as STRATEGIES
+from ._strategies import Strategy as Strategy
+from ._strategies import strategy as strategy

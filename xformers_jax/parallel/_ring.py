@@ -1,0 +1,261 @@
+"""Ring attention: exact softmax attention with the sequence split over a mesh axis.
+
+Liu, Zaharia, Abbeel, "Ring Attention with Blockwise Transformers for Near-Infinite Context"
+(2023); the blockwise online softmax is flash attention's (survey T2 4.4, Rabe & Staats). Each
+device of the ``sequence`` axis keeps its query shard and passes its key/value shard around
+the ring with ``lax.ppermute``; after n steps every query has met every key. Each step is one
+:func:`~xformers_jax.attention.flash_attention` call returning ``(out, lse)``; partial results
+are merged with the log-sum-exp weights ``exp(lse_b - lse)``, so no device ever holds more
+than its own ``[L/n, L/n]`` tiles, and memory per device is ``O(L/n)``.
+
+Causal load balancing (the zig-zag layout of Brandon et al., "Striped Attention" and the
+ring-flash-attention implementations): the sequence is cut into ``2n`` chunks and device i
+holds chunks ``i`` and ``2n-1-i``. At every ring step each device then does the same amount of
+work: its own block causally, an earlier device's first chunk for all its queries, or all of a
+later device's keys for its second chunk only.
+
+Gradients: flash attention's VJP treats its log-sum-exp output as a statistic (no cotangent),
+so autodiff through the merge would be wrong. The backward pass is the ring again (a
+``custom_vjp``): K/V travel with their gradient accumulators, and each step runs flash
+attention's own tile backward with the *final* output and log-sum-exp, which gives that
+block's exact share of dq, dk, dv.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+from ..attention import _blocksparse, _contract as C, flash_attention
+from ..attention._flash import DEFAULT_BLOCK_K, DEFAULT_BLOCK_Q, _block
+from ..attention.patterns import Causal, Full
+from ._axes import SEQUENCE
+from ._mesh import active
+
+_NAME = "ring_attention"
+_DIAGONAL, _EARLIER, _LATER = 0, 1, 2
+
+
+@dataclasses.dataclass(frozen=True)
+class _Ring:
+    axis: str
+    n: int
+    causal: bool
+    scale: float
+    block_q: int | None
+    block_k: int | None
+
+
+def _pad(x, length, value=0):
+    return jnp.pad(x, [(0, length - x.shape[0])] + [(0, 0)] * (x.ndim - 1), constant_values=value)
+
+
+def _flash(r: _Ring, q, k, v, mask, causal):
+    out, lse = flash_attention(
+        q, k, v, causal=causal, kv_mask=mask, scale=r.scale, block_q=r.block_q,
+        block_k=r.block_k, return_lse=True,
+    )
+    return out.astype(C.STATS_DTYPE), lse
+
+
+def _flash_grads(r: _Ring, q, k, v, mask, out, lse, d_out, causal):
+    """Flash attention's tile backward for one block, given the final ``out`` and ``lse``."""
+    lq, lk = q.shape[0], k.shape[0]
+    bq = _block(_NAME, "block_q", r.block_q, lq, DEFAULT_BLOCK_Q)
+    bk = _block(_NAME, "block_k", r.block_k, lk, DEFAULT_BLOCK_K)
+    layout = (Causal() if causal else Full()).layout(lq, lk, bq, bk)
+    lq_p, lk_p = layout.num_q_blocks * bq, layout.num_k_blocks * bk
+    st = _blocksparse._Static(
+        layout=layout, scale=r.scale, dropout_rate=0.0, bias_fn=None, bias_is_array=False,
+        has_kv_mask=True, has_segments=False,
+    )
+    no_segments = jnp.zeros((0,), jnp.int32)
+    dyn = (_pad(mask, lk_p, False), no_segments, no_segments, jnp.zeros((2,), jnp.uint32),
+           jnp.asarray(layout.partial_masks))
+    dq, dk, dv, _ = _blocksparse._backward(
+        st, _pad(q, lq_p), _pad(k, lk_p), _pad(v, lk_p), (), dyn, _pad(out, lq_p),
+        _pad(lse, lq_p, -jnp.inf), _pad(d_out, lq_p),
+    )
+    return dq[:lq], dk[:lk], dv[:lk]
+
+
+def _case(r: _Ring, s):
+    """Which part of the block from ``s`` steps back in the ring this device's queries see."""
+    if not r.causal:
+        return jnp.int32(_EARLIER)  # non-causal: everything, as one full block
+    idx = lax.axis_index(r.axis)
+    src = (idx - s) % r.n
+    return jnp.where(src == idx, _DIAGONAL, jnp.where(src < idx, _EARLIER, _LATER))
+
+
+def _block_forward(r: _Ring, case, q, k, v, mask):
+    c = q.shape[0] // 2
+
+    def diagonal():
+        return _flash(r, q, k, v, mask, True)
+
+    def earlier():
+        if not r.causal:
+            return _flash(r, q, k, v, mask, False)
+        return _flash(r, q, k[:c], v[:c], mask[:c], False)
+
+    def later():
+        o, lse = _flash(r, q[c:], k, v, mask, False)
+        return _pad(o[::-1], 2 * c)[::-1], _pad(lse[::-1], 2 * c, -jnp.inf)[::-1]
+
+    return lax.switch(case, (diagonal, earlier, later))
+
+
+def _block_backward(r: _Ring, case, q, k, v, mask, out, lse, d_out):
+    c = q.shape[0] // 2
+
+    def diagonal():
+        return _flash_grads(r, q, k, v, mask, out, lse, d_out, True)
+
+    def earlier():
+        if not r.causal:
+            return _flash_grads(r, q, k, v, mask, out, lse, d_out, False)
+        dq, dk, dv = _flash_grads(r, q, k[:c], v[:c], mask[:c], out, lse, d_out, False)
+        return dq, _pad(dk, 2 * c), _pad(dv, 2 * c)
+
+    def later():
+        dq, dk, dv = _flash_grads(r, q[c:], k, v, mask, out[c:], lse[c:], d_out[c:], False)
+        return _pad(dq[::-1], 2 * c)[::-1], dk, dv
+
+    return lax.switch(case, (diagonal, earlier, later))
+
+
+def _pass_on(r: _Ring, *xs):
+    ring = [(i, (i + 1) % r.n) for i in range(r.n)]
+    return tuple(lax.ppermute(x, r.axis, ring) for x in xs)
+
+
+def _merge(o, lse, o_b, lse_b):
+    new = jnp.logaddexp(lse, lse_b)
+    safe = jnp.where(jnp.isneginf(new), 0.0, new)
+    return o * jnp.exp(lse - safe)[:, None] + o_b * jnp.exp(lse_b - safe)[:, None], new
+
+
+def _ring_forward(r: _Ring, q, k, v, mask):
+    def step(carry, s):
+        o, lse, k, v, mask = carry
+        o_b, lse_b = _block_forward(r, _case(r, s), q, k, v, mask)
+        o, lse = _merge(o, lse, o_b, lse_b)
+        k, v, mask = _pass_on(r, k, v, mask)
+        return (o, lse, k, v, mask), None
+
+    o = jnp.zeros((q.shape[0], v.shape[1]), C.STATS_DTYPE)
+    lse = jnp.full((q.shape[0],), -jnp.inf, C.STATS_DTYPE)
+    (o, lse, *_), _ = lax.scan(step, (o, lse, k, v, mask), jnp.arange(r.n))
+    return o.astype(q.dtype), lse
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _ring(r: _Ring, q, k, v, mask):
+    return _ring_forward(r, q, k, v, mask)[0]
+
+
+def _ring_fwd(r, q, k, v, mask):
+    out, lse = _ring_forward(r, q, k, v, mask)
+    return out, (q, k, v, mask, out, lse)
+
+
+def _ring_bwd(r, res, d_out):
+    q, k, v, mask, out, lse = res
+
+    def step(carry, s):
+        dq, k, v, mask, dk, dv = carry
+        dq_b, dk_b, dv_b = _block_backward(r, _case(r, s), q, k, v, mask, out, lse, d_out)
+        # The gradient accumulators travel with their K/V block; after n hops they are home.
+        k, v, mask, dk, dv = _pass_on(r, k, v, mask, dk + dk_b, dv + dv_b)
+        return (dq + dq_b, k, v, mask, dk, dv), None
+
+    zeros = lambda x: jnp.zeros(x.shape, C.STATS_DTYPE)  # noqa: E731
+    init = (zeros(q), k, v, mask, zeros(k), zeros(v))
+    (dq, _, _, _, dk, dv), _ = lax.scan(step, init, jnp.arange(r.n))
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None
+
+
+_ring.defvjp(_ring_fwd, _ring_bwd)
+
+
+def zigzag_order(length: int, n: int):
+    """The causal load-balancing order: chunk ``i`` and ``2n-1-i`` of ``2n`` go to device i.
+
+    Returns the permutation ``perm`` (an int array ``[length]``, ``length`` divisible by
+    ``2n``) such that ``x[perm]`` is the layout ring attention shards; ``argsort(perm)``
+    undoes it.
+    """
+    if length % (2 * n):
+        raise ValueError(f"zigzag_order: length {length} is not divisible by 2n = {2 * n}")
+    c = length // (2 * n)
+    chunks = [j for i in range(n) for j in (i, 2 * n - 1 - i)]
+    return jnp.concatenate([jnp.arange(j * c, (j + 1) * c) for j in chunks])
+
+
+def ring_attention(
+    q,
+    k,
+    v,
+    *,
+    causal: bool = False,
+    kv_mask=None,
+    scale: float | None = None,
+    mesh=None,
+    axis_name: str = SEQUENCE,
+    block_q: int | None = None,
+    block_k: int | None = None,
+):
+    """Exact attention with the sequence sharded over the ``axis_name`` mesh axis.
+
+    Equal to :func:`~xformers_jax.attention.flash_attention` (and so to
+    ``dot_product_attention``) with the same arguments, gradients included. Any lengths: the
+    sequence is padded to a multiple of the ring size (``2 x`` under ``causal``) with masked
+    keys, and the padding is dropped from the output. Lift it to ``[B, L, H, D]`` with
+    :func:`~xformers_jax.attention.multihead` (``shard_map`` composes with ``vmap``).
+
+    Args:
+      q: ``[Lq, Dk]``. k: ``[Lk, Dk]``. v: ``[Lk, Dv]``.
+      causal: query i sees keys ``j <= i`` only (needs ``Lq == Lk``), zig-zag load balanced.
+      kv_mask: ``bool[Lk]``, True for real keys.
+      scale: score scale, ``1/sqrt(Dk)`` by default.
+      mesh: the mesh; default the one active in :func:`use_mesh`. Without a mesh, or with a
+        ring of size 1, this is ``flash_attention``.
+      axis_name: the mesh axis the sequence is split over.
+      block_q, block_k: flash attention tile sizes within each ring step.
+
+    Returns:
+      ``[Lq, Dv]`` in q's dtype.
+    """
+    x = C.check_qkv(_NAME, q, k, v)
+    kv_mask = C.check_kv_mask(_NAME, kv_mask, x.lk)
+    scale = C.resolve_scale(x.dk, scale)
+    if causal and x.lq != x.lk:
+        raise ValueError(f"{_NAME}: causal=True needs Lq == Lk but got q{x.q.shape}, k{x.k.shape}")
+    if mesh is None and active() is not None:
+        mesh = active().mesh
+    n = 1 if mesh is None else dict(mesh.shape).get(axis_name, 1)
+    if n == 1:
+        return flash_attention(x.q, x.k, x.v, causal=causal, kv_mask=kv_mask, scale=scale,
+                               block_q=block_q, block_k=block_k)
+    chunks = 2 * n if causal else n
+    lq_p, lk_p = (-(-length // chunks) * chunks for length in (x.lq, x.lk))
+    mask = jnp.ones((x.lk,), bool) if kv_mask is None else kv_mask
+    q_, k_, v_, mask = _pad(x.q, lq_p), _pad(x.k, lk_p), _pad(x.v, lk_p), _pad(mask, lk_p, False)
+    if causal:
+        perm = zigzag_order(lq_p, n)
+        q_, k_, v_, mask = q_[perm], k_[perm], v_[perm], mask[perm]
+    r = _Ring(axis_name, n, bool(causal), float(scale), block_q, block_k)
+    spec = P(axis_name)
+    out = jax.shard_map(
+        functools.partial(_ring, r), mesh=mesh, in_specs=(spec,) * 4, out_specs=spec,
+        axis_names=frozenset({axis_name}), check_vma=False,
+    )(q_, k_, v_, mask)
+    if causal:
+        out = out[jnp.argsort(perm)]
+    return out[: x.lq]
