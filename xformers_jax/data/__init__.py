@@ -1,0 +1,33 @@
+"""Task generators, loaders and iterators: offline, seeded, sharded, checkpointable.
+
+Sources are indexable (``len``, ``source[i] -> dict of numpy arrays``); ``DataIterator``
+shuffles, shards by process and batches them, and its state dict resumes exactly.
+"""
+
+from ._bytes import BYTE_VOCAB_SIZE as BYTE_VOCAB_SIZE
+from ._bytes import ByteWindows as ByteWindows
+from ._bytes import StdlibBytesClassification as StdlibBytesClassification
+from ._bytes import encode_bytes as encode_bytes
+from ._bytes import is_test_module as is_test_module
+from ._bytes import split_of as split_of
+from ._bytes import stdlib_bytes_lm as stdlib_bytes_lm
+from ._bytes import stdlib_files as stdlib_files
+from ._iterators import ArraySource as ArraySource
+from ._iterators import DataIterator as DataIterator
+from ._iterators import materialize as materialize
+from ._listops import ListOps as ListOps
+from ._listops import VOCAB as LISTOPS_VOCAB
+from ._listops import VOCAB_SIZE as LISTOPS_VOCAB_SIZE
+from ._listops import encode as encode_listops
+from ._listops import evaluate as evaluate_listops
+from ._listops import random_expression as random_listops_expression
+from ._listops import tokenize as tokenize_listops
+from ._loaders import load_aan as load_aan
+from ._loaders import load_cifar10 as load_cifar10
+from ._loaders import load_enwik8 as load_enwik8
+from ._loaders import load_imdb as load_imdb
+from ._loaders import load_listops_tsv as load_listops_tsv
+from ._pathfinder import DIFFICULTIES as PATHFINDER_DIFFICULTIES
+from ._pathfinder import PATHX_SIZE as PATHX_SIZE
+from ._pathfinder import Pathfinder as Pathfinder
+from ._pathfinder import draw_pathfinder as draw_pathfinder
