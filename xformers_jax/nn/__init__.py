@@ -1,0 +1,44 @@
+"""Equinox modules that compose any attention variant: attention, positions, norms, FFNs,
+blocks, layer stacks and models (see ``xformers_jax.attention`` for the variants themselves).
+
+Name an attention with :class:`AttentionSpec` (``kind`` plus hyperparameters, from the registry
+in :mod:`._registry`); every model accepts it through ``block=dict(spec=...)``.
+"""
+
+from ._attention import MultiHeadAttention as MultiHeadAttention
+from ._blocks import TransformerBlock as TransformerBlock
+from ._cache import KVCache as KVCache
+from ._cache import RecurrentCache as RecurrentCache
+from ._ffn import FeedForward as FeedForward
+from ._models import CausalLM as CausalLM
+from ._models import DualEncoder as DualEncoder
+from ._models import Embedder as Embedder
+from ._models import Encoder as Encoder
+from ._models import EncoderClassifier as EncoderClassifier
+from ._models import EncoderDecoder as EncoderDecoder
+from ._norms import AdaNorm as AdaNorm
+from ._norms import LayerNorm as LayerNorm
+from ._norms import PowerNorm as PowerNorm
+from ._norms import RMSNorm as RMSNorm
+from ._norms import ScaledL2Norm as ScaledL2Norm
+from ._norms import make_norm as make_norm
+from ._positions import TUPE as TUPE
+from ._positions import ALiBi as ALiBi
+from ._positions import ConvPositions as ConvPositions
+from ._positions import DeBERTaRelative as DeBERTaRelative
+from ._positions import LearnedPositions as LearnedPositions
+from ._positions import LearnedSinusoidalPositions as LearnedSinusoidalPositions
+from ._positions import NoPositions as NoPositions
+from ._positions import RotaryPositions as RotaryPositions
+from ._positions import ShawRelative as ShawRelative
+from ._positions import SinusoidalPositions as SinusoidalPositions
+from ._positions import T5Bias as T5Bias
+from ._positions import TransformerXLRelative as TransformerXLRelative
+from ._positions import t5_bucket as t5_bucket
+from ._precision import Policy as Policy
+from ._registry import AttentionSpec as AttentionSpec
+from ._registry import Variant as Variant
+from ._registry import get_variant as get_variant
+from ._registry import register_variant as register_variant
+from ._registry import registered_variants as registered_variants
+from ._stack import LayerStack as LayerStack

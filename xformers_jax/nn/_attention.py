@@ -1,0 +1,187 @@
+"""``MultiHeadAttention``: projections, heads, masks and decoding around any registered variant.
+
+The attention itself is whatever :class:`~xformers_jax.nn.AttentionSpec` names (see
+:mod:`._registry`); everything else (q/k/v/output projections, grouped-query heads, padding,
+causal masking, cross attention, position schemes, decoding caches) is shared, so swapping one
+argument gives a different X-former.
+"""
+
+from __future__ import annotations
+
+import math
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .. import attention as A
+from ._cache import KVCache, RecurrentCache
+from ._positions import PositionScheme
+from ._registry import AttentionSpec, get_variant
+
+
+def _dense_init(key, fan_in, fan_out):
+    return jax.random.normal(key, (fan_in, fan_out)) / math.sqrt(fan_in)
+
+
+def _positions(batch, length, offset=0):
+    return jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32) + offset, (batch, length))
+
+
+class MultiHeadAttention(eqx.Module):
+    """Multi-head (self or cross) attention over any registered variant.
+
+    Inputs are batched, ``x: [B, Lq, dim]``: batch statistics (PowerNorm) and decoding caches
+    are per batch, so modules here take the batch axis rather than being ``vmap``-ed over it.
+
+    Args:
+      dim: model width. num_heads: query heads. num_kv_heads: key/value heads (divides
+        ``num_heads``; 1 is multi-query attention, survey L 4.6.4). head_dim: per-head width
+        (``dim // num_heads`` by default). kv_dim: width of the cross-attention context.
+      spec: the attention variant (:class:`AttentionSpec`). causal: self-attention is causal.
+      position: a ``"qk"`` or ``"bias"`` :class:`PositionScheme` (input schemes belong on the
+        embeddings). max_len: the longest sequence (for variants with length-sized parameters).
+      key: PRNG key for the parameters.
+    """
+
+    wq: jax.Array
+    wk: jax.Array
+    wv: jax.Array
+    wo: jax.Array
+    variant_params: object
+    position: PositionScheme | None
+    spec: AttentionSpec = eqx.field(static=True)
+    num_heads: int = eqx.field(static=True)
+    num_kv_heads: int = eqx.field(static=True)
+    head_dim: int = eqx.field(static=True)
+    causal: bool = eqx.field(static=True)
+
+    def __init__(self, dim: int, num_heads: int, *, spec: AttentionSpec = AttentionSpec(),
+                 num_kv_heads: int | None = None, head_dim: int | None = None,
+                 kv_dim: int | None = None, causal: bool = False,
+                 position: PositionScheme | None = None, max_len: int = 512, key):
+        num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+        if num_heads % num_kv_heads:
+            raise ValueError(
+                f"MultiHeadAttention: num_heads={num_heads} must be a multiple of "
+                f"num_kv_heads={num_kv_heads}"
+            )
+        if head_dim is None:
+            if dim % num_heads:
+                raise ValueError(
+                    f"MultiHeadAttention: dim={dim} is not divisible by num_heads={num_heads}; "
+                    "pass head_dim"
+                )
+            head_dim = dim // num_heads
+        variant = get_variant(spec.kind)
+        variant.check(spec.hyperparameters, causal=causal)
+        if position is not None:
+            if position.where == "input":
+                raise ValueError(
+                    f"MultiHeadAttention: {type(position).__name__} is added to the inputs; give "
+                    "it to the model's embedding, not to the attention"
+                )
+            if position.where == "bias" and not variant.bias:
+                raise ValueError(
+                    f"MultiHeadAttention: {type(position).__name__} is an additive score bias, "
+                    f"which attention kind {spec.kind!r} cannot take (it never forms softmax "
+                    "scores q.k); use RotaryPositions or an input position scheme"
+                )
+        kv_dim = dim if kv_dim is None else kv_dim
+        kq, kk, kv, ko, kp = jax.random.split(key, 5)
+        self.wq = _dense_init(kq, dim, num_heads * head_dim)
+        self.wk = _dense_init(kk, kv_dim, num_kv_heads * head_dim)
+        self.wv = _dense_init(kv, kv_dim, num_kv_heads * head_dim)
+        self.wo = _dense_init(ko, num_heads * head_dim, dim)
+        self.variant_params = variant.init(
+            kp, spec.hyperparameters, num_heads=num_heads, head_dim=head_dim, max_len=max_len
+        )
+        self.position = position
+        self.spec, self.causal = spec, causal
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+
+    @property
+    def variant(self):
+        return get_variant(self.spec.kind)
+
+    def _project(self, x, context):
+        b, lq, _ = x.shape
+        src = x if context is None else context
+        q = (x @ self.wq.astype(x.dtype)).reshape(b, lq, self.num_heads, self.head_dim)
+        k = (src @ self.wk.astype(x.dtype)).reshape(b, src.shape[1], self.num_kv_heads, -1)
+        v = (src @ self.wv.astype(x.dtype)).reshape(b, src.shape[1], self.num_kv_heads, -1)
+        return q, k, v
+
+    def _bias(self, q, k, q_pos, k_pos):
+        if self.position is None or self.position.where != "bias":
+            return None
+        groups = self.num_heads // self.num_kv_heads
+        return self.position.bias(q, jnp.repeat(k, groups, axis=2), q_pos, k_pos,
+                                  1.0 / math.sqrt(self.head_dim))
+
+    def _out(self, o):
+        b, lq = o.shape[:2]
+        return o.reshape(b, lq, -1) @ self.wo.astype(o.dtype)
+
+    def __call__(self, x, context=None, *, kv_mask=None, positions=None, key=None):
+        """x: ``[B, Lq, dim]``; context: ``[B, Lk, kv_dim]`` for cross attention (None for
+        self attention); kv_mask: ``bool[B, Lk]``; positions: int ``[B, Lq]`` (default
+        ``0..Lq-1``); key: randomness for the variant. Returns ``[B, Lq, dim]``."""
+        q, k, v = self._project(x, context)
+        b, lq = x.shape[:2]
+        q_pos = _positions(b, lq) if positions is None else positions
+        k_pos = q_pos if context is None else _positions(b, k.shape[1])
+        if self.position is not None and self.position.where == "qk":
+            q, k = self.position.rotate(q, q_pos), self.position.rotate(k, k_pos)
+        causal = self.causal and context is None
+        o = self.variant.attend(
+            q, k, v, self.variant_params, causal=causal, kv_mask=kv_mask,
+            bias=self._bias(q, k, q_pos, k_pos), key=key, **self.spec.hyperparameters,
+        )
+        return self._out(o)
+
+    # -- decoding ------------------------------------------------------------------------------
+
+    def init_cache(self, batch: int, max_len: int, dtype=jnp.float32):
+        """An empty decoding cache for causal self-attention (kind given by the registry)."""
+        variant, hp = self.variant, self.spec.hyperparameters
+        if not self.causal:
+            raise ValueError("MultiHeadAttention.init_cache: only causal self-attention decodes")
+        if variant.cache in ("kv", "window"):
+            capacity = max_len if variant.cache == "kv" else variant.window(hp) + 1
+            return KVCache.empty(batch, capacity, self.num_kv_heads, self.head_dim,
+                                 self.head_dim, dtype, ring=variant.cache == "window")
+        if variant.cache == "recurrent":
+            state = variant.init_state(batch, self.num_heads, self.head_dim, self.head_dim,
+                                       self.variant_params, **hp)
+            return RecurrentCache(state, jnp.zeros((), jnp.int32))
+        raise NotImplementedError(f"attention kind {self.spec.kind!r} has no decoding cache")
+
+    def decode(self, x, cache):
+        """One causal decoding step: x ``[B, 1, dim]`` at position ``cache.index``.
+        Returns ``(out [B, 1, dim], new_cache)``."""
+        b = x.shape[0]
+        q, k, v = self._project(x, None)
+        t_pos = jnp.broadcast_to(cache.index, (b, 1))
+        if self.position is not None and self.position.where == "qk":
+            q, k = self.position.rotate(q, t_pos), self.position.rotate(k, t_pos)
+        if isinstance(cache, RecurrentCache):
+            o, state = self.variant.step(cache.state, q[:, 0], k[:, 0], v[:, 0],
+                                         self.variant_params, **self.spec.hyperparameters)
+            return self._out(o[:, None]), RecurrentCache(state, cache.index + 1)
+        cache = cache.append(k, v)
+        valid = cache.valid
+        pattern = self.variant.decode_pattern and self.variant.decode_pattern(
+            self.spec.hyperparameters)
+        if pattern is not None and not cache.ring:
+            n = cache.pos.shape[0]
+            row = jnp.asarray(pattern.dense(n, n))[cache.index - 1]
+            valid = valid & row[jnp.maximum(cache.pos, 0)]
+        k_pos = jnp.broadcast_to(jnp.maximum(cache.pos, 0), (b, cache.pos.shape[0]))
+        bias = self._bias(q, cache.k, t_pos, k_pos)
+        kw = {} if bias is None else {"bias": bias}
+        o = A.multihead(A.dot_product_attention, kwarg_axes={"bias": "batch_heads"})(
+            q, cache.k, cache.v, kv_mask=jnp.broadcast_to(valid, k_pos.shape), **kw
+        )
+        return self._out(o), cache

@@ -1,0 +1,127 @@
+"""Encoder and decoder blocks: attention, optional cross attention and a feed-forward network,
+each a residual branch with a chosen normalisation placement (survey L 5.2; P 3):
+
+* ``"pre"``: ``x + f(norm(x))`` (pre-LN; the stack adds a final norm).
+* ``"post"``: ``norm(omega * x + f(x))`` (post-LN; ``omega = 1`` unless Admin sets it).
+* ``"rezero"``: ``x + alpha * f(x)`` with ``alpha`` initialised to 0 (ReZero, L eq. 45).
+* ``"none"``: ``x + f(x)`` (for T-Fixup initialisation).
+"""
+
+from __future__ import annotations
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+
+from ._attention import MultiHeadAttention
+from ._ffn import FeedForward
+from ._norms import make_norm
+from ._positions import PositionScheme
+from ._registry import AttentionSpec
+
+PLACEMENTS = ("pre", "post", "rezero", "none")
+
+
+class TransformerBlock(eqx.Module):
+    """Self attention, optional cross attention (decoder blocks of an encoder-decoder), FFN.
+
+    Args:
+      dim, num_heads, hidden: widths. spec: the attention variant. causal: causal self
+        attention. cross: add a cross-attention sublayer. placement: see module docstring.
+      norm: ``"layer"``, ``"rms"``, ``"scaled_l2"``, ``"ada"`` or ``"power"``.
+      activation, chunk_size: of the :class:`FeedForward`. num_kv_heads: GQA/MQA.
+      position: a ``"qk"`` or ``"bias"`` position scheme for self attention.
+      key: PRNG key.
+    """
+
+    attn: MultiHeadAttention
+    cross: MultiHeadAttention | None
+    ffn: FeedForward
+    norms: tuple
+    gains: jax.Array
+    placement: str = eqx.field(static=True)
+
+    def __init__(self, dim: int, num_heads: int, hidden: int, *,
+                 spec: AttentionSpec = AttentionSpec(), causal: bool = False,
+                 cross: bool = False, placement: str = "pre", norm: str = "layer",
+                 activation: str = "gelu", chunk_size: int | None = None,
+                 num_kv_heads: int | None = None, position: PositionScheme | None = None,
+                 max_len: int = 512, key):
+        if placement not in PLACEMENTS:
+            raise ValueError(f"TransformerBlock: placement must be one of {PLACEMENTS}, got "
+                             f"{placement!r}")
+        ka, kc, kf = jax.random.split(key, 3)
+        self.attn = MultiHeadAttention(dim, num_heads, spec=spec, causal=causal,
+                                       num_kv_heads=num_kv_heads, position=position,
+                                       max_len=max_len, key=ka)
+        self.cross = MultiHeadAttention(dim, num_heads, key=kc) if cross else None
+        self.ffn = FeedForward(dim, hidden, activation, chunk_size=chunk_size, key=kf)
+        n = 3 if cross else 2
+        self.norms = tuple(make_norm(norm, dim) for _ in range(n)) if placement in (
+            "pre", "post") else ()
+        # ReZero's alpha (zero) or post-LN's omega (one, Admin re-initialises it).
+        self.gains = jnp.zeros((n,)) if placement == "rezero" else jnp.ones((n,))
+        self.placement = placement
+
+    def _residual(self, i, x, f, state, mask, inference):
+        if self.placement == "pre":
+            h, state = self.norms[i](x, state, mask=mask, inference=inference)
+            return x + f(h), state
+        if self.placement == "post":
+            return self.norms[i](self.gains[i].astype(x.dtype) * x + f(x), state, mask=mask,
+                                 inference=inference)
+        if self.placement == "rezero":
+            return x + self.gains[i].astype(x.dtype) * f(x), state
+        return x + f(x), state
+
+    def sublayers(self, *, kv_mask=None, context=None, context_mask=None, positions=None,
+                  key=None):
+        """The residual branch functions ``x -> f(x)`` in order (without norms)."""
+        fs = [lambda h: self.attn(h, kv_mask=kv_mask, positions=positions, key=key)]
+        if self.cross is not None:
+            fs.append(lambda h: self.cross(h, context, kv_mask=context_mask))
+        fs.append(self.ffn)
+        return fs
+
+    def __call__(self, x, state=None, *, kv_mask=None, context=None, context_mask=None,
+                 positions=None, key=None, inference=False):
+        """x: ``[B, L, dim]``; kv_mask: ``bool[B, L]``; context ``[B, Lc, dim]`` with
+        context_mask ``bool[B, Lc]`` for cross attention. Returns ``(y, state)``."""
+        if (context is None) != (self.cross is None):
+            raise ValueError("TransformerBlock: pass `context` exactly when the block has cross "
+                             "attention (cross=True)")
+        fs = self.sublayers(kv_mask=kv_mask, context=context, context_mask=context_mask,
+                            positions=positions, key=key)
+        for i, f in enumerate(fs):
+            x, state = self._residual(i, x, f, state, kv_mask, inference)
+        return x, state
+
+    def branch_outputs(self, x, *, kv_mask=None, context=None, context_mask=None):
+        """Runs the block, also returning each branch's output ``f(x)`` (Admin profiling)."""
+        outs = []
+        for i, f in enumerate(self.sublayers(kv_mask=kv_mask, context=context,
+                                             context_mask=context_mask)):
+            def record(h, f=f):
+                y = f(h)
+                outs.append(y)
+                return y
+            x, _ = self._residual(i, x, record, None, kv_mask, True)
+        return x, outs
+
+    def init_cache(self, batch: int, max_len: int, dtype=jnp.float32):
+        return self.attn.init_cache(batch, max_len, dtype)
+
+    def decode(self, x, cache, *, context=None, context_mask=None):
+        """One decoding step ``x: [B, 1, dim]``; returns ``(y, cache)``."""
+        def attn(h):
+            nonlocal cache
+            y, cache = self.attn.decode(h, cache)
+            return y
+
+        fs = [attn]
+        if self.cross is not None:
+            fs.append(lambda h: self.cross(h, context, kv_mask=context_mask))
+        fs.append(self.ffn)
+        for i, f in enumerate(fs):
+            x, _ = self._residual(i, x, f, None, None, True)
+        return x, cache

@@ -1,0 +1,69 @@
+"""Position-wise feed-forward networks (survey L 5.3.1): ReLU, GELU, Swish and GLU variants
+(GLU, GEGLU, SwiGLU; Shazeer 2020), optionally applied in chunks of positions so the hidden
+``[L, hidden]`` activation is never held for the whole sequence (Reformer's chunked FFN)."""
+
+from __future__ import annotations
+
+import math
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+
+ACTIVATIONS = {
+    "relu": jax.nn.relu,
+    "gelu": jax.nn.gelu,
+    "swish": jax.nn.swish,
+    "glu": jax.nn.sigmoid,
+    "geglu": jax.nn.gelu,
+    "swiglu": jax.nn.swish,
+}
+GATED = ("glu", "geglu", "swiglu")
+
+
+class FeedForward(eqx.Module):
+    """``act(x W1 [+ b1]) W2`` or, for gated kinds, ``(act(x W1) * (x V)) W2``.
+
+    Args:
+      dim: model width. hidden: inner width. activation: one of ``ACTIVATIONS``.
+      chunk_size: if set, positions are processed ``chunk_size`` at a time with ``lax.map``
+        (same result; peak activation memory proportional to the chunk).
+    """
+
+    w1: jax.Array
+    w_gate: jax.Array | None
+    w2: jax.Array
+    b1: jax.Array
+    b2: jax.Array
+    activation: str = eqx.field(static=True)
+    chunk_size: int | None = eqx.field(static=True)
+
+    def __init__(self, dim: int, hidden: int, activation: str = "gelu", *,
+                 chunk_size: int | None = None, key):
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"FeedForward: unknown activation {activation!r}; choose one of "
+                             f"{sorted(ACTIVATIONS)}")
+        k1, k2, k3 = jax.random.split(key, 3)
+        self.w1 = jax.random.normal(k1, (dim, hidden)) / math.sqrt(dim)
+        self.w_gate = (jax.random.normal(k3, (dim, hidden)) / math.sqrt(dim)
+                       if activation in GATED else None)
+        self.w2 = jax.random.normal(k2, (hidden, dim)) / math.sqrt(hidden)
+        self.b1, self.b2 = jnp.zeros((hidden,)), jnp.zeros((dim,))
+        self.activation, self.chunk_size = activation, chunk_size
+
+    def _apply(self, x):
+        h = ACTIVATIONS[self.activation](x @ self.w1.astype(x.dtype) + self.b1.astype(x.dtype))
+        if self.w_gate is not None:
+            h = h * (x @ self.w_gate.astype(x.dtype))
+        return h @ self.w2.astype(x.dtype) + self.b2.astype(x.dtype)
+
+    def __call__(self, x):
+        """x: ``[B, L, dim]`` -> ``[B, L, dim]``."""
+        if self.chunk_size is None or x.shape[1] <= self.chunk_size:
+            return self._apply(x)
+        b, length, d = x.shape
+        n = -(-length // self.chunk_size)
+        xp = jnp.pad(x, ((0, 0), (0, n * self.chunk_size - length), (0, 0)))
+        chunks = jnp.moveaxis(xp.reshape(b, n, self.chunk_size, d), 1, 0)
+        out = jax.lax.map(self._apply, chunks)
+        return jnp.moveaxis(out, 0, 1).reshape(b, -1, d)[:, :length]

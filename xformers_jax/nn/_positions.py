@@ -1,0 +1,390 @@
+"""Position representations (Lin et al. survey, section 5.1).
+
+Three ways a scheme enters the model, which decide what it composes with:
+
+* ``"input"`` (added to the token embeddings): :class:`SinusoidalPositions`,
+  :class:`LearnedPositions`, :class:`LearnedSinusoidalPositions`, :class:`ConvPositions` (CPE),
+  :class:`NoPositions`. They compose with every attention kind.
+* ``"qk"`` (rotates queries and keys): :class:`RotaryPositions` (RoPE). It composes with every
+  kind; scores depend only on ``i - j`` for softmax kinds (for kernel kinds the rotation is
+  applied before the feature map, which keeps the module well defined but not exactly relative).
+* ``"bias"`` (an additive score bias): :class:`ALiBi`, :class:`T5Bias`, :class:`ShawRelative`,
+  :class:`TransformerXLRelative`, :class:`DeBERTaRelative`, :class:`TUPE`. Biases are pytree
+  callables ``bias(q_index, k_index)`` evaluated per tile by exact kernels, so no ``L x L``
+  array is built. They compose only with kinds whose registry entry says ``bias=True``
+  (softmax-style kinds); :class:`~xformers_jax.nn.MultiHeadAttention` rejects the others.
+
+Biases read absolute positions through ``q_pos``/``k_pos`` arrays, so a decoding step (one query
+at position t against a cache of keys at their own positions) uses the same code.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import ClassVar
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ..attention._contract import STATS_DTYPE
+
+
+def sinusoid(positions, dim: int, base: float = 10000.0):
+    """``PE(t)_{2i} = sin(t w_i)``, ``PE(t)_{2i+1} = cos(t w_i)``, ``w_i = base^(-2i/dim)``
+    (survey L eq. 28). positions: int ``[...]`` -> float32 ``[..., dim]``."""
+    freqs = base ** (-np.arange(0, dim, 2, dtype=np.float32) / dim)
+    return _interleave(positions.astype(jnp.float32)[..., None] * freqs, dim)
+
+
+def _interleave(angles, dim):
+    pe = jnp.stack([jnp.sin(angles), jnp.cos(angles)], axis=-1)
+    return pe.reshape(*angles.shape[:-1], -1)[..., :dim]
+
+
+class PositionScheme(eqx.Module):
+    """Base of every position scheme; ``where`` says how it enters the model (see module doc)."""
+
+    where: ClassVar[str] = "input"
+
+
+# --- input schemes ---------------------------------------------------------------------------
+
+
+class NoPositions(PositionScheme):
+    """No explicit positions (survey L 5.1.5: causal decoders can infer order)."""
+
+    def embed(self, x, positions, *, mask=None, causal=False):
+        return x
+
+
+class SinusoidalPositions(PositionScheme):
+    """Fixed sinusoidal encodings added to the inputs (survey L 5.1.1, eq. 28)."""
+
+    def embed(self, x, positions, *, mask=None, causal=False):
+        return x + sinusoid(positions, x.shape[-1]).astype(x.dtype)
+
+
+class LearnedPositions(PositionScheme):
+    """A learned table of ``max_len`` absolute embeddings (survey L 5.1.1); not inductive."""
+
+    table: jax.Array
+
+    def __init__(self, max_len: int, dim: int, *, key):
+        self.table = 0.02 * jax.random.normal(key, (max_len, dim))
+
+    def embed(self, x, positions, *, mask=None, causal=False):
+        n = self.table.shape[0]
+        positions = eqx.error_if(positions, jnp.max(positions) >= n,
+                                 f"LearnedPositions: a position is >= max_len={n}")
+        return x + self.table[positions].astype(x.dtype)
+
+
+class LearnedSinusoidalPositions(PositionScheme):
+    """Sinusoids whose frequencies are learned (Wang et al.; survey L 5.1.1): inductive."""
+
+    log_freqs: jax.Array
+
+    def __init__(self, dim: int, base: float = 10000.0):
+        self.log_freqs = jnp.asarray(-np.arange(0, dim, 2) / dim * math.log(base), jnp.float32)
+
+    def embed(self, x, positions, *, mask=None, causal=False):
+        angles = positions.astype(jnp.float32)[..., None] * jnp.exp(self.log_freqs)
+        return x + _interleave(angles, x.shape[-1]).astype(x.dtype)
+
+
+class ConvPositions(PositionScheme):
+    """Conditional position encoding (CPE, survey L 5.1.4): ``x + depthwise_conv(x)`` with zero
+    padding; left padding only when causal, so no position sees a later one. Padded tokens are
+    zeroed first so they do not leak into real ones. ``x: [B, L, D]``."""
+
+    kernel: jax.Array
+
+    def __init__(self, dim: int, kernel_size: int = 3, *, key):
+        self.kernel = jax.random.normal(key, (kernel_size, dim)) / math.sqrt(kernel_size)
+
+    def embed(self, x, positions, *, mask=None, causal=False):
+        if mask is not None:
+            x = jnp.where(mask[..., None], x, 0)
+        w = self.kernel.shape[0]
+        left = w - 1 if causal else (w - 1) // 2
+        xp = jnp.pad(x, ((0, 0), (left, w - 1 - left), (0, 0)))
+        conv = sum(xp[:, i : i + x.shape[1]] * self.kernel[i].astype(x.dtype) for i in range(w))
+        return x + conv
+
+
+# --- q/k scheme ------------------------------------------------------------------------------
+
+
+class RotaryPositions(PositionScheme):
+    """RoPE (Su et al.; survey L 5.1.3, eqs. 35-38): rotates each pair of q/k features by
+    ``t * theta_j``, so softmax scores depend on ``i - j`` only."""
+
+    where: ClassVar[str] = "qk"
+    base: float = eqx.field(static=True, default=10000.0)
+
+    def rotate(self, x, positions):
+        """x: ``[B, L, H, D]`` (D even); positions: int ``[B, L]``."""
+        d = x.shape[-1]
+        if d % 2:
+            raise ValueError(f"RotaryPositions: head dim must be even but got x{x.shape}")
+        theta = self.base ** (-np.arange(0, d, 2, dtype=np.float32) / d)
+        ang = positions.astype(jnp.float32)[:, :, None, None] * theta
+        cos, sin = jnp.cos(ang), jnp.sin(ang)
+        x1, x2 = x[..., 0::2].astype(jnp.float32), x[..., 1::2].astype(jnp.float32)
+        out = jnp.stack([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1)
+        return out.reshape(x.shape).astype(x.dtype)
+
+
+# --- bias schemes ----------------------------------------------------------------------------
+
+
+def _take(a, idx):
+    # Exact kernels pad tiles past the sequence end; clipped reads there are masked anyway.
+    return jnp.take(a, idx, axis=0, mode="clip")
+
+
+class _Bias(eqx.Module):
+    """A one-head score bias: a pytree callable of (q index ``[bq, 1]``, k index ``[1, bk]``)
+    -> float32 scores ``[bq, bk]``, as exact kernels call it per tile."""
+
+    q_pos: jax.Array
+    k_pos: jax.Array
+    arrays: tuple
+    # The scheme with its arrays removed: hashable, so kernels can cache on it.
+    scheme: "BiasScheme" = eqx.field(static=True)
+
+    def __call__(self, i, j):
+        qp = _take(self.q_pos, i).astype(jnp.int32)
+        kp = _take(self.k_pos, j).astype(jnp.int32)
+        return self.scheme.score(qp, kp, i, j, *self.arrays)
+
+
+class BiasScheme(PositionScheme):
+    """An additive bias built from positions (and, for some schemes, from q and k)."""
+
+    where: ClassVar[str] = "bias"
+
+    def bias(self, q, k, q_pos, k_pos, scale):
+        """q: ``[B, Lq, H, Dk]``, k: ``[B, Lk, H, Dk]`` (kv heads already repeated),
+        positions int ``[B, L]``. Returns a bias pytree with leaves ``[B, H, ...]``."""
+        per_head = self.per_head_arrays()
+        stripped = eqx.filter(self, eqx.is_array, inverse=True)
+
+        def one(q1, k1, qp, kp, head):
+            arrays = self.arrays(q1, k1, qp, kp, head, scale)
+            # Positions are carried as float32 (exact below 2^24): jax.closure_convert, which
+            # the kernels apply to a callable bias, hoists only floating-point constants.
+            return _Bias(qp.astype(jnp.float32), kp.astype(jnp.float32), arrays, stripped)
+
+        f = jax.vmap(one, in_axes=(1, 1, None, None, 0))  # heads
+        f = jax.vmap(f, in_axes=(0, 0, 0, 0, None))  # batch
+        return f(q, k, q_pos, k_pos, per_head)
+
+    def per_head_arrays(self):
+        raise NotImplementedError
+
+    def arrays(self, q, k, q_pos, k_pos, head, scale):
+        raise NotImplementedError
+
+    def score(self, qp, kp, i, j, *arrays):
+        raise NotImplementedError
+
+
+def alibi_slopes(num_heads: int) -> np.ndarray:
+    """ALiBi's geometric slopes ``2^(-8 h / H)`` (Press et al.)."""
+    return 2.0 ** (-8.0 * np.arange(1, num_heads + 1) / num_heads)
+
+
+class ALiBi(BiasScheme):
+    """Attention with linear biases: ``-m_h |i - j|`` (Press et al., 2022). A relative bias in
+    the spirit of T5 (survey L 5.1.2)."""
+
+    slopes: jax.Array
+
+    def __init__(self, num_heads: int):
+        self.slopes = jnp.asarray(alibi_slopes(num_heads), jnp.float32)
+
+    def per_head_arrays(self):
+        return jax.lax.stop_gradient(self.slopes)
+
+    def arrays(self, q, k, q_pos, k_pos, head, scale):
+        return (head,)
+
+    def score(self, qp, kp, i, j, slope):
+        return -slope * jnp.abs(qp - kp).astype(jnp.float32)
+
+
+def t5_bucket(relative, *, bidirectional: bool, num_buckets: int, max_distance: int):
+    """T5's relative-position buckets of ``relative = j - i`` (Raffel et al.; survey L 5.1.2):
+    exact buckets for small distances, logarithmic ones up to ``max_distance``, then clipped."""
+    n, ret = num_buckets, 0
+    if bidirectional:
+        n //= 2
+        ret = jnp.where(relative > 0, n, 0)
+        dist = jnp.abs(relative)
+    else:
+        dist = jnp.maximum(-relative, 0)
+    exact = n // 2
+    safe = jnp.maximum(dist, 1).astype(jnp.float32)
+    log_bucket = exact + (
+        jnp.log(safe / exact) / math.log(max_distance / exact) * (n - exact)
+    ).astype(jnp.int32)
+    return ret + jnp.where(dist < exact, dist, jnp.minimum(log_bucket, n - 1))
+
+
+class T5Bias(BiasScheme):
+    """A learned scalar per (head, relative-distance bucket) (survey L 5.1.2)."""
+
+    table: jax.Array
+    num_buckets: int = eqx.field(static=True)
+    max_distance: int = eqx.field(static=True)
+    bidirectional: bool = eqx.field(static=True)
+
+    def __init__(self, num_heads: int, num_buckets: int = 32, max_distance: int = 128, *,
+                 bidirectional: bool = True, key):
+        self.table = 0.02 * jax.random.normal(key, (num_heads, num_buckets))
+        self.num_buckets, self.max_distance = num_buckets, max_distance
+        self.bidirectional = bidirectional
+
+    def per_head_arrays(self):
+        return self.table
+
+    def arrays(self, q, k, q_pos, k_pos, head, scale):
+        return (head,)
+
+    def score(self, qp, kp, i, j, table):
+        b = t5_bucket(kp - qp, bidirectional=self.bidirectional, num_buckets=self.num_buckets,
+                      max_distance=self.max_distance)
+        return table[b].astype(jnp.float32)
+
+
+def clipped_distance(qp, kp, max_offset: int):
+    """``clip(i - j, -K, K) + K``: Shaw et al.'s index into ``2K + 1`` embeddings (L eq. 31)."""
+    return jnp.clip(qp - kp, -max_offset, max_offset) + max_offset
+
+
+class ShawRelative(BiasScheme):
+    """Shaw et al.: ``k'_j = k_j + R_clip(i-j)`` (survey L eqs. 29-31), as the score term
+    ``scale * q_i . R_clip(i-j)``. Only ``q R^T`` (``[Lq, 2K+1]``) is built, never ``L x L``."""
+
+    embeddings: jax.Array
+    max_offset: int = eqx.field(static=True)
+
+    def __init__(self, head_dim: int, max_offset: int = 16, *, key):
+        self.embeddings = 0.02 * jax.random.normal(key, (2 * max_offset + 1, head_dim))
+        self.max_offset = max_offset
+
+    def per_head_arrays(self):
+        return None
+
+    def arrays(self, q, k, q_pos, k_pos, head, scale):
+        qr = jnp.einsum("qd,rd->qr", q, self.embeddings.astype(q.dtype),
+                        preferred_element_type=STATS_DTYPE)
+        return (qr * scale,)
+
+    def score(self, qp, kp, i, j, qr):
+        r = clipped_distance(qp, kp, self.max_offset)
+        return jnp.take_along_axis(_take(qr, i[:, 0]), r, axis=1)
+
+
+class DeBERTaRelative(BiasScheme):
+    """DeBERTa's disentangled attention (survey L eq. 33): content-to-position
+    ``q_i . (r_ij W^{K,R})`` plus position-to-content ``k_j . (r_ij W^{Q,R})`` with Shaw's
+    clipped relative embeddings ``r_ij``; built from ``[L, 2K+1]`` tables."""
+
+    embeddings: jax.Array
+    w_kr: jax.Array
+    w_qr: jax.Array
+    max_offset: int = eqx.field(static=True)
+
+    def __init__(self, num_heads: int, head_dim: int, max_offset: int = 16, *, key):
+        k1, k2, k3 = jax.random.split(key, 3)
+        self.embeddings = 0.02 * jax.random.normal(k1, (2 * max_offset + 1, head_dim))
+        self.w_kr = jax.random.normal(k2, (num_heads, head_dim, head_dim)) / math.sqrt(head_dim)
+        self.w_qr = jax.random.normal(k3, (num_heads, head_dim, head_dim)) / math.sqrt(head_dim)
+        self.max_offset = max_offset
+
+    def per_head_arrays(self):
+        return (self.w_kr, self.w_qr)
+
+    def arrays(self, q, k, q_pos, k_pos, head, scale):
+        w_kr, w_qr = head
+        rk, rq = self.embeddings @ w_kr, self.embeddings @ w_qr
+        qr = jnp.einsum("qd,rd->qr", q.astype(jnp.float32), rk)
+        kr = jnp.einsum("kd,rd->kr", k.astype(jnp.float32), rq)
+        return (qr * scale, kr * scale)
+
+    def score(self, qp, kp, i, j, qr, kr):
+        r = clipped_distance(qp, kp, self.max_offset)
+        c2p = jnp.take_along_axis(_take(qr, i[:, 0]), r, axis=1)
+        p2c = jnp.take_along_axis(_take(kr, j[0]).T, r, axis=0)
+        return c2p + p2c
+
+
+class TransformerXLRelative(BiasScheme):
+    """Transformer-XL's relative terms (survey L eq. 32): ``q_i . R_{i-j} W + u1 . k_j +
+    u2 . R_{i-j} W`` with sinusoidal ``R``. ``R W`` is a ``[2 max_len - 1, Dk]`` table; a tile
+    gathers its rows, so the cost per tile is ``bq * bk * Dk`` and no ``L x L`` array exists."""
+
+    w_r: jax.Array
+    u1: jax.Array
+    u2: jax.Array
+    max_len: int = eqx.field(static=True)
+
+    def __init__(self, num_heads: int, head_dim: int, max_len: int, *, key):
+        self.w_r = jax.random.normal(key, (num_heads, head_dim, head_dim)) / math.sqrt(head_dim)
+        self.u1 = jnp.zeros((num_heads, head_dim))
+        self.u2 = jnp.zeros((num_heads, head_dim))
+        self.max_len = max_len
+
+    def per_head_arrays(self):
+        return (self.w_r, self.u1, self.u2)
+
+    def arrays(self, q, k, q_pos, k_pos, head, scale):
+        w_r, u1, u2 = head
+        dist = jnp.arange(-(self.max_len - 1), self.max_len)
+        rw = sinusoid(dist, w_r.shape[0]) @ w_r
+        qu = (q.astype(jnp.float32) + u2) * scale
+        uk = (k.astype(jnp.float32) @ u1) * scale
+        return (rw, qu, uk)
+
+    def score(self, qp, kp, i, j, rw, qu, uk):
+        rel = _take(rw, qp - kp + self.max_len - 1)
+        return jnp.einsum("qd,qkd->qk", _take(qu, i[:, 0]), rel) + _take(uk, j[0])[None, :]
+
+
+class TUPE(BiasScheme):
+    """TUPE (Ke et al.; survey L eq. 34): untied absolute position-to-position term
+    ``(p_i W^{Q,P}) . (p_j W^{K,P})`` plus a bucketed relative scalar ``b_{j-i}``. The learned
+    absolute embeddings ``p`` live here, not on the inputs."""
+
+    table: jax.Array
+    w_qp: jax.Array
+    w_kp: jax.Array
+    rel: jax.Array
+    num_buckets: int = eqx.field(static=True)
+    max_distance: int = eqx.field(static=True)
+
+    def __init__(self, num_heads: int, head_dim: int, max_len: int, num_buckets: int = 32,
+                 max_distance: int = 128, *, key):
+        k1, k2, k3 = jax.random.split(key, 3)
+        self.table = 0.02 * jax.random.normal(k1, (max_len, head_dim))
+        self.w_qp = jax.random.normal(k2, (num_heads, head_dim, head_dim)) / math.sqrt(head_dim)
+        self.w_kp = jax.random.normal(k3, (num_heads, head_dim, head_dim)) / math.sqrt(head_dim)
+        self.rel = jnp.zeros((num_heads, num_buckets))
+        self.num_buckets, self.max_distance = num_buckets, max_distance
+
+    def per_head_arrays(self):
+        return (self.w_qp, self.w_kp, self.rel)
+
+    def arrays(self, q, k, q_pos, k_pos, head, scale):
+        w_qp, w_kp, rel = head
+        return ((self.table @ w_qp) * scale, self.table @ w_kp, rel)
+
+    def score(self, qp, kp, i, j, pq, pk, rel):
+        pos = _take(pq, qp[:, 0]) @ _take(pk, kp[0]).T
+        b = t5_bucket(kp - qp, bidirectional=True, num_buckets=self.num_buckets,
+                      max_distance=self.max_distance)
+        return pos + rel[b]

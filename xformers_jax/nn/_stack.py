@@ -1,0 +1,204 @@
+"""Layer stacks: built with ``eqx.filter_vmap``, run with ``lax.scan`` (or unrolled), with a
+remat policy, parameter sharing and reversible residuals (practical survey P 3).
+
+* ``remat``: ``"none"``, ``"dots_saveable"`` (keep matmul outputs, recompute the rest) or
+  ``"full"`` (keep only each layer's input; gradient checkpointing, P 3 / B.1.2).
+* ``sharing``: ``"none"``, ``"all"`` (ALBERT: one block's parameters for every layer) or
+  ``"attention"`` (ALBERT's attention-only sharing).
+* ``universal``: Universal-Transformer recurrence: one shared block applied ``num_layers``
+  times, with a sinusoidal timestep embedding added before each step.
+* ``reversible``: RevNet residuals (Reformer; P 3) ``y1 = x1 + F(x2)``, ``y2 = x2 + G(y1)``
+  with ``F`` the attention branch and ``G`` the FFN branch (pre-norm inside each), on two
+  copies of the input, averaged at the end. A custom VJP reconstructs each layer's inputs from
+  its outputs during the backward pass, so activation memory does not grow with depth.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Callable
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+
+from ._positions import sinusoid
+
+REMAT = ("none", "dots_saveable", "full")
+SHARING = ("none", "all", "attention")
+
+
+def _remat(fn, policy: str):
+    if policy == "none":
+        return fn
+    if policy == "dots_saveable":
+        return jax.checkpoint(fn, policy=jax.checkpoint_policies.dots_saveable)
+    return jax.checkpoint(fn)
+
+
+class LayerStack(eqx.Module):
+    """``num_layers`` blocks made by ``make_block(key)`` (e.g. a ``TransformerBlock`` partial).
+
+    Blocks hold arrays stacked on a leading layer axis; stateful norms (PowerNorm) are not
+    supported inside a stack (their state indices would be shared by every layer).
+    """
+
+    layers: eqx.Module
+    num_layers: int = eqx.field(static=True)
+    remat: str = eqx.field(static=True)
+    sharing: str = eqx.field(static=True)
+    universal: bool = eqx.field(static=True)
+    scan: bool = eqx.field(static=True)
+    reversible: bool = eqx.field(static=True)
+
+    def __init__(self, make_block: Callable, num_layers: int, *, remat: str = "none",
+                 sharing: str = "none", universal: bool = False, scan: bool = True,
+                 reversible: bool = False, key):
+        if remat not in REMAT:
+            raise ValueError(f"LayerStack: remat must be one of {REMAT}, got {remat!r}")
+        if sharing not in SHARING:
+            raise ValueError(f"LayerStack: sharing must be one of {SHARING}, got {sharing!r}")
+        if universal and sharing != "all":
+            sharing = "all"
+        unique = 1 if sharing == "all" else num_layers
+        self.layers = eqx.filter_vmap(make_block)(jax.random.split(key, unique))
+        if any(isinstance(x, eqx.nn.StateIndex) for x in jax.tree_util.tree_leaves(
+                self.layers, is_leaf=lambda x: isinstance(x, eqx.nn.StateIndex))):
+            raise ValueError("LayerStack: blocks with stateful norms (PowerNorm) cannot be "
+                             "stacked; use a list of blocks")
+        if reversible:
+            block = make_block(jax.random.key(0))
+            if getattr(block, "cross", None) is not None or block.placement != "pre":
+                raise ValueError("LayerStack: reversible=True needs pre-norm blocks without "
+                                 "cross attention (the branches F, G must be separable)")
+        self.num_layers, self.remat, self.sharing = num_layers, remat, sharing
+        self.universal, self.scan, self.reversible = universal, scan, reversible
+
+    def per_layer(self):
+        """Parameters with a leading axis of ``num_layers`` (shared ones broadcast, so their
+        gradients sum over layers) and the static part."""
+        dynamic, static = eqx.partition(self.layers, eqx.is_array)
+        n = self.num_layers
+
+        def expand(a):
+            return jnp.broadcast_to(a[:1], (n, *a.shape[1:]))
+
+        if self.sharing == "all":
+            dynamic = jax.tree_util.tree_map(expand, dynamic)
+        elif self.sharing == "attention":
+            dynamic = eqx.tree_at(lambda b: b.attn, dynamic,
+                                  jax.tree_util.tree_map(expand, dynamic.attn))
+        return dynamic, static
+
+    def __call__(self, x, *, kv_mask=None, context=None, context_mask=None, positions=None,
+                 key=None):
+        """x: ``[B, L, dim]`` -> ``[B, L, dim]``."""
+        dynamic, static = self.per_layer()
+        keys = None if key is None else jax.random.split(key, self.num_layers)
+        if self.reversible:
+            if key is not None:
+                raise ValueError("LayerStack: reversible blocks must be deterministic (key=None)")
+            mask = None if kv_mask is None else kv_mask.astype(x.dtype)
+            y1, y2 = _reversible(static, dynamic, x, x, mask)
+            return (y1 + y2) / 2
+
+        def step(x, inputs):
+            params, t, k = inputs
+            block = eqx.combine(params, static)
+            if self.universal:
+                x = x + sinusoid(t, x.shape[-1]).astype(x.dtype)
+            y, _ = block(x, kv_mask=kv_mask, context=context, context_mask=context_mask,
+                         positions=positions, key=k)
+            return y, None
+
+        step = _remat(step, self.remat)
+        steps = jnp.arange(self.num_layers)
+        if self.scan:
+            x, _ = jax.lax.scan(step, x, (dynamic, steps, keys))
+            return x
+        for i in range(self.num_layers):
+            layer = jax.tree_util.tree_map(lambda a: a[i], (dynamic, steps, keys))
+            x, _ = step(x, layer)
+        return x
+
+    def init_cache(self, batch: int, max_len: int, dtype=jnp.float32):
+        """Per-layer decoding caches, stacked on a leading layer axis."""
+        dynamic, static = self.per_layer()
+        return eqx.filter_vmap(
+            lambda p: eqx.combine(p, static).init_cache(batch, max_len, dtype))(dynamic)
+
+    def decode(self, x, caches, *, context=None, context_mask=None):
+        """One decoding step through every layer: ``x [B, 1, dim]`` -> ``(y, caches)``."""
+        if self.reversible:
+            raise NotImplementedError("LayerStack.decode: reversible stacks do not decode")
+        dynamic, static = self.per_layer()
+        cache_dyn, cache_static = eqx.partition(caches, eqx.is_array)
+
+        def step(x, inputs):
+            params, cache, t = inputs
+            if self.universal:
+                x = x + sinusoid(t, x.shape[-1]).astype(x.dtype)
+            y, cache = eqx.combine(params, static).decode(
+                x, eqx.combine(cache, cache_static), context=context, context_mask=context_mask)
+            return y, eqx.filter(cache, eqx.is_array)
+
+        x, new = jax.lax.scan(step, x, (dynamic, cache_dyn, jnp.arange(self.num_layers)))
+        return x, eqx.combine(new, cache_static)
+
+
+def _branches(static, params, mask):
+    block = eqx.combine(params, static)
+    kv_mask = None if mask is None else mask > 0.5
+
+    def f(x):
+        return block.attn(block.norms[0](x)[0], kv_mask=kv_mask)
+
+    def g(x):
+        return block.ffn(block.norms[1](x)[0])
+
+    return f, g
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _reversible(static, params, x1, x2, mask):
+    def body(carry, p):
+        a, b = carry
+        f, g = _branches(static, p, mask)
+        a = a + f(b)
+        b = b + g(a)
+        return (a, b), None
+
+    (y1, y2), _ = jax.lax.scan(body, (x1, x2), params)
+    return y1, y2
+
+
+def _reversible_fwd(static, params, x1, x2, mask):
+    y1, y2 = _reversible(static, params, x1, x2, mask)
+    # Only the outputs are kept: the inputs of every layer are rebuilt in the backward pass.
+    return (y1, y2), (params, y1, y2, mask)
+
+
+def _reversible_bwd(static, res, cotangents):
+    params, y1, y2, mask = res
+    dy1, dy2 = cotangents
+
+    def body(carry, p):
+        y1, y2, dy1, dy2, dmask = carry
+        g_out, g_vjp = jax.vjp(lambda p, a: _branches(static, p, mask)[1](a), p, y1)
+        x2 = y2 - g_out
+        dp_g, da = g_vjp(dy2)
+        dy1 = dy1 + da
+        f_out, f_vjp = jax.vjp(lambda p, b, m: _branches(static, p, m)[0](b), p, x2, mask)
+        x1 = y1 - f_out
+        dp_f, db, dm = f_vjp(dy1)
+        dmask = dmask if dm is None else dmask + dm
+        dp = jax.tree_util.tree_map(jnp.add, dp_f, dp_g)
+        return (x1, x2, dy1, dy2 + db, dmask), dp
+
+    dmask0 = None if mask is None else jnp.zeros_like(mask)
+    (_, _, dx1, dx2, dmask), dparams = jax.lax.scan(
+        body, (y1, y2, dy1, dy2, dmask0), params, reverse=True)
+    return dparams, dx1, dx2, dmask
+
+
+_reversible.defvjp(_reversible_fwd, _reversible_bwd)
