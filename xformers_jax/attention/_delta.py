@@ -122,7 +122,8 @@ def delta_rule_attention(
     beta = jax.nn.sigmoid(check_per_position(name, "beta_logits", beta_logits, x.lk))
     root_scale = math.sqrt(C.resolve_scale(x.dk, scale))
     fq = _features(fm, x.q, feature_arrays, root_scale, eps)
-    fk = _features(fm, x.k, feature_arrays, root_scale, eps)
+    k_in = x.k if kv_mask is None else jnp.where(kv_mask[:, None], x.k, 0)
+    fk = _features(fm, k_in, feature_arrays, root_scale, eps)
     vf = x.v.astype(C.STATS_DTYPE)
     if kv_mask is not None:
         beta = jnp.where(kv_mask, beta, 0.0)

@@ -100,7 +100,12 @@ def _prepare(name, q, k, v, arrays, feature_map, causal, kv_mask, scale, gate_lo
     root_scale = math.sqrt(C.resolve_scale(x.dk, scale))
     ld, key_log_weight = _gates(name, x.lk, gate_logits, log_decay, kv_mask)
     fq = _query_features(fm, x.q, arrays, root_scale)
-    phi_k = fm.fn(x.k.astype(C.STATS_DTYPE) * root_scale, *arrays)
+    k_in = x.k.astype(C.STATS_DTYPE)
+    if kv_mask is not None:
+        # Zero padded keys before the map too: a feature that overflows on junk would turn the
+        # zero cotangent of the masked-out branch below into NaN.
+        k_in = jnp.where(kv_mask[:, None], k_in, 0.0)
+    phi_k = fm.fn(k_in * root_scale, *arrays)
     if fm.log_space:
         if key_log_weight is not None:
             phi_k = phi_k + key_log_weight[:, None]
