@@ -36,6 +36,7 @@ from ._positions import T5Bias as T5Bias
 from ._positions import TransformerXLRelative as TransformerXLRelative
 from ._positions import t5_bucket as t5_bucket
 from ._precision import Policy as Policy
+from . import _variants  # noqa: F401  (registers the other attention families)
 from ._registry import AttentionSpec as AttentionSpec
 from ._registry import Variant as Variant
 from ._registry import get_variant as get_variant
