@@ -1,0 +1,195 @@
+"""xformers_jax.train: learning, exact resume after SIGTERM and crashes, configs, metrics."""
+
+import os
+import signal
+import struct
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from xformers_jax import data, nn, train
+
+
+def _tiny_config(steps=8):
+    c = train.base_config("listops")
+    c.data.update(dict(num_train=48, num_eval=16, num_test=16, min_length=8, max_length=24,
+                       max_depth=3, max_args=3))
+    c.model.update(dict(dim=16, num_layers=1, num_heads=2, hidden=32, pooling="mean"))
+    c.optim.update(dict(learning_rate=3e-3, warmup_steps=2, schedule="rsqrt"))
+    c.update(dict(batch_size=8, num_microbatches=2, num_train_steps=steps, log_every=1,
+                  eval_every=4, checkpoint_every=2, keep_checkpoints=2))
+    c.lock()
+    return c
+
+
+def _final_state(config, workdir):
+    task = train.make_task(config.data, config.seed)
+    model = train.build_model(config.model, task, jax.random.PRNGKey(1))
+    schedule = train.make_schedule("constant", learning_rate=1.0, warmup_steps=1, total_steps=1)
+    template = train.create_train_state(
+        model, train.make_optimizer(schedule, weight_decay=0.1, grad_clip_norm=1.0),
+        jax.random.PRNGKey(2))
+    checkpointer = train.Checkpointer(workdir)
+    try:
+        return checkpointer.restore_latest(template)
+    finally:
+        checkpointer.close()
+
+
+def _rows(workdir):
+    # A restarted run logs again the steps after its last checkpoint: keep the last row per
+    # (step, kind of row), as a reader of the log would.
+    rows = {}
+    for row in train.read_jsonl(os.path.join(workdir, "metrics.jsonl")):
+        rows[(row["step"], tuple(sorted(k for k in row if k not in ("step",
+                                                                    "steps_per_second"))))] = row
+    return {k: {m: v for m, v in r.items() if m != "steps_per_second"} for k, r in rows.items()}
+
+
+class _Crash(Exception):
+    pass
+
+
+def test_resume_after_sigterm_and_crash_matches_uninterrupted_run(tmp_path):
+    config = _tiny_config()
+    straight = train.train_and_evaluate(config, str(tmp_path / "a"))
+
+    resumed_dir = str(tmp_path / "b")
+
+    def sigterm_at_3(step):
+        if step == 3:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    first = train.train_and_evaluate(config, resumed_dir, on_step=sigterm_at_3)
+    assert first == {"preempted": True, "step": 3}
+
+    def crash_at_5(step):  # after the checkpoint at 4: steps 5.. are lost and redone
+        if step == 5:
+            raise _Crash
+
+    with pytest.raises(_Crash):
+        train.train_and_evaluate(config, resumed_dir, on_step=crash_at_5)
+    resumed = train.train_and_evaluate(config, resumed_dir)
+
+    assert resumed == straight
+    assert _rows(resumed_dir) == _rows(str(tmp_path / "a"))
+    (state_a, data_a), (state_b, data_b) = (_final_state(config, str(tmp_path / d))
+                                            for d in ("a", "b"))
+    assert data_a == data_b and int(state_b.step) == 8
+    for x, y in zip(jax.tree.leaves(state_a), jax.tree.leaves(state_b)):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    assert sorted(os.listdir(os.path.join(resumed_dir, "checkpoints"))) == ["6", "8"]
+
+
+def test_tiny_classifier_learns_in_a_few_steps():
+    # The label is the first token's parity: learnable in a few dozen steps.
+    rng = np.random.default_rng(0)
+    inputs = rng.integers(1, 9, (64, 12)).astype(np.int32)
+    source = data.ArraySource({"inputs": inputs, "targets": (inputs[:, 0] % 2).astype(np.int32)})
+    task = train.Task(source, source, source, vocab_size=10, num_classes=2, seq_len=12,
+                      padded=True)
+    c = _tiny_config().model
+    model = train.build_model(c, task, jax.random.PRNGKey(0))
+    optimizer = train.make_optimizer(
+        train.make_schedule("constant", learning_rate=1e-2, warmup_steps=1, total_steps=60),
+        weight_decay=0.0, grad_clip_norm=1.0)
+    state = train.create_train_state(model, optimizer, jax.random.PRNGKey(1))
+    step = train.make_train_step(train.make_loss_fn(task), optimizer)
+    it = data.DataIterator(source, batch_size=32, seed=0)
+    losses = []
+    for _ in range(60):
+        state, metrics = step(state, next(it))
+        losses.append(float(metrics["loss"]))
+    assert int(state.step) == 60
+    assert np.mean(losses[-5:]) < 0.5 * np.mean(losses[:5])
+
+
+def test_microbatches_match_one_big_batch():
+    rng = np.random.default_rng(1)
+    inputs = rng.integers(1, 9, (8, 10)).astype(np.int32)
+    batch = {"inputs": inputs, "targets": (inputs[:, 0] % 2).astype(np.int32)}
+    source = data.ArraySource(batch)
+    task = train.Task(source, source, source, vocab_size=10, num_classes=2, seq_len=10,
+                      padded=True)
+    optimizer = train.make_optimizer(
+        train.make_schedule("constant", learning_rate=1e-2, warmup_steps=1, total_steps=1),
+        weight_decay=0.1, grad_clip_norm=0.0)
+    outs = []
+    for n in (1, 4):
+        # A fresh model each time: the step donates the state's buffers.
+        model = train.build_model(_tiny_config().model, task, jax.random.PRNGKey(0))
+        state = train.create_train_state(model, optimizer, jax.random.PRNGKey(1))
+        new, metrics = train.make_train_step(train.make_loss_fn(task), optimizer,
+                                             num_microbatches=n)(state, batch)
+        outs.append((new, metrics))
+    (a, ma), (b, mb) = outs
+    np.testing.assert_allclose(ma["loss"], mb["loss"], rtol=1e-5)
+    for x, y in zip(jax.tree.leaves(a.model), jax.tree.leaves(b.model)):
+        np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-6)
+
+
+def test_schedules():
+    rsqrt = train.make_schedule("rsqrt", learning_rate=1.0, warmup_steps=4, total_steps=100)
+    np.testing.assert_allclose([float(rsqrt(s)) for s in (0, 3, 15)], [0.25, 1.0, 0.5],
+                               rtol=1e-6)
+    cosine = train.make_schedule("cosine", learning_rate=1.0, warmup_steps=4, total_steps=100)
+    assert float(cosine(4)) == pytest.approx(1.0) and float(cosine(100)) == pytest.approx(0.0)
+    with pytest.raises(ValueError, match="schedule must be one of"):
+        train.make_schedule("linear", learning_rate=1.0, warmup_steps=1, total_steps=2)
+
+
+def test_config_validation():
+    train.validate_config(_tiny_config())
+    c = train.base_config("listops")
+    c.data.max_lenght = 5  # a typo: not silently ignored
+    with pytest.raises(ValueError, match=r"unknown config keys: \['data.max_lenght'\]"):
+        train.validate_config(c)
+    c = train.base_config("pathfinder")
+    del c.optim["b2"]
+    with pytest.raises(ValueError, match=r"missing config keys: \['optim.b2'\]"):
+        train.validate_config(c)
+    c = train.base_config("text")
+    c.optim.schedule = "step"
+    with pytest.raises(ValueError, match="optim.schedule"):
+        train.validate_config(c)
+    c = train.base_config("image")
+    c.batch_size, c.num_microbatches = 10, 3
+    with pytest.raises(ValueError, match="not divisible"):
+        train.validate_config(c)
+    with pytest.raises(ValueError, match="task must be one of"):
+        train.base_config("mnist")
+    locked = _tiny_config()
+    with pytest.raises(AttributeError):
+        locked.new_key = 1
+
+
+def _read_tfrecords(path):
+    records = []
+    with open(path, "rb") as fh:
+        blob = fh.read()
+    i = 0
+    while i < len(blob):
+        (length,) = struct.unpack("<Q", blob[i:i + 8])
+        (length_crc,) = struct.unpack("<I", blob[i + 8:i + 12])
+        payload = blob[i + 12:i + 12 + length]
+        (payload_crc,) = struct.unpack("<I", blob[i + 12 + length:i + 16 + length])
+        assert length_crc == train._metrics.masked_crc32c(blob[i:i + 8])
+        assert payload_crc == train._metrics.masked_crc32c(payload)
+        records.append(payload)
+        i += 16 + length
+    return records
+
+
+def test_metric_writer_jsonl_and_tfevents(tmp_path):
+    assert train.crc32c(b"123456789") == 0xE3069283  # the CRC-32C check value
+    writer = train.MetricWriter(str(tmp_path))
+    writer.write(3, {"loss": jnp.float32(0.5), "accuracy": np.float64(0.25)})
+    writer.close()
+    assert train.read_jsonl(writer.jsonl_path) == [{"step": 3, "loss": 0.5, "accuracy": 0.25}]
+    records = _read_tfrecords(writer.events_path)
+    assert len(records) == 2 and b"brain.Event:2" in records[0]
+    summary = records[1]
+    assert b"loss" in summary and struct.pack("<f", 0.5) in summary
+    assert struct.pack("<f", 0.25) in summary

@@ -1,0 +1,24 @@
+"""Training: train state, optimizers and schedules, the jitted step, orbax checkpoints,
+metrics (JSONL and TensorBoard), tasks and the loop behind ``experiments/train.py``."""
+
+from ._checkpoint import Checkpointer as Checkpointer
+from ._config import DATA_SCHEMAS as DATA_SCHEMAS
+from ._config import base_config as base_config
+from ._config import validate_config as validate_config
+from ._loop import evaluate as evaluate
+from ._loop import train_and_evaluate as train_and_evaluate
+from ._metrics import MetricWriter as MetricWriter
+from ._metrics import crc32c as crc32c
+from ._metrics import read_jsonl as read_jsonl
+from ._metrics import tfrecord as tfrecord
+from ._optim import make_optimizer as make_optimizer
+from ._optim import make_schedule as make_schedule
+from ._state import TrainState as TrainState
+from ._state import create_train_state as create_train_state
+from ._step import make_eval_step as make_eval_step
+from ._step import make_train_step as make_train_step
+from ._tasks import Task as Task
+from ._tasks import build_model as build_model
+from ._tasks import make_loss_fn as make_loss_fn
+from ._tasks import make_metrics_fn as make_metrics_fn
+from ._tasks import make_task as make_task

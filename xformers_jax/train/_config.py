@@ -1,0 +1,88 @@
+"""The trainer's config schema: every key is consumed, an unknown or missing key is an error.
+
+``base_config(task)`` returns the full, defaulted ``ml_collections.ConfigDict`` for a task;
+experiment configs (``experiments/configs/**.py``) change its values and lock it. The trainer
+calls ``validate_config`` before anything else, so a misspelt key (the LRA code's silently
+ignored settings, CATALOG.md) stops the run instead of training the wrong thing.
+Only ``model.attention`` is open: ``kind`` plus that variant's hyperparameters, which the
+attention registry (``xformers_jax.nn``) checks when the model is built.
+"""
+
+from __future__ import annotations
+
+import ml_collections
+
+from ._optim import SCHEDULES
+
+# Per task: the data keys and their defaults.
+DATA_SCHEMAS = {
+    "listops": dict(num_train=96_000, num_eval=2_000, num_test=2_000, min_length=500,
+                    max_length=2000, max_depth=10, max_args=10),
+    "pathfinder": dict(num_train=160_000, num_eval=20_000, num_test=20_000, size=32,
+                       difficulty="hard"),
+    "text": dict(source="stdlib", data_dir="", seq_len=4000, num_train=25_000,
+                 num_eval=2_500, num_test=2_500),
+    "retrieval": dict(data_dir="", seq_len=4000),
+    "image": dict(data_dir=""),
+}
+POOLINGS = ("cls", "mean")
+
+
+def base_config(task: str) -> ml_collections.ConfigDict:
+    """Every key the trainer reads, with defaults, for ``task`` (a key of ``DATA_SCHEMAS``)."""
+    if task not in DATA_SCHEMAS:
+        raise ValueError(f"task must be one of {sorted(DATA_SCHEMAS)}, got {task!r}")
+    c = ml_collections.ConfigDict()
+    c.seed = 0
+    c.data = ml_collections.ConfigDict(dict(task=task, **DATA_SCHEMAS[task]))
+    c.model = ml_collections.ConfigDict(dict(
+        dim=512, num_layers=4, num_heads=8, hidden=1024, pooling="cls",
+        attention=ml_collections.ConfigDict(dict(kind="dot_product"))))
+    c.optim = ml_collections.ConfigDict(dict(
+        learning_rate=1e-3, schedule="rsqrt", warmup_steps=1000, weight_decay=0.1,
+        grad_clip_norm=1.0, b1=0.9, b2=0.98))
+    c.batch_size = 32
+    c.num_microbatches = 1
+    c.num_train_steps = 10_000
+    c.log_every = 50
+    c.eval_every = 1000
+    c.checkpoint_every = 1000
+    c.keep_checkpoints = 3
+    c.tensorboard = True
+    return c
+
+
+def _compare(config, reference, path=""):
+    got, want = set(config.keys()), set(reference.keys())
+    if got - want:
+        raise ValueError(f"unknown config keys: {sorted(path + k for k in got - want)}")
+    if want - got:
+        raise ValueError(f"missing config keys: {sorted(path + k for k in want - got)}")
+    for k in want:
+        if k == "attention" and path == "model.":
+            continue
+        if isinstance(reference[k], ml_collections.ConfigDict):
+            if not isinstance(config[k], ml_collections.ConfigDict):
+                raise ValueError(f"config key {path + k} must be a section")
+            _compare(config[k], reference[k], f"{path}{k}.")
+
+
+def validate_config(config: ml_collections.ConfigDict) -> None:
+    """ValueError naming the first unknown / missing key or bad value."""
+    if "data" not in config or "task" not in config.data:
+        raise ValueError("config needs data.task")
+    _compare(config, base_config(config.data.task))
+    if "kind" not in config.model.attention:
+        raise ValueError("model.attention needs a 'kind'")
+    if config.optim.schedule not in SCHEDULES:
+        raise ValueError(f"optim.schedule must be one of {SCHEDULES}, got "
+                         f"{config.optim.schedule!r}")
+    if config.model.pooling not in POOLINGS:
+        raise ValueError(f"model.pooling must be one of {POOLINGS}, got {config.model.pooling!r}")
+    if config.batch_size % config.num_microbatches:
+        raise ValueError(f"batch_size={config.batch_size} is not divisible by "
+                         f"num_microbatches={config.num_microbatches}")
+    for name in ("num_train_steps", "log_every", "eval_every", "checkpoint_every",
+                 "keep_checkpoints", "batch_size", "num_microbatches"):
+        if config[name] < 1:
+            raise ValueError(f"{name} must be >= 1, got {config[name]}")

@@ -1,0 +1,77 @@
+"""The jitted train step (gradient accumulation over micro-batches) and the eval step."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import optax
+
+from ._state import TrainState
+
+# loss_fn(model, batch, key) -> (scalar loss, {metric name: scalar}).
+LossFn = Callable
+
+
+def _split_microbatches(batch, num_microbatches: int):
+    def split(x):
+        if x.shape[0] % num_microbatches:
+            raise ValueError(f"batch size {x.shape[0]} is not divisible by "
+                             f"num_microbatches={num_microbatches}")
+        return x.reshape(num_microbatches, x.shape[0] // num_microbatches, *x.shape[1:])
+    return jax.tree.map(split, batch)
+
+
+def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, *,
+                    num_microbatches: int = 1):
+    """``step(state, batch) -> (state, metrics)``, jitted, donating the old state's buffers.
+
+    With ``num_microbatches > 1`` the batch is cut into equal micro-batches whose gradients and
+    metrics are averaged in a ``lax.scan`` (one micro-batch's activations live at a time); the
+    update equals one step on the whole batch when the loss is a mean over examples.
+    Metrics are the loss function's plus ``loss`` and ``grad_norm``.
+    """
+    grad_fn = eqx.filter_value_and_grad(loss_fn, has_aux=True)
+
+    def step(state: TrainState, batch):
+        key, step_key = jax.random.split(state.key)
+        if num_microbatches == 1:
+            (loss, metrics), grads = grad_fn(state.model, batch, step_key)
+        else:
+            micro = _split_microbatches(batch, num_microbatches)
+            keys = jax.random.split(step_key, num_microbatches)
+            params, static = eqx.partition(state.model, eqx.is_inexact_array)
+
+            def accumulate(carry, xs):
+                mb, k = xs
+                (loss, metrics), grads = grad_fn(eqx.combine(params, static), mb, k)
+                grads = eqx.filter(grads, eqx.is_inexact_array)
+                return jax.tree.map(jnp.add, carry, (loss, metrics, grads)), None
+
+            first = jax.tree.map(lambda x: x[0], micro)
+            aux, _ = eqx.filter_eval_shape(grad_fn, state.model, first, keys[0])
+            zeros = (*jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), aux),
+                     jax.tree.map(jnp.zeros_like, params))
+            (loss, metrics, grads), _ = jax.lax.scan(
+                accumulate, zeros, (micro, keys))
+            loss, metrics, grads = jax.tree.map(lambda x: x / num_microbatches,
+                                                (loss, metrics, grads))
+        params = eqx.filter(state.model, eqx.is_inexact_array)
+        updates, opt_state = optimizer.update(grads, state.opt_state, params)
+        model = eqx.apply_updates(state.model, updates)
+        metrics = dict(metrics, loss=loss, grad_norm=optax.tree.norm(grads))
+        return TrainState(step=state.step + 1, model=model, opt_state=opt_state,
+                          key=key), metrics
+
+    # filter_jit's donate="all-except-first" keeps argument 0: put the batch first so that
+    # the state's buffers are the ones donated (the step's output reuses them).
+    jitted = eqx.filter_jit(lambda batch, state: step(state, batch),
+                            donate="all-except-first")
+    return lambda state, batch: jitted(batch, state)
+
+
+def make_eval_step(metrics_fn: Callable):
+    """``eval_step(model, batch) -> {name: sum over the batch}`` (jitted, no randomness)."""
+    return eqx.filter_jit(metrics_fn)
