@@ -193,3 +193,28 @@ def test_metric_writer_jsonl_and_tfevents(tmp_path):
     summary = records[1]
     assert b"loss" in summary and struct.pack("<f", 0.5) in summary
     assert struct.pack("<f", 0.25) in summary
+
+
+def test_lra_listops_config_and_plot(tmp_path):
+    from experiments import plot
+    from experiments.configs.lra import listops
+
+    for arg in (None, "runlocal", "local,runlocal", "flash"):
+        config = listops.get_config(arg)
+        train.validate_config(config)
+        nn.AttentionSpec.from_config(config.model.attention.to_dict())
+    assert listops.get_config("local,runlocal").model.attention.left == 8
+    assert listops.get_config(None).data.max_length == 2000
+    with pytest.raises(ValueError, match="VARIANT"):
+        listops.get_config("performr")
+    with pytest.raises(AttributeError):
+        listops.get_config("runlocal").optim.learning_rat = 1.0
+    writer = train.MetricWriter(str(tmp_path), tensorboard=False)
+    for step, loss in ((1, 2.0), (2, 1.5), (2, 1.4)):
+        writer.write(step, {"train_loss": loss})
+    writer.close()
+    assert plot.curves(str(tmp_path), "train_loss") == ([1, 2], [2.0, 1.4])
+    out = str(tmp_path / "curves.png")
+    plot.plot([str(tmp_path)], ["train_loss"], out)
+    with open(out, "rb") as fh:
+        assert fh.read(8) == b"\x89PNG\r\n\x1a\n"
