@@ -24,6 +24,7 @@ from xformers_jax.attention import (
     multihead,
     nystrom_attention,
 )
+from xformers_jax.attention._nystrom import depthwise_conv_skip
 
 L, D = 32, 8
 
@@ -60,17 +61,24 @@ _P = init_luna_sequence(jax.random.PRNGKey(8), 6, D)
 _CONV = init_nystrom_conv(jax.random.PRNGKey(9), 5)
 _KEY = jax.random.PRNGKey(3)
 
+
+def _jit(fn):
+    # Jitted, so each test compiles one program instead of dispatching op by op.
+    return jax.jit(fn, static_argnames=("causal",))
+
+
 # name -> (fn taking q, k, v and contract keywords, whether it offers causal)
 VARIANTS = {
-    "linformer": (lambda q, k, v, **kw: linformer_attention(q, k, v, _E, _F, **kw), False),
-    "nystrom": (lambda q, k, v, **kw: nystrom_attention(q, k, v, _CONV, num_landmarks=4, **kw),
-                False),
-    "luna": (lambda q, k, v, **kw: luna_attention(q, k, v, _P, chunk_size=8, **kw), True),
-    "clustered": (lambda q, k, v, **kw: clustered_attention(q, k, v, num_clusters=4, key=_KEY,
-                                                            **kw), False),
+    "linformer": (_jit(lambda q, k, v, **kw: linformer_attention(q, k, v, _E, _F, **kw)),
+                  False),
+    "nystrom": (_jit(lambda q, k, v, **kw: nystrom_attention(q, k, v, _CONV, num_landmarks=4,
+                                                             **kw)), False),
+    "luna": (_jit(lambda q, k, v, **kw: luna_attention(q, k, v, _P, chunk_size=8, **kw)), True),
+    "clustered": (_jit(lambda q, k, v, **kw: clustered_attention(q, k, v, num_clusters=4,
+                                                                 key=_KEY, **kw)), False),
     "improved_clustered": (
-        lambda q, k, v, **kw: improved_clustered_attention(q, k, v, num_clusters=4, topk=5,
-                                                           key=_KEY, **kw), False),
+        _jit(lambda q, k, v, **kw: improved_clustered_attention(q, k, v, num_clusters=4, topk=5,
+                                                                key=_KEY, **kw)), False),
 }
 
 
@@ -136,13 +144,21 @@ def test_luna_causal_packs_each_prefix():
         assert_close(out[t : t + 1], ref, err_msg=f"position {t}")
 
 
+def test_nystrom_conv_skip_is_a_same_padded_correlation():
+    v = np.asarray(jax.random.normal(jax.random.PRNGKey(2), (20, 3)))
+    w = np.asarray(_CONV)
+    ref = np.stack([np.correlate(np.pad(v[:, c], 2), w, mode="valid") for c in range(3)], 1)
+    np.testing.assert_allclose(depthwise_conv_skip(jnp.asarray(v), _CONV), ref, atol=1e-5)
+
+
 def test_nystrom_padding_is_excluded_from_landmarks():
     # A padded sequence gives the landmarks, and so the outputs, of its unpadded prefix,
     # whatever the length modulo the landmark count.
     q, k, v = _qkv(lq=29, lk=29)
     mask = jnp.arange(29) < 19
-    out = nystrom_attention(q, k, v, num_landmarks=5, kv_mask=mask, q_mask=mask)
-    ref = nystrom_attention(q[:19], k[:19], v[:19], num_landmarks=5)
+    nystrom = jax.jit(functools.partial(nystrom_attention, num_landmarks=5))
+    out = nystrom(q, k, v, kv_mask=mask, q_mask=mask)
+    ref = nystrom(q[:19], k[:19], v[:19])
     assert_close(out[:19], ref)
 
 
@@ -166,7 +182,8 @@ def test_linformer_error_falls_with_rank():
 def test_nystrom_error_falls_with_landmarks():
     q, k, v = _smooth()
     ref = dot_product_attention(q, k, v)
-    errors = [_rel_err(nystrom_attention(q, k, v, num_landmarks=m), ref) for m in (4, 8, 16, 32)]
+    errors = [_rel_err(jax.jit(functools.partial(nystrom_attention, num_landmarks=m))(q, k, v),
+                       ref) for m in (4, 8, 16, 32)]
     _falls(errors)
     assert errors[-1] < 0.05
 
@@ -178,11 +195,12 @@ def test_clustered_error_falls_with_clusters():
     q = q + 0.05 * jax.random.normal(keys[2], q.shape)
     k, v = jax.random.normal(keys[3], (2, 64, 16))
     ref = dot_product_attention(q, k, v)
-    errors = [_rel_err(clustered_attention(q, k, v, num_clusters=c, key=_KEY), ref)
-              for c in (1, 4, 16, 64)]
+    clustered = lambda c: jax.jit(functools.partial(clustered_attention, num_clusters=c))
+    errors = [_rel_err(clustered(c)(q, k, v, key=_KEY), ref) for c in (1, 4, 16, 64)]
     _falls(errors)
-    improved = [_rel_err(improved_clustered_attention(q, k, v, num_clusters=4, topk=t, key=_KEY),
-                         ref) for t in (1, 8, 32)]
+    improved = lambda t: jax.jit(functools.partial(improved_clustered_attention, num_clusters=4,
+                                                   topk=t))
+    improved = [_rel_err(improved(t)(q, k, v, key=_KEY), ref) for t in (1, 8, 32)]
     _falls(improved)
     assert improved[0] <= errors[1] + 1e-6
 

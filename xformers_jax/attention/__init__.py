@@ -43,6 +43,9 @@ from ._luna import init_luna_sequence as init_luna_sequence
 from ._luna import luna_attention as luna_attention
 from ._nystrom import init_nystrom_conv as init_nystrom_conv
 from ._nystrom import nystrom_attention as nystrom_attention
+from ._probsparse import probsparse_attention as probsparse_attention
+from ._synthesizer import init_synthesizer as init_synthesizer
+from ._synthesizer import synthesizer_attention as synthesizer_attention
 # --- learned sparsity family (issue 6) ---
 from ._lsh import init_lsh_rotations as init_lsh_rotations
 from ._lsh import lsh_attention as lsh_attention
