@@ -24,6 +24,7 @@ from ._rules import DEFAULT_PARAM_RULES as DEFAULT_PARAM_RULES
 from ._rules import constrain as constrain
 from ._rules import logical_sharding as logical_sharding
 from ._rules import logical_to_spec as logical_to_spec
+from ._rules import optimizer_shardings as optimizer_shardings
 from ._rules import param_logical_names as param_logical_names
 from ._rules import param_shardings as param_shardings
 from ._rules import path_string as path_string

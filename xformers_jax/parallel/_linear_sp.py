@@ -101,9 +101,10 @@ def sequence_parallel_linear_attention(
     fq, fk, v_aug, ld = (jnp.pad(a, [(0, length - x.lq)] + [(0, 0)] * (a.ndim - 1))
                          for a in (fq, fk, v_aug, ld))
     spec = P(axis_name)
-    out = jax.shard_map(
+    # jit: a shard_map over some of the mesh axes cannot run eagerly.
+    out = jax.jit(jax.shard_map(
         functools.partial(_local, axis_name, n, chunk_size, eps, fm.positive, x.dv),
         mesh=mesh, in_specs=(spec,) * 4, out_specs=spec, axis_names=frozenset({axis_name}),
         check_vma=False,
-    )(fq, fk, v_aug, ld)
+    ))(fq, fk, v_aug, ld)
     return out[: x.lq].astype(x.q.dtype)

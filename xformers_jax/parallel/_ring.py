@@ -252,10 +252,11 @@ def ring_attention(
         q_, k_, v_, mask = q_[perm], k_[perm], v_[perm], mask[perm]
     r = _Ring(axis_name, n, bool(causal), float(scale), block_q, block_k)
     spec = P(axis_name)
-    out = jax.shard_map(
+    # jit: a shard_map over some of the mesh axes cannot run eagerly.
+    out = jax.jit(jax.shard_map(
         functools.partial(_ring, r), mesh=mesh, in_specs=(spec,) * 4, out_specs=spec,
         axis_names=frozenset({axis_name}), check_vma=False,
-    )(q_, k_, v_, mask)
+    ))(q_, k_, v_, mask)
     if causal:
         out = out[jnp.argsort(perm)]
     return out[: x.lq]

@@ -179,3 +179,19 @@ def param_shardings(tree, patterns, rules, mesh: Mesh):
         names,
         is_leaf=lambda n: isinstance(n, _Names),
     )
+
+
+def optimizer_shardings(optimizer, opt_state, param_shardings_tree, mesh: Mesh):
+    """Shardings for an optax state: parameter-shaped leaves (Adam's moments, ...) follow their
+    parameter's sharding, so FSDP shards optimizer state too; other leaves are replicated."""
+    import optax
+
+    replicated = NamedSharding(mesh, PartitionSpec())
+    return optax.tree_map_params(
+        optimizer,
+        lambda _, s: s,
+        opt_state,
+        param_shardings_tree,
+        transform_non_params=lambda _: replicated,
+        is_leaf=lambda x: isinstance(x, NamedSharding),
+    )
