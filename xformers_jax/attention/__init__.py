@@ -41,6 +41,8 @@ from ._linformer import init_linformer_projections as init_linformer_projections
 from ._linformer import linformer_attention as linformer_attention
 from ._luna import init_luna_sequence as init_luna_sequence
 from ._luna import luna_attention as luna_attention
+from ._memory_compressed import init_memory_compression as init_memory_compression
+from ._memory_compressed import memory_compressed_attention as memory_compressed_attention
 from ._nystrom import init_nystrom_conv as init_nystrom_conv
 from ._nystrom import nystrom_attention as nystrom_attention
 from ._probsparse import probsparse_attention as probsparse_attention
