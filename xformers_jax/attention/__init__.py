@@ -45,6 +45,7 @@ from ._memory_compressed import init_memory_compression as init_memory_compressi
 from ._memory_compressed import memory_compressed_attention as memory_compressed_attention
 from ._nystrom import init_nystrom_conv as init_nystrom_conv
 from ._nystrom import nystrom_attention as nystrom_attention
+from ._poolingformer import poolingformer_attention as poolingformer_attention
 from ._probsparse import probsparse_attention as probsparse_attention
 from ._synthesizer import init_synthesizer as init_synthesizer
 from ._synthesizer import synthesizer_attention as synthesizer_attention
