@@ -39,6 +39,8 @@ from ._clustered import clustered_attention as clustered_attention
 from ._clustered import improved_clustered_attention as improved_clustered_attention
 from ._linformer import init_linformer_projections as init_linformer_projections
 from ._linformer import linformer_attention as linformer_attention
+from ._long_short import init_long_short_projection as init_long_short_projection
+from ._long_short import long_short_attention as long_short_attention
 from ._luna import init_luna_sequence as init_luna_sequence
 from ._luna import luna_attention as luna_attention
 from ._memory_compressed import init_memory_compression as init_memory_compression
