@@ -51,6 +51,11 @@ from ._poolingformer import poolingformer_attention as poolingformer_attention
 from ._probsparse import probsparse_attention as probsparse_attention
 from ._synthesizer import init_synthesizer as init_synthesizer
 from ._synthesizer import synthesizer_attention as synthesizer_attention
+from ._token_pooling import funnel_attention as funnel_attention
+from ._token_pooling import funnel_pool as funnel_pool
+from ._token_pooling import funnel_upsample as funnel_upsample
+from ._token_pooling import init_token_learner as init_token_learner
+from ._token_pooling import token_learner as token_learner
 # --- learned sparsity family (issue 6) ---
 from ._lsh import init_lsh_rotations as init_lsh_rotations
 from ._lsh import lsh_attention as lsh_attention
