@@ -1,0 +1,109 @@
+"""Every registered attention kind plugs into the same encoder and (where causal) the same
+language model: forward, gradient and jit, parameterised over the one registry."""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import xformers_jax.nn as nn
+from xformers_jax.attention import patterns as P
+
+L = 16
+# Hyperparameters each kind needs at this tiny size (L = max_len = 16).
+HYPERPARAMETERS = {
+    "dot_product": {},
+    "flash": {"block_q": 8, "block_k": 8},
+    "block_sparse": {"pattern": P.Local(4, 4), "block_q": 8, "block_k": 8},
+    "local": {"left": 3},
+    "linear": {"chunk_size": 8},
+    "performer": {"num_features": 16, "chunk_size": 8},
+    "linformer": {"proj_len": 8},
+    "nystrom": {"num_landmarks": 4, "kernel_size": 3},
+    "luna": {"length": 4, "chunk_size": 8},
+    "clustered": {"num_clusters": 4},
+    "improved_clustered": {"num_clusters": 4, "topk": 4},
+    "lsh": {"num_buckets": 4, "chunk_size": 4},
+    "sinkhorn": {"block_size": 4},
+    "entmax": {},
+    "topk": {"top_k": 4},
+    "adaptive_span": {"max_span": 8, "ramp": 2},
+    "dam": {},
+}
+KINDS = sorted(nn.registered_variants())
+CAUSAL_KINDS = [k for k in KINDS if nn.get_variant(k).causal]
+
+
+def _spec(kind):
+    if kind not in HYPERPARAMETERS:
+        pytest.fail(f"registered kind {kind!r} has no test hyperparameters; add it here")
+    return nn.AttentionSpec(kind, HYPERPARAMETERS[kind])
+
+
+def _finite_grads(grads):
+    leaves = jax.tree_util.tree_leaves(eqx.filter(grads, eqx.is_inexact_array))
+    return leaves and all(bool(jnp.isfinite(g).all()) for g in leaves)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_encoder_classifier_forward_grad_jit(kind):
+    key = jax.random.PRNGKey(0)
+    model = nn.EncoderClassifier(3, 32, 2, 4, 64, pooling="mean", vocab_size=20, max_len=L,
+                                 block=dict(spec=_spec(kind)), key=key)
+    tokens = jax.random.randint(key, (2, L), 0, 20)
+    mask = jnp.arange(L)[None] < jnp.array([[L], [L - 5]])
+
+    @eqx.filter_jit
+    def run(m):
+        def loss(m):
+            logits = m(tokens, mask=mask)
+            return jnp.mean(logits ** 2), logits
+        return eqx.filter_value_and_grad(loss, has_aux=True)(m)
+
+    (loss, logits), grads = run(model)
+    assert logits.shape == (2, 3)
+    assert np.isfinite(float(loss)) and _finite_grads(grads)
+    # The attention weights receive a gradient: the variant is actually in the path.
+    assert float(jnp.abs(grads.encoder.layers.layers.attn.wq).sum()) > 0
+
+
+@pytest.mark.parametrize("kind", CAUSAL_KINDS)
+def test_causal_lm_forward_grad_jit_no_leak(kind):
+    key = jax.random.PRNGKey(1)
+    model = nn.CausalLM(20, 32, 2, 4, 64, max_len=L, block=dict(spec=_spec(kind)), key=key)
+    tokens = jax.random.randint(key, (2, L), 0, 20)
+    changed = tokens.at[:, -1].set((tokens[:, -1] + 1) % 20)
+
+    @eqx.filter_jit
+    def run(m):
+        def loss(m):
+            logits = m(tokens)
+            return jnp.mean(jax.nn.logsumexp(logits, -1)), (logits, m(changed))
+        return eqx.filter_value_and_grad(loss, has_aux=True)(m)
+
+    (loss, (a, b)), grads = run(model)
+    assert np.isfinite(float(loss)) and _finite_grads(grads)
+    # Changing the last token changes no earlier logit.
+    np.testing.assert_allclose(np.asarray(a[:, :-1]), np.asarray(b[:, :-1]), atol=1e-5)
+    assert not np.allclose(np.asarray(a[:, -1]), np.asarray(b[:, -1]))
+
+
+@pytest.mark.parametrize("kind", sorted(set(KINDS) - set(CAUSAL_KINDS)))
+def test_non_causal_kinds_are_rejected_in_a_language_model(kind):
+    with pytest.raises(NotImplementedError, match="does not support causal=True"):
+        nn.CausalLM(20, 32, 2, 4, 64, max_len=L, block=dict(spec=_spec(kind)),
+                    key=jax.random.PRNGKey(0))
+
+
+def test_spec_from_config_and_errors():
+    spec = nn.AttentionSpec.from_config({"kind": "local", "left": 4})
+    assert spec == nn.AttentionSpec("local", {"left": 4}) and hash(spec) == hash(
+        nn.AttentionSpec("local", {"left": 4}))
+    with pytest.raises(ValueError, match="unknown attention kind 'nope'"):
+        nn.AttentionSpec("nope")
+    with pytest.raises(ValueError, match="missing 'kind'"):
+        nn.AttentionSpec.from_config({"left": 4})
+    with pytest.raises(ValueError, match=r"unknown hyperparameters \['window'\]"):
+        nn.MultiHeadAttention(32, 4, spec=nn.AttentionSpec("local", {"window": 3}),
+                              key=jax.random.PRNGKey(0))
