@@ -35,6 +35,8 @@ from ._linear import linear_attention_init_state as linear_attention_init_state
 from ._linear import linear_attention_step as linear_attention_step
 from ._linear import performer_attention as performer_attention
 # --- low-rank / compression family (issue 5) ---
+from ._lowrank_band import init_lowrank_band as init_lowrank_band
+from ._lowrank_band import lowrank_band_attention as lowrank_band_attention
 from ._clustered import clustered_attention as clustered_attention
 from ._clustered import improved_clustered_attention as improved_clustered_attention
 from ._linformer import init_linformer_projections as init_linformer_projections
