@@ -269,3 +269,22 @@ def test_implementation_dispatch_on_cpu():
         flash_attention(q, q, q, implementation="pallas")
     with pytest.raises(ValueError, match="implementation must be one of"):
         flash_attention(q, q, q, implementation="cuda")
+
+
+def test_lse_output_is_differentiable(key):
+    q, k, v = _qkv(key, 25, 31)
+    mask = jnp.arange(31) < 20
+
+    def via_flash(q, k, v):
+        out, lse = flash_attention(q, k, v, kv_mask=mask, causal=True, return_lse=True, **BLOCKS)
+        return jnp.sum(out**2) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0) * 0.7)
+
+    def via_dense(q, k, v):
+        s = (q @ k.T) / 4.0
+        visible = mask[None] & (jnp.arange(31)[None] <= jnp.arange(25)[:, None])
+        lse = jax.nn.logsumexp(jnp.where(visible, s, -jnp.inf), axis=-1)
+        out = dot_product_attention(q, k, v, kv_mask=mask, causal=True)
+        return jnp.sum(out**2) + jnp.sum(lse * 0.7)
+
+    for a, b in zip(jax.grad(via_flash, (0, 1, 2))(q, k, v), jax.grad(via_dense, (0, 1, 2))(q, k, v)):
+        assert_close(a, b, EXACT_GRAD)

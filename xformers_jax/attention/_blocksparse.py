@@ -142,10 +142,13 @@ def _forward(st: _Static, q, k, v, bias, dyn):
     return _tiles.normalise(acc, l), _tiles.log_sum_exp(m, l)
 
 
-def _backward(st: _Static, q, k, v, bias, dyn, out, lse, d_out):
+def _backward(st: _Static, q, k, v, bias, dyn, out, lse, d_out, d_lse):
     lay = st.layout
     bq, bk = lay.block_q, lay.block_k
+    # d lse_i / d s_ij = p_ij, so a cotangent on the log-sum-exp enters every ds_ij as
+    # p_ij * d_lse_i: the same place as -delta_i in the softmax backward.
     delta = jnp.sum(d_out.astype(STATS_DTYPE) * out.astype(STATS_DTYPE), axis=-1)
+    delta = delta - d_lse.astype(STATS_DTYPE)
     # A row that saw no key has lse = -inf; +inf makes every exp(s - lse) of it zero.
     lse = jnp.where(jnp.isneginf(lse), jnp.inf, lse)
     dq = jnp.zeros(q.shape, STATS_DTYPE)
@@ -214,8 +217,8 @@ def _attend_fwd(st, q, k, v, bias, dyn):
 
 def _attend_bwd(st, res, cotangents):
     q, k, v, bias, dyn, out, lse = res
-    d_out, _ = cotangents  # the log-sum-exp output is a statistic; its cotangent is ignored
-    dq, dk, dv, d_bias = _backward(st, q, k, v, bias, dyn, out, lse, d_out)
+    d_out, d_lse = cotangents
+    dq, dk, dv, d_bias = _backward(st, q, k, v, bias, dyn, out, lse, d_out, d_lse)
     if st.bias_is_array:
         d_bias = d_bias.astype(bias.dtype)
     else:
@@ -227,27 +230,11 @@ def _attend_bwd(st, res, cotangents):
 _attend.defvjp(_attend_fwd, _attend_bwd)
 
 
-def attend_layout(
-    q,
-    k,
-    v,
-    layout: BlockLayout,
-    *,
-    kv_mask=None,
-    segments=None,
-    bias=None,
-    scale: float,
-    dropout_rate: float = 0.0,
-    key=None,
-):
-    """Runs the tiled kernel on checked inputs. Returns ``(out [Lq, Dv], lse f32[Lq])``.
-
-    Inputs are padded to whole tiles here; the layout already masks keys past ``lk``.
-    """
-    lq, lk = q.shape[0], k.shape[0]
+def _prepare(q, k, v, layout, *, kv_mask, segments, bias, scale, dropout_rate, key):
+    """Pads checked inputs to whole tiles and gathers the static and dynamic kernel inputs."""
     lq_p = layout.num_q_blocks * layout.block_q
     lk_p = layout.num_k_blocks * layout.block_k
-    q_p, k_p, v_p = _pad_to(q, lq_p), _pad_to(k, lk_p), _pad_to(v, lk_p)
+    padded = (_pad_to(q, lq_p), _pad_to(k, lk_p), _pad_to(v, lk_p))
     kv_mask_p = _pad_to(kv_mask, lk_p, value=False) if kv_mask is not None else jnp.zeros((0,), bool)
     if segments is not None:
         q_seg, kv_seg = _pad_to(segments[0], lq_p, value=-1), _pad_to(segments[1], lk_p, value=-2)
@@ -271,7 +258,41 @@ def attend_layout(
         has_kv_mask=kv_mask is not None,
         has_segments=segments is not None,
     )
-    masks = jnp.asarray(layout.partial_masks)
-    dyn = (kv_mask_p, q_seg, kv_seg, seed, masks)
+    dyn = (kv_mask_p, q_seg, kv_seg, seed, jnp.asarray(layout.partial_masks))
+    return st, padded, bias_arg, dyn
+
+
+def attend_layout(q, k, v, layout: BlockLayout, *, kv_mask=None, segments=None, bias=None,
+                  scale: float, dropout_rate: float = 0.0, key=None):
+    """Runs the tiled kernel on checked inputs. Returns ``(out [Lq, Dv], lse f32[Lq])``.
+
+    Both outputs are differentiable (a cotangent on ``lse`` is honoured). Inputs are padded to
+    whole tiles here; the layout already masks keys past ``lk``.
+    """
+    st, (q_p, k_p, v_p), bias_arg, dyn = _prepare(
+        q, k, v, layout, kv_mask=kv_mask, segments=segments, bias=bias, scale=scale,
+        dropout_rate=dropout_rate, key=key)
     out, lse = _attend(st, q_p, k_p, v_p, bias_arg, dyn)
-    return out[:lq].astype(q.dtype), lse[:lq]
+    return out[: q.shape[0]].astype(q.dtype), lse[: q.shape[0]]
+
+
+def attend_layout_backward(q, k, v, layout: BlockLayout, out, lse, d_out, *, kv_mask=None,
+                           segments=None, scale: float, d_lse=None):
+    """The kernel's backward pass for one key block, given the FINAL ``out`` and ``lse``.
+
+    For callers that split the keys into blocks, run :func:`attend_layout` on each and merge
+    the results by their log-sum-exp (ring attention): with the merged ``out [Lq, Dv]``,
+    ``lse f32[Lq]`` and the output cotangent ``d_out``, this returns this block's float32
+    contributions ``(dq, dk, dv)`` without storing anything per block. No bias or dropout.
+    """
+    st, (q_p, k_p, v_p), _, dyn = _prepare(
+        q, k, v, layout, kv_mask=kv_mask, segments=segments, bias=None, scale=scale,
+        dropout_rate=0.0, key=None)
+    lq_p = q_p.shape[0]
+    lse_p = _pad_to(lse.astype(STATS_DTYPE), lq_p, value=-jnp.inf)
+    d_lse_p = (jnp.zeros((lq_p,), STATS_DTYPE) if d_lse is None
+               else _pad_to(d_lse.astype(STATS_DTYPE), lq_p))
+    dq, dk, dv, _ = _backward(st, q_p, k_p, v_p, (), dyn, _pad_to(out, lq_p), lse_p,
+                              _pad_to(d_out, lq_p), d_lse_p)
+    lq, lk = q.shape[0], k.shape[0]
+    return dq[:lq], dk[:lk], dv[:lk]

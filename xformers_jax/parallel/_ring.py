@@ -31,7 +31,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from ..attention import _blocksparse, _contract as C, flash_attention
+from ..attention import _contract as C, flash_attention
+from ..attention._blocksparse import attend_layout_backward
 from ..attention._flash import DEFAULT_BLOCK_K, DEFAULT_BLOCK_Q, _block
 from ..attention.patterns import Causal, Full
 from ._axes import SEQUENCE
@@ -69,19 +70,7 @@ def _flash_grads(r: _Ring, q, k, v, mask, out, lse, d_out, causal):
     bq = _block(_NAME, "block_q", r.block_q, lq, DEFAULT_BLOCK_Q)
     bk = _block(_NAME, "block_k", r.block_k, lk, DEFAULT_BLOCK_K)
     layout = (Causal() if causal else Full()).layout(lq, lk, bq, bk)
-    lq_p, lk_p = layout.num_q_blocks * bq, layout.num_k_blocks * bk
-    st = _blocksparse._Static(
-        layout=layout, scale=r.scale, dropout_rate=0.0, bias_fn=None, bias_is_array=False,
-        has_kv_mask=True, has_segments=False,
-    )
-    no_segments = jnp.zeros((0,), jnp.int32)
-    dyn = (_pad(mask, lk_p, False), no_segments, no_segments, jnp.zeros((2,), jnp.uint32),
-           jnp.asarray(layout.partial_masks))
-    dq, dk, dv, _ = _blocksparse._backward(
-        st, _pad(q, lq_p), _pad(k, lk_p), _pad(v, lk_p), (), dyn, _pad(out, lq_p),
-        _pad(lse, lq_p, -jnp.inf), _pad(d_out, lq_p),
-    )
-    return dq[:lq], dk[:lk], dv[:lk]
+    return attend_layout_backward(q, k, v, layout, out, lse, d_out, kv_mask=mask, scale=r.scale)
 
 
 def _case(r: _Ring, s):
