@@ -199,11 +199,11 @@ def test_lra_listops_config_and_plot(tmp_path):
     from experiments import plot
     from experiments.configs.lra import listops
 
-    for arg in (None, "runlocal", "local,runlocal", "flash"):
+    for arg in (None, "runlocal", "local,runlocal", "flash", "performer,main"):
         config = listops.get_config(arg)
         train.validate_config(config)
         nn.AttentionSpec.from_config(config.model.attention.to_dict())
-    assert listops.get_config("local,runlocal").model.attention.left == 8
+    assert listops.get_config("local,runlocal").model.attention.left == 16
     assert listops.get_config(None).data.max_length == 2000
     with pytest.raises(ValueError, match="VARIANT"):
         listops.get_config("performr")
@@ -218,3 +218,152 @@ def test_lra_listops_config_and_plot(tmp_path):
     plot.plot([str(tmp_path)], ["train_loss"], out)
     with open(out, "rb") as fh:
         assert fh.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_dynamic_loss_scale_state_machine():
+    ls = train.DynamicLossScale(init_scale=8.0, growth_interval=3)
+    s = ls.init()
+    s = ls.update(s, jnp.asarray(False))
+    assert float(s.scale) == 4.0 and int(s.good_steps) == 0
+    for expected in (4.0, 4.0, 8.0, 8.0):  # grows on the 3rd finite step in a row
+        s = ls.update(s, jnp.asarray(True))
+        assert float(s.scale) == expected
+    s = ls.update(s, jnp.asarray(False))
+    assert float(s.scale) == 4.0 and int(s.good_steps) == 0
+    small = train.DynamicLossScale(init_scale=1.0, growth_interval=3)
+    assert float(small.update(small.init(), jnp.asarray(False)).scale) == 1.0  # min_scale
+    assert not bool(train.all_finite({"a": jnp.ones(2), "b": jnp.asarray([1.0, jnp.inf])}))
+    with pytest.raises(ValueError, match="backoff"):
+        train.DynamicLossScale(backoff=1.5)
+
+
+def test_train_step_skips_non_finite_gradients_and_grows_the_scale():
+    import equinox as eqx
+
+    model = eqx.nn.Linear(3, 2, key=jax.random.PRNGKey(0))
+
+    def loss_fn(model, batch, key):
+        out = jax.vmap(model)(batch["x"].astype(jnp.float16)).astype(jnp.float32)
+        loss = jnp.mean(out ** 2) * batch["factor"]
+        return loss, {"accuracy": jnp.zeros(())}
+
+    optimizer = train.make_optimizer(
+        train.make_schedule("constant", learning_rate=0.1, warmup_steps=1, total_steps=10),
+        weight_decay=0.0, grad_clip_norm=0.0)
+    ls = train.DynamicLossScale(init_scale=2.0 ** 10, growth_interval=2)
+    step = train.make_train_step(loss_fn, optimizer, loss_scale=ls)
+    state = train.create_train_state(model, optimizer, jax.random.PRNGKey(1), loss_scale=ls)
+    before = [np.asarray(x) for x in jax.tree.leaves((state.model, state.opt_state))]
+    x = np.ones((4, 3), np.float32)
+    state, m = step(state, {"x": x, "factor": np.float32(np.inf)})
+    after = [np.asarray(x) for x in jax.tree.leaves((state.model, state.opt_state))]
+    for a, b in zip(before, after):
+        np.testing.assert_array_equal(a, b)
+    assert float(m["skipped"]) == 1.0 and float(state.loss_scale.scale) == 2.0 ** 9
+    assert int(state.step) == 1
+    scales = []
+    for _ in range(4):
+        previous = np.asarray(state.model.weight)
+        state, m = step(state, {"x": x, "factor": np.float32(1.0)})
+        assert float(m["skipped"]) == 0.0 and np.isfinite(float(m["loss"]))
+        assert not np.array_equal(previous, np.asarray(state.model.weight))
+        scales.append(float(state.loss_scale.scale))
+    assert scales == [2.0 ** 9, 2.0 ** 10, 2.0 ** 10, 2.0 ** 11]
+
+
+def test_float16_training_run_logs_the_loss_scale(tmp_path):
+    config = _tiny_config(steps=4)
+    with config.unlocked():
+        config.num_microbatches = 1
+    config.precision = "float16"
+    config.loss_scale.growth_interval = 2
+    config.plot = False
+    result = train.train_and_evaluate(config, str(tmp_path))
+    assert np.isfinite(result["test_loss"])
+    rows = [r for r in train.read_jsonl(str(tmp_path / "metrics.jsonl"))
+            if "train_loss_scale" in r]
+    assert len(rows) == 4 and all(np.isfinite(r["train_loss"]) for r in rows)
+    config.precision = "float8"
+    with pytest.raises(ValueError, match="precision must be one of"):
+        train.validate_config(config)
+
+
+def test_progress_bar_line():
+    import io
+
+    stream = io.StringIO()
+    bar = train.ProgressBar(10, stream=stream, min_interval_s=0.0, width=10)
+    bar.update(1, loss=2.0)
+    bar.update(5, loss=1.5)
+    bar.message("eval done")
+    bar.update(10, loss=1.0)
+    bar.close()
+    text = stream.getvalue()
+    assert "\r[#####.....] 5/10  50%" in text and "loss 1.5" in text
+    assert "eval done" in text and "ETA" in text and "steps/s" in text
+    assert text.endswith("10/10 100% " + text.split("10/10 100% ")[-1]) and text[-1] == "\n"
+    assert train.format_duration(3723) == "1h02m03s"
+
+
+def _shrink(config):
+    # Tiny splits, so that building the task costs nothing.
+    d = config.data
+    for key, value in dict(num_train=64, num_eval=16, num_test=16).items():
+        if key in d:
+            d[key] = value
+
+
+def _cifar_and_aan_fixtures(root):
+    import pickle
+
+    d = root / "cifar-10-batches-py"
+    d.mkdir()
+    rng = np.random.default_rng(0)
+    for name in [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]:
+        with open(d / name, "wb") as fh:
+            pickle.dump({b"data": rng.integers(0, 256, (20, 3072), dtype=np.uint8),
+                         b"labels": list(rng.integers(0, 10, 20))}, fh)
+    rows = ["label\tid1\tid2\ttext1\ttext2"] + [
+        f"{i % 2}.0\ta{i}\tb{i}\tpaper number {i}\tanother paper {i}" for i in range(40)]
+    for split in ("train", "eval", "test"):
+        (root / f"new_aan_pairs.{split}.tsv").write_text("\n".join(rows) + "\n")
+
+
+@pytest.mark.parametrize("name", ["lra/listops", "lra/text", "lra/retrieval", "lra/image",
+                                  "lra/pathfinder", "lra/pathx", "lm/stdlib_bytes"])
+def test_every_config_runlocal_builds_model_and_batch(name, tmp_path):
+    import importlib
+
+    import equinox as eqx
+
+    module = importlib.import_module("experiments.configs." + name.replace("/", "."))
+    train.validate_config(module.get_config(None))
+    config = module.get_config("performer,runlocal")
+    train.validate_config(config)
+    _shrink(config)
+    if name in ("lra/image", "lra/retrieval"):
+        _cifar_and_aan_fixtures(tmp_path)
+        config.data.data_dir = str(tmp_path)
+    task = train.make_task(config.data, 0)
+    model = train.build_model(config.model, task, jax.random.PRNGKey(0))
+    batch = next(data.DataIterator(task.train, batch_size=4, seed=0))
+    loss, _ = eqx.filter_eval_shape(train.make_loss_fn(task), model, batch,
+                                    jax.random.PRNGKey(1))
+    assert loss.shape == () and loss.dtype == jnp.float32
+    with pytest.raises(ValueError, match="VARIANT"):
+        module.get_config("performr,runlocal")
+
+
+def test_lra_variants_all_build():
+    import equinox as eqx
+
+    from experiments.configs.lra import _common, listops
+
+    task = train.Task(None, None, None, vocab_size=20, num_classes=10, seq_len=64, padded=True)
+    batch = {"inputs": jnp.ones((2, 64), jnp.int32), "targets": jnp.zeros((2,), jnp.int32)}
+    for variant in _common.VARIANTS:
+        config = listops.get_config(f"{variant},runlocal")
+        model = train.build_model(config.model, task, jax.random.PRNGKey(0))
+        loss, _ = eqx.filter_eval_shape(train.make_loss_fn(task), model, batch, None)
+        assert loss.shape == (), variant
+    assert listops.get_config("performer,main").model.attention.kind == "performer"

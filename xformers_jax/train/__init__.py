@@ -1,18 +1,24 @@
 """Training: train state, optimizers and schedules, the jitted step, orbax checkpoints,
-metrics (JSONL and TensorBoard), tasks and the loop behind ``experiments/train.py``."""
+metrics (JSONL, TensorBoard, a progress bar), dynamic loss scaling, tasks and the loop behind ``experiments/train.py``."""
 
 from ._checkpoint import Checkpointer as Checkpointer
 from ._config import DATA_SCHEMAS as DATA_SCHEMAS
+from ._config import PRECISIONS as PRECISIONS
 from ._config import base_config as base_config
 from ._config import validate_config as validate_config
 from ._loop import evaluate as evaluate
 from ._loop import train_and_evaluate as train_and_evaluate
+from ._loss_scale import DynamicLossScale as DynamicLossScale
+from ._loss_scale import LossScaleState as LossScaleState
+from ._loss_scale import all_finite as all_finite
 from ._metrics import MetricWriter as MetricWriter
 from ._metrics import crc32c as crc32c
 from ._metrics import read_jsonl as read_jsonl
 from ._metrics import tfrecord as tfrecord
 from ._optim import make_optimizer as make_optimizer
 from ._optim import make_schedule as make_schedule
+from ._progress import ProgressBar as ProgressBar
+from ._progress import format_duration as format_duration
 from ._state import TrainState as TrainState
 from ._state import create_train_state as create_train_state
 from ._step import make_eval_step as make_eval_step

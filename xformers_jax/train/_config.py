@@ -24,8 +24,11 @@ DATA_SCHEMAS = {
                  num_eval=2_500, num_test=2_500),
     "retrieval": dict(data_dir="", seq_len=4000),
     "image": dict(data_dir=""),
+    # num_eval / num_test bound the evaluation windows (0: the whole split).
+    "lm": dict(source="stdlib", data_dir="", seq_len=512, num_eval=256, num_test=512),
 }
 POOLINGS = ("cls", "mean")
+PRECISIONS = ("float32", "bfloat16", "float16")
 
 
 def base_config(task: str) -> ml_collections.ConfigDict:
@@ -41,6 +44,10 @@ def base_config(task: str) -> ml_collections.ConfigDict:
     c.optim = ml_collections.ConfigDict(dict(
         learning_rate=1e-3, schedule="rsqrt", warmup_steps=1000, weight_decay=0.1,
         grad_clip_norm=1.0, b1=0.9, b2=0.98))
+    # Compute dtype of the model (parameters and the loss stay float32); float16 trains with
+    # the dynamic loss scale below.
+    c.precision = "float32"
+    c.loss_scale = ml_collections.ConfigDict(dict(init_scale=2.0 ** 15, growth_interval=2000))
     c.batch_size = 32
     c.num_microbatches = 1
     c.num_train_steps = 10_000
@@ -49,6 +56,8 @@ def base_config(task: str) -> ml_collections.ConfigDict:
     c.checkpoint_every = 1000
     c.keep_checkpoints = 3
     c.tensorboard = True
+    c.progress_bar = True
+    c.plot = True
     return c
 
 
@@ -77,6 +86,8 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
     if config.optim.schedule not in SCHEDULES:
         raise ValueError(f"optim.schedule must be one of {SCHEDULES}, got "
                          f"{config.optim.schedule!r}")
+    if config.precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {PRECISIONS}, got {config.precision!r}")
     if config.model.pooling not in POOLINGS:
         raise ValueError(f"model.pooling must be one of {POOLINGS}, got {config.model.pooling!r}")
     if config.batch_size % config.num_microbatches:

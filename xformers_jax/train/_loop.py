@@ -2,18 +2,22 @@
 
 from __future__ import annotations
 
+import os
 import signal
-import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from absl import logging
 
+from .. import nn
 from ..data import DataIterator
 from ._checkpoint import Checkpointer
 from ._config import validate_config
+from ._loss_scale import DynamicLossScale
 from ._metrics import MetricWriter
 from ._optim import make_optimizer, make_schedule
+from ._progress import ProgressBar, format_duration
 from ._state import create_train_state
 from ._step import make_eval_step, make_train_step
 from ._tasks import build_model, make_loss_fn, make_metrics_fn, make_task
@@ -31,9 +35,38 @@ def evaluate(eval_step, model, source, batch_size: int) -> dict[str, float]:
             "accuracy": totals["correct"] / totals["count"]}
 
 
-def _duration(seconds: float) -> str:
-    seconds = int(seconds)
-    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m{seconds % 60:02d}s"
+def _precision(config):
+    """``(nn.Policy | None, DynamicLossScale | None)`` for ``config.precision``."""
+    if config.precision == "float32":
+        return None, None
+    policy = nn.Policy(compute=jnp.dtype(config.precision))
+    if config.precision != "float16":
+        return policy, None
+    return policy, DynamicLossScale(init_scale=config.loss_scale.init_scale,
+                                    growth_interval=config.loss_scale.growth_interval)
+
+
+def _majority_accuracy(task) -> float | None:
+    """Test accuracy of always answering the most common training label (the baseline a
+    classifier must beat); None for language models and lazily read splits."""
+    if task.lm or not all(hasattr(s, "arrays") for s in (task.train, task.test)):
+        return None
+    majority = np.bincount(task.train.arrays["targets"]).argmax()
+    return float(np.mean(task.test.arrays["targets"] == majority))
+
+
+def _plot(workdir: str) -> str | None:
+    """Learning curves to ``workdir/curves.png`` when matplotlib is installed."""
+    try:
+        from experiments.plot import plot
+    except ImportError:
+        return None
+    out = os.path.join(workdir, "curves.png")
+    try:
+        plot([workdir], ["train_loss", "validation_accuracy"], out)
+    except ImportError:
+        return None
+    return out
 
 
 class _Preemption:
@@ -53,11 +86,13 @@ class _Preemption:
 def train_and_evaluate(config, workdir: str, *, on_step=None) -> dict:
     """Trains per ``config`` in ``workdir``, resuming from its latest checkpoint.
 
-    Periodically logs train metrics (with steps/s and ETA), evaluates on the validation split
+    Shows a progress bar (steps/s, ETA) on stderr, periodically logs train metrics, evaluates on the validation split
     (offering the state to the best checkpoint), checkpoints the train state with the data
     iterator's position; at the end evaluates the best checkpoint on the test split.
     SIGTERM saves a checkpoint at the current step and returns ``{"preempted": True, "step"}``.
     ``on_step(step)`` is called after every step (tests use it to interrupt a run).
+    ``config.precision`` runs the model in bfloat16 or float16 (with dynamic loss scaling);
+    ``config.plot`` draws ``curves.png`` at the end when matplotlib is installed.
 
     Returns the final metrics: ``{"step", "validation_accuracy", "test_accuracy", ...}``.
     """
@@ -70,7 +105,8 @@ def train_and_evaluate(config, workdir: str, *, on_step=None) -> dict:
                              warmup_steps=o.warmup_steps, total_steps=config.num_train_steps)
     optimizer = make_optimizer(schedule, weight_decay=o.weight_decay,
                                grad_clip_norm=o.grad_clip_norm, b1=o.b1, b2=o.b2)
-    state = create_train_state(model, optimizer, state_key)
+    policy, loss_scale = _precision(config)
+    state = create_train_state(model, optimizer, state_key, loss_scale=loss_scale)
     train_iter = DataIterator(task.train, batch_size=config.batch_size, seed=config.seed,
                               process_index=jax.process_index(),
                               process_count=jax.process_count())
@@ -80,31 +116,36 @@ def train_and_evaluate(config, workdir: str, *, on_step=None) -> dict:
         state, data_state = restored
         train_iter.set_state(data_state)
         logging.info("resumed from step %d", int(state.step))
-    train_step = make_train_step(make_loss_fn(task), optimizer,
-                                 num_microbatches=config.num_microbatches)
-    eval_step = make_eval_step(make_metrics_fn(task))
+    train_step = make_train_step(make_loss_fn(task, policy), optimizer,
+                                 num_microbatches=config.num_microbatches, loss_scale=loss_scale)
+    eval_step = make_eval_step(make_metrics_fn(task, policy))
     writer = MetricWriter(workdir, tensorboard=config.tensorboard)
     preemption = _Preemption()
     step, total = int(state.step), config.num_train_steps
-    start_step, start_time = step, time.perf_counter()
+    bar = ProgressBar(total, start=step,
+                      enabled=config.progress_bar and jax.process_index() == 0)
+    shown = {}
     validation = {}
     try:
         while step < total:
             state, metrics = train_step(state, next(train_iter))
             step += 1
             if step % config.log_every == 0 or step == total:
-                rate = (step - start_step) / (time.perf_counter() - start_time)
+                rate = bar.rate()
                 row = {k: float(v) for k, v in metrics.items()}
                 row["learning_rate"] = float(schedule(step - 1))
                 writer.write(step, {f"train_{k}": v for k, v in row.items()}
                              | {"steps_per_second": rate})
-                logging.info("step %d/%d (%.0f%%) %.2f steps/s ETA %s loss %.4f acc %.3f",
-                             step, total, 100 * step / total, rate,
-                             _duration((total - step) / max(rate, 1e-9)), row["loss"],
-                             row.get("accuracy", np.nan))
+                shown = {"loss": row["loss"], "acc": row["accuracy"]}
+                logging.info("step %d/%d %.2f steps/s ETA %s loss %.4f acc %.3f", step, total,
+                             rate, format_duration((total - step) / max(rate, 1e-9)),
+                             row["loss"], row["accuracy"])
+            bar.update(step, **shown)
             if step % config.eval_every == 0 or step == total:
                 validation = evaluate(eval_step, state.model, task.validation, config.batch_size)
                 writer.write(step, {f"validation_{k}": v for k, v in validation.items()})
+                bar.message(f"step {step}: validation loss {validation['loss']:.4f} "
+                            f"accuracy {validation['accuracy']:.4f}")
                 checkpointer.save_best(step, state, train_iter.get_state(), validation)
             if step % config.checkpoint_every == 0 or step == total:
                 checkpointer.save(step, state, train_iter.get_state(), force=True)
@@ -119,12 +160,20 @@ def train_and_evaluate(config, workdir: str, *, on_step=None) -> dict:
         best_state = state if best is None else best[0]
         test = evaluate(eval_step, best_state.model, task.test, config.batch_size)
         writer.write(step, {f"test_{k}": v for k, v in test.items()})
+        bar.close()
         result = {"step": step, "best_step": int(best_state.step)}
         result |= {f"validation_{k}": v for k, v in validation.items()}
         result |= {f"test_{k}": v for k, v in test.items()}
+        majority = _majority_accuracy(task)
+        if majority is not None:
+            result["test_majority_accuracy"] = majority
         logging.info("finished: %s", result)
+        if config.plot and jax.process_index() == 0:
+            writer.close()
+            _plot(workdir)
         return result
     finally:
+        bar.close()
         preemption.restore()
         checkpointer.wait()
         checkpointer.close()

@@ -7,23 +7,30 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from ._loss_scale import DynamicLossScale, LossScaleState
+
 
 class TrainState(eqx.Module):
     """``step`` (int32 scalar), ``model`` (an Equinox module), ``opt_state``, ``key``.
 
     ``key`` is a raw ``uint32[2]`` PRNG key, split once per step for dropout and other
     randomness, so a restored state draws the same randomness as one that never stopped.
+    ``loss_scale`` is the dynamic loss scale's state (float16 training) or None.
     """
 
     step: jax.Array
     model: eqx.Module
     opt_state: optax.OptState
     key: jax.Array
+    loss_scale: LossScaleState | None = None
 
 
 def create_train_state(model: eqx.Module, optimizer: optax.GradientTransformation,
-                       key: jax.Array) -> TrainState:
-    """A step-0 state: the optimizer initialised on the model's floating-point arrays."""
+                       key: jax.Array, *, loss_scale: DynamicLossScale | None = None
+                       ) -> TrainState:
+    """A step-0 state: the optimizer initialised on the model's floating-point arrays (and the
+    loss-scale state machine's first state for float16 training)."""
     params = eqx.filter(model, eqx.is_inexact_array)
     return TrainState(step=jnp.zeros((), jnp.int32), model=model,
-                      opt_state=optimizer.init(params), key=key)
+                      opt_state=optimizer.init(params), key=key,
+                      loss_scale=None if loss_scale is None else loss_scale.init())

@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from ._loss_scale import DynamicLossScale, all_finite
 from ._state import TrainState
 
 # loss_fn(model, batch, key) -> (scalar loss, {metric name: scalar}).
@@ -25,20 +26,29 @@ def _split_microbatches(batch, num_microbatches: int):
 
 
 def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, *,
-                    num_microbatches: int = 1):
+                    num_microbatches: int = 1, loss_scale: DynamicLossScale | None = None):
     """``step(state, batch) -> (state, metrics)``, jitted, donating the old state's buffers.
 
     With ``num_microbatches > 1`` the batch is cut into equal micro-batches whose gradients and
     metrics are averaged in a ``lax.scan`` (one micro-batch's activations live at a time); the
     update equals one step on the whole batch when the loss is a mean over examples.
-    Metrics are the loss function's plus ``loss`` and ``grad_norm``.
+    With ``loss_scale`` (float16 training; the state needs ``create_train_state(...,
+    loss_scale=)``) the loss is scaled before differentiation and the gradients unscaled in
+    float32; a step with non-finite gradients changes neither the model nor the optimizer
+    state (only the scale and the key). Metrics are the loss function's plus ``loss`` and
+    ``grad_norm`` (and ``loss_scale``, ``skipped`` with loss scaling).
     """
-    grad_fn = eqx.filter_value_and_grad(loss_fn, has_aux=True)
+    def scaled_loss(model, batch, key, scale):
+        loss, metrics = loss_fn(model, batch, key)
+        return loss * scale, (loss, metrics)
+
+    grad_fn = eqx.filter_value_and_grad(scaled_loss, has_aux=True)
 
     def step(state: TrainState, batch):
         key, step_key = jax.random.split(state.key)
+        scale = 1.0 if loss_scale is None else state.loss_scale.scale
         if num_microbatches == 1:
-            (loss, metrics), grads = grad_fn(state.model, batch, step_key)
+            (_, (loss, metrics)), grads = grad_fn(state.model, batch, step_key, scale)
         else:
             micro = _split_microbatches(batch, num_microbatches)
             keys = jax.random.split(step_key, num_microbatches)
@@ -46,12 +56,12 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, *,
 
             def accumulate(carry, xs):
                 mb, k = xs
-                (loss, metrics), grads = grad_fn(eqx.combine(params, static), mb, k)
+                (_, (loss, metrics)), grads = grad_fn(eqx.combine(params, static), mb, k, scale)
                 grads = eqx.filter(grads, eqx.is_inexact_array)
                 return jax.tree.map(jnp.add, carry, (loss, metrics, grads)), None
 
             first = jax.tree.map(lambda x: x[0], micro)
-            aux, _ = eqx.filter_eval_shape(grad_fn, state.model, first, keys[0])
+            (_, aux), _ = eqx.filter_eval_shape(grad_fn, state.model, first, keys[0], scale)
             zeros = (*jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), aux),
                      jax.tree.map(jnp.zeros_like, params))
             (loss, metrics, grads), _ = jax.lax.scan(
@@ -59,11 +69,24 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, *,
             loss, metrics, grads = jax.tree.map(lambda x: x / num_microbatches,
                                                 (loss, metrics, grads))
         params = eqx.filter(state.model, eqx.is_inexact_array)
+        new_scale = None
+        if loss_scale is not None:
+            grads = loss_scale.unscale(state.loss_scale, grads)
+            finite = all_finite(grads)
+            new_scale = loss_scale.update(state.loss_scale, finite)
+            # Zero non-finite gradients so that the skipped branch computes nothing NaN.
+            grads = jax.tree.map(lambda g: jnp.where(finite, g, 0), grads)
         updates, opt_state = optimizer.update(grads, state.opt_state, params)
         model = eqx.apply_updates(state.model, updates)
         metrics = dict(metrics, loss=loss, grad_norm=optax.tree.norm(grads))
+        if loss_scale is not None:
+            keep = lambda new, old: jax.tree.map(  # noqa: E731
+                lambda a, b: jnp.where(finite, a, b) if eqx.is_array(a) else a, new, old)
+            model, opt_state = keep(model, state.model), keep(opt_state, state.opt_state)
+            metrics.update(loss_scale=state.loss_scale.scale,
+                           skipped=(~finite).astype(jnp.float32))
         return TrainState(step=state.step + 1, model=model, opt_state=opt_state,
-                          key=key), metrics
+                          key=key, loss_scale=new_scale), metrics
 
     # filter_jit's donate="all-except-first" keeps argument 0: put the batch first so that
     # the state's buffers are the ones donated (the step's output reuses them).

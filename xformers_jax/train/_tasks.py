@@ -1,8 +1,9 @@
 """Tasks: the data splits, the model and the loss / metrics the trainer uses for a config.
 
 Classification tasks (LRA ListOps, Text, Image, Pathfinder / Path-X) train
-``nn.EncoderClassifier``; Retrieval trains ``nn.DualEncoder`` on document pairs. Token id 0
-is padding for text-like inputs; pixel inputs (Image, Pathfinder) have no padding (0 is black).
+``nn.EncoderClassifier``; Retrieval trains ``nn.DualEncoder`` on document pairs; byte-level
+language modelling (``lm``) trains ``nn.CausalLM`` on next-byte prediction. Token id 0 is
+padding for text-like inputs; pixel inputs (Image, Pathfinder) have no padding (0 is black).
 """
 
 from __future__ import annotations
@@ -30,6 +31,22 @@ class Task:
     seq_len: int
     padded: bool
     pair: bool = False
+    lm: bool = False
+
+
+class _Spaced:
+    """``num`` examples of ``source`` at evenly spaced indices (a bounded evaluation split)."""
+
+    def __init__(self, source, num: int):
+        self.source, self.num = source, min(num, len(source)) if num > 0 else len(source)
+
+    def __len__(self) -> int:
+        return self.num
+
+    def __getitem__(self, index: int):
+        if not 0 <= index < self.num:
+            raise IndexError(f"index {index} out of range for {self.num} examples")
+        return self.source[index * len(self.source) // self.num]
 
 
 def make_task(data_config, seed: int) -> Task:
@@ -72,6 +89,18 @@ def make_task(data_config, seed: int) -> Task:
     if name == "image":
         splits = [D.load_cifar10(c.data_dir, s) for s in ("train", "validation", "test")]
         return Task(*splits, vocab_size=256, num_classes=10, seq_len=1024, padded=False)
+    if name == "lm":
+        if c.source == "stdlib":
+            train, validation, test = (D.stdlib_bytes_lm(s, seq_len=c.seq_len)
+                                       for s in ("train", "validation", "test"))
+        elif c.source == "enwik8":
+            train, validation, test = (D.load_enwik8(c.data_dir, s, seq_len=c.seq_len)
+                                       for s in ("train", "validation", "test"))
+        else:
+            raise ValueError(f"data.source must be 'stdlib' or 'enwik8', got {c.source!r}")
+        return Task(train, _Spaced(validation, c.num_eval), _Spaced(test, c.num_test),
+                    vocab_size=D.BYTE_VOCAB_SIZE, num_classes=D.BYTE_VOCAB_SIZE,
+                    seq_len=c.seq_len, padded=False, lm=True)
     raise ValueError(f"unknown task {name!r}")
 
 
@@ -80,6 +109,9 @@ def build_model(model_config, task: Task, key: jax.Array) -> eqx.Module:
     from the ``nn`` registry."""
     m = model_config
     spec = nn.AttentionSpec.from_config(m.attention.to_dict())
+    if task.lm:
+        return nn.CausalLM(task.vocab_size, m.dim, m.num_layers, m.num_heads, m.hidden,
+                           max_len=task.seq_len, block=dict(spec=spec), key=key)
     cls = nn.DualEncoder if task.pair else nn.EncoderClassifier
     return cls(task.num_classes, m.dim, m.num_layers, m.num_heads, m.hidden, pooling=m.pooling,
                vocab_size=task.vocab_size, max_len=task.seq_len + 1, block=dict(spec=spec),
@@ -87,6 +119,8 @@ def build_model(model_config, task: Task, key: jax.Array) -> eqx.Module:
 
 
 def _logits(model, batch, task: Task, key):
+    if task.lm:
+        return model(batch["inputs"], key=key)
     if task.pair:
         a, b = batch["inputs1"], batch["inputs2"]
         return model(a, b, mask_a=a != 0, mask_b=b != 0, key=key)
@@ -94,23 +128,32 @@ def _logits(model, batch, task: Task, key):
     return model(x, mask=(x != 0) if task.padded else None, key=key)
 
 
-def make_loss_fn(task: Task):
-    """``loss_fn(model, batch, key) -> (mean cross-entropy, {"accuracy"})``."""
+def _policy_logits(model, batch, task: Task, key, policy):
+    if policy is None:
+        return _logits(model, batch, task, key).astype(jnp.float32)
+    return policy(lambda m: _logits(m, batch, task, key), model).astype(jnp.float32)
+
+
+def make_loss_fn(task: Task, policy: nn.Policy | None = None):
+    """``loss_fn(model, batch, key) -> (mean cross-entropy, {"accuracy"})``; the mean is over
+    examples (classification) or tokens (language modelling). ``policy`` (``nn.Policy``) runs
+    the model in its compute dtype; the loss is always float32."""
     def loss_fn(model, batch, key):
-        logits = _logits(model, batch, task, key).astype(jnp.float32)
+        logits = _policy_logits(model, batch, task, key, policy)
         labels = batch["targets"]
         loss = optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
         return loss, {"accuracy": (logits.argmax(-1) == labels).mean()}
     return loss_fn
 
 
-def make_metrics_fn(task: Task):
-    """``metrics_fn(model, batch) -> {"loss_sum", "correct", "count"}`` (sums, for eval)."""
+def make_metrics_fn(task: Task, policy: nn.Policy | None = None):
+    """``metrics_fn(model, batch) -> {"loss_sum", "correct", "count"}`` (sums over examples,
+    or over tokens for language modelling, for eval)."""
     def metrics_fn(model, batch):
-        logits = _logits(model, batch, task, None).astype(jnp.float32)
+        logits = _policy_logits(model, batch, task, None, policy)
         labels = batch["targets"]
         return {"loss_sum": optax.softmax_cross_entropy_with_integer_labels(logits,
                                                                             labels).sum(),
                 "correct": (logits.argmax(-1) == labels).sum(),
-                "count": jnp.asarray(labels.shape[0])}
+                "count": jnp.asarray(labels.size)}
     return metrics_fn

@@ -1,0 +1,58 @@
+"""What the LRA configs share: the attention variants and the ``VARIANT[,size]`` argument.
+
+Attention hyperparameters follow the Long Range Arena code base where its paper (Tay et al.
+2021, appendix) gives them: Performer 256 random features, Linformer projection length 256,
+Sinkhorn blocks of 64 (hard sorting off), Reformer 2 hash rounds, BigBird blocks of 64 with 3
+window, 2 global and 3 random blocks, Local attention windows of 128 on each side (LRA's
+block size for local attention is not stated in the paper; 128 here is our choice). Nyström
+(64 landmarks) and Luna (256 packed tokens) follow their own papers' LRA settings.
+"""
+
+from __future__ import annotations
+
+from xformers_jax.attention import patterns as P
+
+VARIANTS = {
+    "transformer": dict(kind="dot_product"),
+    "flash": dict(kind="flash"),
+    "local": dict(kind="local", left=128, right=128),
+    "performer": dict(kind="performer", num_features=256),
+    "linear": dict(kind="linear", feature_map="elu"),
+    "linformer": dict(kind="linformer", proj_len=256),
+    "sinkhorn": dict(kind="sinkhorn", block_size=64),
+    "reformer": dict(kind="lsh", num_buckets=8, num_rounds=2, chunk_size=64),
+    "bigbird": dict(kind="block_sparse", pattern=P.BigBird(64)),
+    "nystrom": dict(kind="nystrom", num_landmarks=64),
+    "luna": dict(kind="luna", length=256),
+}
+
+# Attention settings for short runlocal sequences (tens to hundreds of tokens).
+SMALL = {
+    "local": dict(left=16, right=16),
+    "performer": dict(num_features=32),
+    "linformer": dict(proj_len=16),
+    "sinkhorn": dict(block_size=8),
+    "reformer": dict(num_buckets=4, chunk_size=16),
+    "bigbird": dict(pattern=P.BigBird(8)),
+    "nystrom": dict(num_landmarks=8),
+    "luna": dict(length=16),
+}
+
+
+def parse(arg: str | None, sizes=("runlocal",), default: str = "transformer"):
+    """``"VARIANT[,SIZE]"`` -> ``(variant, size or None)``; VARIANT from ``VARIANTS``."""
+    parts = [p for p in (arg or "").split(",") if p]
+    size = [p for p in parts if p in sizes]
+    names = [p for p in parts if p not in sizes]
+    if len(size) > 1 or len(names) > 1 or (names and names[0] not in VARIANTS):
+        raise ValueError(f"config arg must be 'VARIANT[,{'|'.join(sizes)}]' with VARIANT in "
+                         f"{sorted(VARIANTS)}, got {arg!r}")
+    return (names[0] if names else default), (size[0] if size else None)
+
+
+def set_attention(config, variant: str, small: bool = False) -> None:
+    """Replaces ``config.model.attention`` with ``variant``'s settings (``small``: runlocal)."""
+    settings = dict(VARIANTS[variant])
+    if small:
+        settings.update(SMALL.get(variant, {}))
+    config.model.attention = type(config.model.attention)(settings)
