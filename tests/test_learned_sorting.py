@@ -16,6 +16,15 @@ from xformers_jax.attention._sinkhorn import gumbel_sinkhorn, sinkhorn_sort_matr
 
 L, D = 64, 16
 
+# Jitted once per static configuration: op-by-op execution dominates these small tests.
+lsh_attention = jax.jit(lsh_attention, static_argnames=("chunk_size", "causal"))
+routing_attention = jax.jit(routing_attention, static_argnames=("window", "causal", "decay"))
+sinkhorn_attention = jax.jit(sinkhorn_attention, static_argnames=(
+    "block_size", "causal", "hard", "sortcut", "temperature", "iterations"))
+sinkhorn_sort_matrix = jax.jit(sinkhorn_sort_matrix, static_argnames=(
+    "block_size", "causal", "hard", "temperature", "iterations"))
+dot_product_attention = jax.jit(dot_product_attention, static_argnames=("causal",))
+
 
 def _qkv(key, length=L, dtype=jnp.float32):
     a, b, c = jax.random.split(key, 3)
@@ -111,10 +120,7 @@ def test_lsh_padding_invariance_and_finite_grads(key):
     np.testing.assert_array_equal(np.asarray(f(q, v))[real], np.asarray(f(q2, v2))[real])
     gv = jax.grad(lambda v: f(q, v)[real].sum())(v)
     assert np.all(np.asarray(gv)[~real] == 0)
-    # Padding equals dropping the padded tokens from the union reference.
-    allowed = _lsh_allowed(_unit(q), rot, 8, False)
-    out = np.asarray(f(q, v))
-    assert np.isfinite(out).all()
+    assert np.isfinite(f(q, v)).all() and np.isfinite(gv).all()
 
 
 def test_lsh_gradients_match_masked_reference(key):
