@@ -1,0 +1,153 @@
+"""Suite ``lra``: the Long Range Arena efficiency table on this machine (issue 9).
+
+One training step (forward and backward of the mean cross-entropy with respect to every
+parameter) of the byte-level Text classifier, ``nn.EncoderClassifier`` with each attention
+kind of the ``nn`` registry, at L = 1K, 2K, 3K, 4K. Model: the LRA Text sizes (dim 256,
+4 heads, MLP 1024, CLS pooling, byte vocabulary) with ONE layer instead of four (layers scale
+every variant's time alike; one keeps the suite within ~20 minutes on 2 cores), float32,
+batch ``B`` (default 4; LRA used 32 on TPU v3). Speed-up and memory saving are relative to
+the same model with dense attention (``dot_product``, the vanilla Transformer) and with
+``flash`` attention. Memory is the worker process's peak RSS above its start-up (the
+parameters, inputs, activations and gradients of the step).
+
+The LRA paper's figures at 4K (Tay et al. 2021, Table 3 via the practical survey's Table 3 /
+CATALOG.md): steps/s relative to the Transformer Performer 5.7x, Linear 5.6x, Linformer 5.5x,
+Local 5.3x, Sinkhorn 3.8x, BigBird 1.1x, Reformer 0.8x; peak memory 9.48 GB for the
+Transformer against Performer 1.06 (8.9x lighter), Linear 1.03 (9.2x), Linformer 0.99 (9.6x),
+Sinkhorn 1.48 (6.4x), Reformer 2.28 (4.2x), BigBird 2.88 (3.3x); the paper gives no memory
+figure for Local attention here. The checks ask each linear-cost variant for at least those
+figures, and BigBird and Reformer to be faster than dense vanilla.
+"""
+
+from __future__ import annotations
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import optax
+
+from experiments.bench_lib import Case, Results, Workload, ratio_check
+from experiments.configs.lra._common import VARIANTS
+from xformers_jax import nn
+
+TITLE = ("LRA efficiency: one training step of the byte-level Text classifier (dim 256, "
+         "4 heads, MLP 1024, 1 layer, fp32), per attention kind")
+_BUILD = "experiments.suites.lra:build"
+LENGTHS = (1024, 2048, 3072, 4096)
+QUICK_LENGTHS = (128,)
+BATCH = 4
+
+# Attention settings per registry kind (the LRA ones from the configs' table).
+SETTINGS = {
+    "dot_product": {},
+    "flash": {},
+    "local": VARIANTS["local"],
+    "performer": VARIANTS["performer"],
+    "linear": VARIANTS["linear"],
+    "linformer": VARIANTS["linformer"],
+    "sinkhorn": VARIANTS["sinkhorn"],
+    "lsh": VARIANTS["reformer"],
+    "block_sparse": VARIANTS["bigbird"],
+    "nystrom": VARIANTS["nystrom"],
+    "luna": VARIANTS["luna"],
+    "clustered": dict(num_clusters=100),
+    "improved_clustered": dict(num_clusters=100, topk=32),
+    "adaptive_span": dict(max_span=512),
+    "dam": {},
+    "entmax": dict(alpha=1.5),
+    "topk": dict(top_k=64),
+}
+NAMES = {"dot_product": "transformer (dense)", "flash": "transformer (flash)",
+         "lsh": "reformer (lsh)", "block_sparse": "bigbird (block_sparse)"}
+# Quadratic-cost kinds that are slow on a CPU: measured at 1K only.
+SHORT_ONLY = ("entmax", "topk", "dam", "adaptive_span", "clustered", "improved_clustered")
+# Kinds the LRA table covers: every length. Others: 1K and 4K.
+LRA_KINDS = ("dot_product", "flash", "local", "performer", "linear", "linformer", "sinkhorn",
+             "lsh", "block_sparse")
+# Paper figures at 4K: (speed-up, memory saving or None).
+PAPER = {"performer": (5.7, 8.9), "linear": (5.6, 9.2), "linformer": (5.5, 9.6),
+         "local": (5.3, None), "sinkhorn": (3.8, 6.4)}
+
+
+def _settings(kind: str, L: int) -> dict:
+    hp = dict(SETTINGS.get(kind, {}))
+    hp.pop("kind", None)
+    if L < 512:  # --quick: windows and blocks that fit short sequences
+        small = {"local": dict(left=16, right=16), "performer": dict(num_features=32),
+                 "linformer": dict(proj_len=16), "sinkhorn": dict(block_size=16),
+                 "lsh": dict(chunk_size=16), "nystrom": dict(num_landmarks=16),
+                 "luna": dict(length=16), "adaptive_span": dict(max_span=32)}
+        hp.update(small.get(kind, {}))
+        if kind == "block_sparse":
+            from xformers_jax.attention.patterns import BigBird
+            hp["pattern"] = BigBird(16)
+    return hp
+
+
+def build(kind: str, L: int, B: int = BATCH, dim: int = 256, heads: int = 4,
+          hidden: int = 1024, layers: int = 1):
+    """The loss of one batch as a function of the model's float arrays (and the tokens)."""
+    hp = _settings(kind, L)
+    spec = nn.AttentionSpec(kind, hp)
+    model = nn.EncoderClassifier(2, dim, layers, heads, hidden, pooling="cls", vocab_size=257,
+                                 max_len=L + 1, block=dict(spec=spec), key=jax.random.PRNGKey(0))
+    params, static = eqx.partition(model, eqx.is_inexact_array)
+    leaves, treedef = jax.tree.flatten(params)
+    tokens = jax.random.randint(jax.random.PRNGKey(1), (B, L), 1, 257)
+    labels = jnp.arange(B) % 2
+
+    def loss(tokens, *leaves):
+        m = eqx.combine(jax.tree.unflatten(treedef, leaves), static)
+        logits = m(tokens, mask=tokens != 0)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+
+    return Workload(loss, (tokens, *leaves), grad_argnums=tuple(range(1, len(leaves) + 1)))
+
+
+def kinds() -> list[str]:
+    """Every registry kind (one without an entry in ``SETTINGS`` runs with its defaults at
+    1K; a kind that cannot run the padded bidirectional classifier records its error)."""
+    return list(nn.registered_variants())
+
+
+def cases(quick: bool) -> list[Case]:
+    out = []
+    for kind in kinds():
+        if quick:
+            lengths = QUICK_LENGTHS if kind in ("dot_product", "performer") else ()
+        elif kind in SHORT_ONLY or kind not in SETTINGS:
+            lengths = LENGTHS[:1]
+        elif kind in LRA_KINDS:
+            lengths = LENGTHS
+        else:
+            lengths = (LENGTHS[0], LENGTHS[-1])
+        out += [Case(NAMES.get(kind, kind), _BUILD, dict(kind=kind, L=L), ("fwdbwd",))
+                for L in lengths]
+    return out
+
+
+def checks(r: Results):
+    L = 4096 if r.find(NAMES["dot_product"], "fwdbwd", L=4096) else QUICK_LENGTHS[-1]
+    dense_t = r.time(NAMES["dot_product"], "fwdbwd", L=L)
+    dense_m = r.value("delta_rss_mb", NAMES["dot_product"], "fwdbwd", L=L)
+    out = []
+    for kind, (speed, memory) in PAPER.items():
+        name = NAMES.get(kind, kind)
+        if r.find(name, "fwdbwd", L=L) is None:
+            continue
+        out.append(ratio_check(f"{name} speed-up over dense vanilla at L={L}", dense_t,
+                               r.time(name, "fwdbwd", L=L), at_least=speed))
+        if memory:
+            out.append(ratio_check(f"{name} memory saving over dense vanilla at L={L}",
+                                   dense_m, r.value("delta_rss_mb", name, "fwdbwd", L=L),
+                                   at_least=memory))
+    for kind in ("block_sparse", "lsh"):
+        name = NAMES[kind]
+        if r.find(name, "fwdbwd", L=L) is not None:
+            out.append(ratio_check(f"{name} faster than dense vanilla at L={L}", dense_t,
+                                   r.time(name, "fwdbwd", L=L), at_least=1.0))
+    flash_t = r.time(NAMES["flash"], "fwdbwd", L=L)
+    if flash_t is not None:
+        out.append(ratio_check(f"performer speed-up over vanilla on flash at L={L}", flash_t,
+                               r.time("performer", "fwdbwd", L=L), at_least=1.0))
+    return out
