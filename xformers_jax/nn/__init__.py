@@ -43,3 +43,5 @@ from ._registry import get_variant as get_variant
 from ._registry import register_variant as register_variant
 from ._registry import registered_variants as registered_variants
 from ._stack import LayerStack as LayerStack
+from ._init import admin_initialize as admin_initialize
+from ._init import t_fixup as t_fixup
