@@ -155,6 +155,10 @@ def sinkhorn_attention(
     ``causal=True``: the local block is causally masked and sorted block i mixes only blocks
     before i (see :func:`sinkhorn_sort_matrix`), so nothing depends on later tokens.
 
+    Cost: the block attention is O(L * block_size); applying the soft sort mixes whole blocks,
+    O(num_blocks^2 * block_size * D) = O(L^2 * D / block_size), a matmul that is quadratic
+    but 1/block_size of dense attention's work (at L=32768, block 128: under 1%).
+
     Args:
       q: ``[L, Dk]``. k: ``[L, Dk]``. v: ``[L, Dv]``.
       sort_net: :class:`SinkhornSortNet` from :func:`init_sinkhorn_sort_net`; its
