@@ -5,7 +5,8 @@ parameter) of the byte-level Text classifier, ``nn.EncoderClassifier`` with each
 kind of the ``nn`` registry, at L = 1K, 2K, 3K, 4K. Model: the LRA Text sizes (dim 256,
 4 heads, MLP 1024, CLS pooling, byte vocabulary) with ONE layer instead of four (layers scale
 every variant's time alike; one keeps the suite within ~20 minutes on 2 cores), float32,
-batch ``B`` (default 4; LRA used 32 on TPU v3). Speed-up and memory saving are relative to
+batch ``B`` (environment variable ``LRA_BATCH``, default 2, so that the dense 4K case
+fits ~3 GB and the suite ~20 minutes; LRA used 32 on TPU v3). Speed-up and memory saving are relative to
 the same model with dense attention (``dot_product``, the vanilla Transformer) and with
 ``flash`` attention. Memory is the worker process's peak RSS above its start-up (the
 parameters, inputs, activations and gradients of the step).
@@ -21,6 +22,8 @@ figures, and BigBird and Reformer to be faster than dense vanilla.
 
 from __future__ import annotations
 
+import os
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -35,7 +38,7 @@ TITLE = ("LRA efficiency: one training step of the byte-level Text classifier (d
 _BUILD = "experiments.suites.lra:build"
 LENGTHS = (1024, 2048, 3072, 4096)
 QUICK_LENGTHS = (128,)
-BATCH = 4
+BATCH = int(os.environ.get("LRA_BATCH", "2"))
 
 # Attention settings per registry kind (the LRA ones from the configs' table).
 SETTINGS = {
@@ -121,7 +124,7 @@ def cases(quick: bool) -> list[Case]:
             lengths = LENGTHS
         else:
             lengths = (LENGTHS[0], LENGTHS[-1])
-        out += [Case(NAMES.get(kind, kind), _BUILD, dict(kind=kind, L=L), ("fwdbwd",))
+        out += [Case(NAMES.get(kind, kind), _BUILD, dict(kind=kind, L=L, B=BATCH), ("fwdbwd",))
                 for L in lengths]
     return out
 

@@ -113,9 +113,11 @@ def build_model(model_config, task: Task, key: jax.Array) -> eqx.Module:
         return nn.CausalLM(task.vocab_size, m.dim, m.num_layers, m.num_heads, m.hidden,
                            max_len=task.seq_len, block=dict(spec=spec), key=key)
     cls = nn.DualEncoder if task.pair else nn.EncoderClassifier
+    # Exactly the attended length (CLS pooling prepends one token): Sinkhorn's sort net and
+    # Linformer's projections are sized by it.
+    max_len = task.seq_len + (m.pooling == "cls")
     return cls(task.num_classes, m.dim, m.num_layers, m.num_heads, m.hidden, pooling=m.pooling,
-               vocab_size=task.vocab_size, max_len=task.seq_len + 1, block=dict(spec=spec),
-               key=key)
+               vocab_size=task.vocab_size, max_len=max_len, block=dict(spec=spec), key=key)
 
 
 def _logits(model, batch, task: Task, key):
