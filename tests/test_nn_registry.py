@@ -30,6 +30,12 @@ HYPERPARAMETERS = {
     "topk": {"top_k": 4},
     "adaptive_span": {"max_span": 8, "ramp": 2},
     "dam": {},
+    "lowrank_band": {"window": 3, "rank": 4},
+    "long_short": {"window": 3, "rank": 4, "segment_size": 4},
+    "memory_compressed": {"block_size": 4, "stride": 2},
+    "poolingformer": {"window": 3, "pool_size": 4},
+    "probsparse": {"factor": 1.0},
+    "synthesizer": {"forms": ("dense", "factorized_random"), "rank": 4},
 }
 KINDS = sorted(nn.registered_variants())
 CAUSAL_KINDS = [k for k in KINDS if nn.get_variant(k).causal]

@@ -45,3 +45,9 @@ from ._registry import registered_variants as registered_variants
 from ._stack import LayerStack as LayerStack
 from ._init import admin_initialize as admin_initialize
 from ._init import t_fixup as t_fixup
+from ._perceiver import PerceiverAR as PerceiverAR
+from ._perceiver import PerceiverEncoder as PerceiverEncoder
+from ._set import ISAB as ISAB
+from ._set import MAB as MAB
+from ._set import PMA as PMA
+from ._set import SAB as SAB

@@ -5,7 +5,9 @@ hyperparameters only shape the initial parameters, how its arrays are created fr
 its decoding cache. Not registered (they need more than a per-head function of q, k, v):
 routing attention (EMA centroids updated through ``eqx.nn.State`` each call), the delta rule
 (a per-token write strength projected from the input), Longformer/ETC (separate global
-projections), axial attention (a multi-dimensional input) and per-head block-sparse patterns.
+projections), axial attention (a multi-dimensional input), per-head block-sparse patterns, and
+the Funnel / TokenLearner down-sampling functions (they change the sequence length, so they
+belong between blocks, not inside attention).
 """
 
 from __future__ import annotations
@@ -214,4 +216,67 @@ def _dam_init(key, hp, *, num_heads, head_dim, max_len):
 register_variant(Variant(
     "dam", lifted(A.dam_attention, arg_axes=(None,)), init=_dam_init, causal=False,
     hyperparameters=frozenset({"temperature", "always_on_ends"}),
+))
+
+
+# --- more low-rank and compression kinds (issue 5, second batch) ------------------------------
+
+def _params_fn(fn, drop=()):
+    """Calls ``fn(q, k, v, *params, ...)`` with init-only hyperparameters ``drop`` removed."""
+    def call(q, k, v, params, *, key=None, **kw):
+        for name in drop:
+            kw.pop(name, None)
+        return fn(q, k, v, *params, **kw)
+    return call
+
+
+register_variant(Variant(
+    "lowrank_band", lifted(_params_fn(A.lowrank_band_attention, ("rank",)), arg_axes=(None,)),
+    init=lambda key, hp, **s: A.init_lowrank_band(key, s["head_dim"], hp.get("rank", 8)),
+    hyperparameters=frozenset({"window", "rank", "lowrank_scale"}),
+))
+def _long_short(q, k, v, params, *, causal=False, segment_size=None, rank=None, key=None,
+                **kw):
+    # The segment size belongs to the causal (segment-wise) form only.
+    seg = {"segment_size": segment_size} if causal else {}
+    return A.long_short_attention(q, k, v, *params, causal=causal, **seg, **kw)
+
+
+register_variant(Variant(
+    "long_short", lifted(_long_short, arg_axes=(None,)),
+    init=lambda key, hp, **s: (A.init_long_short_projection(key, s["head_dim"],
+                                                            hp.get("rank", 8)),),
+    hyperparameters=frozenset({"window", "rank", "segment_size"}),
+))
+register_variant(Variant(
+    "memory_compressed",
+    lifted(_params_fn(A.memory_compressed_attention, ("stride",)), arg_axes=(None,)),
+    init=lambda key, hp, **s: A.init_memory_compression(key, hp.get("stride", 2), s["head_dim"],
+                                                        s["head_dim"]),
+    hyperparameters=frozenset({"block_size", "stride"}),
+))
+register_variant(Variant(
+    "poolingformer", lifted(_no_key(A.poolingformer_attention)), causal=False,
+    hyperparameters=frozenset({"window", "pool_size", "second_window", "pool"}),
+))
+register_variant(Variant(
+    "probsparse", lifted(_seeded(A.probsparse_attention)), causal=False,
+    hyperparameters=frozenset({"factor", "seed"}),
+))
+
+
+def _synthesizer_init(key, hp, *, num_heads, head_dim, max_len):
+    forms = hp.get("forms", ("dense",))
+    keys = jax.random.split(key, len(forms))
+    return {f: A.init_synthesizer(k, f, head_dim, max_len, rank=hp.get("rank", 8))
+            for f, k in zip(forms, keys)}
+
+
+def _synthesizer(q, k, v, params, *, forms=None, rank=None, key=None, **kw):
+    return A.synthesizer_attention(q, k, v, params, **kw)
+
+
+register_variant(Variant(
+    "synthesizer", lifted(_synthesizer, arg_axes=(None,)), init=_synthesizer_init,
+    hyperparameters=frozenset({"forms", "rank"}),
 ))
