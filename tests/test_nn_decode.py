@@ -95,3 +95,15 @@ def test_non_decodable_kind_has_no_cache():
         32, key=jax.random.PRNGKey(0)), key=jax.random.PRNGKey(0))
     with pytest.raises(NotImplementedError, match="CPE"):
         lm.init_cache(1, 8)
+
+
+def test_performer_feature_redraw():
+    model = _lm(nn.AttentionSpec("performer", {"num_features": 16}), jax.random.PRNGKey(0))
+    old = model.layers.layers.attn.variant_params
+    new_model = nn.redraw_random_features(model, jax.random.PRNGKey(9))
+    new = new_model.layers.layers.attn.variant_params
+    assert new.shape == old.shape == (2, 16, 8)
+    assert not np.allclose(np.asarray(new), np.asarray(old))
+    assert not np.allclose(np.asarray(new[0]), np.asarray(new[1]))
+    # Everything else is untouched.
+    assert_close(new_model.head, model.head, EXACT)

@@ -6,6 +6,7 @@ in :mod:`._registry`); every model accepts it through ``block=dict(spec=...)``.
 """
 
 from ._attention import MultiHeadAttention as MultiHeadAttention
+from ._attention import redraw_random_features as redraw_random_features
 from ._blocks import TransformerBlock as TransformerBlock
 from ._cache import KVCache as KVCache
 from ._cache import RecurrentCache as RecurrentCache

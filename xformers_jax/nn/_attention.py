@@ -185,3 +185,27 @@ class MultiHeadAttention(eqx.Module):
             q, cache.k, cache.v, kv_mask=jnp.broadcast_to(valid, k_pos.shape), **kw
         )
         return self._out(o), cache
+
+
+def redraw_random_features(model, key):
+    """Returns ``model`` with fresh Performer random features in every ``performer`` attention
+    (survey P 4.2: periodic redrawing), each drawn from its own fold of ``key``. Works on
+    stacked layers (a leading layer axis on the projection)."""
+    count = [0]
+
+    def redraw(node):
+        if not isinstance(node, MultiHeadAttention) or node.spec.kind != "performer":
+            return node
+        old = node.variant_params
+        count[0] += 1
+        sub = jax.random.fold_in(key, count[0])
+        lead = old.shape[:-2]
+        keys = jax.random.split(sub, int(np.prod(lead, dtype=int))).reshape(*lead, -1) if lead \
+            else sub
+        draw = lambda k: A.init_random_projection(k, old.shape[-2], old.shape[-1])  # noqa: E731
+        for _ in lead:
+            draw = jax.vmap(draw)
+        return eqx.tree_at(lambda m: m.variant_params, node, draw(keys).astype(old.dtype))
+
+    return jax.tree_util.tree_map(redraw, model,
+                                  is_leaf=lambda x: isinstance(x, MultiHeadAttention))
