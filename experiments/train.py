@@ -18,6 +18,9 @@ uses it on TPU pods). Log lines below WARNING are hidden unless
 
 import json
 import math
+import os
+
+import jax
 
 from absl import app, flags, logging
 from ml_collections import config_flags
@@ -49,7 +52,6 @@ def main(argv):
         logging.set_verbosity(logging.WARNING)
     # Before anything touches a device; on one host without the variables this does nothing.
     if _MULTIHOST.value:
-        import jax
         jax.distributed.initialize()
     else:
         from xformers_jax.parallel import initialize_from_env
@@ -61,6 +63,23 @@ def main(argv):
         result["test_bits_per_byte"] = result["test_loss"] / math.log(2)
     print(json.dumps(result))
     print(summary(result))
+    if _CONFIG.value.plot and not result.get("preempted") and jax.process_index() == 0:
+        curves = plot_curves(_WORKDIR.value)
+        if curves:
+            print(f"learning curves: {curves}")
+
+
+def plot_curves(workdir: str) -> str | None:
+    """``workdir/curves.png`` (train loss, validation accuracy); None without matplotlib."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return None
+    from experiments import plot
+
+    out = os.path.join(workdir, "curves.png")
+    plot.plot([workdir], ["train_loss", "validation_accuracy"], out)
+    return out
 
 
 if __name__ == "__main__":

@@ -57,7 +57,7 @@ def base_config(task: str) -> ml_collections.ConfigDict:
     c.keep_checkpoints = 3
     c.tensorboard = True
     c.progress_bar = True
-    c.plot = True
+    c.plot = True  # experiments/train.py draws workdir/curves.png at the end (matplotlib)
     return c
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import signal
 
 import jax
@@ -55,20 +54,6 @@ def _majority_accuracy(task) -> float | None:
     return float(np.mean(task.test.arrays["targets"] == majority))
 
 
-def _plot(workdir: str) -> str | None:
-    """Learning curves to ``workdir/curves.png`` when matplotlib is installed."""
-    try:
-        from experiments.plot import plot
-    except ImportError:
-        return None
-    out = os.path.join(workdir, "curves.png")
-    try:
-        plot([workdir], ["train_loss", "validation_accuracy"], out)
-    except ImportError:
-        return None
-    return out
-
-
 class _Preemption:
     """Turns SIGTERM into a flag the loop checks after each step (then it saves and exits)."""
 
@@ -91,8 +76,7 @@ def train_and_evaluate(config, workdir: str, *, on_step=None) -> dict:
     iterator's position; at the end evaluates the best checkpoint on the test split.
     SIGTERM saves a checkpoint at the current step and returns ``{"preempted": True, "step"}``.
     ``on_step(step)`` is called after every step (tests use it to interrupt a run).
-    ``config.precision`` runs the model in bfloat16 or float16 (with dynamic loss scaling);
-    ``config.plot`` draws ``curves.png`` at the end when matplotlib is installed.
+    ``config.precision`` runs the model in bfloat16 or float16 (with dynamic loss scaling).
 
     Returns the final metrics: ``{"step", "validation_accuracy", "test_accuracy", ...}``.
     """
@@ -168,9 +152,6 @@ def train_and_evaluate(config, workdir: str, *, on_step=None) -> dict:
         if majority is not None:
             result["test_majority_accuracy"] = majority
         logging.info("finished: %s", result)
-        if config.plot and jax.process_index() == 0:
-            writer.close()
-            _plot(workdir)
         return result
     finally:
         bar.close()
