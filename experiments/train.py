@@ -40,6 +40,8 @@ def summary(result: dict) -> str:
         return f"preempted at step {result['step']}: checkpoint saved, rerun to resume"
     line = (f"step {result['step']} (best checkpoint: step {result['best_step']}): "
             f"test accuracy {result['test_accuracy']:.4f}, test loss {result['test_loss']:.4f}")
+    if "test_bits_per_byte" in result:
+        line += f", {result['test_bits_per_byte']:.3f} bits per byte"
     if "test_majority_accuracy" in result:
         line += f" (majority class: {result['test_majority_accuracy']:.4f})"
     return line

@@ -9,10 +9,14 @@ VARIANT picks the attention (``transformer`` by default; see ``_common.VARIANTS`
 - (none): the LRA setting. Model sizes follow LRA (Tay et al. 2021, appendix): 4 layers,
   8 heads, dim 512, MLP 1024, batch 32, 5K steps, rsqrt schedule with 1000 warmup steps.
 - ``main``: the README's CPU job (a few minutes on 2 cores): expressions of 32-128 tokens
-  and depth <= 4, a 2-layer dim-64 model, 800 steps. Performer by default::
+  and depth <= 4, a 2-layer dim-64 model, 800 steps; with Performer attention (32 features)::
 
     python -m experiments.train --config=experiments/configs/lra/listops.py:performer,main \
         --workdir=/tmp/listops_main
+
+  Measured on 2 shared CPU cores: 27.2% test accuracy (chance 10%, always answering the most
+  common training label 10.9%) in 3 minutes including data generation; ``curves.png``,
+  ``checkpoints/`` and ``best/`` are left in the workdir.
 
 - ``runlocal``: a smoke run (seconds to a minute): 16-64 tokens, depth 3, 400 steps.
 """
