@@ -13,9 +13,9 @@ parameters, inputs, activations and gradients of the step).
 
 The LRA paper's figures at 4K (Tay et al. 2021, Table 3 via the practical survey's Table 3 /
 CATALOG.md): steps/s relative to the Transformer Performer 5.7x, Linear 5.6x, Linformer 5.5x,
-Local 5.3x, Sinkhorn 3.8x, BigBird 1.1x, Reformer 0.8x; peak memory 9.48 GB for the
+Local 5.3x, Sinkhorn 3.8x, Synthesizer 1.4x, BigBird 1.1x, Reformer 0.8x; peak memory 9.48 GB for the
 Transformer against Performer 1.06 (8.9x lighter), Linear 1.03 (9.2x), Linformer 0.99 (9.6x),
-Sinkhorn 1.48 (6.4x), Reformer 2.28 (4.2x), BigBird 2.88 (3.3x); the paper gives no memory
+Sinkhorn 1.48 (6.4x), Synthesizer 6.99 (1.36x), Reformer 2.28 (4.2x), BigBird 2.88 (3.3x); the paper gives no memory
 figure for Local attention here. The checks ask each linear-cost variant for at least those
 figures, and BigBird and Reformer to be faster than dense vanilla.
 """
@@ -59,17 +59,24 @@ SETTINGS = {
     "dam": {},
     "entmax": dict(alpha=1.5),
     "topk": dict(top_k=64),
+    "synthesizer": dict(forms=("dense",)),
+    "probsparse": {},
+    "lowrank_band": dict(window=128),
+    "long_short": dict(window=128),
+    "memory_compressed": dict(block_size=256, stride=4),
+    "poolingformer": dict(window=128, pool_size=16),
 }
 NAMES = {"dot_product": "transformer (dense)", "flash": "transformer (flash)",
          "lsh": "reformer (lsh)", "block_sparse": "bigbird (block_sparse)"}
 # Quadratic-cost kinds that are slow on a CPU: measured at 1K only.
-SHORT_ONLY = ("entmax", "topk", "dam", "adaptive_span", "clustered", "improved_clustered")
-# Kinds the LRA table covers: every length. Others: 1K and 4K.
+SHORT_ONLY = ("entmax", "topk", "dam", "adaptive_span", "clustered", "improved_clustered",
+              "probsparse")
+# Kinds the LRA table covers: every length. Others: 4K only.
 LRA_KINDS = ("dot_product", "flash", "local", "performer", "linear", "linformer", "sinkhorn",
-             "lsh", "block_sparse")
+             "lsh", "block_sparse", "synthesizer")
 # Paper figures at 4K: (speed-up, memory saving or None).
 PAPER = {"performer": (5.7, 8.9), "linear": (5.6, 9.2), "linformer": (5.5, 9.6),
-         "local": (5.3, None), "sinkhorn": (3.8, 6.4)}
+         "local": (5.3, None), "sinkhorn": (3.8, 6.4), "synthesizer": (1.4, 1.36)}
 
 
 def _settings(kind: str, L: int) -> dict:
@@ -123,7 +130,7 @@ def cases(quick: bool) -> list[Case]:
         elif kind in LRA_KINDS:
             lengths = LENGTHS
         else:
-            lengths = (LENGTHS[0], LENGTHS[-1])
+            lengths = LENGTHS[-1:]
         out += [Case(NAMES.get(kind, kind), _BUILD, dict(kind=kind, L=L, B=BATCH), ("fwdbwd",))
                 for L in lengths]
     return out
