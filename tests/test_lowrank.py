@@ -29,12 +29,22 @@ from xformers_jax.attention._nystrom import depthwise_conv_skip
 L, D = 32, 8
 
 
+def _jit(fn, static=()):
+    """Every computation here is jitted, so a test compiles one program instead of dispatching
+    op by op, and tests share shapes and keywords so most calls reuse a compiled program. These
+    programs run in microseconds and compiling them is the test's cost, mostly in LLVM's
+    optimisation passes: backend optimisation level 0 halves it (same numerics to rounding)."""
+    return jax.jit(fn, static_argnames=static,
+                   compiler_options={"xla_backend_optimization_level": 0})
+
+
 def _qkv(seed=0, lq=L, lk=L, d=D, scale=1.0):
     kq, kk, kv = jax.random.split(jax.random.PRNGKey(seed), 3)
     return (scale * jax.random.normal(kq, (lq, d)), scale * jax.random.normal(kk, (lk, d)),
             jax.random.normal(kv, (lk, d)))
 
 
+@functools.partial(_jit, static=("seed", "length", "d"))
 def _smooth(seed=1, length=64, d=16):
     """Smooth sequences: nearby tokens are similar, so pooled keys and landmarks represent
     their segments well and the approximations should improve with resolution."""
@@ -44,10 +54,6 @@ def _smooth(seed=1, length=64, d=16):
     p = jax.random.normal(kp, (1, d))
     wave = lambda a, b: jnp.sin(2 * jnp.pi * a * t + b)
     return 1.5 * wave(f, p), 1.5 * wave(0.7 * f, p + 1), wave(1.3 * f, p - 1)
-
-
-def _rel_err(out, ref):
-    return float(jnp.linalg.norm(out - ref) / jnp.linalg.norm(ref))
 
 
 def _mean_pool(k_slots, n):
@@ -62,24 +68,41 @@ _CONV = init_nystrom_conv(jax.random.PRNGKey(9), 5)
 _KEY = jax.random.PRNGKey(3)
 
 
-def _jit(fn):
-    # Jitted, so each test compiles one program instead of dispatching op by op.
-    return jax.jit(fn, static_argnames=("causal",))
+dpa = _jit(dot_product_attention, ("causal", "return_weights"))
+lin = _jit(linformer_attention, ("causal",))
+MASK = jnp.arange(L) < 21
 
 
 # name -> (fn taking q, k, v and contract keywords, whether it offers causal)
 VARIANTS = {
-    "linformer": (_jit(lambda q, k, v, **kw: linformer_attention(q, k, v, _E, _F, **kw)),
-                  False),
-    "nystrom": (_jit(lambda q, k, v, **kw: nystrom_attention(q, k, v, _CONV, num_landmarks=4,
-                                                             **kw)), False),
-    "luna": (_jit(lambda q, k, v, **kw: luna_attention(q, k, v, _P, chunk_size=8, **kw)), True),
-    "clustered": (_jit(lambda q, k, v, **kw: clustered_attention(q, k, v, num_clusters=4,
-                                                                 key=_KEY, **kw)), False),
+    "linformer": (lambda q, k, v, **kw: linformer_attention(q, k, v, _E, _F, **kw), False),
+    "nystrom": (lambda q, k, v, **kw: nystrom_attention(q, k, v, _CONV, num_landmarks=4, **kw),
+                False),
+    "luna": (lambda q, k, v, **kw: luna_attention(q, k, v, _P, chunk_size=8, **kw), True),
+    "clustered": (lambda q, k, v, **kw: clustered_attention(q, k, v, num_clusters=4, key=_KEY,
+                                                            **kw), False),
     "improved_clustered": (
-        _jit(lambda q, k, v, **kw: improved_clustered_attention(q, k, v, num_clusters=4, topk=5,
-                                                                key=_KEY, **kw)), False),
+        lambda q, k, v, **kw: improved_clustered_attention(q, k, v, num_clusters=4, topk=5,
+                                                           key=_KEY, **kw), False),
 }
+
+
+@functools.partial(_jit, static=("name", "causal"))
+def _fwd(name, q, k, v, **kw):
+    return VARIANTS[name][0](q, k, v, **kw)
+
+
+@functools.partial(_jit, static=("name", "causal"))
+def _run(name, q, k, v, cotangent, *, kv_mask, causal=False):
+    """One program per variant for the contract tests: the output and the gradients of
+    ``<cotangent, output>`` with respect to q, k and v."""
+    fn = VARIANTS[name][0]
+    out, vjp = jax.vjp(lambda q, k, v: fn(q, k, v, kv_mask=kv_mask, causal=causal), q, k, v)
+    return out, vjp(cotangent)
+
+
+def _cotangent(seed=12):
+    return jnp.asarray(np.random.default_rng(seed).standard_normal((L, D)), jnp.float32)
 
 
 # --- exact limits ------------------------------------------------------------------------
@@ -88,49 +111,46 @@ VARIANTS = {
 def test_linformer_identity_is_full_attention():
     q, k, v = _qkv()
     eye = jnp.eye(L)
-    assert_close(linformer_attention(q, k, v, eye, eye), dot_product_attention(q, k, v))
-    mask = jnp.arange(L) < 20
-    assert_close(linformer_attention(q, k, v, eye, kv_mask=mask),
-                 dot_product_attention(q, k, v, kv_mask=mask))
+    assert_close(lin(q, k, v, eye, eye), dpa(q, k, v))
+    assert_close(lin(q, k, v, eye, kv_mask=MASK), dpa(q, k, v, kv_mask=MASK))
 
 
 def test_linformer_shorter_sequence_uses_leading_columns():
     q, k, v = _qkv(lk=20)
     eye = jnp.eye(L)  # built for n = 32
-    assert_close(linformer_attention(q, k, v, eye, eye), dot_product_attention(q, k, v))
-    e, f = init_linformer_projections(jax.random.PRNGKey(1), L, 8)
+    assert_close(lin(q, k, v, eye, eye), dpa(q, k, v))
     padded = jnp.pad(k, ((0, 12), (0, 0))), jnp.pad(v, ((0, 12), (0, 0)))
     mask = jnp.arange(L) < 20
-    assert_close(linformer_attention(q, k, v, e, f),
-                 linformer_attention(q, *padded, e, f, kv_mask=mask))
+    assert_close(lin(q, k, v, _E, _F), lin(q, *padded, _E, _F, kv_mask=mask))
 
 
 def test_nystrom_landmarks_equal_tokens_is_full_attention():
     # Scaled inputs keep the softmax matrix well conditioned, so its pseudo-inverse converges.
     q, k, v = _qkv(lq=16, lk=16, scale=2.0)
-    out = nystrom_attention(q, k, v, num_landmarks=16, pinv_iterations=25)
-    np.testing.assert_allclose(out, dot_product_attention(q, k, v), atol=1e-4, rtol=1e-4)
+    out = _jit(functools.partial(nystrom_attention, num_landmarks=16, pinv_iterations=25))(
+        q, k, v)
+    np.testing.assert_allclose(out, dpa(q, k, v), atol=1e-4, rtol=1e-4)
 
 
 def test_clustered_one_query_per_cluster_is_full_attention():
     q, k, v = _qkv()
-    out = clustered_attention(q, k, v, num_clusters=L, bits=63, key=_KEY)
-    assert_close(out, dot_product_attention(q, k, v))
+    out = _jit(functools.partial(clustered_attention, num_clusters=L, bits=63))(q, k, v, key=_KEY)
+    assert_close(out, dpa(q, k, v))
 
 
 def test_improved_clustered_with_all_keys_is_full_attention():
     q, k, v = _qkv()
-    mask = jnp.arange(L) < 27
-    out = improved_clustered_attention(q, k, v, num_clusters=3, topk=L, key=_KEY, kv_mask=mask)
-    assert_close(out, dot_product_attention(q, k, v, kv_mask=mask))
+    out = _jit(functools.partial(improved_clustered_attention, num_clusters=3, topk=L))(
+        q, k, v, key=_KEY, kv_mask=MASK)
+    assert_close(out, dpa(q, k, v, kv_mask=MASK))
 
 
 def test_luna_matches_its_definition():
     q, k, v = _qkv()
-    mask = jnp.arange(L) < 25
-    weights = dot_product_attention(_P, k, k, kv_mask=mask, return_weights=True)[1]
-    ref = dot_product_attention(q, weights @ k, weights @ v)
-    out, packed = luna_attention(q, k, v, _P, kv_mask=mask, return_packed=True)
+    weights = dpa(_P, k, k, kv_mask=MASK, return_weights=True)[1]
+    ref = dpa(q, weights @ k, weights @ v)
+    out, packed = _jit(luna_attention, ("return_packed",))(
+        q, k, v, _P, kv_mask=MASK, return_packed=True)
     assert_close(out, ref)
     assert_close(packed, weights @ v)
 
@@ -138,10 +158,12 @@ def test_luna_matches_its_definition():
 def test_luna_causal_packs_each_prefix():
     q, k, v = _qkv()
     mask = jnp.arange(L) != 3
-    out = luna_attention(q, k, v, _P, causal=True, kv_mask=mask, chunk_size=8)
-    for t in (0, 5, 9, L - 1):
-        ref = luna_attention(q[t : t + 1], k[: t + 1], v[: t + 1], _P, kv_mask=mask[: t + 1])
-        assert_close(out[t : t + 1], ref, err_msg=f"position {t}")
+    out = _run("luna", q, k, v, _cotangent(), kv_mask=mask, causal=True)[0]
+    # Every position t against the non-causal form over its prefix (the keys after t masked:
+    # masked keys are as good as absent, see test_padding_invariance).
+    prefix = lambda t: luna_attention(q[t][None], k, v, _P, kv_mask=mask & (jnp.arange(L) <= t))
+    ref = _jit(jax.vmap(prefix))(jnp.arange(L))[:, 0]
+    assert_close(out, ref)
 
 
 def test_nystrom_conv_skip_is_a_same_padded_correlation():
@@ -156,7 +178,7 @@ def test_nystrom_padding_is_excluded_from_landmarks():
     # whatever the length modulo the landmark count.
     q, k, v = _qkv(lq=29, lk=29)
     mask = jnp.arange(29) < 19
-    nystrom = jax.jit(functools.partial(nystrom_attention, num_landmarks=5))
+    nystrom = _jit(functools.partial(nystrom_attention, num_landmarks=5))
     out = nystrom(q, k, v, kv_mask=mask, q_mask=mask)
     ref = nystrom(q[:19], k[:19], v[:19])
     assert_close(out[:19], ref)
@@ -169,38 +191,55 @@ def _falls(errors):
     assert all(a > b for a, b in zip(errors, errors[1:])), errors
 
 
+# Each test below computes all its errors in one jitted program: one compilation instead of
+# one per rank, landmark count or cluster count.
+
+
+def _errors(outs, ref):
+    return [float(jnp.linalg.norm(o - ref) / jnp.linalg.norm(ref)) for o in outs]
+
+
 def test_linformer_error_falls_with_rank():
     q, k, v = _smooth()
-    ref = dot_product_attention(q, k, v)
-    errors = [_rel_err(linformer_attention(q, k, v, _mean_pool(r, 64)), ref)
-              for r in (4, 8, 16, 32)]
-    _falls(errors)
-    assert errors[-1] < 0.05
-    assert _rel_err(linformer_attention(q, k, v, _mean_pool(64, 64)), ref) < 1e-6
+    pools = [_mean_pool(r, 64) for r in (4, 8, 16, 32, 64)]
+    outs = _jit(lambda q, k, v, pools: [linformer_attention(q, k, v, e) for e in pools])(
+        q, k, v, pools)
+    errors = _errors(outs, dpa(q, k, v))
+    _falls(errors[:4])
+    assert errors[3] < 0.05
+    assert errors[4] < 1e-6
 
 
 def test_nystrom_error_falls_with_landmarks():
     q, k, v = _smooth()
-    ref = dot_product_attention(q, k, v)
-    errors = [_rel_err(jax.jit(functools.partial(nystrom_attention, num_landmarks=m))(q, k, v),
-                       ref) for m in (4, 8, 16, 32)]
+    outs = _jit(lambda q, k, v: [nystrom_attention(q, k, v, num_landmarks=m)
+                                    for m in (4, 8, 16, 32)])(q, k, v)
+    errors = _errors(outs, dpa(q, k, v))
     _falls(errors)
     assert errors[-1] < 0.05
 
 
-def test_clustered_error_falls_with_clusters():
+@_jit
+def _clustered_outputs(key):
+    """Queries around 16 centres, random keys and values (clusters should find the centres),
+    and the outputs of clustered attention with 1, 4, 16, 64 clusters and of improved
+    clustered attention with 4 clusters and top 1, 8, 32 keys."""
     keys = jax.random.split(jax.random.PRNGKey(4), 4)
     centres = 1.5 * jax.random.normal(keys[0], (16, 16))
     q = centres[jax.random.randint(keys[1], (64,), 0, 16)]
     q = q + 0.05 * jax.random.normal(keys[2], q.shape)
     k, v = jax.random.normal(keys[3], (2, 64, 16))
-    ref = dot_product_attention(q, k, v)
-    clustered = lambda c: jax.jit(functools.partial(clustered_attention, num_clusters=c))
-    errors = [_rel_err(clustered(c)(q, k, v, key=_KEY), ref) for c in (1, 4, 16, 64)]
+    plain = [clustered_attention(q, k, v, num_clusters=c, key=key) for c in (1, 4, 16, 64)]
+    improved = [improved_clustered_attention(q, k, v, num_clusters=4, topk=t, key=key)
+                for t in (1, 8, 32)]
+    return dot_product_attention(q, k, v), plain, improved
+
+
+def test_clustered_error_falls_with_clusters():
+    ref, plain, improved = _clustered_outputs(_KEY)
+    errors = _errors(plain, ref)
     _falls(errors)
-    improved = lambda t: jax.jit(functools.partial(improved_clustered_attention, num_clusters=4,
-                                                   topk=t))
-    improved = [_rel_err(improved(t)(q, k, v, key=_KEY), ref) for t in (1, 8, 32)]
+    improved = _errors(improved, ref)
     _falls(improved)
     assert improved[0] <= errors[1] + 1e-6
 
@@ -208,19 +247,30 @@ def test_clustered_error_falls_with_clusters():
 # --- the contract, for every variant -----------------------------------------------------
 
 
+# The contract tests share one compiled program per variant and dtype: ``_run`` on [L, D]
+# inputs with a kv_mask.
+
+
 @pytest.mark.parametrize("name", sorted(VARIANTS))
-def test_padding_invariance(name):
-    fn, _ = VARIANTS[name]
+def test_padding_invariance_and_gradients(name):
     q, k, v = _qkv()
-    mask = jnp.arange(L) < 21
-    noise = jax.random.normal(jax.random.PRNGKey(11), (2, L, D))
-    k2 = jnp.where(mask[:, None], k, 100 * noise[0])
-    v2 = jnp.where(mask[:, None], v, 100 * noise[1])
-    assert_close(fn(q, k2, v2, kv_mask=mask), fn(q, k, v, kv_mask=mask))
-    grads = jax.grad(lambda k, v: fn(q, k, v, kv_mask=mask).sum(), argnums=(0, 1))(k, v)
+    ct = _cotangent()
+    noise = 100 * jnp.asarray(np.random.default_rng(11).standard_normal((2, L, D)), jnp.float32)
+    k2 = jnp.where(MASK[:, None], k, noise[0])
+    v2 = jnp.where(MASK[:, None], v, noise[1])
+    out, grads = _run(name, q, k, v, ct, kv_mask=MASK)
+    assert_close(_run(name, q, k2, v2, ct, kv_mask=MASK)[0], out)
     for g in grads:
-        assert np.all(np.asarray(g)[~np.asarray(mask)] == 0)
         assert np.all(np.isfinite(g))
+    for g in grads[1:]:
+        assert np.all(np.asarray(g)[~np.asarray(MASK)] == 0)
+    # Clusters are discrete, so check the gradient against finite differences along v (the
+    # output is linear in v there).
+    f = lambda v: jnp.vdot(ct, _run(name, q, k, v, ct, kv_mask=MASK)[0])
+    direction = jnp.asarray(np.random.default_rng(5).standard_normal(v.shape), jnp.float32)
+    eps = 1e-2
+    fd = (f(v + eps * direction) - f(v - eps * direction)) / (2 * eps)
+    np.testing.assert_allclose(jnp.vdot(grads[2], direction), fd, rtol=1e-2, atol=1e-3)
 
 
 @pytest.mark.parametrize("name", sorted(VARIANTS))
@@ -235,49 +285,35 @@ def test_causal_no_leak_or_clear_error(name):
     later = jnp.arange(L)[:, None] >= cut
     k2 = jnp.where(later, k + 5.0, k)
     v2 = jnp.where(later, -v, v)
-    out, out2 = fn(q, k, v, causal=True), fn(q, k2, v2, causal=True)
+    ct = jnp.where(later, 0.0, jnp.ones((L, D)))  # the cotangent of out[:cut].sum()
+    out, grads = _run(name, q, k, v, ct, kv_mask=None, causal=True)
+    out2 = _run(name, q, k2, v2, ct, kv_mask=None, causal=True)[0]
     np.testing.assert_array_equal(out[:cut], out2[:cut])
-    grads = jax.grad(lambda k, v: fn(q, k, v, causal=True)[:cut].sum(), argnums=(0, 1))(k, v)
-    for g in grads:
+    for g in grads[1:]:
         assert np.all(np.asarray(g)[cut:] == 0)
 
 
 @pytest.mark.parametrize("name", sorted(VARIANTS))
 def test_bf16_matches_float32(name):
-    fn, _ = VARIANTS[name]
-    q, k, v = (x.astype(jnp.bfloat16) for x in _qkv())
-    out = fn(q, k, v)
+    q, k, v = _qkv()
+    out = _fwd(name, *(x.astype(jnp.bfloat16) for x in (q, k, v)), kv_mask=MASK)
     assert out.dtype == jnp.bfloat16
-    ref = fn(*(x.astype(jnp.float32) for x in (q, k, v)))
+    up = lambda x: x.astype(jnp.bfloat16).astype(jnp.float32)
+    ref = _run(name, up(q), up(k), up(v), _cotangent(), kv_mask=MASK)[0]
     assert_close(out, ref, dtype=jnp.bfloat16)
-
-
-@pytest.mark.parametrize("name", sorted(VARIANTS))
-def test_gradients_finite_and_match_finite_differences(name):
-    fn, _ = VARIANTS[name]
-    q, k, v = _qkv(lq=12, lk=12)
-    direction = jax.random.normal(jax.random.PRNGKey(5), v.shape)
-    # Clusters are discrete, so differentiate along v (the output is linear in v there).
-    f = lambda v: jnp.sum(jnp.sin(fn(q, k, v)))
-    g = jax.grad(f)(v)
-    assert np.all(np.isfinite(g))
-    eps = 1e-2
-    fd = (f(v + eps * direction) - f(v - eps * direction)) / (2 * eps)
-    np.testing.assert_allclose(jnp.vdot(g, direction), fd, rtol=1e-2, atol=1e-3)
-    for arg in (0, 1):
-        grad = jax.grad(lambda *a: jnp.sum(fn(*a)), argnums=arg)(q, k, v)
-        assert np.all(np.isfinite(grad))
 
 
 @pytest.mark.parametrize("name", sorted(VARIANTS))
 def test_jit_and_multihead(name):
     fn, _ = VARIANTS[name]
     b, h = 2, 3
-    q, k, v = (jax.random.normal(jax.random.PRNGKey(i), (b, L, h, D)) for i in range(3))
-    mask = jnp.arange(L)[None, :] < jnp.array([[L], [17]])
-    out = jax.jit(multihead(fn))(q, k, v, kv_mask=mask)
+    rng = np.random.default_rng(6)
+    q, k, v = (jnp.asarray(rng.standard_normal((b, L, h, D)), jnp.float32) for _ in range(3))
+    mask = jnp.stack([jnp.ones(L, bool), MASK])
+    out = _jit(multihead(fn))(q, k, v, kv_mask=mask)
     assert out.shape == (b, L, h, D)
-    assert_close(out[1, :, 2], fn(q[1, :, 2], k[1, :, 2], v[1, :, 2], kv_mask=mask[1]))
+    ref = _run(name, q[1, :, 2], k[1, :, 2], v[1, :, 2], _cotangent(), kv_mask=mask[1])[0]
+    assert_close(out[1, :, 2], ref)
 
 
 # --- clear errors ------------------------------------------------------------------------

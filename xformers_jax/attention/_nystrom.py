@@ -113,6 +113,18 @@ def nystrom_attention(q, k, v, conv_weight=None, *, num_landmarks: int, causal: 
         q_mask = C.check_kv_mask(name + " (q_mask)", q_mask, x.lq)
     m = C.check_positive_int(name, "num_landmarks", num_landmarks)
     iterations = C.check_positive_int(name, "pinv_iterations", pinv_iterations)
+    if conv_weight is not None:
+        conv_weight = jnp.asarray(conv_weight)
+        if conv_weight.ndim != 1 or conv_weight.shape[0] % 2 == 0:
+            raise ValueError(
+                f"{name}: conv_weight must be one odd-length kernel [K] but got shape "
+                f"{conv_weight.shape}"
+            )
+        if x.lq != x.lk:
+            raise ValueError(
+                f"{name}: the conv skip on V adds conv(V) [Lk, Dv] to the output [Lq, Dv], so it "
+                f"needs Lq == Lk but got q{tuple(x.q.shape)}, v{tuple(x.v.shape)}"
+            )
     scale = C.resolve_scale(x.dk, scale)
     f32 = C.STATS_DTYPE
     q32, k32, v32 = x.q.astype(f32), x.k.astype(f32), x.v.astype(f32)
@@ -128,17 +140,6 @@ def nystrom_attention(q, k, v, conv_weight=None, *, num_landmarks: int, causal: 
     mixed = iterative_pinv(kernel2, iterations) @ kernel3_v
     out = dot_product_attention(q32, k_lm, mixed, kv_mask=k_valid, scale=scale)
     if conv_weight is not None:
-        conv_weight = jnp.asarray(conv_weight)
-        if conv_weight.ndim != 1 or conv_weight.shape[0] % 2 == 0:
-            raise ValueError(
-                f"{name}: conv_weight must be one odd-length kernel [K] but got shape "
-                f"{conv_weight.shape}"
-            )
-        if x.lq != x.lk:
-            raise ValueError(
-                f"{name}: the conv skip on V adds conv(V) [Lk, Dv] to the output [Lq, Dv], so it "
-                f"needs Lq == Lk but got q{tuple(x.q.shape)}, v{tuple(x.v.shape)}"
-            )
         masked_v = v32 if kv_mask is None else jnp.where(kv_mask[:, None], v32, 0.0)
         out = out + depthwise_conv_skip(masked_v, conv_weight)
     return out.astype(x.q.dtype)

@@ -121,7 +121,7 @@ class PerceiverEncoder(eqx.Module):
         self.layers = tuple(_Block(latent_dim, num_heads, mlp_ratio, key=k) for k in ks)
 
     def __call__(self, x, *, mask=None):
-        """x: ``[N, input_dim]``; mask: ``bool[N]`` (True for real inputs) -> ``[M, latent_dim]``."""
+        """x: ``[N, input_dim]``; mask: ``bool[N]``, True for real inputs -> ``[M, latent_dim]``."""
         if x.ndim != 2 or x.shape[1] != self.cross.norm_kv.shape[0]:
             raise ValueError(f"PerceiverEncoder: x must be [N, input_dim="
                              f"{self.cross.norm_kv.shape[0]}] but got {x.shape}")
