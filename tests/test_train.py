@@ -367,3 +367,35 @@ def test_lra_variants_all_build():
         loss, _ = eqx.filter_eval_shape(train.make_loss_fn(task), model, batch, None)
         assert loss.shape == (), variant
     assert listops.get_config("performer,main").model.attention.kind == "performer"
+
+
+_DATA_PARALLEL_RUN = """
+import json, sys
+from tests.test_train import _tiny_config
+from xformers_jax import train
+import jax
+assert jax.device_count() == 2
+config = _tiny_config(steps=4)
+config.plot = False
+print("RESULT " + json.dumps(train.train_and_evaluate(config, sys.argv[1])))
+"""
+
+
+def test_data_parallel_over_two_devices_matches_one_device(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    config = _tiny_config(steps=4)
+    single = train.train_and_evaluate(config, str(tmp_path / "one"))
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2",
+               JAX_PLATFORMS="cpu")
+    proc = subprocess.run([sys.executable, "-c", _DATA_PARALLEL_RUN, str(tmp_path / "two")],
+                          capture_output=True, text=True, env=env, timeout=600,
+                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stderr[-2000:]
+    double = json.loads(lines[0][len("RESULT "):])
+    assert double["step"] == single["step"] == 4
+    for key in ("test_loss", "validation_loss"):
+        assert double[key] == pytest.approx(single[key], rel=1e-4)

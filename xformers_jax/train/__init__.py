@@ -6,6 +6,7 @@ from ._config import DATA_SCHEMAS as DATA_SCHEMAS
 from ._config import PRECISIONS as PRECISIONS
 from ._config import base_config as base_config
 from ._config import validate_config as validate_config
+from ._loop import data_parallel as data_parallel
 from ._loop import evaluate as evaluate
 from ._loop import train_and_evaluate as train_and_evaluate
 from ._loss_scale import DynamicLossScale as DynamicLossScale

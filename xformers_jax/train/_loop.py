@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import signal
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
 from absl import logging
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from .. import nn
 from ..data import DataIterator
@@ -45,6 +48,29 @@ def _precision(config):
                                     growth_interval=config.loss_scale.growth_interval)
 
 
+def data_parallel():
+    """``(place_state, place_batch)`` for data parallelism over every device of every process.
+
+    The state is replicated, each process's batch becomes its rows of one global batch split
+    on the leading axis, so XLA averages the gradients across devices and hosts. Both are the
+    identity on a single device.
+    """
+    if jax.device_count() == 1:
+        return (lambda state: state), (lambda batch: batch)
+    mesh = Mesh(np.array(jax.devices()), ("data",))
+    replicated, split = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
+
+    def place_state(state):
+        return jax.tree.map(lambda x: jax.device_put(x, replicated) if eqx.is_array(x) else x,
+                            state)
+
+    def place_batch(batch):
+        return jax.tree.map(
+            lambda x: jax.make_array_from_process_local_data(split, np.asarray(x)), batch)
+
+    return place_state, place_batch
+
+
 def _majority_accuracy(task) -> float | None:
     """Test accuracy of always answering the most common training label (the baseline a
     classifier must beat); None for language models and lazily read splits."""
@@ -71,7 +97,8 @@ class _Preemption:
 def train_and_evaluate(config, workdir: str, *, on_step=None) -> dict:
     """Trains per ``config`` in ``workdir``, resuming from its latest checkpoint.
 
-    Shows a progress bar (steps/s, ETA) on stderr, periodically logs train metrics, evaluates on the validation split
+    Data parallel over every device of every process (``data_parallel``): ``batch_size`` is
+    the global batch. Shows a progress bar (steps/s, ETA) on stderr, periodically logs train metrics, evaluates on the validation split
     (offering the state to the best checkpoint), checkpoints the train state with the data
     iterator's position; at the end evaluates the best checkpoint on the test split.
     SIGTERM saves a checkpoint at the current step and returns ``{"preempted": True, "step"}``.
@@ -91,8 +118,12 @@ def train_and_evaluate(config, workdir: str, *, on_step=None) -> dict:
                                grad_clip_norm=o.grad_clip_norm, b1=o.b1, b2=o.b2)
     policy, loss_scale = _precision(config)
     state = create_train_state(model, optimizer, state_key, loss_scale=loss_scale)
-    train_iter = DataIterator(task.train, batch_size=config.batch_size, seed=config.seed,
-                              process_index=jax.process_index(),
+    if config.batch_size % jax.device_count():
+        raise ValueError(f"batch_size={config.batch_size} is not divisible by the "
+                         f"{jax.device_count()} devices")
+    # config.batch_size is the global batch: each process reads its share.
+    train_iter = DataIterator(task.train, batch_size=config.batch_size // jax.process_count(),
+                              seed=config.seed, process_index=jax.process_index(),
                               process_count=jax.process_count())
     checkpointer = Checkpointer(workdir, keep=config.keep_checkpoints)
     restored = checkpointer.restore_latest(state)
@@ -100,6 +131,8 @@ def train_and_evaluate(config, workdir: str, *, on_step=None) -> dict:
         state, data_state = restored
         train_iter.set_state(data_state)
         logging.info("resumed from step %d", int(state.step))
+    place_state, place_batch = data_parallel()
+    state = place_state(state)
     train_step = make_train_step(make_loss_fn(task, policy), optimizer,
                                  num_microbatches=config.num_microbatches, loss_scale=loss_scale)
     eval_step = make_eval_step(make_metrics_fn(task, policy))
@@ -112,7 +145,7 @@ def train_and_evaluate(config, workdir: str, *, on_step=None) -> dict:
     validation = {}
     try:
         while step < total:
-            state, metrics = train_step(state, next(train_iter))
+            state, metrics = train_step(state, place_batch(next(train_iter)))
             step += 1
             if step % config.log_every == 0 or step == total:
                 rate = bar.rate()
