@@ -74,7 +74,7 @@ def main(argv):
 def plot_curves(workdir: str) -> str | None:
     """``workdir/curves.png`` (train loss, validation accuracy); None without matplotlib."""
     try:
-        import matplotlib  # noqa: F401
+        import matplotlib  # noqa: F401  (optional: pip install '.[viz]')
     except ImportError:
         return None
     from experiments import plot

@@ -5,19 +5,20 @@ parameter) of the byte-level Text classifier, ``nn.EncoderClassifier`` with each
 kind of the ``nn`` registry, at L = 1K, 2K, 3K, 4K. Model: the LRA Text sizes (dim 256,
 4 heads, MLP 1024, CLS pooling, byte vocabulary) with ONE layer instead of four (layers scale
 every variant's time alike; one keeps the suite within ~20 minutes on 2 cores), float32,
-batch ``B`` (environment variable ``LRA_BATCH``, default 2, so that the dense 4K case
-fits ~3 GB and the suite ~20 minutes; LRA used 32 on TPU v3). Speed-up and memory saving are relative to
-the same model with dense attention (``dot_product``, the vanilla Transformer) and with
-``flash`` attention. Memory is the worker process's peak RSS above its start-up (the
-parameters, inputs, activations and gradients of the step).
+batch ``B`` (environment variable ``LRA_BATCH``, default 2: the dense 4K step then peaks at
+~5 GB; LRA used 32 on TPU v3). Speed-up and memory saving are relative to the same model
+with dense attention (``dot_product``, the vanilla Transformer) and with ``flash``
+attention. Memory is the worker process's peak RSS above its start-up (the parameters,
+inputs, activations, gradients and XLA's compilation of the step).
 
 The LRA paper's figures at 4K (Tay et al. 2021, Table 3 via the practical survey's Table 3 /
-CATALOG.md): steps/s relative to the Transformer Performer 5.7x, Linear 5.6x, Linformer 5.5x,
-Local 5.3x, Sinkhorn 3.8x, Synthesizer 1.4x, BigBird 1.1x, Reformer 0.8x; peak memory 9.48 GB for the
-Transformer against Performer 1.06 (8.9x lighter), Linear 1.03 (9.2x), Linformer 0.99 (9.6x),
-Sinkhorn 1.48 (6.4x), Synthesizer 6.99 (1.36x), Reformer 2.28 (4.2x), BigBird 2.88 (3.3x); the paper gives no memory
-figure for Local attention here. The checks ask each linear-cost variant for at least those
-figures, and BigBird and Reformer to be faster than dense vanilla.
+CATALOG.md): steps/s relative to the Transformer Performer 5.7x, Linear 5.6x, Linformer
+5.5x, Local 5.3x, Sinkhorn 3.8x, Synthesizer 1.4x, BigBird 1.1x, Reformer 0.8x; peak memory
+9.48 GB for the Transformer against Performer 1.06 (8.9x lighter), Linear 1.03 (9.2x),
+Linformer 0.99 (9.6x), Sinkhorn 1.48 (6.4x), Synthesizer 6.99 (1.36x), Reformer 2.28 (4.2x),
+BigBird 2.88 (3.3x); the paper gives no memory figure for Local attention here. The checks
+ask each of those variants for at least the paper's figures, and BigBird and Reformer to be
+faster than dense vanilla.
 """
 
 from __future__ import annotations

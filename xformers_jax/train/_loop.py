@@ -98,9 +98,10 @@ def train_and_evaluate(config, workdir: str, *, on_step=None) -> dict:
     """Trains per ``config`` in ``workdir``, resuming from its latest checkpoint.
 
     Data parallel over every device of every process (``data_parallel``): ``batch_size`` is
-    the global batch. Shows a progress bar (steps/s, ETA) on stderr, periodically logs train metrics, evaluates on the validation split
-    (offering the state to the best checkpoint), checkpoints the train state with the data
-    iterator's position; at the end evaluates the best checkpoint on the test split.
+    the global batch. Shows a progress bar (steps/s, ETA) on stderr, periodically logs train
+    metrics, evaluates on the validation split (offering the state to the best checkpoint),
+    checkpoints the train state with the data iterator's position; at the end evaluates the
+    best checkpoint on the test split.
     SIGTERM saves a checkpoint at the current step and returns ``{"preempted": True, "step"}``.
     ``on_step(step)`` is called after every step (tests use it to interrupt a run).
     ``config.precision`` runs the model in bfloat16 or float16 (with dynamic loss scaling).
