@@ -37,7 +37,7 @@ class _Static:
     layout: BlockLayout
     scale: float
     dropout_rate: float
-    bias_fn: Callable[..., Any] | None  # closure-converted: bias_fn(q_pos, k_pos, *consts)
+    bias_fn: Callable[..., Any] | None  # see _convert_bias
     bias_is_array: bool
     # Which optional dynamic inputs are present.
     has_kv_mask: bool
@@ -64,7 +64,7 @@ class _Tile:
         self.k_pos = self.k0 + jnp.arange(bk, dtype=jnp.int32)[None, :]
         self.q = jax.lax.dynamic_slice_in_dim(q, self.q0, bq)
         self.k = jax.lax.dynamic_slice_in_dim(k, self.k0, bk)
-        kv_mask, q_seg, kv_seg, seed, masks = dyn
+        kv_mask, q_seg, kv_seg, seed, masks, self.bias_data = dyn
         mask = _tiles.dynamic_mask(
             jax.lax.dynamic_slice_in_dim(kv_mask, self.k0, bk) if st.has_kv_mask else None,
             jax.lax.dynamic_slice_in_dim(q_seg, self.q0, bq) if st.has_segments else None,
@@ -78,7 +78,7 @@ class _Tile:
         if st.bias_is_array:
             s = s + jax.lax.dynamic_slice(bias, (self.q0, self.k0), (bq, bk)).astype(STATS_DTYPE)
         elif st.bias_fn is not None:
-            s = s + st.bias_fn(self.q_pos, self.k_pos, *bias).astype(STATS_DTYPE)
+            s = s + st.bias_fn(self.q_pos, self.k_pos, bias, self.bias_data).astype(STATS_DTYPE)
         self.s = s if mask is None else jnp.where(mask, s, -jnp.inf)
         self.keep = (
             _tiles.dropout_keep(seed, self.q_pos, self.k_pos, st.dropout_rate)
@@ -193,7 +193,8 @@ def _backward(st: _Static, q, k, v, bias, dyn, out, lse, d_out, d_lse):
             if st.bias_is_array:
                 d_bias = jax.lax.dynamic_update_slice(d_bias, ds, (t.q0, t.k0))
             elif st.bias_fn is not None and d_bias:
-                _, pull = jax.vjp(lambda *c: st.bias_fn(t.q_pos, t.k_pos, *c), *bias)
+                _, pull = jax.vjp(
+                    lambda *c: st.bias_fn(t.q_pos, t.k_pos, list(c), t.bias_data), *bias)
                 d_bias = jax.tree_util.tree_map(
                     lambda a, g: a + g.astype(STATS_DTYPE), d_bias, list(pull(ds))
                 )
@@ -230,6 +231,29 @@ def _attend_bwd(st, res, cotangents):
 _attend.defvjp(_attend_fwd, _attend_bwd)
 
 
+def _convert_bias(bias, block_q: int, block_k: int):
+    """Turns a callable bias into ``bias_fn(q_pos, k_pos, float_consts, other_consts)``.
+
+    Every array the callable closes over or holds (an ``eqx.Module``'s leaves, possibly tracers
+    of an enclosing ``vmap``, ``jit`` or ``grad``) becomes an explicit argument of the custom
+    VJP: the floating ones differentiable (their gradients are accumulated per tile), the others
+    passed as data. ``jax.closure_convert`` would leave non-differentiable tracers inside the
+    function, where they would escape the custom VJP.
+    """
+    closed = jax.make_jaxpr(lambda i, j: bias(i, j))(
+        jnp.zeros((block_q, 1), jnp.int32), jnp.zeros((1, block_k), jnp.int32))
+    consts = [jnp.asarray(c) for c in closed.consts]
+    is_float = tuple(bool(jnp.issubdtype(c.dtype, jnp.inexact)) for c in consts)
+
+    def bias_fn(q_pos, k_pos, float_consts, other_consts):
+        floats, others = iter(float_consts), iter(other_consts)
+        merged = [next(floats) if f else next(others) for f in is_float]
+        return jax.core.eval_jaxpr(closed.jaxpr, merged, q_pos, k_pos)[0]
+
+    return (bias_fn, [c for c, f in zip(consts, is_float) if f],
+            [c for c, f in zip(consts, is_float) if not f])
+
+
 def _prepare(q, k, v, layout, *, kv_mask, segments, bias, scale, dropout_rate, key):
     """Pads checked inputs to whole tiles and gathers the static and dynamic kernel inputs."""
     lq_p = layout.num_q_blocks * layout.block_q
@@ -241,14 +265,11 @@ def _prepare(q, k, v, layout, *, kv_mask, segments, bias, scale, dropout_rate, k
     else:
         q_seg = kv_seg = jnp.zeros((0,), jnp.int32)
     seed = _tiles.dropout_seed(key) if dropout_rate > 0.0 else jnp.zeros((2,), jnp.uint32)
-    bias_fn, bias_arg, bias_is_array = None, (), False
+    bias_fn, bias_arg, bias_data, bias_is_array = None, (), (), False
     if bias is not None and not callable(bias):
         bias_arg, bias_is_array = _pad_to(_pad_to(bias, lq_p, 0), lk_p, 1), True
     elif bias is not None:
-        pos_q = jnp.zeros((layout.block_q, 1), jnp.int32)
-        pos_k = jnp.zeros((1, layout.block_k), jnp.int32)
-        bias_fn, consts = jax.closure_convert(bias, pos_q, pos_k)
-        bias_arg = [jnp.asarray(c) for c in consts]
+        bias_fn, bias_arg, bias_data = _convert_bias(bias, layout.block_q, layout.block_k)
     st = _Static(
         layout=layout,
         scale=float(scale),
@@ -258,7 +279,7 @@ def _prepare(q, k, v, layout, *, kv_mask, segments, bias, scale, dropout_rate, k
         has_kv_mask=kv_mask is not None,
         has_segments=segments is not None,
     )
-    dyn = (kv_mask_p, q_seg, kv_seg, seed, jnp.asarray(layout.partial_masks))
+    dyn = (kv_mask_p, q_seg, kv_seg, seed, jnp.asarray(layout.partial_masks), bias_data)
     return st, padded, bias_arg, dyn
 
 
