@@ -9,10 +9,11 @@ Configs are locked ``ml_collections.ConfigDict``s: ``--config.optim.learning_rat
 overrides a value, a key that does not exist is an error. A run resumes from the latest
 checkpoint in ``--workdir``; SIGTERM saves one before exiting. The workdir collects
 ``metrics.jsonl``, TensorBoard events, ``checkpoints/`` (the last N), ``best/`` and
-``curves.png`` (when matplotlib is installed). On several hosts (a TPU pod, SLURM, or
-``JAX_COORDINATOR_ADDRESS`` / ``JAX_NUM_PROCESSES`` / ``JAX_PROCESS_ID`` set) the JAX
-distributed runtime is initialised first (``--multihost`` forces it: ``experiments/sweep.py``
-uses it on TPU pods). Log lines below WARNING are hidden unless
+``curves.png`` (when matplotlib is installed). ``--config.mesh='{"data": -1, "tensor": 2}'``
+shards the run over a device mesh (BUILD.md, "Sharding and multi-host"). On several hosts (a
+TPU pod, SLURM, or ``JAX_COORDINATOR_ADDRESS`` / ``JAX_NUM_PROCESSES`` / ``JAX_PROCESS_ID``
+set) the JAX distributed runtime is initialised first (``--multihost`` forces it:
+``experiments/sweep.py`` uses it on TPU pods). Log lines below WARNING are hidden unless
 ``--verbosity=0`` is given: the progress bar and the evaluations are shown on stderr.
 """
 

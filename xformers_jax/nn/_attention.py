@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .. import attention as A
+from .._sharding_hooks import constrain
 from ._cache import KVCache, RecurrentCache
 from ._positions import PositionScheme
 from ._registry import AttentionSpec, get_variant
@@ -23,6 +24,11 @@ from ._registry import AttentionSpec, get_variant
 
 def _dense_init(key, fan_in, fan_out):
     return jax.random.normal(key, (fan_in, fan_out)) / math.sqrt(fan_in)
+
+
+# Logical axis names (xformers_jax.parallel.axes) of the activations, for sharding.
+_HEADS = ("batch", "length", "heads", "kv")
+_EMBED = ("batch", "length", "embed")
 
 
 def _positions(batch, length, offset=0):
@@ -111,7 +117,7 @@ class MultiHeadAttention(eqx.Module):
         q = (x @ self.wq.astype(x.dtype)).reshape(b, lq, self.num_heads, self.head_dim)
         k = (src @ self.wk.astype(x.dtype)).reshape(b, src.shape[1], self.num_kv_heads, -1)
         v = (src @ self.wv.astype(x.dtype)).reshape(b, src.shape[1], self.num_kv_heads, -1)
-        return q, k, v
+        return constrain(q, _HEADS), constrain(k, _HEADS), constrain(v, _HEADS)
 
     def _bias(self, q, k, q_pos, k_pos):
         if self.position is None or self.position.where != "bias":
@@ -122,7 +128,8 @@ class MultiHeadAttention(eqx.Module):
 
     def _out(self, o):
         b, lq = o.shape[:2]
-        return o.reshape(b, lq, -1) @ self.wo.astype(o.dtype)
+        o = constrain(o, _HEADS)
+        return constrain(o.reshape(b, lq, -1) @ self.wo.astype(o.dtype), _EMBED)
 
     def __call__(self, x, context=None, *, kv_mask=None, positions=None, key=None):
         """x: ``[B, Lq, dim]``; context: ``[B, Lk, kv_dim]`` for cross attention (None for

@@ -13,6 +13,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 
+from .._sharding_hooks import constrain
 from ._attention import MultiHeadAttention
 from ._ffn import FeedForward
 from ._norms import make_norm
@@ -20,6 +21,7 @@ from ._positions import PositionScheme
 from ._registry import AttentionSpec
 
 PLACEMENTS = ("pre", "post", "rezero", "none")
+_EMBED = ("batch", "length", "embed")  # logical axis names (xformers_jax.parallel.axes)
 
 
 class TransformerBlock(eqx.Module):
@@ -92,8 +94,10 @@ class TransformerBlock(eqx.Module):
                              "attention (cross=True)")
         fs = self.sublayers(kv_mask=kv_mask, context=context, context_mask=context_mask,
                             positions=positions, key=key)
+        x = constrain(x, _EMBED)
         for i, f in enumerate(fs):
             x, state = self._residual(i, x, f, state, kv_mask, inference)
+            x = constrain(x, _EMBED)
         return x, state
 
     def branch_outputs(self, x, *, kv_mask=None, context=None, context_mask=None):

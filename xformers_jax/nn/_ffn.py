@@ -10,6 +10,8 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 
+from .._sharding_hooks import constrain
+
 ACTIVATIONS = {
     "relu": jax.nn.relu,
     "gelu": jax.nn.gelu,
@@ -55,6 +57,7 @@ class FeedForward(eqx.Module):
         h = ACTIVATIONS[self.activation](x @ self.w1.astype(x.dtype) + self.b1.astype(x.dtype))
         if self.w_gate is not None:
             h = h * (x @ self.w_gate.astype(x.dtype))
+        h = constrain(h, ("batch", "length", "mlp"))
         return h @ self.w2.astype(x.dtype) + self.b2.astype(x.dtype)
 
     def __call__(self, x):

@@ -18,6 +18,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 
+from .._sharding_hooks import constrain
 from ._blocks import TransformerBlock
 from ._norms import LayerNorm
 from ._positions import ConvPositions, PositionScheme, SinusoidalPositions
@@ -68,7 +69,8 @@ class Embedder(eqx.Module):
             if mask is not None:
                 mask = jnp.concatenate([jnp.ones((b, 1), bool), mask], axis=1)
         positions = jnp.broadcast_to(jnp.arange(x.shape[1]) + offset, x.shape[:2])
-        return self.positions.embed(x, positions, mask=mask, causal=causal), mask
+        x = self.positions.embed(x, positions, mask=mask, causal=causal)
+        return constrain(x, ("batch", "length", "embed")), mask
 
 
 def _stack(dim, num_layers, num_heads, hidden, *, causal, cross, max_len, block, stack, key):
@@ -185,7 +187,7 @@ class CausalLM(eqx.Module):
         """Teacher-forced logits ``[B, L, vocab]`` for ``tokens: int[B, L]``."""
         x, _ = self.embed(tokens, mask=mask, causal=True)
         h = _finish(self.final_norm, self.layers(x, kv_mask=mask, key=key))
-        return h @ self.head.astype(h.dtype)
+        return constrain(h @ self.head.astype(h.dtype), ("batch", "length", "vocab"))
 
     def init_cache(self, batch: int, max_len: int, dtype=jnp.float32):
         if isinstance(self.embed.positions, ConvPositions):

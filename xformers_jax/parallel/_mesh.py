@@ -14,6 +14,7 @@ from typing import Mapping, NamedTuple, Sequence
 import jax
 from jax.sharding import AxisType, Mesh
 
+from .. import _sharding_hooks
 from ._axes import MESH_AXES
 
 
@@ -89,7 +90,7 @@ def use_mesh(mesh: Mesh, compute_rules=None, param_rules=None):
     the active mesh while a function is traced, so open the block around the ``jax.jit`` call
     that traces it.
     """
-    from ._rules import DEFAULT_COMPUTE_RULES, DEFAULT_PARAM_RULES
+    from ._rules import DEFAULT_COMPUTE_RULES, DEFAULT_PARAM_RULES, constrain
 
     token = _ACTIVE.set(Active(
         mesh,
@@ -97,7 +98,9 @@ def use_mesh(mesh: Mesh, compute_rules=None, param_rules=None):
         tuple(DEFAULT_PARAM_RULES if param_rules is None else param_rules),
     ))
     try:
-        yield mesh
+        # The models (xformers_jax.nn, a lower layer) annotate activations through this hook.
+        with _sharding_hooks.installed(constrain):
+            yield mesh
     finally:
         _ACTIVE.reset(token)
 

@@ -6,7 +6,6 @@ from ._config import DATA_SCHEMAS as DATA_SCHEMAS
 from ._config import PRECISIONS as PRECISIONS
 from ._config import base_config as base_config
 from ._config import validate_config as validate_config
-from ._loop import data_parallel as data_parallel
 from ._loop import evaluate as evaluate
 from ._loop import train_and_evaluate as train_and_evaluate
 from ._loss_scale import DynamicLossScale as DynamicLossScale
@@ -20,6 +19,10 @@ from ._optim import make_optimizer as make_optimizer
 from ._optim import make_schedule as make_schedule
 from ._progress import ProgressBar as ProgressBar
 from ._progress import format_duration as format_duration
+from ._sharding import MODEL_PARAM_PATTERNS as MODEL_PARAM_PATTERNS
+from ._sharding import ShardingPlan as ShardingPlan
+from ._sharding import make_sharding_plan as make_sharding_plan
+from ._sharding import resolve_mesh as resolve_mesh
 from ._state import TrainState as TrainState
 from ._state import create_train_state as create_train_state
 from ._step import make_eval_step as make_eval_step

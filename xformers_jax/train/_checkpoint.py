@@ -12,6 +12,7 @@ import os
 
 import equinox as eqx
 import jax
+import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
@@ -49,9 +50,12 @@ class Checkpointer:
     @staticmethod
     def _args(state, data_state):
         leaves, _, _ = _arrays(state)
-        # Host copies: the next jitted step donates the state's buffers while the asynchronous
-        # save may still be writing.
-        tree = {str(i): np.array(leaf, copy=True) for i, leaf in enumerate(leaves)}
+        # Copies: the next jitted step donates the state's buffers while the asynchronous save
+        # may still be writing. On the host when this process holds the whole array; arrays
+        # sharded across processes are copied on their devices, each process writing its
+        # shards.
+        tree = {str(i): np.array(leaf, copy=True) if leaf.is_fully_addressable
+                else jnp.copy(leaf) for i, leaf in enumerate(leaves)}
         return ocp.args.Composite(state=ocp.args.StandardSave(tree),
                                   data=ocp.args.JsonSave(dict(data_state)))
 
@@ -64,10 +68,13 @@ class Checkpointer:
         self.best.save(step, args=self._args(state, data_state),
                        metrics={self.best_metric: float(metrics[self.best_metric])}, force=True)
 
-    def _restore(self, manager, step, template):
+    def _restore(self, manager, step, template, shardings):
         leaves, treedef, static = _arrays(template)
-        abstract = {str(i): jax.ShapeDtypeStruct(np.shape(x), x.dtype)
-                    for i, x in enumerate(leaves)}
+        targets = ([None] * len(leaves) if shardings is None else jax.tree.leaves(
+            shardings, is_leaf=lambda s: isinstance(s, jax.sharding.Sharding)))
+        # Orbax reads each target shard's slice, whatever mesh wrote the checkpoint.
+        abstract = {str(i): jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=s)
+                    for i, (x, s) in enumerate(zip(leaves, targets, strict=True))}
         restored = manager.restore(step, args=ocp.args.Composite(
             state=ocp.args.StandardRestore(abstract), data=ocp.args.JsonRestore()))
         arrays = [restored["state"][str(i)] for i in range(len(leaves))]
@@ -76,18 +83,20 @@ class Checkpointer:
     def latest_step(self) -> int | None:
         return self.latest.latest_step()
 
-    def restore_latest(self, template):
+    def restore_latest(self, template, shardings=None):
         """``(state, data_state)`` from the latest checkpoint, or None when there is none.
 
-        ``template`` is a state of the same structure (e.g. a freshly initialised one).
+        ``template`` is a state of the same structure (e.g. a freshly initialised one);
+        ``shardings`` (a ``NamedSharding`` per array of it, e.g. ``ShardingPlan.state``)
+        places the restored arrays, on any mesh (default: one device).
         """
         step = self.latest.latest_step()
-        return None if step is None else self._restore(self.latest, step, template)
+        return None if step is None else self._restore(self.latest, step, template, shardings)
 
-    def restore_best(self, template):
+    def restore_best(self, template, shardings=None):
         """``(state, data_state)`` of the best checkpoint, or None when there is none."""
         step = self.best.best_step()
-        return None if step is None else self._restore(self.best, step, template)
+        return None if step is None else self._restore(self.best, step, template, shardings)
 
     def wait(self) -> None:
         """Blocks until pending asynchronous saves are written."""

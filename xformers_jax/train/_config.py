@@ -48,6 +48,10 @@ def base_config(task: str) -> ml_collections.ConfigDict:
     # the dynamic loss scale below.
     c.precision = "float32"
     c.loss_scale = ml_collections.ConfigDict(dict(init_scale=2.0 ** 15, growth_interval=2000))
+    # Mesh axis sizes (-1 fills; {"strategy": "data+tensor", "tensor": 2} names a strategy)
+    # and the sharding rules / parameter patterns (empty: the defaults). See _sharding.py.
+    c.mesh = ml_collections.ConfigDict({"data": -1})
+    c.sharding = ml_collections.ConfigDict(dict(param_rules=(), compute_rules=(), params=()))
     c.batch_size = 32
     c.num_microbatches = 1
     c.num_train_steps = 10_000
@@ -68,7 +72,7 @@ def _compare(config, reference, path=""):
     if want - got:
         raise ValueError(f"missing config keys: {sorted(path + k for k in want - got)}")
     for k in want:
-        if k == "attention" and path == "model.":
+        if (k == "attention" and path == "model.") or (k == "mesh" and not path):
             continue
         if isinstance(reference[k], ml_collections.ConfigDict):
             if not isinstance(config[k], ml_collections.ConfigDict):
@@ -90,6 +94,8 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
         raise ValueError(f"precision must be one of {PRECISIONS}, got {config.precision!r}")
     if config.model.pooling not in POOLINGS:
         raise ValueError(f"model.pooling must be one of {POOLINGS}, got {config.model.pooling!r}")
+    if not isinstance(config.mesh, ml_collections.ConfigDict):
+        raise ValueError(f"mesh must be a section of axis sizes, got {config.mesh!r}")
     if config.batch_size % config.num_microbatches:
         raise ValueError(f"batch_size={config.batch_size} is not divisible by "
                          f"num_microbatches={config.num_microbatches}")

@@ -4,13 +4,10 @@ from __future__ import annotations
 
 import signal
 
-import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
 from absl import logging
-from jax.sharding import Mesh, NamedSharding
-from jax.sharding import PartitionSpec as P
 
 from .. import nn
 from ..data import DataIterator
@@ -20,6 +17,7 @@ from ._loss_scale import DynamicLossScale
 from ._metrics import MetricWriter
 from ._optim import make_optimizer, make_schedule
 from ._progress import ProgressBar, format_duration
+from ._sharding import make_sharding_plan
 from ._state import create_train_state
 from ._step import make_eval_step, make_train_step
 from ._tasks import build_model, make_loss_fn, make_metrics_fn, make_task
@@ -48,29 +46,6 @@ def _precision(config):
                                     growth_interval=config.loss_scale.growth_interval)
 
 
-def data_parallel():
-    """``(place_state, place_batch)`` for data parallelism over every device of every process.
-
-    The state is replicated, each process's batch becomes its rows of one global batch split
-    on the leading axis, so XLA averages the gradients across devices and hosts. Both are the
-    identity on a single device.
-    """
-    if jax.device_count() == 1:
-        return (lambda state: state), (lambda batch: batch)
-    mesh = Mesh(np.array(jax.devices()), ("data",))
-    replicated, split = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
-
-    def place_state(state):
-        return jax.tree.map(lambda x: jax.device_put(x, replicated) if eqx.is_array(x) else x,
-                            state)
-
-    def place_batch(batch):
-        return jax.tree.map(
-            lambda x: jax.make_array_from_process_local_data(split, np.asarray(x)), batch)
-
-    return place_state, place_batch
-
-
 def _majority_accuracy(task) -> float | None:
     """Test accuracy of always answering the most common training label (the baseline a
     classifier must beat); None for language models and lazily read splits."""
@@ -97,8 +72,9 @@ class _Preemption:
 def train_and_evaluate(config, workdir: str, *, on_step=None) -> dict:
     """Trains per ``config`` in ``workdir``, resuming from its latest checkpoint.
 
-    Data parallel over every device of every process (``data_parallel``): ``batch_size`` is
-    the global batch. Shows a progress bar (steps/s, ETA) on stderr, periodically logs train
+    Sharded per ``config.mesh`` and ``config.sharding`` (``make_sharding_plan``; by default
+    data parallel over every device of every process): ``batch_size`` is the global batch.
+    Shows a progress bar (steps/s, ETA) on stderr, periodically logs train
     metrics, evaluates on the validation split (offering the state to the best checkpoint),
     checkpoints the train state with the data iterator's position; at the end evaluates the
     best checkpoint on the test split.
@@ -119,24 +95,28 @@ def train_and_evaluate(config, workdir: str, *, on_step=None) -> dict:
                                grad_clip_norm=o.grad_clip_norm, b1=o.b1, b2=o.b2)
     policy, loss_scale = _precision(config)
     state = create_train_state(model, optimizer, state_key, loss_scale=loss_scale)
-    if config.batch_size % jax.device_count():
-        raise ValueError(f"batch_size={config.batch_size} is not divisible by the "
-                         f"{jax.device_count()} devices")
+    plan = make_sharding_plan(config, state, optimizer)
+    shards = 1 if plan is None else plan.batch_shards
+    if config.batch_size % shards:
+        raise ValueError(f"batch_size={config.batch_size} is not divisible by the {shards} "
+                         "batch shards of the mesh")
     # config.batch_size is the global batch: each process reads its share.
     train_iter = DataIterator(task.train, batch_size=config.batch_size // jax.process_count(),
                               seed=config.seed, process_index=jax.process_index(),
                               process_count=jax.process_count())
     checkpointer = Checkpointer(workdir, keep=config.keep_checkpoints)
-    restored = checkpointer.restore_latest(state)
+    restored = checkpointer.restore_latest(state, None if plan is None else plan.state)
     if restored is not None:
         state, data_state = restored
         train_iter.set_state(data_state)
         logging.info("resumed from step %d", int(state.step))
-    place_state, place_batch = data_parallel()
-    state = place_state(state)
+    elif plan is not None:
+        state = plan.place_state(state)
+    place_batch = (lambda batch: batch) if plan is None else plan.place_batch
     train_step = make_train_step(make_loss_fn(task, policy), optimizer,
-                                 num_microbatches=config.num_microbatches, loss_scale=loss_scale)
-    eval_step = make_eval_step(make_metrics_fn(task, policy))
+                                 num_microbatches=config.num_microbatches, loss_scale=loss_scale,
+                                 sharding=plan)
+    eval_step = make_eval_step(make_metrics_fn(task, policy), sharding=plan)
     writer = MetricWriter(workdir, tensorboard=config.tensorboard)
     preemption = _Preemption()
     step, total = int(state.step), config.num_train_steps
@@ -174,7 +154,7 @@ def train_and_evaluate(config, workdir: str, *, on_step=None) -> dict:
                 checkpointer.save(step, state, train_iter.get_state(), force=True)
                 return {"preempted": True, "step": step}
         checkpointer.wait()
-        best = checkpointer.restore_best(state)
+        best = checkpointer.restore_best(state, None if plan is None else plan.state)
         best_state = state if best is None else best[0]
         test = evaluate(eval_step, best_state.model, task.test, config.batch_size)
         writer.write(step, {f"test_{k}": v for k, v in test.items()})

@@ -8,6 +8,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import optax
+from jax.sharding import NamedSharding, PartitionSpec
 
 from ._loss_scale import DynamicLossScale, all_finite
 from ._state import TrainState
@@ -26,7 +27,8 @@ def _split_microbatches(batch, num_microbatches: int):
 
 
 def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, *,
-                    num_microbatches: int = 1, loss_scale: DynamicLossScale | None = None):
+                    num_microbatches: int = 1, loss_scale: DynamicLossScale | None = None,
+                    sharding=None):
     """``step(state, batch) -> (state, metrics)``, jitted, donating the old state's buffers.
 
     With ``num_microbatches > 1`` the batch is cut into equal micro-batches whose gradients and
@@ -37,6 +39,8 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, *,
     float32; a step with non-finite gradients changes neither the model nor the optimizer
     state (only the scale and the key). Metrics are the loss function's plus ``loss`` and
     ``grad_norm`` (and ``loss_scale``, ``skipped`` with loss scaling).
+    With ``sharding`` (a ``ShardingPlan``) the step is a ``jax.jit`` with the plan's state and
+    batch shardings in and out (metrics replicated), traced inside the plan's mesh context.
     """
     def scaled_loss(model, batch, key, scale):
         loss, metrics = loss_fn(model, batch, key)
@@ -88,13 +92,40 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, *,
         return TrainState(step=state.step + 1, model=model, opt_state=opt_state,
                           key=key, loss_scale=new_scale), metrics
 
-    # filter_jit's donate="all-except-first" keeps argument 0: put the batch first so that
-    # the state's buffers are the ones donated (the step's output reuses them).
-    jitted = eqx.filter_jit(lambda batch, state: step(state, batch),
-                            donate="all-except-first")
-    return lambda state, batch: jitted(batch, state)
+    if sharding is None:
+        # filter_jit's donate="all-except-first" keeps argument 0: put the batch first so
+        # that the state's buffers are the ones donated (the step's output reuses them).
+        jitted = eqx.filter_jit(lambda batch, state: step(state, batch),
+                                donate="all-except-first")
+        return lambda state, batch: jitted(batch, state)
+
+    def on_arrays(arrays, static, batch):
+        new, metrics = step(eqx.combine(arrays, static), batch)
+        return eqx.filter(new, eqx.is_array), metrics
+
+    replicated = NamedSharding(sharding.mesh, PartitionSpec())
+    sharded = jax.jit(on_arrays, static_argnums=1, donate_argnums=0,
+                      in_shardings=(sharding.state, sharding.batch),
+                      out_shardings=(sharding.state, replicated))
+
+    def run(state, batch):
+        arrays, static = eqx.partition(state, eqx.is_array)
+        with sharding.context():
+            new, metrics = sharded(arrays, static, batch)
+        return eqx.combine(new, static), metrics
+
+    return run
 
 
-def make_eval_step(metrics_fn: Callable):
-    """``eval_step(model, batch) -> {name: sum over the batch}`` (jitted, no randomness)."""
-    return eqx.filter_jit(metrics_fn)
+def make_eval_step(metrics_fn: Callable, sharding=None):
+    """``eval_step(model, batch) -> {name: sum over the batch}`` (jitted, no randomness),
+    traced inside ``sharding.context()`` when a ``ShardingPlan`` is given."""
+    jitted = eqx.filter_jit(metrics_fn)
+    if sharding is None:
+        return jitted
+
+    def run(model, batch):
+        with sharding.context():
+            return jitted(model, batch)
+
+    return run
