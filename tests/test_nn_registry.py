@@ -1,5 +1,10 @@
 """Every registered attention kind plugs into the same encoder and (where causal) the same
-language model: forward, gradient and jit, parameterised over the one registry."""
+language model: forward, gradient and jit, parameterised over the one registry.
+
+Each kind is compiled once per model, forward and gradient in one program, at the smallest size
+that exercises it (one layer, width 16, two heads of width 8, L = 16). Compiling is the cost
+of these tests, so the programs use XLA's backend optimisation level 0 (same numerics up to
+rounding, well inside the tolerances)."""
 
 import equinox as eqx
 import jax
@@ -10,8 +15,8 @@ import pytest
 import xformers_jax.nn as nn
 from xformers_jax.attention import patterns as P
 
-L = 16
-# Hyperparameters each kind needs at this tiny size (L = max_len = 16).
+L, DIM, HEADS, HIDDEN = 16, 16, 2, 32
+# Hyperparameters each kind needs at this tiny size (L = max_len = 16, head width 8).
 HYPERPARAMETERS = {
     "dot_product": {},
     "flash": {"block_q": 8, "block_k": 8},
@@ -52,22 +57,27 @@ def _finite_grads(grads):
     return leaves and all(bool(jnp.isfinite(g).all()) for g in leaves)
 
 
+def _value_and_grad(loss, model):
+    """``(loss(model) with aux, grads)`` as one program compiled at optimisation level 0."""
+    params, static = eqx.partition(model, eqx.is_inexact_array)
+    run = jax.jit(jax.value_and_grad(lambda p: loss(eqx.combine(p, static)), has_aux=True),
+                  compiler_options={"xla_backend_optimization_level": 0})
+    return run(params)
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_encoder_classifier_forward_grad_jit(kind):
     key = jax.random.PRNGKey(0)
-    model = nn.EncoderClassifier(3, 32, 2, 4, 64, pooling="mean", vocab_size=20, max_len=L,
-                                 block=dict(spec=_spec(kind)), key=key)
+    model = nn.EncoderClassifier(3, DIM, 1, HEADS, HIDDEN, pooling="mean", vocab_size=20,
+                                 max_len=L, block=dict(spec=_spec(kind)), key=key)
     tokens = jax.random.randint(key, (2, L), 0, 20)
     mask = jnp.arange(L)[None] < jnp.array([[L], [L - 5]])
 
-    @eqx.filter_jit
-    def run(m):
-        def loss(m):
-            logits = m(tokens, mask=mask)
-            return jnp.mean(logits ** 2), logits
-        return eqx.filter_value_and_grad(loss, has_aux=True)(m)
+    def loss(m):
+        logits = m(tokens, mask=mask)
+        return jnp.mean(logits ** 2), logits
 
-    (loss, logits), grads = run(model)
+    (loss, logits), grads = _value_and_grad(loss, model)
     assert logits.shape == (2, 3)
     assert np.isfinite(float(loss)) and _finite_grads(grads)
     # The attention weights receive a gradient: the variant is actually in the path.
@@ -77,18 +87,16 @@ def test_encoder_classifier_forward_grad_jit(kind):
 @pytest.mark.parametrize("kind", CAUSAL_KINDS)
 def test_causal_lm_forward_grad_jit_no_leak(kind):
     key = jax.random.PRNGKey(1)
-    model = nn.CausalLM(20, 32, 2, 4, 64, max_len=L, block=dict(spec=_spec(kind)), key=key)
+    model = nn.CausalLM(20, DIM, 1, HEADS, HIDDEN, max_len=L, block=dict(spec=_spec(kind)),
+                        key=key)
     tokens = jax.random.randint(key, (2, L), 0, 20)
     changed = tokens.at[:, -1].set((tokens[:, -1] + 1) % 20)
 
-    @eqx.filter_jit
-    def run(m):
-        def loss(m):
-            logits = m(tokens)
-            return jnp.mean(jax.nn.logsumexp(logits, -1)), (logits, m(changed))
-        return eqx.filter_value_and_grad(loss, has_aux=True)(m)
+    def loss(m):
+        logits = m(tokens)
+        return jnp.mean(jax.nn.logsumexp(logits, -1)), (logits, m(changed))
 
-    (loss, (a, b)), grads = run(model)
+    (loss, (a, b)), grads = _value_and_grad(loss, model)
     assert np.isfinite(float(loss)) and _finite_grads(grads)
     # Changing the last token changes no earlier logit.
     np.testing.assert_allclose(np.asarray(a[:, :-1]), np.asarray(b[:, :-1]), atol=1e-5)
@@ -98,7 +106,7 @@ def test_causal_lm_forward_grad_jit_no_leak(kind):
 @pytest.mark.parametrize("kind", sorted(set(KINDS) - set(CAUSAL_KINDS)))
 def test_non_causal_kinds_are_rejected_in_a_language_model(kind):
     with pytest.raises(NotImplementedError, match="does not support causal=True"):
-        nn.CausalLM(20, 32, 2, 4, 64, max_len=L, block=dict(spec=_spec(kind)),
+        nn.CausalLM(20, DIM, 1, HEADS, HIDDEN, max_len=L, block=dict(spec=_spec(kind)),
                     key=jax.random.PRNGKey(0))
 
 

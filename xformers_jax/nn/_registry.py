@@ -14,9 +14,6 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable, Mapping
 
-import equinox as eqx
-
-
 from .. import attention as A
 from ..attention import patterns as P
 
@@ -132,31 +129,13 @@ def lifted(fn: Callable, arg_axes=(), kwarg_axes=None) -> Callable:
     """
     kw_axes = {"bias": "batch_heads", **(kwarg_axes or {})}
 
-    def one_head(q, k, v, *args, bias=None, **kw):
-        # The kernels hash a callable bias (jax.closure_convert); a Module holding traced
-        # arrays is unhashable, a closure over it is hashed by identity.
-        if bias is not None:
-            bias_module = bias
-            kw["bias"] = lambda i, j: bias_module(i, j)
-        return fn(q, k, v, *args, **kw)
-
     def attend(q, k, v, params, *, causal, kv_mask, bias, key, **hp):
-        return _jitted_attend(one_head, tuple(arg_axes), tuple(kw_axes.items()), q, k, v,
-                              params, causal, kv_mask, bias, key, tuple(hp.items()))
+        extra = () if params is None else (params,)
+        kw = {} if bias is None else {"bias": bias}
+        f = A.multihead(fn, arg_axes=tuple(arg_axes)[: len(extra)], kwarg_axes=kw_axes)
+        return f(q, k, v, *extra, causal=causal, kv_mask=kv_mask, key=key, **kw, **hp)
 
     return attend
-
-
-@eqx.filter_jit
-def _jitted_attend(one_head, arg_axes, kw_axes, q, k, v, params, causal, kv_mask, bias, key,
-                   hp):
-    # Under jit every closed-over value of a callable bias is a tracer that
-    # jax.closure_convert hoists; outside jit, vmapped constants would leak into the kernels'
-    # custom_vjp backward pass.
-    extra = () if params is None else (params,)
-    kw = {} if bias is None else {"bias": bias}
-    f = A.multihead(one_head, arg_axes=arg_axes[: len(extra)], kwarg_axes=dict(kw_axes))
-    return f(q, k, v, *extra, causal=causal, kv_mask=kv_mask, key=key, **kw, **dict(hp))
 
 
 def _block_sparse(q, k, v, *, pattern, **kw):
