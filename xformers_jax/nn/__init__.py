@@ -38,6 +38,9 @@ from ._positions import TransformerXLRelative as TransformerXLRelative
 from ._positions import t5_bucket as t5_bucket
 from ._precision import Policy as Policy
 from . import _variants  # noqa: F401  (registers the other attention families)
+from ._variants_extra import ModuleVariant as ModuleVariant
+from ._variants_extra import RoutingCentroids as RoutingCentroids
+from ._variants_extra import routing_commitment_loss as routing_commitment_loss
 from ._registry import AttentionSpec as AttentionSpec
 from ._registry import Variant as Variant
 from ._registry import get_variant as get_variant

@@ -57,6 +57,7 @@ class MultiHeadAttention(eqx.Module):
     wo: jax.Array
     variant_params: object
     position: PositionScheme | None
+    state_index: eqx.nn.StateIndex | None
     spec: AttentionSpec = eqx.field(static=True)
     num_heads: int = eqx.field(static=True)
     num_kv_heads: int = eqx.field(static=True)
@@ -100,9 +101,16 @@ class MultiHeadAttention(eqx.Module):
         self.wk = _dense_init(kk, kv_dim, num_kv_heads * head_dim)
         self.wv = _dense_init(kv, kv_dim, num_kv_heads * head_dim)
         self.wo = _dense_init(ko, num_heads * head_dim, dim)
+        takes_input = getattr(variant, "takes_input", False)
         self.variant_params = variant.init(
-            kp, spec.hyperparameters, num_heads=num_heads, head_dim=head_dim, max_len=max_len
+            kp, spec.hyperparameters, num_heads=num_heads, head_dim=head_dim, max_len=max_len,
+            **({"dim": dim} if takes_input else {}),
         )
+        # Non-gradient state of the variant (routing centroids), kept in eqx.nn.State.
+        state_init = getattr(variant, "state_init", None)
+        self.state_index = None if state_init is None else eqx.nn.StateIndex(state_init(
+            jax.random.fold_in(kp, 1), spec.hyperparameters, num_heads=num_heads,
+            head_dim=head_dim))
         self.position = position
         self.spec, self.causal = spec, causal
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
@@ -131,10 +139,27 @@ class MultiHeadAttention(eqx.Module):
         o = constrain(o, _HEADS)
         return constrain(o.reshape(b, lq, -1) @ self.wo.astype(o.dtype), _EMBED)
 
-    def __call__(self, x, context=None, *, kv_mask=None, positions=None, key=None):
+    def __call__(self, x, context=None, *, kv_mask=None, positions=None, key=None, state=None,
+                 inference=False):
         """x: ``[B, Lq, dim]``; context: ``[B, Lk, kv_dim]`` for cross attention (None for
         self attention); kv_mask: ``bool[B, Lk]``; positions: int ``[B, Lq]`` (default
-        ``0..Lq-1``); key: randomness for the variant. Returns ``[B, Lq, dim]``."""
+        ``0..Lq-1``); key: randomness for the variant. Returns ``[B, Lq, dim]``.
+
+        A variant with state (routing attention: ``state_index`` is set) needs the
+        ``eqx.nn.State`` from ``eqx.nn.make_with_state`` and returns ``(out, state)``; with
+        ``inference=True`` it leaves its state unchanged."""
+        extra = {}
+        if getattr(self.variant, "takes_input", False):
+            if context is not None:
+                raise ValueError(f"MultiHeadAttention: attention kind {self.spec.kind!r} is self "
+                                 "attention only (it projects global tokens from the input)")
+            extra["inputs"] = x
+        if self.state_index is not None:
+            if state is None:
+                raise ValueError(f"MultiHeadAttention: attention kind {self.spec.kind!r} keeps "
+                                 "state; build the model with eqx.nn.make_with_state and pass "
+                                 "`state`")
+            extra.update(state=state.get(self.state_index), inference=inference)
         q, k, v = self._project(x, context)
         b, lq = x.shape[:2]
         q_pos = _positions(b, lq) if positions is None else positions
@@ -144,9 +169,12 @@ class MultiHeadAttention(eqx.Module):
         causal = self.causal and context is None
         o = self.variant.attend(
             q, k, v, self.variant_params, causal=causal, kv_mask=kv_mask,
-            bias=self._bias(q, k, q_pos, k_pos), key=key, **self.spec.hyperparameters,
+            bias=self._bias(q, k, q_pos, k_pos), key=key, **extra, **self.spec.hyperparameters,
         )
-        return self._out(o)
+        if self.state_index is None:
+            return self._out(o)
+        o, value = o
+        return self._out(o), state.set(self.state_index, value)
 
     # -- decoding ------------------------------------------------------------------------------
 

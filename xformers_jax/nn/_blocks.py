@@ -65,16 +65,21 @@ class TransformerBlock(eqx.Module):
         self.gains = jnp.zeros((n,)) if placement == "rezero" else jnp.ones((n,))
         self.placement = placement
 
-    def _residual(self, i, x, f, state, mask, inference):
+    def _residual(self, i, x, f, state, mask, inference, threads_state=False):
+        # threads_state: f is ``(h, state) -> (y, state)`` (stateful attention), called after
+        # the norm so that the one eqx.nn.State is passed along linearly.
+        g = f if threads_state else (lambda h, s: (f(h), s))
         if self.placement == "pre":
             h, state = self.norms[i](x, state, mask=mask, inference=inference)
-            return x + f(h), state
+            y, state = g(h, state)
+            return x + y, state
+        y, state = g(x, state)
         if self.placement == "post":
-            return self.norms[i](self.gains[i].astype(x.dtype) * x + f(x), state, mask=mask,
+            return self.norms[i](self.gains[i].astype(x.dtype) * x + y, state, mask=mask,
                                  inference=inference)
         if self.placement == "rezero":
-            return x + self.gains[i].astype(x.dtype) * f(x), state
-        return x + f(x), state
+            return x + self.gains[i].astype(x.dtype) * y, state
+        return x + y, state
 
     def sublayers(self, *, kv_mask=None, context=None, context_mask=None, positions=None,
                   key=None):
@@ -95,8 +100,13 @@ class TransformerBlock(eqx.Module):
         fs = self.sublayers(kv_mask=kv_mask, context=context, context_mask=context_mask,
                             positions=positions, key=key)
         x = constrain(x, _EMBED)
+        stateful = self.attn.state_index is not None
+        if stateful:
+            fs[0] = lambda h, s: self.attn(h, kv_mask=kv_mask, positions=positions, key=key,
+                                           state=s, inference=inference)
         for i, f in enumerate(fs):
-            x, state = self._residual(i, x, f, state, kv_mask, inference)
+            x, state = self._residual(i, x, f, state, kv_mask, inference,
+                                      threads_state=stateful and i == 0)
             x = constrain(x, _EMBED)
         return x, state
 

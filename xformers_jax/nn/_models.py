@@ -85,6 +85,13 @@ def _finish(final, x):
     return x if final is None else final(x)[0]
 
 
+def _run(layers, x, state, **kw):
+    """The stack with or without an ``eqx.nn.State`` (stateful attention): ``(y, state)``."""
+    if state is None:
+        return layers(x, **kw), None
+    return layers(x, state, **kw)
+
+
 class Encoder(eqx.Module):
     """Embedder + bidirectional layer stack (+ final norm for pre-LN)."""
 
@@ -101,10 +108,13 @@ class Encoder(eqx.Module):
                                               cross=False, max_len=max_len, block=block,
                                               stack=stack, key=k2)
 
-    def __call__(self, inputs, *, mask=None, key=None):
-        """Returns ``(hidden [B, L(+1), dim], mask)``."""
+    def __call__(self, inputs, *, mask=None, key=None, state=None, inference=False):
+        """Returns ``(hidden [B, L(+1), dim], mask)``, and the new ``state`` third when an
+        ``eqx.nn.State`` is passed (stateful attention, e.g. routing)."""
         x, mask = self.embed(inputs, mask=mask)
-        return _finish(self.final_norm, self.layers(x, kv_mask=mask, key=key)), mask
+        h, new = _run(self.layers, x, state, kv_mask=mask, key=key, inference=inference)
+        h = _finish(self.final_norm, h)
+        return (h, mask) if state is None else (h, mask, new)
 
 
 def pool(x, mask, pooling: str):
@@ -132,10 +142,12 @@ class EncoderClassifier(eqx.Module):
         self.head = jax.random.normal(k2, (dim, num_classes)) / math.sqrt(dim)
         self.pooling = pooling
 
-    def __call__(self, inputs, *, mask=None, key=None):
-        """Returns logits ``[B, num_classes]``."""
-        h, mask = self.encoder(inputs, mask=mask, key=key)
-        return pool(h, mask, self.pooling) @ self.head.astype(h.dtype)
+    def __call__(self, inputs, *, mask=None, key=None, state=None, inference=False):
+        """Returns logits ``[B, num_classes]`` (``(logits, state)`` when ``state`` is given)."""
+        h, mask, *new = self.encoder(inputs, mask=mask, key=key, state=state,
+                                     inference=inference)
+        logits = pool(h, mask, self.pooling) @ self.head.astype(h.dtype)
+        return logits if state is None else (logits, new[0])
 
 
 class DualEncoder(eqx.Module):
@@ -183,11 +195,14 @@ class CausalLM(eqx.Module):
                                               stack=stack, key=k2)
         self.head = jax.random.normal(k3, (dim, vocab_size)) / math.sqrt(dim)
 
-    def __call__(self, tokens, *, mask=None, key=None):
-        """Teacher-forced logits ``[B, L, vocab]`` for ``tokens: int[B, L]``."""
+    def __call__(self, tokens, *, mask=None, key=None, state=None, inference=False):
+        """Teacher-forced logits ``[B, L, vocab]`` for ``tokens: int[B, L]`` (``(logits,
+        state)`` when an ``eqx.nn.State`` is given: stateful attention, e.g. routing)."""
         x, _ = self.embed(tokens, mask=mask, causal=True)
-        h = _finish(self.final_norm, self.layers(x, kv_mask=mask, key=key))
-        return constrain(h @ self.head.astype(h.dtype), ("batch", "length", "vocab"))
+        h, new = _run(self.layers, x, state, kv_mask=mask, key=key, inference=inference)
+        h = _finish(self.final_norm, h)
+        logits = constrain(h @ self.head.astype(h.dtype), ("batch", "length", "vocab"))
+        return logits if state is None else (logits, new)
 
     def init_cache(self, batch: int, max_len: int, dtype=jnp.float32):
         if isinstance(self.embed.positions, ConvPositions):

@@ -40,7 +40,9 @@ class LayerStack(eqx.Module):
     """``num_layers`` blocks made by ``make_block(key)`` (e.g. a ``TransformerBlock`` partial).
 
     Blocks hold arrays stacked on a leading layer axis; stateful norms (PowerNorm) are not
-    supported inside a stack (their state indices would be shared by every layer).
+    supported inside a stack. Stateful attention (routing) is: its ``eqx.nn.StateIndex`` is
+    created once under ``filter_vmap``, so one state entry holds every layer's value on a
+    leading layer axis, sliced per layer by the scan (``sharing="none"``, not reversible).
     """
 
     layers: eqx.Module
@@ -62,10 +64,13 @@ class LayerStack(eqx.Module):
             sharing = "all"
         unique = 1 if sharing == "all" else num_layers
         self.layers = eqx.filter_vmap(make_block)(jax.random.split(key, unique))
-        if any(isinstance(x, eqx.nn.StateIndex) for x in jax.tree_util.tree_leaves(
-                self.layers, is_leaf=lambda x: isinstance(x, eqx.nn.StateIndex))):
+        indices = _state_indices(self.layers)
+        if len(indices) != len(_state_indices(getattr(self.layers, "attn", None))):
             raise ValueError("LayerStack: blocks with stateful norms (PowerNorm) cannot be "
                              "stacked; use a list of blocks")
+        if indices and (sharing != "none" or reversible):
+            raise ValueError("LayerStack: stateful attention (routing) keeps one state per layer; "
+                             "it needs sharing='none' and reversible=False")
         if reversible:
             block = make_block(jax.random.key(0))
             if getattr(block, "cross", None) is not None or block.placement != "pre":
@@ -90,9 +95,10 @@ class LayerStack(eqx.Module):
                                   jax.tree_util.tree_map(expand, dynamic.attn))
         return dynamic, static
 
-    def __call__(self, x, *, kv_mask=None, context=None, context_mask=None, positions=None,
-                 key=None):
-        """x: ``[B, L, dim]`` -> ``[B, L, dim]``."""
+    def __call__(self, x, state=None, *, kv_mask=None, context=None, context_mask=None,
+                 positions=None, key=None, inference=False):
+        """x: ``[B, L, dim]`` -> ``[B, L, dim]``; with ``state`` (the ``eqx.nn.State`` of
+        stateful attention) -> ``(y, state)``."""
         dynamic, static = self.per_layer()
         keys = None if key is None else jax.random.split(key, self.num_layers)
         if self.reversible:
@@ -103,23 +109,28 @@ class LayerStack(eqx.Module):
             return (y1 + y2) / 2
 
         def step(x, inputs):
-            params, t, k = inputs
+            params, t, k, s = inputs
             block = eqx.combine(params, static)
             if self.universal:
                 x = x + sinusoid(t, x.shape[-1]).astype(x.dtype)
-            y, _ = block(x, kv_mask=kv_mask, context=context, context_mask=context_mask,
-                         positions=positions, key=k)
-            return y, None
+            y, s = block(x, s, kv_mask=kv_mask, context=context, context_mask=context_mask,
+                         positions=positions, key=k, inference=inference)
+            return y, s
 
         step = _remat(step, self.remat)
         steps = jnp.arange(self.num_layers)
+        # Every layer's state on a leading layer axis (see the class docstring).
+        layer_states = None if state is None else state.substate(self.layers)
+        xs = (dynamic, steps, keys, layer_states)
         if self.scan:
-            x, _ = jax.lax.scan(step, x, (dynamic, steps, keys))
-            return x
-        for i in range(self.num_layers):
-            layer = jax.tree_util.tree_map(lambda a: a[i], (dynamic, steps, keys))
-            x, _ = step(x, layer)
-        return x
+            x, new = jax.lax.scan(step, x, xs)
+        else:
+            news = []
+            for i in range(self.num_layers):
+                x, s = step(x, jax.tree_util.tree_map(lambda a: a[i], xs))
+                news.append(s)
+            new = jax.tree_util.tree_map(lambda *a: jnp.stack(a), *news)
+        return x if state is None else (x, state.update(new))
 
     def init_cache(self, batch: int, max_len: int, dtype=jnp.float32):
         """Per-layer decoding caches, stacked on a leading layer axis."""
@@ -144,6 +155,11 @@ class LayerStack(eqx.Module):
 
         x, new = jax.lax.scan(step, x, (dynamic, cache_dyn, jnp.arange(self.num_layers)))
         return x, eqx.combine(new, cache_static)
+
+
+def _state_indices(tree):
+    is_index = lambda x: isinstance(x, eqx.nn.StateIndex)  # noqa: E731
+    return [x for x in jax.tree_util.tree_leaves(tree, is_leaf=is_index) if is_index(x)]
 
 
 def _branches(static, params, mask):

@@ -2,12 +2,10 @@
 
 Each entry adapts one function of :mod:`xformers_jax.attention` to the module: which of its
 hyperparameters only shape the initial parameters, how its arrays are created from a key, and
-its decoding cache. Not registered (they need more than a per-head function of q, k, v):
-routing attention (EMA centroids updated through ``eqx.nn.State`` each call), the delta rule
-(a per-token write strength projected from the input), Longformer/ETC (separate global
-projections), axial attention (a multi-dimensional input), per-head block-sparse patterns, and
-the Funnel / TokenLearner down-sampling functions (they change the sequence length, so they
-belong between blocks, not inside attention).
+its decoding cache. The kinds that need more than a per-head function of q, k, v (routing,
+delta rule, Longformer, ETC, axial, per-head block-sparse) are in :mod:`._variants_extra`. Not
+registered: the Funnel / TokenLearner down-sampling functions (they change the sequence length,
+so they belong between blocks, not inside attention).
 """
 
 from __future__ import annotations
