@@ -173,3 +173,14 @@ def check_positive_int(name: str, arg: str, value) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value <= 0:
         raise ValueError(f"{name}: {arg} must be a positive integer but got {value!r}")
     return int(value)
+
+
+def check_softmax_args(name: str, q, k, v, kv_mask, segment_ids, bias, dropout_rate, key, scale):
+    """The checks every exact softmax attention makes; returns
+    ``(qkv, kv_mask, segments, bias, scale)``."""
+    x = check_qkv(name, q, k, v)
+    kv_mask = check_kv_mask(name, kv_mask, x.lk)
+    segs = check_segment_ids(name, segment_ids, x.lq, x.lk)
+    bias = check_bias(name, bias, x.lq, x.lk)
+    check_dropout(name, dropout_rate, key)
+    return x, kv_mask, segs, bias, resolve_scale(x.dk, scale)

@@ -72,13 +72,9 @@ def dot_product_attention(
       ``[Lq, Dv]`` in q's dtype, or ``(out, weights)`` with float32 weights.
     """
     name = "dot_product_attention"
-    x = C.check_qkv(name, q, k, v)
-    kv_mask = C.check_kv_mask(name, kv_mask, x.lk)
-    segs = C.check_segment_ids(name, segment_ids, x.lq, x.lk)
-    bias = C.check_bias(name, bias, x.lq, x.lk)
-    C.check_dropout(name, dropout_rate, key)
+    x, kv_mask, segs, bias, scale = C.check_softmax_args(
+        name, q, k, v, kv_mask, segment_ids, bias, dropout_rate, key, scale)
     pattern = combined_pattern(name, pattern, causal)
-    scale = C.resolve_scale(x.dk, scale)
 
     q_pos = jnp.arange(x.lq, dtype=jnp.int32)[:, None]
     k_pos = jnp.arange(x.lk, dtype=jnp.int32)[None, :]

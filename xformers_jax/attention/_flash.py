@@ -52,15 +52,6 @@ def _run(name, x, layout, *, kv_mask, segs, bias, scale, dropout_rate, key, retu
     return (out, lse) if return_lse else out
 
 
-def _checked(name, q, k, v, kv_mask, segment_ids, bias, dropout_rate, key, scale):
-    x = C.check_qkv(name, q, k, v)
-    kv_mask = C.check_kv_mask(name, kv_mask, x.lk)
-    segs = C.check_segment_ids(name, segment_ids, x.lq, x.lk)
-    bias = C.check_bias(name, bias, x.lq, x.lk)
-    C.check_dropout(name, dropout_rate, key)
-    return x, kv_mask, segs, bias, C.resolve_scale(x.dk, scale)
-
-
 def flash_attention(
     q,
     k,
@@ -107,7 +98,7 @@ def flash_attention(
       ``[Lq, Dv]`` in q's dtype, or ``(out, lse)``.
     """
     name = "flash_attention"
-    x, kv_mask, segs, bias, scale = _checked(
+    x, kv_mask, segs, bias, scale = C.check_softmax_args(
         name, q, k, v, kv_mask, segment_ids, bias, dropout_rate, key, scale
     )
     bq = _block(name, "block_q", block_q, x.lq, DEFAULT_BLOCK_Q)
@@ -145,7 +136,7 @@ def block_sparse_attention(
     pattern (a layout's tiles are fixed), or a causal-safe layout.
     """
     name = "block_sparse_attention"
-    x, kv_mask, segs, bias, scale = _checked(
+    x, kv_mask, segs, bias, scale = C.check_softmax_args(
         name, q, k, v, kv_mask, segment_ids, bias, dropout_rate, key, scale
     )
     if isinstance(layout, Pattern):
