@@ -76,6 +76,16 @@ def check_qkv(name: str, q, k, v) -> QKV:
     return QKV(q, k, v, q.shape[0], k.shape[0], q.shape[1], v.shape[1])
 
 
+def check_token(name: str, q, k, v) -> QKV:
+    """Checks one decoding step's token ``q: [Dk], k: [Dk], v: [Dv]``; sizes as check_qkv."""
+    q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
+    if q.ndim != 1 or k.ndim != 1 or v.ndim != 1:
+        raise ValueError(
+            f"{name}: q, k, v must be single tokens [D] but got q{q.shape}, k{k.shape}, v{v.shape}"
+        )
+    return check_qkv(name, q[None], k[None], v[None])
+
+
 def check_kv_mask(name: str, kv_mask, lk: int):
     """Checks ``kv_mask: bool[Lk]`` (True for real tokens). Returns it as a jax array or None."""
     if kv_mask is None:

@@ -160,12 +160,7 @@ def delta_rule_step(state, q, k, v, beta_logit, *feature_arrays, feature_map="dp
       ``(out [Dv] in q's dtype, new state)``.
     """
     name = "delta_rule_step"
-    q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
-    if q.ndim != 1 or k.ndim != 1 or v.ndim != 1:
-        raise ValueError(
-            f"{name}: q, k, v must be single tokens [D] but got q{q.shape}, k{k.shape}, v{v.shape}"
-        )
-    x = C.check_qkv(name, q[None], k[None], v[None])
+    x = C.check_token(name, q, k, v)
     fm = resolve_feature_map(name, feature_map, feature_arrays)
     root_scale = math.sqrt(C.resolve_scale(x.dk, scale))
     fq = _features(fm, x.q, feature_arrays, root_scale, eps)

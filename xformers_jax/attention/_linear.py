@@ -296,15 +296,10 @@ def linear_attention_step(
       ``(out [Dv] in q's dtype, new state)``.
     """
     name = "linear_attention_step"
-    q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
-    if q.ndim != 1 or k.ndim != 1 or v.ndim != 1:
-        raise ValueError(
-            f"{name}: q, k, v must be single tokens [D] but got q{q.shape}, k{k.shape}, v{v.shape}"
-        )
-    x = C.check_qkv(name, q[None], k[None], v[None])
+    x = C.check_token(name, q, k, v)
     fm = resolve_feature_map(name, feature_map, feature_arrays)
     if state.kv.shape[1] != x.dv + 1:
-        raise ValueError(f"{name}: state.kv{state.kv.shape} does not match v{v.shape}")
+        raise ValueError(f"{name}: state.kv{state.kv.shape} does not match v{tuple(x.v.shape[1:])}")
     root_scale = math.sqrt(C.resolve_scale(x.dk, scale))
     ld, key_log_weight = _gates(name, 1, gate_logit, log_decay, None)
     fq = _query_features(fm, x.q, feature_arrays, root_scale)[0]
