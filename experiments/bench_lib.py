@@ -156,6 +156,25 @@ def _timed(f, args, min_repeats: int, budget_s: float):
     return statistics.median(times), warm, len(times)
 
 
+def compiled_memory_mb(f, args) -> float | None:
+    """The memory XLA's buffer assignment gives the compiled step: arguments + outputs +
+    temporaries (live-range packed), less donated aliases, in MiB.
+
+    This is what the step needs on a device (parameters, inputs, saved activations,
+    gradients), without the process's compiler and runtime overhead that peak RSS includes.
+    None where the backend does not report it.
+    """
+    try:
+        m = f.lower(*args).compile().memory_analysis()
+    except Exception:  # noqa: BLE001 - a backend without the analysis
+        return None
+    if m is None:
+        return None
+    total = (m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
+             - m.alias_size_in_bytes)
+    return total / 2**20
+
+
 def run_worker(case_json: str, mode: str, min_repeats: int, budget_s: float) -> dict:
     """Measures one case in this (fresh) process; returns a JSON-able record."""
     import jax
@@ -184,6 +203,9 @@ def run_worker(case_json: str, mode: str, min_repeats: int, budget_s: float) -> 
     record = dict(time_s=median, warmup_s=warm, repeats=n, baseline_rss_mb=baseline,
                   peak_rss_mb=_max_rss_mb())
     record["delta_rss_mb"] = record["peak_rss_mb"] - baseline
+    compiled = compiled_memory_mb(f, work.args)
+    if compiled is not None:
+        record["compiled_mb"] = compiled
     stats = jax.devices()[0].memory_stats() if jax.default_backend() != "cpu" else None
     if stats and "peak_bytes_in_use" in stats:
         record["device_peak_mb"] = stats["peak_bytes_in_use"] / 2**20

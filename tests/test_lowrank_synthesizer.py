@@ -58,6 +58,28 @@ def test_factorized_dense_tiles_and_repeats():
     assert_close(synth(q, k, v, {"factorized_dense": (wa, wb)}), ref)
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_synthetic_only_path_matches_the_dense_reference(causal):
+    # Without a "dot" form no q k^T is computed; masking, causality and gradients must be
+    # those of dense attention with the synthetic logits as its bias.
+    q, k, v = _qkv()
+    mask = jnp.arange(L) < 17
+    r = PARAMS["random"][:L, :L]
+
+    def ours(r, v):
+        return synth(q, k, v, {"random": r}, causal=causal, kv_mask=mask)
+
+    def ref(r, v):
+        return dot_product_attention(jnp.zeros_like(q), k, v, bias=r, causal=causal,
+                                     kv_mask=mask)
+
+    assert_close(ours(r, v), ref(r, v))
+    g = jax.grad(lambda *a: jnp.sum(ours(*a) ** 2), argnums=(0, 1))(r, v)
+    g_ref = jax.grad(lambda *a: jnp.sum(ref(*a) ** 2), argnums=(0, 1))(r, v)
+    for a, b in zip(g, g_ref):
+        assert_close(a, b)
+
+
 def test_fixed_random_is_not_trained():
     q, k, v = _qkv()
     r = PARAMS["random"]

@@ -76,14 +76,31 @@ def dot_product_attention(
         name, q, k, v, kv_mask, segment_ids, bias, dropout_rate, key, scale)
     pattern = combined_pattern(name, pattern, causal)
 
-    q_pos = jnp.arange(x.lq, dtype=jnp.int32)[:, None]
-    k_pos = jnp.arange(x.lk, dtype=jnp.int32)[None, :]
     s = jnp.einsum("qd,kd->qk", x.q, x.k, preferred_element_type=C.STATS_DTYPE) * scale
+    return attend_logits(s, x.v, kv_mask=kv_mask, segment_ids=segs, bias=bias, pattern=pattern,
+                         dropout_rate=dropout_rate, key=key, return_weights=return_weights,
+                         out_dtype=x.q.dtype)
+
+
+def attend_logits(s, v, *, kv_mask=None, segment_ids=None, bias=None, pattern=None,
+                  dropout_rate: float = 0.0, key=None, return_weights: bool = False,
+                  out_dtype=None):
+    """The softmax-and-values half of :func:`dot_product_attention`, from float32 logits.
+
+    For variants whose logits are not ``q k^T`` (e.g. Synthesizer's synthetic logits), so
+    they share the masking, the guarded normalisation and dropout without paying for a
+    product they do not use. Arguments are already checked: ``s [Lq, Lk]`` float32, ``v [Lk,
+    Dv]``, ``kv_mask``, ``segment_ids`` as a (q, kv) pair or None, ``bias`` an array or
+    callable, ``pattern`` a Pattern (causality folded in) or None.
+    """
+    lq, lk = s.shape
+    q_pos = jnp.arange(lq, dtype=jnp.int32)[:, None]
+    k_pos = jnp.arange(lk, dtype=jnp.int32)[None, :]
     if bias is not None:
         s = s + (bias(q_pos, k_pos) if callable(bias) else bias).astype(C.STATS_DTYPE)
-    mask = _tiles.dynamic_mask(kv_mask, *(segs or (None, None)))
+    mask = _tiles.dynamic_mask(kv_mask, *(segment_ids or (None, None)))
     if pattern is not None:
-        mask = _tiles.and_masks(mask, jnp.asarray(pattern.dense(x.lq, x.lk)))
+        mask = _tiles.and_masks(mask, jnp.asarray(pattern.dense(lq, lk)))
     if mask is not None:
         s = jnp.where(mask, s, -jnp.inf)
     m = jax.lax.stop_gradient(_tiles.safe_max(jnp.max(s, axis=-1)))
@@ -95,6 +112,6 @@ def dot_product_attention(
         keep = _tiles.dropout_keep(_tiles.dropout_seed(key), q_pos, k_pos, dropout_rate)
         weights = jnp.where(keep, weights / (1.0 - dropout_rate), 0.0)
     out = jnp.einsum(
-        "qk,kd->qd", weights.astype(x.v.dtype), x.v, preferred_element_type=C.STATS_DTYPE
-    ).astype(x.q.dtype)
+        "qk,kd->qd", weights.astype(v.dtype), v, preferred_element_type=C.STATS_DTYPE
+    ).astype(out_dtype or v.dtype)
     return (out, weights) if return_weights else out

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 
 from . import _contract as C
-from ._dense import dot_product_attention
+from ._dense import attend_logits, combined_pattern, dot_product_attention
 
 KINDS = ("dot", "dense", "random", "fixed_random", "factorized_dense", "factorized_random")
 
@@ -83,7 +83,7 @@ def _logits(name, kind, params, x, lk):
                 f"{name}: factorized_random R1{r1.shape} was built for at most {r1.shape[0]} "
                 f"queries but Lq={lq}"
             )
-        logits = jnp.dot(r1[:lq], r2.T, preferred_element_type=f32)
+        logits = jnp.dot(r1[:lq], r2[:lk].T, preferred_element_type=f32)
     else:
         raise ValueError(f"{name}: unknown synthesizer form {kind!r}; the forms are {KINDS}")
     if lk > n:
@@ -127,9 +127,11 @@ def synthesizer_attention(q, k, v, params: dict, weights: dict | None = None, *,
     for kind, p in params.items():
         if kind != "dot":
             bias = bias + weights.get(kind, 1.0) * _logits(name, kind, p, x.q, x.lk)
-    # Without a dot-product form the queries only feed the synthetic logits.
-    dot_q = x.q * jnp.asarray(weights.get("dot", 1.0), x.q.dtype) if "dot" in params else (
-        jnp.zeros_like(x.q))
-    out = dot_product_attention(dot_q, x.k, x.v, bias=bias, causal=causal, kv_mask=kv_mask,
-                                scale=scale)
-    return out
+    if "dot" not in params:
+        # No dot-product form: the synthetic logits are the scores, and no q k^T is computed
+        # (the saving the Synthesizer paper measures).
+        return attend_logits(bias, x.v, kv_mask=kv_mask,
+                             pattern=combined_pattern(name, None, causal), out_dtype=x.q.dtype)
+    dot_q = x.q * jnp.asarray(weights.get("dot", 1.0), x.q.dtype)
+    return dot_product_attention(dot_q, x.k, x.v, bias=bias, causal=causal, kv_mask=kv_mask,
+                                 scale=scale)
