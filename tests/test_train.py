@@ -195,6 +195,14 @@ def test_metric_writer_jsonl_and_tfevents(tmp_path):
     assert struct.pack("<f", 0.25) in summary
 
 
+def test_metric_writer_disabled_writes_nothing(tmp_path):
+    # Hosts other than process 0 get enabled=False: no file, every call a no-op.
+    writer = train.MetricWriter(str(tmp_path / "other_host"), enabled=False)
+    writer.write(1, {"loss": 1.0})
+    writer.close()
+    assert not (tmp_path / "other_host").exists()
+
+
 def test_lra_listops_config_and_plot(tmp_path):
     from experiments import plot
     from experiments.configs.lra import listops
@@ -203,7 +211,11 @@ def test_lra_listops_config_and_plot(tmp_path):
         config = listops.get_config(arg)
         train.validate_config(config)
         nn.AttentionSpec.from_config(config.model.attention.to_dict())
-    assert listops.get_config("local,runlocal").model.attention.left == 16
+    # LRA's Local attention: non-overlapping blocks (50 in the full configs, 16 in runlocal).
+    from xformers_jax.attention.patterns import BlockLocal
+
+    assert listops.get_config("local,runlocal").model.attention.pattern == BlockLocal(16)
+    assert listops.get_config("local").model.attention.pattern == BlockLocal(50)
     assert listops.get_config(None).data.max_length == 2000
     with pytest.raises(ValueError, match="VARIANT"):
         listops.get_config("performr")

@@ -117,7 +117,8 @@ def train_and_evaluate(config, workdir: str, *, on_step=None) -> dict:
                                  num_microbatches=config.num_microbatches, loss_scale=loss_scale,
                                  sharding=plan)
     eval_step = make_eval_step(make_metrics_fn(task, policy), sharding=plan)
-    writer = MetricWriter(workdir, tensorboard=config.tensorboard)
+    writer = MetricWriter(workdir, tensorboard=config.tensorboard,
+                          enabled=jax.process_index() == 0)
     preemption = _Preemption()
     step, total = int(state.step), config.num_train_steps
     bar = ProgressBar(total, start=step,

@@ -81,9 +81,18 @@ def tfrecord(data: bytes) -> bytes:
 
 class MetricWriter:
     """Appends ``{"step", name: value, ...}`` lines to ``metrics.jsonl`` and scalar summaries
-    to ``events.out.tfevents.*`` under ``workdir`` (``tensorboard=False`` skips the latter)."""
+    to ``events.out.tfevents.*`` under ``workdir`` (``tensorboard=False`` skips the latter).
 
-    def __init__(self, workdir: str, *, tensorboard: bool = True):
+    ``enabled=False`` makes every call a no-op and creates no file: on a pod every host computes
+    the same global metrics, and only process 0 should write them to the shared workdir
+    (the trainer passes ``enabled=jax.process_index() == 0``).
+    """
+
+    def __init__(self, workdir: str, *, tensorboard: bool = True, enabled: bool = True):
+        self.enabled = enabled
+        self._jsonl = self._events = None
+        if not enabled:
+            return
         os.makedirs(workdir, exist_ok=True)
         self.jsonl_path = os.path.join(workdir, "metrics.jsonl")
         self._jsonl = open(self.jsonl_path, "a")
@@ -97,6 +106,8 @@ class MetricWriter:
 
     def write(self, step: int, metrics: dict[str, float]) -> None:
         """Writes one row; values become Python floats (numpy / JAX scalars accepted)."""
+        if not self.enabled:
+            return
         values = {k: float(np.asarray(v)) for k, v in metrics.items()}
         self._jsonl.write(json.dumps({"step": int(step), **values}) + "\n")
         self._jsonl.flush()
@@ -105,6 +116,8 @@ class MetricWriter:
             self._events.flush()
 
     def close(self) -> None:
+        if not self.enabled:
+            return
         self._jsonl.close()
         if self._events is not None:
             self._events.close()
