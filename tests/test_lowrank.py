@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tests.tolerances import EXACT, assert_close
+from tests.tolerances import EXACT, EXACT_GRAD, assert_close
 from xformers_jax.attention import (
     clustered_attention,
     dot_product_attention,
@@ -153,6 +153,53 @@ def test_luna_matches_its_definition():
         q, k, v, _P, kv_mask=MASK, return_packed=True)
     assert_close(out, ref)
     assert_close(packed, weights @ v)
+
+
+@_jit
+def _luna_paths(q, k, v, p, masks, ct, ct_packed):
+    """Per kv_mask: (out, packed) and the gradients of <ct, out> + <ct_packed, packed> with
+    respect to q, k, v, p, from the dedicated non-causal path, from the generic path (a traced
+    scale takes it) and from the dense formula."""
+    scale = D ** -0.5
+
+    def dense(q, k, v, p, kv_mask):
+        weights = dot_product_attention(p, k, k, kv_mask=kv_mask, return_weights=True)[1]
+        return dot_product_attention(q, weights @ k, weights @ v), weights @ v
+
+    fns = {
+        "dedicated": lambda *a, kv_mask: luna_attention(*a, kv_mask=kv_mask, return_packed=True),
+        "generic": lambda *a, kv_mask: luna_attention(*a, kv_mask=kv_mask, return_packed=True,
+                                                      scale=jnp.float32(scale)),
+        "dense": lambda *a, kv_mask: dense(*a, kv_mask),
+    }
+    out = {}
+    for name, fn in fns.items():
+        for i, mask in enumerate(masks):
+            res, vjp = jax.vjp(lambda q, k, v, p: fn(q, k, v, p, kv_mask=mask), q, k, v, p)
+            out[name, i] = res, vjp((ct, ct_packed))
+    return out
+
+
+def test_luna_dedicated_path_matches_generic_and_dense():
+    """The non-causal form's dedicated path (hand-written backward pass) computes the same
+    function and gradients as the generic path and the dense formula: without a mask, with
+    padding, and with every key masked (zero output, zero gradients)."""
+    q, k, v = _qkv()
+    ct = _cotangent()
+    ct_packed = jnp.asarray(np.random.default_rng(13).standard_normal(_P.shape), jnp.float32)
+    masks = (None, MASK, jnp.zeros(L, bool))
+    res = _luna_paths(q, k, v, _P, masks, ct, ct_packed)
+    for i in range(len(masks)):
+        (out, packed), grads = res["dedicated", i]
+        for ref in ("generic", "dense"):
+            (ref_out, ref_packed), ref_grads = res[ref, i]
+            assert_close(out, ref_out, err_msg=f"{ref} mask {i}")
+            assert_close(packed, ref_packed, err_msg=f"{ref} mask {i}")
+            for g, rg in zip(grads, ref_grads):
+                assert_close(g, rg, EXACT_GRAD, err_msg=f"{ref} mask {i}")
+    (out, packed), grads = res["dedicated", 2]
+    assert not np.any(out) and not np.any(packed)
+    assert all(not np.any(g) for g in grads)
 
 
 def test_luna_causal_packs_each_prefix():
