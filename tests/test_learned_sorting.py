@@ -5,14 +5,16 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tests.tolerances import EXACT, assert_close
+from tests.tolerances import EXACT, EXACT_GRAD, assert_close
 from xformers_jax.attention import (
     dot_product_attention, init_lsh_rotations, init_routing_state, init_sinkhorn_sort_net,
     lsh_attention, routing_attention, sinkhorn_attention,
 )
 from xformers_jax.attention._lsh import lsh_buckets
 from xformers_jax.attention._routing import RoutingState, centroids
-from xformers_jax.attention._sinkhorn import gumbel_sinkhorn, sinkhorn_sort_matrix
+from xformers_jax.attention._sinkhorn import (
+    _greedy_assignment, gumbel_sinkhorn, hard_permutation, sinkhorn_sort_matrix,
+)
 
 L, D = 64, 16
 
@@ -20,7 +22,8 @@ L, D = 64, 16
 lsh_attention = jax.jit(lsh_attention, static_argnames=("chunk_size", "causal"))
 routing_attention = jax.jit(routing_attention, static_argnames=("window", "causal", "decay"))
 sinkhorn_attention = jax.jit(sinkhorn_attention, static_argnames=(
-    "block_size", "causal", "hard", "sortcut", "temperature", "iterations"))
+    "block_size", "causal", "hard", "straight_through_top", "sortcut", "temperature",
+    "iterations"))
 sinkhorn_sort_matrix = jax.jit(sinkhorn_sort_matrix, static_argnames=(
     "block_size", "causal", "hard", "temperature", "iterations"))
 dot_product_attention = jax.jit(dot_product_attention, static_argnames=("causal",))
@@ -355,3 +358,181 @@ def test_sinkhorn_bf16_and_errors(key):
         sinkhorn_attention(q, k, v, net, block_size=8, causal=True, sortcut=2)
     with pytest.raises(ValueError, match="sortcut=9 exceeds"):
         sinkhorn_attention(q, k, v, net, block_size=8, sortcut=9)
+
+
+def _greedy_reference(p):
+    """The greedy permutation one entry at a time, as hard_permutation was first written."""
+    p = np.array(p, np.float64)
+    n = p.shape[0]
+    idx = np.zeros(n, int)
+    for _ in range(n):
+        i, j = divmod(int(np.argmax(p)), n)
+        idx[i] = j
+        p[i, :] = -np.inf
+        p[:, j] = -np.inf
+    return idx
+
+
+def test_hard_permutation_rounds_equal_one_at_a_time_greedy():
+    rng = np.random.RandomState(0)
+    greedy = jax.jit(_greedy_assignment)
+    for n in (1, 2, 5, 16, 40):
+        for p in (rng.rand(n, n), rng.randint(0, 3, (n, n)),  # many ties
+                  np.zeros((n, n)), np.exp(4 * rng.randn(n, n))):
+            p = p.astype(np.float32)
+            np.testing.assert_array_equal(greedy(jnp.asarray(p)), _greedy_reference(p))
+    p = jnp.asarray(rng.rand(16, 16), jnp.float32)
+    np.testing.assert_array_equal(hard_permutation(p), np.eye(16)[_greedy_reference(p)])
+
+
+def _sinkhorn_dense_sort(q, k, v, net, *, b, causal=False, kv_mask=None, hard=False, top=None,
+                         sortcut=None):
+    """sinkhorn_attention as first written: the sort applied as a dense [n, n] x [n, b, d]
+    matmul of the (straight-through) sort matrix. ``top``: only the ``top`` largest entries
+    of each row of the soft matrix carry the straight-through gradient."""
+    kw = dict(block_size=b, causal=causal, kv_mask=kv_mask)
+    p = sinkhorn_sort_matrix(k, net, **kw)
+    if hard:
+        one = jax.lax.stop_gradient(sinkhorn_sort_matrix(k, net, hard=True, **kw))
+        if top is not None:
+            keep = jax.lax.top_k(jax.lax.stop_gradient(p), top)[1]
+            p = p * jax.lax.stop_gradient(jnp.zeros_like(p).at[
+                jnp.arange(p.shape[0])[:, None], keep].set(1.0))
+        p = one + (p - jax.lax.stop_gradient(p))
+    n = p.shape[0]
+    real = jnp.ones((L,), bool) if kv_mask is None else kv_mask
+    real_b = real.reshape(n, b).astype(jnp.float32)
+    qb, kb, vb = (jnp.where(real[:, None], a, 0.0).reshape(n, b, -1) for a in (q, k, v))
+    sk, sv = (jnp.einsum("ij,jtd->itd", p, a) for a in (kb, vb))
+    sw = p @ real_b
+    s_bias = jnp.where(sw > 0, jnp.log(jnp.where(sw > 0, sw, 1.0)), -jnp.inf)
+    if sortcut is not None:
+        keys = jnp.broadcast_to(sk[:sortcut].reshape(1, -1, D), (n, sortcut * b, D))
+        vals = jnp.broadcast_to(sv[:sortcut].reshape(1, -1, D), (n, sortcut * b, D))
+        bias = jnp.broadcast_to(s_bias[:sortcut].reshape(1, 1, -1), (n, b, sortcut * b))
+    else:
+        ok = real_b[:, None, :] > 0
+        if causal:
+            ok = ok & np.tril(np.ones((b, b), bool))[None]
+        keys, vals = jnp.concatenate([kb, sk], 1), jnp.concatenate([vb, sv], 1)
+        bias = jnp.concatenate([jnp.broadcast_to(jnp.where(ok, 0.0, -jnp.inf), (n, b, b)),
+                                jnp.broadcast_to(s_bias[:, None, :], (n, b, b))], 2)
+    s = jnp.einsum("nqd,nkd->nqk", qb, keys) / np.sqrt(D) + bias
+    return jnp.einsum("nqk,nkd->nqd", jax.nn.softmax(s, -1), vals).reshape(L, D)
+
+
+@pytest.mark.parametrize("causal,masked,sortcut,hard,top", [
+    (False, False, None, True, None), (False, False, None, True, 3),
+    (False, True, None, True, 3), (False, True, 2, True, 3), (False, False, 2, True, None),
+    (True, False, None, True, None), (True, True, None, True, 3), (False, True, 2, False, None),
+])
+def test_sinkhorn_gathered_sort_equals_dense_sort_matrix(key, causal, masked, sortcut, hard, top):
+    """The gather (hard) and the sliced matmul (SortCut) compute the dense formula's output and
+    gradients to q, k, v and the sort net; with straight_through_top the sort matrix's
+    straight-through gradient is the dense one restricted to the top entries of each row."""
+    q, k, v = _qkv(key)
+    b = 8
+    net = init_sinkhorn_sort_net(jax.random.PRNGKey(7), D, L // b)
+    # Block 2 fully padded: a sorted block that is all padding gets a -inf bias.
+    mask = (jnp.asarray(np.random.RandomState(1).rand(L) > 0.3).at[16:24].set(False)
+            if masked else None)
+    kw = dict(causal=causal, kv_mask=mask, hard=hard, sortcut=sortcut)
+    new = lambda q, k, v, net: sinkhorn_attention(q, k, v, net, block_size=b,
+                                                  straight_through_top=top, **kw)
+    old = lambda q, k, v, net: _sinkhorn_dense_sort(q, k, v, net, b=b, top=top, **kw)
+    w = jax.random.normal(jax.random.PRNGKey(4), (L, D))
+    loss = lambda f: lambda *a: jnp.sum(f(*a) * w)
+    assert_close(new(q, k, v, net), old(q, k, v, net))
+    g_new = jax.grad(loss(new), argnums=(0, 1, 2, 3))(q, k, v, net)
+    g_old = jax.grad(loss(old), argnums=(0, 1, 2, 3))(q, k, v, net)
+    for a, e in zip(jax.tree_util.tree_leaves(g_new), jax.tree_util.tree_leaves(g_old)):
+        assert np.isfinite(a).all()
+        assert_close(a, e, table=EXACT_GRAD)
+    assert np.abs(g_new[3].w2).max() > 0  # the straight-through gradient reaches the net
+
+
+def test_sinkhorn_straight_through_top_truncates_only_the_net_path(key):
+    """Fewer straight-through entries change the gradient only through the sort matrix: q's
+    and v's gradients are the same, and with every entry (top >= num_blocks) it is exact."""
+    q, k, v = _qkv(key)
+    net = init_sinkhorn_sort_net(jax.random.PRNGKey(7), D, 8)
+    grads = {top: jax.grad(lambda q, k, v, net: sinkhorn_attention(
+        q, k, v, net, block_size=8, hard=True, straight_through_top=top).sum(),
+        argnums=(0, 1, 2, 3))(q, k, v, net) for top in (None, 1, 8, 100)}
+    for top in (1, 8, 100):
+        np.testing.assert_array_equal(grads[top][0], grads[None][0])
+        np.testing.assert_array_equal(grads[top][2], grads[None][2])
+    for top in (8, 100):
+        leaves = jax.tree_util.tree_leaves
+        for a, e in zip(leaves(grads[top]), leaves(grads[None])):
+            np.testing.assert_array_equal(a, e)
+    assert np.abs(np.asarray(grads[1][3].w2) - np.asarray(grads[None][3].w2)).max() > 0
+
+
+def test_sinkhorn_hard_gather_jit_vmap_grad(key):
+    """The custom gradient composes with vmap (a batch of sequences) and jit."""
+    qs, ks, vs = (jax.random.normal(x, (3, L, D)) for x in jax.random.split(key, 3))
+    net = init_sinkhorn_sort_net(jax.random.PRNGKey(7), D, 8)
+    f = lambda q, k, v: sinkhorn_attention(q, k, v, net, block_size=8, hard=True,
+                                           straight_through_top=3).sum()
+    gb = jax.jit(jax.vmap(jax.grad(f, argnums=(0, 1, 2))))(qs, ks, vs)
+    for i in range(3):
+        gi = jax.grad(f, argnums=(0, 1, 2))(qs[i], ks[i], vs[i])
+        for a, e in zip(gb, gi):
+            assert_close(a[i], e, table=EXACT_GRAD)
+
+
+def test_sinkhorn_hard_gather_bf16_grads(key):
+    q, k, v = _qkv(key, dtype=jnp.bfloat16)
+    net = init_sinkhorn_sort_net(jax.random.PRNGKey(7), D, 8)
+    for causal in (False, True):
+        g = jax.grad(lambda q, k, v: sinkhorn_attention(
+            q, k, v, net, block_size=8, hard=True, straight_through_top=3, causal=causal
+        ).astype(jnp.float32).sum(), argnums=(0, 1, 2))(q, k, v)
+        g32 = jax.grad(lambda q, k, v: sinkhorn_attention(
+            q, k, v, net, block_size=8, hard=True, straight_through_top=3, causal=causal
+        ).sum(), argnums=(0, 1, 2))(*(a.astype(jnp.float32) for a in (q, k, v)))
+        assert all(a.dtype == jnp.bfloat16 and np.isfinite(a.astype(np.float32)).all() for a in g)
+        assert_close(g[2], g32[2], table=EXACT_GRAD, dtype=jnp.bfloat16)  # v: through the gather
+
+
+@pytest.mark.parametrize("causal,masked,sortcut,hard", [
+    (False, False, None, False), (False, True, None, True), (True, True, None, True),
+    (True, False, None, False), (False, True, 3, False), (False, False, 3, True),
+])
+def test_sinkhorn_block_groups_equal_all_at_once(key, monkeypatch, causal, masked, sortcut, hard):
+    """On CPU the query blocks go in groups (recomputed in the backward): the same outputs
+    and gradients as all blocks at once, with a last group that is not full (22 blocks of 3,
+    the last one padded, in groups of 4)."""
+    from xformers_jax.attention import _sinkhorn as S
+
+    q, k, v = _qkv(key)
+    b, n = 3, 22
+    net = init_sinkhorn_sort_net(jax.random.PRNGKey(7), D, n)
+    mask = jnp.asarray(np.random.RandomState(2).rand(L) > 0.3) if masked else None
+    w = jax.random.normal(jax.random.PRNGKey(4), (L, D))
+
+    def run(group):
+        monkeypatch.setattr(S, "_CPU_GROUP_BLOCKS", group)
+        # A fresh function per setting, so jit traces again under it.
+        f = jax.jit(lambda q, k, v, net: S.sinkhorn_attention(
+            q, k, v, net, block_size=b, causal=causal, kv_mask=mask, sortcut=sortcut, hard=hard,
+            straight_through_top=5 if hard else None))
+        out = f(q, k, v, net)
+        grads = jax.grad(lambda *a: jnp.sum(f(*a) * w), argnums=(0, 1, 2, 3))(q, k, v, net)
+        return out, jax.tree_util.tree_leaves(grads)
+
+    (out, grads), (ref, ref_grads) = run(4), run(None)
+    assert_close(out, ref)
+    for a, e in zip(grads, ref_grads):
+        assert np.isfinite(a).all()
+        assert_close(a, e, table=EXACT_GRAD)
+
+
+def test_sinkhorn_straight_through_top_errors(key):
+    q, k, v = _qkv(key)
+    net = init_sinkhorn_sort_net(key, D, 8)
+    with pytest.raises(ValueError, match="hard=True"):
+        sinkhorn_attention(q, k, v, net, block_size=8, straight_through_top=2)
+    with pytest.raises(ValueError, match="straight_through_top"):
+        sinkhorn_attention(q, k, v, net, block_size=8, hard=True, straight_through_top=0)
