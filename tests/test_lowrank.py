@@ -115,6 +115,40 @@ def test_linformer_identity_is_full_attention():
     assert_close(lin(q, k, v, eye, kv_mask=MASK), dpa(q, k, v, kv_mask=MASK))
 
 
+@pytest.mark.parametrize("masked", ["none", "some", "all"])
+def test_short_softmax_attention_matches_dense(masked):
+    # Linformer's attention over its slots: the hand-written backward must give
+    # dot_product_attention's outputs and gradients, masked keys none, and a query that sees
+    # no key zeros.
+    from xformers_jax.attention._dense import short_softmax_attention
+
+    q, k, v = _qkv()
+    kv_mask = {"none": None, "some": MASK, "all": jnp.zeros((L,), bool)}[masked]
+    scale = 0.3
+
+    def ours(q, k, v):
+        return short_softmax_attention(q, k, v, kv_mask=kv_mask, scale=scale)
+
+    def ref(q, k, v):
+        return dot_product_attention(q, k, v, kv_mask=kv_mask, scale=scale)
+
+    ct = _cotangent()
+    out, vjp = jax.vjp(jax.jit(ours), q, k, v)
+    out_ref, vjp_ref = jax.vjp(ref, q, k, v)
+    assert_close(out, out_ref)
+    for g, g_ref in zip(vjp(ct), vjp_ref(ct)):
+        assert_close(g, g_ref)
+        assert np.all(np.isfinite(g))
+    if kv_mask is not None:
+        gk, gv = vjp(ct)[1:]
+        assert np.all(np.asarray(gk)[~np.asarray(kv_mask)] == 0)
+        assert np.all(np.asarray(gv)[~np.asarray(kv_mask)] == 0)
+    qb, kb, vb = (x.astype(jnp.bfloat16) for x in (q, k, v))
+    out_b = ours(qb, kb, vb)
+    assert out_b.dtype == jnp.bfloat16
+    assert_close(out_b, ref(qb, kb, vb), dtype=jnp.bfloat16)
+
+
 def test_linformer_shorter_sequence_uses_leading_columns():
     q, k, v = _qkv(lk=20)
     eye = jnp.eye(L)  # built for n = 32

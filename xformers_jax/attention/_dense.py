@@ -5,6 +5,8 @@ Vaswani et al., "Attention Is All You Need" (2017); survey P 2.1, T1 2.1.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -115,3 +117,57 @@ def attend_logits(s, v, *, kv_mask=None, segment_ids=None, bias=None, pattern=No
         "qk,kd->qd", weights.astype(v.dtype), v, preferred_element_type=C.STATS_DTYPE
     ).astype(out_dtype or v.dtype)
     return (out, weights) if return_weights else out
+
+
+def _short_fwd_math(q, k, v, kv_mask, scale):
+    s = jnp.einsum("qd,kd->qk", q, k, preferred_element_type=C.STATS_DTYPE) * scale
+    if kv_mask is not None:
+        s = jnp.where(kv_mask[None, :], s, -jnp.inf)
+    m = _tiles.safe_max(jnp.max(s, axis=-1))
+    e = jnp.exp(s - m[:, None])  # exactly 0 at masked keys
+    den = e.sum(-1)
+    den = jnp.where(den == 0, 1.0, den)  # a query that sees no key gets zeros
+    out = jnp.einsum("qk,kd->qd", e.astype(v.dtype), v, preferred_element_type=C.STATS_DTYPE)
+    return out / den[:, None], (e, den)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _short_attention(q, k, v, kv_mask, scale):
+    return _short_fwd_math(q, k, v, kv_mask, scale)[0].astype(q.dtype)
+
+
+def _short_attention_fwd(q, k, v, kv_mask, scale):
+    out, (e, den) = _short_fwd_math(q, k, v, kv_mask, scale)
+    return out.astype(q.dtype), (q, k, v, e, den, out)
+
+
+def _short_attention_bwd(scale, res, g):
+    q, k, v, e, den, out = res
+    f32 = C.STATS_DTYPE
+    g = g.astype(f32)
+    w = e / den[:, None]
+    dv = jnp.einsum("qk,qd->kd", w, g)
+    dw = jnp.einsum("qd,kd->qk", g, v.astype(f32))
+    # rowsum(dW * W) = rowsum(dO * O): the softmax backward's row sums over the short
+    # [Lq, Dv] side instead of the [Lq, Lk] weights.
+    ds = w * (dw - jnp.sum(g * out, -1)[:, None]) * scale
+    dq = jnp.einsum("qk,kd->qd", ds, k.astype(f32))
+    dk = jnp.einsum("qk,qd->kd", ds, q.astype(f32))
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None
+
+
+_short_attention.defvjp(_short_attention_fwd, _short_attention_bwd)
+
+
+def short_softmax_attention(q, k, v, *, kv_mask=None, scale: float):
+    """``softmax(q k^T * scale, masked) v`` with a hand-written backward pass.
+
+    The same function as :func:`dot_product_attention` with only ``kv_mask`` (to rounding:
+    the normalisation is applied after the value matmul), for variants that attend over a
+    short set of keys (Linformer's projected slots). Its backward forms the softmax
+    derivative's row sums from ``dO * O`` (``[Lq, Dv]``) rather than ``dW * W`` (``[Lq,
+    Lk]``), which XLA's CPU backend otherwise runs as a slow reduction. It keeps the
+    ``[Lq, Lk]`` weights for the backward, as autodiff would. Arguments are already checked;
+    ``scale`` is a Python float.
+    """
+    return _short_attention(q, k, v, kv_mask, float(scale))
