@@ -38,6 +38,13 @@ _MARKDOWN = flags.DEFINE_string(
 _MIN_REPEATS = flags.DEFINE_integer("min_repeats", 3, "Timed repeats per case at least.")
 _BUDGET_S = flags.DEFINE_float("budget_s", 2.0, "Keep repeating until this many seconds.")
 _TIMEOUT_S = flags.DEFINE_float("timeout_s", 900.0, "Per-case subprocess time limit.")
+_MALLOC_TOP_PAD_MB = flags.DEFINE_integer(
+    "malloc_top_pad_mb", 1024,
+    "glibc MALLOC_TOP_PAD_ for the case workers, in MiB (0: glibc's default). By default glibc "
+    "hands freed heap memory back to the OS after every step, so a step whose temporaries are "
+    "hundreds of MB pays fresh page faults on every call (at L=32K this made Sinkhorn's "
+    "fwd+bwd ~30% slower); a pad keeps it, as a long training process with tcmalloc or "
+    "jemalloc would. Recorded in each suite's machine info.")
 _WORKER = flags.DEFINE_bool("worker", False, "Internal: measure one case in this process.")
 _CASE = flags.DEFINE_string("case", None, "Internal: the case (JSON) for --worker.")
 _MODE = flags.DEFINE_string("mode", "fwd", "Internal: fwd or fwdbwd for --worker.")
@@ -62,8 +69,10 @@ def load_suite(name: str):
 
 def run_suite(name: str, *, quick: bool, results_dir: str, log=print) -> dict:
     suite = load_suite(name)
+    pad = _MALLOC_TOP_PAD_MB.value
     opts = dict(min_repeats=1 if quick else _MIN_REPEATS.value,
-                budget_s=0.0 if quick else _BUDGET_S.value, timeout_s=_TIMEOUT_S.value)
+                budget_s=0.0 if quick else _BUDGET_S.value, timeout_s=_TIMEOUT_S.value,
+                env={"MALLOC_TOP_PAD_": str(pad * 2**20)} if pad else None)
     matmul = bench_lib.measure(bench_lib.MATMUL_CASE, "fwd", **opts)
     rate = matmul.get("gflops")
     log(f"[{name}] matmul reference: {rate and round(rate, 1)} GFLOP/s")
@@ -80,7 +89,8 @@ def run_suite(name: str, *, quick: bool, results_dir: str, log=print) -> dict:
     for c in checks:
         log(f"[{name}] check: {c['figure']}: {c['measured']} (target {c['target']}) "
             f"{'OK' if c['ok'] else 'MISSED' if c['ok'] is False else 'n/a'}")
-    payload = dict(suite=name, title=suite.TITLE, quick=quick, machine=bench_lib.machine_info(),
+    payload = dict(suite=name, title=suite.TITLE, quick=quick,
+                   machine={**bench_lib.machine_info(), "malloc_top_pad_mb": pad},
                    matmul_gflops=rate, records=records, checks=checks)
     os.makedirs(results_dir, exist_ok=True)
     with open(os.path.join(results_dir, f"{name}.json"), "w") as f:
@@ -163,7 +173,9 @@ def render_markdown(results_dir: str, markdown_path: str) -> str:
             f"## `{p['suite']}`: {p['title']}",
             "",
             f"Run {m['date']} on {m['cpu']} ({m['cores']} cores, backend {m['backend']}), "
-            f"JAX {m['jax']}; matmul reference {_fmt(p['matmul_gflops'], '.1f')} GFLOP/s."
+            f"JAX {m['jax']}; matmul reference {_fmt(p['matmul_gflops'], '.1f')} GFLOP/s; "
+            f"glibc MALLOC_TOP_PAD_ {m.get('malloc_top_pad_mb') or 'default'}"
+            f"{' MiB' if m.get('malloc_top_pad_mb') else ''}."
             + (" **Quick mode: smoke-test sizes, not measurements.**" if p["quick"] else ""),
             "",
         ]
