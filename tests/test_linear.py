@@ -425,3 +425,27 @@ def test_bad_input_errors(key):
         linear_attention_step(linear_attention_init_state(D, D), q, k, v)
     with pytest.raises(Exception, match="log_decay must be <= 0"):
         linear_attention(q, k, v, causal=True, log_decay=jnp.full((L,), 0.1))
+
+
+@pytest.mark.parametrize("length,chunk,group", [(50, 4, 8), (64, 8, 16), (37, 5, 5)])
+def test_grouped_chunks_equal_the_recurrent_form(length, chunk, group):
+    # causal_chunked scans over groups of chunks (group_positions), carrying the state; the
+    # group count need not divide the chunks (padding adds nothing). Outputs and gradients,
+    # with decays, must equal the per-step scan's.
+    from xformers_jax.attention._linear_scan import causal_chunked, causal_recurrent
+
+    ks = jax.random.split(jax.random.PRNGKey(5), 4)
+    fq = jax.random.uniform(ks[0], (length, 6))
+    fk = jax.random.uniform(ks[1], (length, 6))
+    v = jax.random.normal(ks[2], (length, 5))
+    ld = -jax.random.uniform(ks[3], (length,))
+
+    def grouped(*a):
+        return causal_chunked(*a, chunk, group_positions=group)
+
+    ct = jax.random.normal(jax.random.PRNGKey(9), (length, 5))
+    out, vjp = jax.vjp(jax.jit(grouped), fq, fk, v, ld)
+    ref, vjp_ref = jax.vjp(causal_recurrent, fq, fk, v, ld)
+    assert_close(out, ref)
+    for g, g_ref in zip(vjp(ct), vjp_ref(ct)):
+        assert_close(g, g_ref)
