@@ -192,8 +192,8 @@ def test_luna_matches_its_definition():
 @_jit
 def _luna_paths(q, k, v, p, masks, ct, ct_packed):
     """Per kv_mask: (out, packed) and the gradients of <ct, out> + <ct_packed, packed> with
-    respect to q, k, v, p, from the dedicated non-causal path, from the generic path (a traced
-    scale takes it) and from the dense formula."""
+    respect to q, k, v, p, from the non-causal path through short_softmax_attention, from
+    the generic path (a traced scale takes it) and from the dense formula."""
     scale = D ** -0.5
 
     def dense(q, k, v, p, kv_mask):
@@ -201,7 +201,7 @@ def _luna_paths(q, k, v, p, masks, ct, ct_packed):
         return dot_product_attention(q, weights @ k, weights @ v), weights @ v
 
     fns = {
-        "dedicated": lambda *a, kv_mask: luna_attention(*a, kv_mask=kv_mask, return_packed=True),
+        "short": lambda *a, kv_mask: luna_attention(*a, kv_mask=kv_mask, return_packed=True),
         "generic": lambda *a, kv_mask: luna_attention(*a, kv_mask=kv_mask, return_packed=True,
                                                       scale=jnp.float32(scale)),
         "dense": lambda *a, kv_mask: dense(*a, kv_mask),
@@ -214,24 +214,24 @@ def _luna_paths(q, k, v, p, masks, ct, ct_packed):
     return out
 
 
-def test_luna_dedicated_path_matches_generic_and_dense():
-    """The non-causal form's dedicated path (hand-written backward pass) computes the same
-    function and gradients as the generic path and the dense formula: without a mask, with
-    padding, and with every key masked (zero output, zero gradients)."""
+def test_luna_short_attention_path_matches_generic_and_dense():
+    """The non-causal form through short_softmax_attention (hand-written backward passes)
+    computes the same function and gradients as the generic path and the dense formula:
+    without a mask, with padding, and with every key masked (zero output, zero gradients)."""
     q, k, v = _qkv()
     ct = _cotangent()
     ct_packed = jnp.asarray(np.random.default_rng(13).standard_normal(_P.shape), jnp.float32)
     masks = (None, MASK, jnp.zeros(L, bool))
     res = _luna_paths(q, k, v, _P, masks, ct, ct_packed)
     for i in range(len(masks)):
-        (out, packed), grads = res["dedicated", i]
+        (out, packed), grads = res["short", i]
         for ref in ("generic", "dense"):
             (ref_out, ref_packed), ref_grads = res[ref, i]
             assert_close(out, ref_out, err_msg=f"{ref} mask {i}")
             assert_close(packed, ref_packed, err_msg=f"{ref} mask {i}")
             for g, rg in zip(grads, ref_grads):
                 assert_close(g, rg, EXACT_GRAD, err_msg=f"{ref} mask {i}")
-    (out, packed), grads = res["dedicated", 2]
+    (out, packed), grads = res["short", 2]
     assert not np.any(out) and not np.any(packed)
     assert all(not np.any(g) for g in grads)
 

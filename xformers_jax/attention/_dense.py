@@ -9,6 +9,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from . import _contract as C
 from . import _tiles
@@ -159,15 +160,18 @@ def _short_attention_bwd(scale, res, g):
 _short_attention.defvjp(_short_attention_fwd, _short_attention_bwd)
 
 
-def short_softmax_attention(q, k, v, *, kv_mask=None, scale: float):
+def short_softmax_attention(q, k, v, *, kv_mask=None, scale):
     """``softmax(q k^T * scale, masked) v`` with a hand-written backward pass.
 
     The same function as :func:`dot_product_attention` with only ``kv_mask`` (to rounding:
-    the normalisation is applied after the value matmul), for variants that attend over a
-    short set of keys (Linformer's projected slots). Its backward forms the softmax
-    derivative's row sums from ``dO * O`` (``[Lq, Dv]``) rather than ``dW * W`` (``[Lq,
-    Lk]``), which XLA's CPU backend otherwise runs as a slow reduction. It keeps the
-    ``[Lq, Lk]`` weights for the backward, as autodiff would. Arguments are already checked;
-    ``scale`` is a Python float.
+    the normalisation is applied after the value matmul), for variants whose queries or keys
+    are a short set (Linformer's projected slots, Luna's pack and unpack). Its backward
+    forms the softmax derivative's row sums from ``dO * O`` (``[Lq, Dv]``) rather than
+    ``dW * W`` (``[Lq, Lk]``), which XLA's CPU backend otherwise runs as a slow reduction.
+    It keeps the ``[Lq, Lk]`` weights for the backward, as autodiff would. Arguments are
+    already checked. A ``scale`` that is not a static number (traced, e.g. learned) takes
+    :func:`dot_product_attention`, which differentiates it too.
     """
+    if not isinstance(scale, (int, float, np.integer, np.floating)):
+        return dot_product_attention(q, k, v, kv_mask=kv_mask, scale=scale)
     return _short_attention(q, k, v, kv_mask, float(scale))

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from . import _contract as C
-from ._dense import dot_product_attention, short_softmax_attention
+from ._dense import short_softmax_attention
 
 
 def init_linformer_projections(key, seq_len: int, proj_len: int, *, shared_kv: bool = False,
@@ -90,9 +90,5 @@ def linformer_attention(q, k, v, e, f=None, *, causal: bool = False, kv_mask=Non
     )
     pk = jnp.einsum("kn,nd->kd", e, kk, preferred_element_type=C.STATS_DTYPE)
     pv = jnp.einsum("kn,nd->kd", f, vv, preferred_element_type=C.STATS_DTYPE)
-    pk, pv = pk.astype(x.k.dtype), pv.astype(x.v.dtype)
-    scale = C.resolve_scale(x.dk, scale)
-    if isinstance(scale, (int, float)):
-        # The same attention over the k slots, with a backward that is cheaper on CPU.
-        return short_softmax_attention(x.q, pk, pv, kv_mask=slot_mask, scale=scale)
-    return dot_product_attention(x.q, pk, pv, kv_mask=slot_mask, scale=scale)
+    return short_softmax_attention(x.q, pk.astype(x.k.dtype), pv.astype(x.v.dtype),
+                                   kv_mask=slot_mask, scale=C.resolve_scale(x.dk, scale))
