@@ -56,8 +56,7 @@ def axial_attention(q, k, v, *, shape, axis: int, causal: bool = False, kv_mask=
     """
     name = "axial_attention"
     x = C.check_qkv(name, q, k, v)
-    if x.lq != x.lk:
-        raise ValueError(f"{name}: self-attention over one tensor needs lq == lk; got q{q.shape}, k{k.shape}")
+    C.check_same_length(name, x, "self-attention over one tensor needs Lq == Lk")
     kv_mask = C.check_kv_mask(name, kv_mask, x.lk)
     shape, axis = _check_shape(name, shape, axis, x.lq)
     lines = [_lines(a, shape, axis) for a in (x.q, x.k, x.v)]

@@ -174,6 +174,13 @@ def resolve_scale(dk: int, scale) -> float:
     return float(1.0 / np.sqrt(dk)) if scale is None else scale
 
 
+def check_same_length(name: str, x: QKV, reason: str) -> None:
+    """Raises ``ValueError`` unless ``Lq == Lk``. ``reason`` says why the variant needs it and
+    names the requirement (e.g. ``"needs self-attention (Lq == Lk)"``); the shapes follow."""
+    if x.lq != x.lk:
+        raise ValueError(f"{name}: {reason}; got q{tuple(x.q.shape)}, k{tuple(x.k.shape)}")
+
+
 def causal_unsupported(name: str, reason: str):
     """Raises the error a non-decodable variant gives for ``causal=True``."""
     raise NotImplementedError(f"{name} does not support causal=True: {reason}")

@@ -103,11 +103,7 @@ def dam_attention(
         C.causal_unsupported(name, "SparseBERT learns its mask over the whole sequence for an "
                              "encoder; it has no autoregressive form")
     x = C.check_qkv(name, q, k, v)
-    if x.lq != x.lk:
-        raise ValueError(
-            f"{name}: the mask is over positions of one sequence, so Lq must equal Lk; got "
-            f"q{tuple(x.q.shape)}, k{tuple(x.k.shape)}"
-        )
+    C.check_same_length(name, x, "the mask is over positions of one sequence, so Lq must equal Lk")
     m = dam_mask(logits, x.lq, temperature=temperature, always_on_ends=always_on_ends, key=key)
     bias = jnp.where(m > 0, jnp.log(jnp.where(m > 0, m, 1.0)), -jnp.inf)
     out = dot_product_attention(q, k, v, kv_mask=kv_mask, bias=bias, scale=scale)

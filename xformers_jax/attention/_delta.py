@@ -115,8 +115,7 @@ def delta_rule_attention(
         )
     check_implementation(name, implementation, chunk_size)
     x = C.check_qkv(name, q, k, v)
-    if x.lq != x.lk:
-        raise ValueError(f"{name}: needs Lq == Lk but got q{x.q.shape}, k{x.k.shape}")
+    C.check_same_length(name, x, "needs Lq == Lk")
     kv_mask = C.check_kv_mask(name, kv_mask, x.lk)
     fm = resolve_feature_map(name, feature_map, feature_arrays)
     beta = jax.nn.sigmoid(check_per_position(name, "beta_logits", beta_logits, x.lk))

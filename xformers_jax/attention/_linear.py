@@ -88,10 +88,8 @@ def _prepare(name, q, k, v, arrays, feature_map, causal, kv_mask, scale, gate_lo
     x = C.check_qkv(name, q, k, v)
     kv_mask = C.check_kv_mask(name, kv_mask, x.lk)
     fm = resolve_feature_map(name, feature_map, arrays)
-    if causal and x.lq != x.lk:
-        raise ValueError(
-            f"{name}: causal=True needs Lq == Lk but got q{x.q.shape}, k{x.k.shape}"
-        )
+    if causal:
+        C.check_same_length(name, x, "causal=True needs Lq == Lk")
     if not causal and (gate_logits is not None or log_decay is not None):
         raise ValueError(
             f"{name}: gate_logits and log_decay define a recurrence over positions and need "

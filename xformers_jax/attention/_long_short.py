@@ -79,11 +79,7 @@ def long_short_attention(q, k, v, w_p, *, window: int, causal: bool = False,
     name = "long_short_attention"
     x = C.check_qkv(name, q, k, v)
     kv_mask = C.check_kv_mask(name, kv_mask, x.lk)
-    if x.lq != x.lk:
-        raise ValueError(
-            f"{name}: needs self-attention (Lq == Lk) but got q{tuple(x.q.shape)}, "
-            f"k{tuple(x.k.shape)}"
-        )
+    C.check_same_length(name, x, "needs self-attention (Lq == Lk)")
     w_p = jnp.asarray(w_p)
     if w_p.ndim != 2 or w_p.shape[0] != x.dk:
         raise ValueError(f"{name}: w_p must be [Dk, r] with Dk={x.dk} but got {w_p.shape}")

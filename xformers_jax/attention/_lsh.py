@@ -47,11 +47,7 @@ def lsh_buckets(x, rotations):
 
 
 def _check(name, x, rotations, chunk_size):
-    if x.lq != x.lk:
-        raise ValueError(
-            f"{name}: LSH attention shares queries and keys, so Lq must equal Lk; got "
-            f"q{tuple(x.q.shape)}, k{tuple(x.k.shape)}"
-        )
+    C.check_same_length(name, x, "LSH attention shares queries and keys, so Lq must equal Lk")
     rotations = jnp.asarray(rotations)
     if rotations.ndim != 3 or rotations.shape[1] != x.dk:
         raise ValueError(

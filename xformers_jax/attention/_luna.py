@@ -110,11 +110,7 @@ def luna_attention(q, k, v, p, *, causal: bool = False, kv_mask=None, scale: flo
     kv = jnp.concatenate([x.k, x.v.astype(x.k.dtype)], axis=-1)
     packed = short_softmax_attention(p.astype(x.k.dtype), x.k, kv, kv_mask=kv_mask, scale=scale)
     if causal:
-        if x.lq != x.lk:
-            raise ValueError(
-                f"{name}: causal=True needs Lq == Lk but got q{tuple(x.q.shape)}, "
-                f"k{tuple(x.k.shape)}"
-            )
+        C.check_same_length(name, x, "causal=True needs Lq == Lk")
         out = _luna_causal(x.q, x.k, x.v, p, kv_mask, scale, chunk).astype(x.q.dtype)
     else:
         out = short_softmax_attention(

@@ -60,11 +60,7 @@ def memory_compressed_attention(q, k, v, wk, wv, *, block_size: int, causal: boo
     name = "memory_compressed_attention"
     x = C.check_qkv(name, q, k, v)
     kv_mask = C.check_kv_mask(name, kv_mask, x.lk)
-    if x.lq != x.lk:
-        raise ValueError(
-            f"{name}: local blocks need self-attention (Lq == Lk) but got q{tuple(x.q.shape)}, "
-            f"k{tuple(x.k.shape)}"
-        )
+    C.check_same_length(name, x, "local blocks need self-attention (Lq == Lk)")
     wk, wv = jnp.asarray(wk), jnp.asarray(wv)
     if (wk.ndim != 3 or wv.ndim != 3 or wk.shape[0] != wv.shape[0]
             or wk.shape[1:] != (x.dk, x.dk) or wv.shape[1:] != (x.dv, x.dv)):

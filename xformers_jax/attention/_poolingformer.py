@@ -69,11 +69,7 @@ def poolingformer_attention(q, k, v, q2=None, *, window: int, pool_size: int,
         )
     x = C.check_qkv(name, q, k, v)
     kv_mask = C.check_kv_mask(name, kv_mask, x.lk)
-    if x.lq != x.lk:
-        raise ValueError(
-            f"{name}: needs self-attention (Lq == Lk) but got q{tuple(x.q.shape)}, "
-            f"k{tuple(x.k.shape)}"
-        )
+    C.check_same_length(name, x, "needs self-attention (Lq == Lk)")
     q2 = x.q if q2 is None else jnp.asarray(q2)
     if q2.shape != x.q.shape:
         raise ValueError(f"{name}: q2 must have q's shape {tuple(x.q.shape)} but got {q2.shape}")

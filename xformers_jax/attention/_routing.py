@@ -149,11 +149,7 @@ def routing_attention(
     new_state, loss = kmeans_update(state, q_unit, k_unit, q_real, k_real, decay)
     mu = jax.lax.stop_gradient(centroids(state))
     if causal:
-        if x.lq != x.lk:
-            raise ValueError(
-                f"{name}: causal routing needs Lq == Lk but got q{tuple(x.q.shape)}, "
-                f"k{tuple(x.k.shape)}"
-            )
+        C.check_same_length(name, x, "causal routing needs Lq == Lk")
         out = _causal(x, mu, q_unit + k_unit, k_real, window, scale)
     else:
         if window > min(x.lq, x.lk):

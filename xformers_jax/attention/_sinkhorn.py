@@ -295,11 +295,7 @@ def sinkhorn_attention(
     kv_mask = C.check_kv_mask(name, kv_mask, x.lk)
     b = C.check_positive_int(name, "block_size", block_size)
     scale = C.resolve_scale(x.dk, scale)
-    if x.lq != x.lk:
-        raise ValueError(
-            f"{name}: query block i pairs with key block i, so Lq must equal Lk; got "
-            f"q{tuple(x.q.shape)}, k{tuple(x.k.shape)}"
-        )
+    C.check_same_length(name, x, "query block i pairs with key block i, so Lq must equal Lk")
     w2 = jnp.asarray(sort_net.w2)
     n = -(-x.lq // b)
     if jnp.asarray(sort_net.w1).shape[0] != x.dk or w2.shape[1] != n:
