@@ -514,6 +514,8 @@ def test_sinkhorn_block_groups_equal_all_at_once(key, monkeypatch, causal, maske
 
     def run(group):
         monkeypatch.setattr(S, "_CPU_GROUP_BLOCKS", group)
+        monkeypatch.setattr(S, "_CPU_GROUP_ABOVE_BYTES", 0)  # group even these tiny blocks
+        assert S._block_group(n, b, 2 * b if sortcut is None else sortcut * b) == group
         # A fresh function per setting, so jit traces again under it.
         f = jax.jit(lambda q, k, v, net: S.sinkhorn_attention(
             q, k, v, net, block_size=b, causal=causal, kv_mask=mask, sortcut=sortcut, hard=hard,

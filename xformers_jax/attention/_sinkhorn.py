@@ -21,12 +21,28 @@ from . import _contract as C
 from . import _tiles
 
 
-# On CPU the query blocks are attended to in groups of this many, each group's scores
-# recomputed in the backward rather than stored, so the working set stays in cache and time
-# grows linearly with L. fwd+bwd, 4 heads, D=64, block 128, 2-core EPYC: all blocks at once
-# took 34 us/token at L=8K and 45 at 32K; in groups of 16, 30-35 at both. Accelerators take
-# all blocks at once. None: all at once everywhere.
+# On CPU, when one head's block scores (all query blocks together) would exceed
+# _CPU_GROUP_ABOVE_BYTES, the query blocks are attended to in groups of _CPU_GROUP_BLOCKS,
+# each group's scores recomputed in the backward rather than stored, so the working set stays
+# in cache and time grows linearly with L. Measured fwd+bwd on the 2-core EPYC:
+# - 4 heads, D=64, block 128, hard sort (8.4 MB of scores per head at L=8K, 34 MB at 32K):
+#   all at once 193 ms at 8K and 869 at 32K (34 and 45 us/token with the default allocator);
+#   in groups of 16, 156 and 667 ms, and 23% / 26% less compiled memory.
+# - the LRA Text step at L=4097 (block 64, soft sort, 2 x 4 heads, 2.1 MB per head): all at
+#   once 425-445 ms and 323 MB compiled; in groups of 16, 475-482 ms and 339 MB (the loop's
+#   buffers outweigh the scores it saves).
+# Accelerators take all blocks at once. _CPU_GROUP_BLOCKS = None: all at once everywhere.
 _CPU_GROUP_BLOCKS: int | None = 16
+_CPU_GROUP_ABOVE_BYTES = 4 * 2**20
+
+
+def _block_group(n: int, b: int, keys_per_query: int) -> int | None:
+    """Query blocks per group for ``n`` blocks of ``b`` queries that each score
+    ``keys_per_query`` keys, or None for all blocks at once (see _CPU_GROUP_BLOCKS)."""
+    group = _CPU_GROUP_BLOCKS
+    if jax.default_backend() != "cpu" or group is None or group >= n:
+        return None
+    return group if n * b * keys_per_query * 4 > _CPU_GROUP_ABOVE_BYTES else None
 
 
 class SinkhornSortNet(NamedTuple):
@@ -379,8 +395,8 @@ def sinkhorn_attention(
         return _tiles.normalise(acc, sum(e.sum(-1) for e in es))
 
     per_block = (qb, kb, vb, real_b, sk, sv, s_bias) if sortcut is None else (qb,)
-    group = _CPU_GROUP_BLOCKS if jax.default_backend() == "cpu" else None
-    if group is None or group >= n:
+    group = _block_group(n, b, 2 * b if sortcut is None else sortcut * b)
+    if group is None:
         out = jax.vmap(one_block)(per_block)
     else:
         out = jax.lax.map(jax.checkpoint(one_block), per_block, batch_size=group)
