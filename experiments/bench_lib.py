@@ -2,7 +2,7 @@
 
 A suite is a module ``experiments/suites/<name>.py`` defining:
 
-- ``TITLE``: one line for BENCHMARKS.md;
+- ``TITLE``: one line for BENCHMARKS.md (and optionally ``NOTE``: a paragraph shown under it);
 - ``cases(quick: bool) -> list[Case]``: what to measure (``quick`` shrinks it to seconds);
 - a builder per case (``Case.builder = "experiments.suites.<name>:<function>"``) called in the
   worker process as ``builder(**case.params) -> Workload``;

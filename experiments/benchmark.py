@@ -89,7 +89,7 @@ def run_suite(name: str, *, quick: bool, results_dir: str, log=print) -> dict:
     for c in checks:
         log(f"[{name}] check: {c['figure']}: {c['measured']} (target {c['target']}) "
             f"{'OK' if c['ok'] else 'MISSED' if c['ok'] is False else 'n/a'}")
-    payload = dict(suite=name, title=suite.TITLE, quick=quick,
+    payload = dict(suite=name, title=suite.TITLE, note=getattr(suite, "NOTE", None), quick=quick,
                    machine={**bench_lib.machine_info(), "malloc_top_pad_mb": pad},
                    matmul_gflops=rate, records=records, checks=checks)
     os.makedirs(results_dir, exist_ok=True)
@@ -179,6 +179,8 @@ def render_markdown(results_dir: str, markdown_path: str) -> str:
             + (" **Quick mode: smoke-test sizes, not measurements.**" if p["quick"] else ""),
             "",
         ]
+        if p.get("note"):
+            out += [p["note"], ""]
         if p["checks"]:
             out += ["| figure | measured | target | met |", "|---|---|---|---|"]
             for c in p["checks"]:
