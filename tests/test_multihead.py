@@ -47,6 +47,34 @@ def test_keys_differ_per_head_and_aux_outputs_are_batch_heads(key):
     assert out.shape == (2, 10, 4, 8) and lse.shape == (2, 4, 10)
 
 
+@pytest.mark.parametrize("b,h,hkv", [(1, 4, 4), (1, 1, 1), (2, 4, 1), (1, 4, 2)])
+def test_size_one_levels_equal_the_loop(key, b, h, hkv):
+    """A batch, kv-head or group level of size 1 is indexed away instead of vmapped (faster on
+    XLA:CPU): outputs, aux outputs, per-batch masks and per-head arguments match a loop."""
+    q, k, v = _inputs(key, b=b, h=h, hkv=hkv)
+    mask = jnp.array([[True] * 6 + [False] * 4, [True] * 10])[:b]
+    scales = jnp.linspace(0.5, 1.0, h)
+
+    def fn(q, k, v, s, kv_mask=None):
+        return flash_attention(q * s, k, v, kv_mask=kv_mask, return_lse=True)
+
+    out, lse = multihead(fn, arg_axes=("heads",))(q, k, v, scales, kv_mask=mask)
+    assert out.shape == (b, 12, h, 8) and lse.shape == (b, h, 12)
+    rep = h // hkv
+    for i in range(b):
+        for j in range(h):
+            o, l = flash_attention(q[i, :, j] * scales[j], k[i, :, j // rep],
+                                   v[i, :, j // rep], kv_mask=mask[i], return_lse=True)
+            assert_close(out[i, :, j], o)
+            assert_close(lse[i, j], l)
+    if h > 1:  # every head still draws its own randomness
+        same = jnp.broadcast_to(q[:, :, :1], q.shape)
+        out = multihead(dot_product_attention)(same, k[:, :, :1].repeat(hkv, 2),
+                                               v[:, :, :1].repeat(hkv, 2), dropout_rate=0.5,
+                                               key=key)
+        assert not np.allclose(out[0, :, 0], out[0, :, 1])
+
+
 def test_per_head_positional_arguments(key):
     q, k, v = _inputs(key)
     scales = jnp.array([0.1, 0.2, 0.3, 0.4])
