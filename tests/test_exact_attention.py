@@ -313,3 +313,20 @@ def test_module_bias_per_head_under_vmap_jit_and_grad(key):
     g = jax.jit(jax.grad(functools.partial(loss, functools.partial(flash_attention, **BLOCKS))))(slopes)
     g_ref = jax.grad(functools.partial(loss, dot_product_attention))(slopes)
     np.testing.assert_allclose(g, g_ref, rtol=1e-4)
+
+
+def test_default_tiles_are_equal_and_pad_little(key):
+    """Past the default tile size, the default tiles are as few as 512 allows and of equal
+    size: 4097 tokens (4096 + a CLS token) make 9 tiles of 456 (4104 rows), not 9 of 512."""
+    from xformers_jax.attention._flash import DEFAULT_BLOCK_Q, _block
+
+    for length in (8, 100, 512, 513, 1030, 4096, 4097, 65536):
+        tile = _block("t", "block_q", None, length, DEFAULT_BLOCK_Q)
+        tiles = -(-length // tile)
+        assert tile <= DEFAULT_BLOCK_Q and tile % 8 == 0
+        assert tiles == -(-length // DEFAULT_BLOCK_Q)
+        assert tiles * tile - length < 8 * tiles
+    assert _block("t", "block_q", None, 4097, DEFAULT_BLOCK_Q) == 456
+    q, k, v = (jax.random.normal(kk, (1030, 16)) for kk in jax.random.split(key, 3))
+    assert_close(flash_attention(q, k, v, causal=True),
+                 dot_product_attention(q, k, v, causal=True))

@@ -106,7 +106,7 @@ def _settings(row: str, L: int) -> tuple[str, dict]:
         hp.update(small.get(row, {}))
         if row == "block_sparse":
             from xformers_jax.attention.patterns import BigBird
-            hp["pattern"] = BigBird(16)
+            hp.update(pattern=BigBird(16), block_q=16, block_k=16)
     return kind, hp
 
 

@@ -25,8 +25,12 @@ DEFAULT_BLOCK_K = 512
 
 def _block(name: str, arg: str, value, length: int, default: int) -> int:
     if value is None:
-        # Short sequences use one tile rounded up to a multiple of 8.
-        return min(default, -(-length // 8) * 8)
+        # As few tiles as the default size allows, of equal size rounded up to a multiple of
+        # 8: a short sequence is one tile, and a length just past a multiple of the default
+        # (4097 = 4096 + a CLS token) pads by a few rows per tile, not by a whole extra tile
+        # (9 tiles of 456 rather than 9 of 512: 4104 rows, not 4608).
+        tiles = -(-length // default)
+        return -(-(-(-length // tiles)) // 8) * 8
     return C.check_positive_int(name, arg, value)
 
 
