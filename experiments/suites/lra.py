@@ -104,8 +104,8 @@ NAMES = {"dot_product": "transformer (dense)", "flash": "transformer (flash)",
 SHORT_ONLY = ("entmax", "topk", "dam", "adaptive_span", "clustered", "improved_clustered",
               "probsparse")
 # Kinds the LRA table covers: every length. Others: 4K only.
-LRA_KINDS = ("dot_product", "flash", "values_only", "local", "performer", "linear", "linformer", "sinkhorn",
-             "lsh", "block_sparse", "synthesizer")
+LRA_KINDS = ("dot_product", "flash", "values_only", "local", "performer", "linear",
+             "linformer", "sinkhorn", "lsh", "block_sparse", "synthesizer")
 # Paper figures at 4K: (speed-up, memory saving or None).
 PAPER = {"performer": (5.7, 8.9), "linear": (5.6, 9.2), "linformer": (5.5, 9.6),
          "local": (5.3, None), "sinkhorn": (3.8, 6.4), "synthesizer": (1.4, 1.36)}

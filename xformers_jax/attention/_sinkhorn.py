@@ -26,8 +26,8 @@ from . import _tiles
 # each group's scores recomputed in the backward rather than stored, so the working set stays
 # in cache and time grows linearly with L. Measured fwd+bwd on the 2-core EPYC:
 # - 4 heads, D=64, block 128, hard sort (8.4 MB of scores per head at L=8K, 34 MB at 32K):
-#   all at once 193 ms at 8K and 869 at 32K (34 and 45 us/token with the default allocator);
-#   in groups of 16, 156 and 667 ms, and 23% / 26% less compiled memory.
+#   all at once 193 ms at 8K and 869 at 32K; in groups of 16, 156 and 667 ms, with 13% / 26%
+#   less compiled memory (154 against 178 MB, 533 against 724 MB).
 # - the LRA Text step at L=4097 (block 64, soft sort, 2 x 4 heads, 2.1 MB per head): all at
 #   once 425-445 ms and 323 MB compiled; in groups of 16, 475-482 ms and 339 MB (the loop's
 #   buffers outweigh the scores it saves).

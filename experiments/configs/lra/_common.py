@@ -3,8 +3,8 @@
 Attention hyperparameters follow the Long Range Arena code base where its paper (Tay et al.
 2021, appendix) gives them: Performer 256 random features, Linformer projection length 256,
 Sinkhorn blocks of 64 (hard sorting off), Reformer 2 hash rounds, BigBird blocks of 64 with 3
-window, 2 global and 3 random blocks (tiled at 64). Two settings come from the LRA code's configs and
-modules rather than the paper: Local attention is non-overlapping blocks of 50 (its
+window, 2 global and 3 random blocks (tiled at 64). Two settings come from the LRA code's
+configs and modules rather than the paper: Local attention is non-overlapping blocks of 50 (its
 ``LocalTransformer`` default ``block_size=50``: each query attends within its own block), run
 here as block-sparse attention with 50 x 50 tiles; Synthesizer is factorized random with
 rank 32 and no dot-product term (``synthesizer_mode="factorized_random"``, ``k=32``,
