@@ -11,7 +11,8 @@ import pytest
 
 from tests.tolerances import EXACT, EXACT_GRAD, assert_close
 from xformers_jax.attention import (axial_attention, axial_shift, block_sparse_attention,
-                                    dot_product_attention, etc_attention, longformer_attention,
+                                    dot_product_attention, etc_attention, flash_attention,
+                                    longformer_attention, pattern_tile,
                                     per_head_block_sparse_attention)
 from xformers_jax.attention import patterns as P
 from xformers_jax.attention.patterns import Pattern
@@ -245,6 +246,28 @@ def test_block_sparsity_is_real():
     assert P.BigBird(64).layout(n, n, 64, 64).num_nonempty < 64 * 10
     # A band of 3 tiles per row, plus the global token's tile row and column.
     assert P.Longformer(64, 1, (0,)).layout(n, n, 128, 128).num_nonempty <= 3 * 32 + 2 * 32
+
+
+def test_default_tiles_follow_the_pattern(key):
+    """Without block_q/block_k a pattern is tiled at the size that skips what it leaves out:
+    BigBird at its own block, a band at a tile near its width, the full and causal patterns at
+    the 512 default (the sizes measured fastest at L=8192 on the 2-core CPU; see
+    ``_flash._TILE_COST``)."""
+    n = 4096
+    assert pattern_tile(P.BigBird(64), n, n) == 64
+    assert pattern_tile(P.Local(256, 256), n, n) == 256
+    assert pattern_tile(P.Local(128, 128), n, n) == 128
+    assert pattern_tile(P.Full(), n, n) == 512
+    assert pattern_tile(P.Causal(), n, n) == 512
+    assert pattern_tile(P.BigBird(64), 100, 100) == 512  # one tile covers everything
+    # The default path: a narrow band at L=300 is tiled at 64, not as one 300 x 300 tile, and
+    # the result is the reference's.
+    band, lq = P.Local(20, 0), 300
+    assert pattern_tile(band & P.Causal(), lq, lq) == 64
+    q, k, v = _qkv(key, lq)
+    ref = dot_product_attention(q, k, v, pattern=band, causal=True)
+    assert_close(flash_attention(q, k, v, pattern=band, causal=True), ref, EXACT)
+    assert_close(block_sparse_attention(q, k, v, band, causal=True), ref, EXACT)
 
 
 # -- attention through the patterns ---------------------------------------------------------

@@ -9,6 +9,7 @@ from . import patterns as patterns
 from ._dense import dot_product_attention as dot_product_attention
 from ._flash import block_sparse_attention as block_sparse_attention
 from ._flash import flash_attention as flash_attention
+from ._flash import pattern_tile as pattern_tile
 from ._multihead import multihead as multihead
 # --- sparse family (issue 3) ---
 from ._axial import axial_attention as axial_attention

@@ -25,8 +25,8 @@ VARIANTS = {
     "linformer": dict(kind="linformer", proj_len=256),
     "sinkhorn": dict(kind="sinkhorn", block_size=64),
     "reformer": dict(kind="lsh", num_buckets=8, num_rounds=2, chunk_size=64),
-    # Tiled at its own block size: with the default 512 x 512 tiles almost every tile holds
-    # some kept block, and the computation is as dense as flash attention's.
+    # Tiled at its own block size (the default, pattern_tile, picks it too; at 512 x 512 tiles
+    # almost every tile holds some kept block and the computation is as dense as flash's).
     "bigbird": dict(kind="block_sparse", pattern=P.BigBird(64), block_q=64, block_k=64),
     "nystrom": dict(kind="nystrom", num_landmarks=64),
     "luna": dict(kind="luna", length=256),
