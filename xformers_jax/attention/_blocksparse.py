@@ -54,15 +54,20 @@ def _pad_to(x, length, axis=0, value=0):
 
 
 class _Tile:
-    """The score tile (qi, kj) and its masks, shared by the forward and the backward scans."""
+    """The score tile (qi, kj) and its masks, shared by the forward and the backward scans.
 
-    def __init__(self, st: _Static, q, k, dyn, bias, qi, kj, mi, with_static_mask: bool):
+    With ``transposed`` the tile is built as ``s^T [bk, bq]`` from ``k`` and the pre-transposed
+    queries ``qT [Dk, Lq]`` (the backward's orientation, see :func:`_backward`); masks, bias and
+    dropout decisions are the same entries, transposed.
+    """
+
+    def __init__(self, st: _Static, q, k, dyn, bias, qi, kj, mi, with_static_mask: bool,
+                 transposed: bool = False):
         lay = st.layout
         bq, bk = lay.block_q, lay.block_k
         self.q0, self.k0 = qi * bq, kj * bk
-        self.q_pos = self.q0 + jnp.arange(bq, dtype=jnp.int32)[:, None]
-        self.k_pos = self.k0 + jnp.arange(bk, dtype=jnp.int32)[None, :]
-        self.q = jax.lax.dynamic_slice_in_dim(q, self.q0, bq)
+        q_rows = self.q0 + jnp.arange(bq, dtype=jnp.int32)
+        k_rows = self.k0 + jnp.arange(bk, dtype=jnp.int32)
         self.k = jax.lax.dynamic_slice_in_dim(k, self.k0, bk)
         kv_mask, q_seg, kv_seg, seed, masks, self.bias_data = dyn
         mask = _tiles.dynamic_mask(
@@ -70,15 +75,25 @@ class _Tile:
             jax.lax.dynamic_slice_in_dim(q_seg, self.q0, bq) if st.has_segments else None,
             jax.lax.dynamic_slice_in_dim(kv_seg, self.k0, bk) if st.has_segments else None,
         )
+        if transposed:
+            mask = None if mask is None else mask.T
+            self.q_pos, self.k_pos = q_rows[None, :], k_rows[:, None]
+            q_t = jax.lax.dynamic_slice_in_dim(q, self.q0, bq, axis=1)
+            s = jnp.einsum("kd,dq->kq", self.k, q_t, preferred_element_type=STATS_DTYPE)
+        else:
+            self.q_pos, self.k_pos = q_rows[:, None], k_rows[None, :]
+            self.q = jax.lax.dynamic_slice_in_dim(q, self.q0, bq)
+            s = jnp.einsum("qd,kd->qk", self.q, self.k, preferred_element_type=STATS_DTYPE)
         if with_static_mask:
-            mask = _tiles.and_masks(mask, masks[mi])
+            mask = _tiles.and_masks(mask, masks[mi])  # the caller transposes ``masks``
         self.mask = mask
-        s = jnp.einsum("qd,kd->qk", self.q, self.k, preferred_element_type=STATS_DTYPE)
         s = s * st.scale
-        if st.bias_is_array:
-            s = s + jax.lax.dynamic_slice(bias, (self.q0, self.k0), (bq, bk)).astype(STATS_DTYPE)
+        if st.bias_is_array:  # the caller transposes an array bias
+            at, size = ((self.k0, self.q0), (bk, bq)) if transposed else ((self.q0, self.k0), (bq, bk))
+            s = s + jax.lax.dynamic_slice(bias, at, size).astype(STATS_DTYPE)
         elif st.bias_fn is not None:
-            s = s + st.bias_fn(self.q_pos, self.k_pos, bias, self.bias_data).astype(STATS_DTYPE)
+            b = st.bias_fn(q_rows[:, None], k_rows[None, :], bias, self.bias_data)
+            s = s + (b.T if transposed else b).astype(STATS_DTYPE)
         self.s = s if mask is None else jnp.where(mask, s, -jnp.inf)
         self.keep = (
             _tiles.dropout_keep(seed, self.q_pos, self.k_pos, st.dropout_rate)
@@ -143,6 +158,15 @@ def _forward(st: _Static, q, k, v, bias, dyn):
 
 
 def _backward(st: _Static, q, k, v, bias, dyn, out, lse, d_out, d_lse):
+    """Recomputes each listed tile from the saved log-sum-exp and accumulates dq, dk, dv.
+
+    Every tile is computed transposed, ``[bk, bq]``, from pre-transposed copies of q, k and the
+    output cotangent (``[D, L]``, made once), so each of the five products is a plain
+    ``[m, n] @ [n, p]`` matmul; dq is accumulated transposed and turned round once at the end.
+    On XLA:CPU the natural orientation's two ``p^T dO`` and ``ds^T q`` products (contracting
+    the leading axis of both operands) ran 2.6x slower than a plain matmul, and a tile's
+    backward took 1.73 against 1.07 ms (512 x 512 tiles, D=64, 2-core EPYC).
+    """
     lay = st.layout
     bq, bk = lay.block_q, lay.block_k
     # d lse_i / d s_ij = p_ij, so a cotangent on the log-sum-exp enters every ds_ij as
@@ -151,11 +175,15 @@ def _backward(st: _Static, q, k, v, bias, dyn, out, lse, d_out, d_lse):
     delta = delta - d_lse.astype(STATS_DTYPE)
     # A row that saw no key has lse = -inf; +inf makes every exp(s - lse) of it zero.
     lse = jnp.where(jnp.isneginf(lse), jnp.inf, lse)
-    dq = jnp.zeros(q.shape, STATS_DTYPE)
+    q_T, k_T, d_out_T = q.T, k.T, d_out.T
+    kv_mask, q_seg, kv_seg, seed, masks, bias_data = dyn
+    dyn_T = (kv_mask, q_seg, kv_seg, seed, jnp.swapaxes(masks, 1, 2), bias_data)
+    bias_T = bias.T if st.bias_is_array else bias
+    dq_T = jnp.zeros(q_T.shape, STATS_DTYPE)
     dk = jnp.zeros(k.shape, STATS_DTYPE)
     dv = jnp.zeros(v.shape, STATS_DTYPE)
     if st.bias_is_array:
-        d_bias = jnp.zeros(bias.shape, STATS_DTYPE)
+        d_bias = jnp.zeros(bias_T.shape, STATS_DTYPE)
     else:
         d_bias = jax.tree_util.tree_map(lambda c: jnp.zeros(c.shape, STATS_DTYPE), bias)
 
@@ -164,46 +192,52 @@ def _backward(st: _Static, q, k, v, bias, dyn, out, lse, d_out, d_lse):
             continue
 
         def body(carry, xs, with_mask=with_mask):
-            dq, dk, dv, d_bias = carry
+            dq_T, dk, dv, d_bias = carry
             qi, kj, mi = xs
-            t = _Tile(st, q, k, dyn, bias, qi, kj, mi, with_mask)
+            t = _Tile(st, q_T, k, dyn_T, bias_T, qi, kj, mi, with_mask, transposed=True)
+            q_t = jax.lax.dynamic_slice_in_dim(q, t.q0, bq)
             v_t = jax.lax.dynamic_slice_in_dim(v, t.k0, bk)
             do_t = jax.lax.dynamic_slice_in_dim(d_out, t.q0, bq)
+            do_T = jax.lax.dynamic_slice_in_dim(d_out_T, t.q0, bq, axis=1)
+            k_T_t = jax.lax.dynamic_slice_in_dim(k_T, t.k0, bk, axis=1)
             lse_t = jax.lax.dynamic_slice_in_dim(lse, t.q0, bq)
             delta_t = jax.lax.dynamic_slice_in_dim(delta, t.q0, bq)
-            p = jnp.exp(t.s - lse_t[:, None])
+            p = jnp.exp(t.s - lse_t[None, :])  # [bk, bq]
             p_drop = t.dropped(p, st.dropout_rate)
             dv_t = jnp.einsum(
-                "qk,qd->kd", p_drop.astype(do_t.dtype), do_t, preferred_element_type=STATS_DTYPE
+                "kq,qd->kd", p_drop.astype(do_t.dtype), do_t, preferred_element_type=STATS_DTYPE
             )
-            dp = jnp.einsum("qd,kd->qk", do_t, v_t, preferred_element_type=STATS_DTYPE)
+            dp = jnp.einsum("kd,dq->kq", v_t, do_T, preferred_element_type=STATS_DTYPE)
             dp = t.dropped(dp, st.dropout_rate)
-            ds = p * (dp - delta_t[:, None])
+            ds = p * (dp - delta_t[None, :])
             ds_c = ds.astype(q.dtype)
-            dq_t = jnp.einsum("qk,kd->qd", ds_c, t.k, preferred_element_type=STATS_DTYPE)
-            dk_t = jnp.einsum("qk,qd->kd", ds_c, t.q, preferred_element_type=STATS_DTYPE)
+            dq_T_t = jnp.einsum("dk,kq->dq", k_T_t, ds_c, preferred_element_type=STATS_DTYPE)
+            dk_t = jnp.einsum("kq,qd->kd", ds_c, q_t, preferred_element_type=STATS_DTYPE)
 
-            def add(buf, upd, start):
-                old = jax.lax.dynamic_slice_in_dim(buf, start, upd.shape[0])
-                return jax.lax.dynamic_update_slice_in_dim(buf, old + upd, start, 0)
+            def add(buf, upd, start, axis=0):
+                old = jax.lax.dynamic_slice_in_dim(buf, start, upd.shape[axis], axis=axis)
+                return jax.lax.dynamic_update_slice_in_dim(buf, old + upd, start, axis)
 
-            dq = add(dq, dq_t * st.scale, t.q0)
+            dq_T = add(dq_T, dq_T_t * st.scale, t.q0, axis=1)
             dk = add(dk, dk_t * st.scale, t.k0)
             dv = add(dv, dv_t, t.k0)
             if st.bias_is_array:
-                d_bias = jax.lax.dynamic_update_slice(d_bias, ds, (t.q0, t.k0))
+                d_bias = jax.lax.dynamic_update_slice(d_bias, ds, (t.k0, t.q0))
             elif st.bias_fn is not None and d_bias:
+                q_pos, k_pos = t.q_pos.T, t.k_pos.T
                 _, pull = jax.vjp(
-                    lambda *c: st.bias_fn(t.q_pos, t.k_pos, list(c), t.bias_data), *bias)
+                    lambda *c: st.bias_fn(q_pos, k_pos, list(c), t.bias_data), *bias)
                 d_bias = jax.tree_util.tree_map(
-                    lambda a, g: a + g.astype(STATS_DTYPE), d_bias, list(pull(ds))
+                    lambda a, g: a + g.astype(STATS_DTYPE), d_bias, list(pull(ds.T))
                 )
-            return (dq, dk, dv, d_bias), None
+            return (dq_T, dk, dv, d_bias), None
 
-        (dq, dk, dv, d_bias), _ = jax.lax.scan(
-            body, (dq, dk, dv, d_bias), tuple(map(jnp.asarray, group))
+        (dq_T, dk, dv, d_bias), _ = jax.lax.scan(
+            body, (dq_T, dk, dv, d_bias), tuple(map(jnp.asarray, group))
         )
-    return dq, dk, dv, d_bias
+    if st.bias_is_array:
+        d_bias = d_bias.T
+    return dq_T.T, dk, dv, d_bias
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
