@@ -17,6 +17,17 @@ from xformers_jax.attention.patterns import Causal, Local, Segments
 BLOCKS = dict(block_q=16, block_k=8)  # small tiles so every case spans many of them
 
 
+@pytest.fixture(params=["natural", "transposed"])
+def orientation(request, monkeypatch):
+    """Runs a test with the backward pass computing tiles in each orientation (large tiles are
+    computed transposed, small ones not: see ``_blocksparse._TRANSPOSE_FROM``)."""
+    from xformers_jax.attention import _blocksparse
+
+    monkeypatch.setattr(_blocksparse, "_TRANSPOSE_FROM", 0 if request.param == "transposed"
+                        else 2**62)
+    return request.param
+
+
 def _qkv(key, lq, lk, dk=16, dv=None, dtype=jnp.float32):
     kq, kk, kv = jax.random.split(key, 3)
     dv = dv or dk
@@ -55,7 +66,7 @@ def _materialise(kw, key, lq, lk):
 
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("lq,lk,dv", [(37, 37, 16), (21, 45, 24)])
-def test_flash_equals_reference(key, case, lq, lk, dv):
+def test_flash_equals_reference(key, case, lq, lk, dv, orientation):
     if case == "segments" and lq != lk:
         pytest.skip("a single segment_ids array is for self-attention (pairs tested below)")
     q, k, v = _qkv(key, lq, lk, dv=dv)
@@ -80,7 +91,7 @@ def test_flash_equals_reference(key, case, lq, lk, dv):
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 @pytest.mark.parametrize("causal", [False, True])
-def test_low_precision_inputs(key, dtype, causal):
+def test_low_precision_inputs(key, dtype, causal, orientation):
     q, k, v = _qkv(key, 40, 40, dtype=dtype)
     out = flash_attention(q, k, v, causal=causal, **BLOCKS)
     assert out.dtype == dtype
@@ -102,7 +113,7 @@ def test_segment_pairs_for_cross_attention(key):
                  dot_product_attention(q, k, v, segment_ids=segs))
 
 
-def test_callable_bias_gradient_reaches_closed_over_parameters(key):
+def test_callable_bias_gradient_reaches_closed_over_parameters(key, orientation):
     q, k, v = _qkv(key, 33, 33)
 
     def loss(fn, slope):
@@ -271,7 +282,7 @@ def test_implementation_dispatch_on_cpu():
         flash_attention(q, q, q, implementation="cuda")
 
 
-def test_lse_output_is_differentiable(key):
+def test_lse_output_is_differentiable(key, orientation):
     q, k, v = _qkv(key, 25, 31)
     mask = jnp.arange(31) < 20
 
@@ -290,7 +301,7 @@ def test_lse_output_is_differentiable(key):
         assert_close(a, b, EXACT_GRAD)
 
 
-def test_module_bias_per_head_under_vmap_jit_and_grad(key):
+def test_module_bias_per_head_under_vmap_jit_and_grad(key, orientation):
     """A pytree bias (an eqx.Module with per-head slopes and an integer leaf) is mapped over heads
     by multihead, and gradients reach its float leaves, as with the dense reference."""
     import equinox as eqx

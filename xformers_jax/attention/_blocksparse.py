@@ -68,6 +68,8 @@ class _Tile:
         self.q0, self.k0 = qi * bq, kj * bk
         q_rows = self.q0 + jnp.arange(bq, dtype=jnp.int32)
         k_rows = self.k0 + jnp.arange(bk, dtype=jnp.int32)
+        # (q_pos [bq, 1], k_pos [1, bk]): the positions a callable bias is evaluated at.
+        self.positions = (q_rows[:, None], k_rows[None, :])
         self.k = jax.lax.dynamic_slice_in_dim(k, self.k0, bk)
         kv_mask, q_seg, kv_seg, seed, masks, self.bias_data = dyn
         mask = _tiles.dynamic_mask(
@@ -89,10 +91,11 @@ class _Tile:
         self.mask = mask
         s = s * st.scale
         if st.bias_is_array:  # the caller transposes an array bias
-            at, size = ((self.k0, self.q0), (bk, bq)) if transposed else ((self.q0, self.k0), (bq, bk))
+            at, size = ((self.k0, self.q0), (bk, bq)) if transposed else (
+                (self.q0, self.k0), (bq, bk))
             s = s + jax.lax.dynamic_slice(bias, at, size).astype(STATS_DTYPE)
         elif st.bias_fn is not None:
-            b = st.bias_fn(q_rows[:, None], k_rows[None, :], bias, self.bias_data)
+            b = st.bias_fn(*self.positions, bias, self.bias_data)
             s = s + (b.T if transposed else b).astype(STATS_DTYPE)
         self.s = s if mask is None else jnp.where(mask, s, -jnp.inf)
         self.keep = (
@@ -157,87 +160,107 @@ def _forward(st: _Static, q, k, v, bias, dyn):
     return _tiles.normalise(acc, l), _tiles.log_sum_exp(m, l)
 
 
+# Tiles of at least this many scores are computed transposed in the backward pass (see
+# ``_backward``). Measured fwd+bwd over Full() at L=2048, H=4, D=64 on the 2-core EPYC,
+# transposed against natural: 0.69x the time at 512 x 512 tiles, 0.97x at 256, 0.91x at 128,
+# but 1.13x at 64 x 64, where the extra slices of the transposed copies cost more than the
+# products save.
+_TRANSPOSE_FROM = 128 * 128
+
+
 def _backward(st: _Static, q, k, v, bias, dyn, out, lse, d_out, d_lse):
     """Recomputes each listed tile from the saved log-sum-exp and accumulates dq, dk, dv.
 
-    Every tile is computed transposed, ``[bk, bq]``, from pre-transposed copies of q, k and the
-    output cotangent (``[D, L]``, made once), so each of the five products is a plain
-    ``[m, n] @ [n, p]`` matmul; dq is accumulated transposed and turned round once at the end.
-    On XLA:CPU the natural orientation's two ``p^T dO`` and ``ds^T q`` products (contracting
-    the leading axis of both operands) ran 2.6x slower than a plain matmul, and a tile's
-    backward took 1.73 against 1.07 ms (512 x 512 tiles, D=64, 2-core EPYC).
+    Tiles of ``_TRANSPOSE_FROM`` scores or more are computed transposed, ``[bk, bq]``, from
+    pre-transposed copies of q, k and the output cotangent (``[D, L]``, made once), so each of
+    the five products is a plain ``[m, n] @ [n, p]`` matmul; dq is then accumulated
+    transposed and turned round once at the end. In the natural orientation the ``p^T dO``
+    and ``ds^T q`` products contract the leading axis of both operands, which XLA:CPU ran 2.6x
+    slower than a plain matmul (a 512 x 512 tile's backward: 1.73 against 1.07 ms).
     """
     lay = st.layout
     bq, bk = lay.block_q, lay.block_k
+    tr = bq * bk >= _TRANSPOSE_FROM
     # d lse_i / d s_ij = p_ij, so a cotangent on the log-sum-exp enters every ds_ij as
     # p_ij * d_lse_i: the same place as -delta_i in the softmax backward.
     delta = jnp.sum(d_out.astype(STATS_DTYPE) * out.astype(STATS_DTYPE), axis=-1)
     delta = delta - d_lse.astype(STATS_DTYPE)
     # A row that saw no key has lse = -inf; +inf makes every exp(s - lse) of it zero.
     lse = jnp.where(jnp.isneginf(lse), jnp.inf, lse)
-    q_T, k_T, d_out_T = q.T, k.T, d_out.T
-    kv_mask, q_seg, kv_seg, seed, masks, bias_data = dyn
-    dyn_T = (kv_mask, q_seg, kv_seg, seed, jnp.swapaxes(masks, 1, 2), bias_data)
-    bias_T = bias.T if st.bias_is_array else bias
-    dq_T = jnp.zeros(q_T.shape, STATS_DTYPE)
+    q_in, k_T, d_out_T = (q.T, k.T, d_out.T) if tr else (q, None, None)
+    if tr:
+        kv_mask, q_seg, kv_seg, seed, masks, bias_data = dyn
+        dyn = (kv_mask, q_seg, kv_seg, seed, jnp.swapaxes(masks, 1, 2), bias_data)
+    bias_in = bias.T if tr and st.bias_is_array else bias
+    q_axis = 1 if tr else 0  # dq's query axis (dq is [D, Lq] when transposed)
+    dq = jnp.zeros(q_in.shape, STATS_DTYPE)
     dk = jnp.zeros(k.shape, STATS_DTYPE)
     dv = jnp.zeros(v.shape, STATS_DTYPE)
     if st.bias_is_array:
-        d_bias = jnp.zeros(bias_T.shape, STATS_DTYPE)
+        d_bias = jnp.zeros(bias_in.shape, STATS_DTYPE)
     else:
         d_bias = jax.tree_util.tree_map(lambda c: jnp.zeros(c.shape, STATS_DTYPE), bias)
+
+    def per_query(x):  # a per-query vector against the oriented tile
+        return x[None, :] if tr else x[:, None]
+
+    def mm(spec, a, b):
+        return jnp.einsum(spec, a, b, preferred_element_type=STATS_DTYPE)
 
     for group, with_mask in zip(_tile_groups(lay), (False, True)):
         if len(group[0]) == 0:
             continue
 
         def body(carry, xs, with_mask=with_mask):
-            dq_T, dk, dv, d_bias = carry
+            dq, dk, dv, d_bias = carry
             qi, kj, mi = xs
-            t = _Tile(st, q_T, k, dyn_T, bias_T, qi, kj, mi, with_mask, transposed=True)
+            t = _Tile(st, q_in, k, dyn, bias_in, qi, kj, mi, with_mask, transposed=tr)
             q_t = jax.lax.dynamic_slice_in_dim(q, t.q0, bq)
             v_t = jax.lax.dynamic_slice_in_dim(v, t.k0, bk)
             do_t = jax.lax.dynamic_slice_in_dim(d_out, t.q0, bq)
-            do_T = jax.lax.dynamic_slice_in_dim(d_out_T, t.q0, bq, axis=1)
-            k_T_t = jax.lax.dynamic_slice_in_dim(k_T, t.k0, bk, axis=1)
             lse_t = jax.lax.dynamic_slice_in_dim(lse, t.q0, bq)
             delta_t = jax.lax.dynamic_slice_in_dim(delta, t.q0, bq)
-            p = jnp.exp(t.s - lse_t[None, :])  # [bk, bq]
-            p_drop = t.dropped(p, st.dropout_rate)
-            dv_t = jnp.einsum(
-                "kq,qd->kd", p_drop.astype(do_t.dtype), do_t, preferred_element_type=STATS_DTYPE
-            )
-            dp = jnp.einsum("kd,dq->kq", v_t, do_T, preferred_element_type=STATS_DTYPE)
-            dp = t.dropped(dp, st.dropout_rate)
-            ds = p * (dp - delta_t[None, :])
+            p = jnp.exp(t.s - per_query(lse_t))
+            p_drop = t.dropped(p, st.dropout_rate).astype(do_t.dtype)
+            if tr:
+                do_T = jax.lax.dynamic_slice_in_dim(d_out_T, t.q0, bq, axis=1)
+                dv_t, dp = mm("kq,qd->kd", p_drop, do_t), mm("kd,dq->kq", v_t, do_T)
+            else:
+                dv_t, dp = mm("qk,qd->kd", p_drop, do_t), mm("qd,kd->qk", do_t, v_t)
+            ds = p * (t.dropped(dp, st.dropout_rate) - per_query(delta_t))
             ds_c = ds.astype(q.dtype)
-            dq_T_t = jnp.einsum("dk,kq->dq", k_T_t, ds_c, preferred_element_type=STATS_DTYPE)
-            dk_t = jnp.einsum("kq,qd->kd", ds_c, q_t, preferred_element_type=STATS_DTYPE)
+            if tr:
+                k_T_t = jax.lax.dynamic_slice_in_dim(k_T, t.k0, bk, axis=1)
+                dq_t, dk_t = mm("dk,kq->dq", k_T_t, ds_c), mm("kq,qd->kd", ds_c, q_t)
+            else:
+                dq_t, dk_t = mm("qk,kd->qd", ds_c, t.k), mm("qk,qd->kd", ds_c, q_t)
 
             def add(buf, upd, start, axis=0):
                 old = jax.lax.dynamic_slice_in_dim(buf, start, upd.shape[axis], axis=axis)
                 return jax.lax.dynamic_update_slice_in_dim(buf, old + upd, start, axis)
 
-            dq_T = add(dq_T, dq_T_t * st.scale, t.q0, axis=1)
+            dq = add(dq, dq_t * st.scale, t.q0, q_axis)
             dk = add(dk, dk_t * st.scale, t.k0)
             dv = add(dv, dv_t, t.k0)
             if st.bias_is_array:
-                d_bias = jax.lax.dynamic_update_slice(d_bias, ds, (t.k0, t.q0))
+                d_bias = jax.lax.dynamic_update_slice(
+                    d_bias, ds, (t.k0, t.q0) if tr else (t.q0, t.k0))
             elif st.bias_fn is not None and d_bias:
-                q_pos, k_pos = t.q_pos.T, t.k_pos.T
                 _, pull = jax.vjp(
-                    lambda *c: st.bias_fn(q_pos, k_pos, list(c), t.bias_data), *bias)
+                    lambda *c: st.bias_fn(*t.positions, list(c), t.bias_data), *bias)
                 d_bias = jax.tree_util.tree_map(
-                    lambda a, g: a + g.astype(STATS_DTYPE), d_bias, list(pull(ds.T))
+                    lambda a, g: a + g.astype(STATS_DTYPE), d_bias,
+                    list(pull(ds.T if tr else ds))
                 )
-            return (dq_T, dk, dv, d_bias), None
+            return (dq, dk, dv, d_bias), None
 
-        (dq_T, dk, dv, d_bias), _ = jax.lax.scan(
-            body, (dq_T, dk, dv, d_bias), tuple(map(jnp.asarray, group))
+        (dq, dk, dv, d_bias), _ = jax.lax.scan(
+            body, (dq, dk, dv, d_bias), tuple(map(jnp.asarray, group))
         )
-    if st.bias_is_array:
-        d_bias = d_bias.T
-    return dq_T.T, dk, dv, d_bias
+    if tr:
+        dq = dq.T
+        d_bias = d_bias.T if st.bias_is_array else d_bias
+    return dq, dk, dv, d_bias
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))

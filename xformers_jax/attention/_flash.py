@@ -37,10 +37,11 @@ def _block(name: str, arg: str, value, length: int, default: int) -> int:
 
 
 # Relative cost per score element of one computed square tile, by tile size: flash_attention
-# fwd+bwd over Full() at L=2048 (H=4, D=64) on the 2-core CPU took 300, 236, 172 and 144 ms
+# fwd+bwd over Full() at L=2048 (H=4, D=64) on the 2-core CPU took 311, 234, 189 and 112 ms
 # with 64, 128, 256 and 512 tiles. Smaller tiles cost more per element (more scan steps,
-# smaller matmuls) but skip more of a sparse pattern.
-_TILE_COST = {512: 1.0, 256: 1.20, 128: 1.64, 64: 2.09}
+# smaller matmuls; 512 x 512 tiles also take the transposed backward) but skip more of a
+# sparse pattern.
+_TILE_COST = {512: 1.0, 256: 1.69, 128: 2.1, 64: 2.79}
 
 
 @functools.lru_cache(maxsize=256)
