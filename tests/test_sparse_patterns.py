@@ -260,9 +260,9 @@ def test_default_tiles_follow_the_pattern(key):
     assert pattern_tile(P.Full(), n, n) == 512
     assert pattern_tile(P.Causal(), n, n) == 512
     assert pattern_tile(P.BigBird(64), 100, 100) == 512  # one tile covers everything
-    # The default path: a narrow band at L=300 is tiled at 64, not as one 300 x 300 tile, and
+    # The default path: a narrow band at L=600 is tiled at 64, not as two 304-row tiles, and
     # the result is the reference's.
-    band, lq = P.Local(20, 0), 300
+    band, lq = P.Local(20, 0), 600
     assert pattern_tile(band & P.Causal(), lq, lq) == 64
     q, k, v = _qkv(key, lq)
     ref = dot_product_attention(q, k, v, pattern=band, causal=True)
