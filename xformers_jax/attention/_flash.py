@@ -187,8 +187,9 @@ def block_sparse_attention(
     Time and memory are proportional to the number of non-empty tiles. ``layout`` is a
     :class:`BlockLayout` (its tiling is used as is) or a ``Pattern`` (tiled with ``block_q``,
     ``block_k``; by default with the tile size :func:`pattern_tile` finds cheapest for the
-    pattern, e.g. 64 for ``BigBird(64)``). Other arguments are those of :func:`flash_attention`; ``causal=True`` needs a
-    pattern (a layout's tiles are fixed), or a causal-safe layout.
+    pattern, e.g. 64 for ``BigBird(64)``). Other arguments are those of
+    :func:`flash_attention`; ``causal=True`` needs a pattern (a layout's tiles are fixed), or a
+    causal-safe layout.
     """
     name = "block_sparse_attention"
     x, kv_mask, segs, bias, scale = C.check_softmax_args(
