@@ -50,11 +50,11 @@ def pattern_tile(pattern: Pattern, lq: int, lk: int) -> int:
 
     Cost is the area of the tiles the pattern leaves non-empty times the tile size's cost per
     element. The non-empty tiles of every size come from one evaluation of the pattern on the
-    finest grid, OR-pooled. With this model the default for a band or BigBird pattern is the
-    size that skips what it does not need: on the 2-core CPU at L=8192, fwd+bwd, it chose 256
-    for ``Local(256, 256)`` (292 ms, against 320 at 128 and 433 at 512) and 64 for
-    ``BigBird(64)`` (431 ms, against 796 at 128 and 1974 at 512); for the full and causal
-    patterns it keeps 512.
+    finest grid, OR-pooled. On the 2-core CPU at L=8192, fwd+bwd, H=4, D=64, its choice was
+    the fastest tiling measured: 256 for ``Local(256, 256)`` (301 ms, against 355, 328 and 347
+    at 64, 128 and 512), 128 for ``Local(128, 128)`` (209 against 222, 317 and 373) and 64 for
+    ``BigBird(64)`` (431 ms against 796 at 128 and 1974 at 512). The full and causal patterns
+    keep 512.
     """
     base = min(_TILE_COST)
     nonempty = np.asarray(pattern.block_kinds(lq, lk, base, base)) != 0
