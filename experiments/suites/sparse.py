@@ -4,7 +4,7 @@ dense-masked computation of the same pattern (issue 3's figures).
 fp32, B=1, H=4, D=64, lifted with ``multihead``. "Local window 512" is ``Local(256, 256)``
 (512 keys around each query, as Longformer/BigBird count a window); BigBird is block 64 with 3
 window, 2 global and 3 random blocks. Both run with the default tiles, as a user calling
-``block_sparse_attention(q, k, v, pattern)`` gets them: ``pattern_tile`` picks 128 for the
+``block_sparse_attention(q, k, v, pattern)`` gets them: ``pattern_tile`` picks 256 for the
 band and BigBird's own block of 64 (at 512 x 512 tiles BigBird is nearly dense). The
 dense-masked contrast (the usual reference implementation: the full score matrix under the
 pattern's mask) stops at L=8192, where its scores are already 256 MB per head.

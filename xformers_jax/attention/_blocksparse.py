@@ -118,15 +118,6 @@ def _tile_groups(layout: BlockLayout):
     )
 
 
-def _unroll(layout: BlockLayout) -> int:
-    """Scan steps unrolled per loop iteration: 4 for tiles of up to 128 x 128 scores, whose
-    per-step overhead is a large part of their cost, else 1. Measured fwd+bwd on the 2-core
-    EPYC (H=4, D=64): Full() at L=2048 with 64 x 64 tiles 302 -> 252 ms, with 128 x 128 tiles
-    242 -> 224 ms, Local(128, 128) at L=8192 with 128 x 128 tiles 199 -> 180 ms; with 512 x 512
-    tiles unrolling was slower (115 -> 134 ms)."""
-    return 4 if layout.block_q * layout.block_k <= 128 * 128 else 1
-
-
 def _forward(st: _Static, q, k, v, bias, dyn):
     lay = st.layout
     bq = lay.block_q
@@ -164,8 +155,7 @@ def _forward(st: _Static, q, k, v, bias, dyn):
             l = jax.lax.dynamic_update_slice_in_dim(l, l_new, t.q0, 0)
             return (acc, m, l), None
 
-        (acc, m, l), _ = jax.lax.scan(body, (acc, m, l), tuple(map(jnp.asarray, group)),
-                                      unroll=_unroll(lay))
+        (acc, m, l), _ = jax.lax.scan(body, (acc, m, l), tuple(map(jnp.asarray, group)))
 
     return _tiles.normalise(acc, l), _tiles.log_sum_exp(m, l)
 
@@ -174,7 +164,7 @@ def _forward(st: _Static, q, k, v, bias, dyn):
 # ``_backward``). Measured fwd+bwd over Full() at L=2048, H=4, D=64 on the 2-core EPYC,
 # transposed against natural: 0.69x the time at 512 x 512 tiles, 0.97x at 256, 0.91x at 128,
 # but 1.13x at 64 x 64, where the extra slices of the transposed copies cost more than the
-# products save (measured before small tiles' scans were unrolled, see ``_unroll``).
+# products save.
 _TRANSPOSE_FROM = 128 * 128
 
 
@@ -265,7 +255,7 @@ def _backward(st: _Static, q, k, v, bias, dyn, out, lse, d_out, d_lse):
             return (dq, dk, dv, d_bias), None
 
         (dq, dk, dv, d_bias), _ = jax.lax.scan(
-            body, (dq, dk, dv, d_bias), tuple(map(jnp.asarray, group)), unroll=_unroll(lay)
+            body, (dq, dk, dv, d_bias), tuple(map(jnp.asarray, group))
         )
     if tr:
         dq = dq.T

@@ -37,12 +37,11 @@ def _block(name: str, arg: str, value, length: int, default: int) -> int:
 
 
 # Relative cost per score element of one computed square tile, by tile size: flash_attention
-# fwd+bwd over Full() at L=2048 (H=4, D=64) on the 2-core CPU took 280, 235, 203 and 115 ms
-# with 64, 128, 256 and 512 tiles (two interleaved runs averaged). Smaller tiles cost more
-# per element (more scan steps, smaller matmuls; tiles of 128 x 128 and up take the
-# transposed backward, those up to 128 x 128 an unrolled scan) but skip more of a sparse
-# pattern. Re-measure when the kernel changes.
-_TILE_COST = {512: 1.0, 256: 1.76, 128: 2.04, 64: 2.43}
+# fwd+bwd over Full() at L=2048 (H=4, D=64) on the 2-core CPU took 311, 234, 189 and 112 ms
+# with 64, 128, 256 and 512 tiles. Smaller tiles cost more per element (more scan steps,
+# smaller matmuls; 512 x 512 tiles also take the transposed backward) but skip more of a
+# sparse pattern.
+_TILE_COST = {512: 1.0, 256: 1.69, 128: 2.1, 64: 2.79}
 
 
 @functools.lru_cache(maxsize=256)
@@ -52,9 +51,10 @@ def pattern_tile(pattern: Pattern, lq: int, lk: int) -> int:
     Cost is the area of the tiles the pattern leaves non-empty times the tile size's cost per
     element. The non-empty tiles of every size come from one evaluation of the pattern on the
     finest grid, OR-pooled. On the 2-core CPU at L=8192, fwd+bwd, H=4, D=64, its choice was
-    the fastest tiling measured: 128 for ``Local(256, 256)`` (291 ms, against 301, 312 and 331
-    at 64, 256 and 512), 64 for ``Local(128, 128)`` (174 against 183, 296 and 311) and 64 for
-    ``BigBird(64)`` (350 against 705, 1402 and 1448). The full and causal patterns keep 512.
+    the fastest tiling measured: 256 for ``Local(256, 256)`` (301 ms, against 355, 328 and 347
+    at 64, 128 and 512), 128 for ``Local(128, 128)`` (209 against 222, 317 and 373) and 64 for
+    ``BigBird(64)`` (431 ms against 796 at 128 and 1974 at 512). The full and causal patterns
+    keep 512.
     """
     base = min(_TILE_COST)
     nonempty = np.asarray(pattern.block_kinds(lq, lk, base, base)) != 0
