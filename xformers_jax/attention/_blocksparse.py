@@ -84,8 +84,8 @@ class _Tile:
             s = jnp.einsum("kd,dq->kq", self.k, q_t, preferred_element_type=STATS_DTYPE)
         else:
             self.q_pos, self.k_pos = q_rows[:, None], k_rows[None, :]
-            self.q = jax.lax.dynamic_slice_in_dim(q, self.q0, bq)
-            s = jnp.einsum("qd,kd->qk", self.q, self.k, preferred_element_type=STATS_DTYPE)
+            q_t = jax.lax.dynamic_slice_in_dim(q, self.q0, bq)
+            s = jnp.einsum("qd,kd->qk", q_t, self.k, preferred_element_type=STATS_DTYPE)
         if with_static_mask:
             mask = _tiles.and_masks(mask, masks[mi])  # the caller transposes ``masks``
         self.mask = mask
