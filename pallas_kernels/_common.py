@@ -1,6 +1,6 @@
 """What the GPU and TPU kernels share: tile math, the kernel object, padding and the VJP.
 
-The tile math follows the XLA path (``xformers_jax.attention._blocksparse``) step for step:
+The tile math follows the XLA path (``xformers_jax.kernels._tiled``) step for step:
 the online softmax of FlashAttention (Dao et al. 2022; survey T2 4.4) in the forward pass,
 and a backward pass that recomputes each tile's probabilities from the saved log-sum-exp.
 Each backend module supplies ``forward(cfg, plan, q, k, v, dyn) -> (out, lse)`` and
@@ -17,10 +17,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from xformers_jax.attention import _tiles
-from xformers_jax.attention._contract import STATS_DTYPE
+from xformers_jax.kernels import _tiles
+from xformers_jax.kernels._tiles import STATS_DTYPE
 
-from . import _planner
+from xformers_jax.kernels import _planner
 
 _NT = (((1,), (1,)), ((), ()))  # a @ b.T
 _NN = (((1,), (0,)), ((), ()))  # a @ b

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from xformers_jax.attention._contract import STATS_DTYPE
+from xformers_jax.kernels._tiles import STATS_DTYPE
 
 from . import _common as C
 

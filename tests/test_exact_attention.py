@@ -20,10 +20,10 @@ BLOCKS = dict(block_q=16, block_k=8)  # small tiles so every case spans many of 
 @pytest.fixture(params=["natural", "transposed"])
 def orientation(request, monkeypatch):
     """Runs a test with the backward pass computing tiles in each orientation (large tiles are
-    computed transposed, small ones not: see ``_blocksparse._TRANSPOSE_FROM``)."""
-    from xformers_jax.attention import _blocksparse
+    computed transposed, small ones not: see ``kernels._tiled._TRANSPOSE_FROM``)."""
+    from xformers_jax.kernels import _tiled
 
-    monkeypatch.setattr(_blocksparse, "_TRANSPOSE_FROM", 0 if request.param == "transposed"
+    monkeypatch.setattr(_tiled, "_TRANSPOSE_FROM", 0 if request.param == "transposed"
                         else 2**62)
     return request.param
 
@@ -329,7 +329,7 @@ def test_module_bias_per_head_under_vmap_jit_and_grad(key, orientation):
 def test_default_tiles_are_equal_and_pad_little(key):
     """Past the default tile size, the default tiles are as few as 512 allows and of equal
     size: 4097 tokens (4096 + a CLS token) make 9 tiles of 456 (4104 rows), not 9 of 512."""
-    from xformers_jax.attention._flash import DEFAULT_BLOCK_Q, _block
+    from xformers_jax.attention._exact import DEFAULT_BLOCK_Q, _block
 
     for length in (8, 100, 512, 513, 1030, 4096, 4097, 65536):
         tile = _block("t", "block_q", None, length, DEFAULT_BLOCK_Q)

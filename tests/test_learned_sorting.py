@@ -10,9 +10,9 @@ from xformers_jax.attention import (
     dot_product_attention, init_lsh_rotations, init_routing_state, init_sinkhorn_sort_net,
     lsh_attention, routing_attention, sinkhorn_attention,
 )
-from xformers_jax.attention._lsh import lsh_buckets
-from xformers_jax.attention._routing import RoutingState, centroids
-from xformers_jax.attention._sinkhorn import (
+from xformers_jax.attention.learned._lsh import lsh_buckets
+from xformers_jax.attention.learned._routing import RoutingState, centroids
+from xformers_jax.attention.learned._sinkhorn import (
     _greedy_assignment, gumbel_sinkhorn, hard_permutation, sinkhorn_sort_matrix,
 )
 
@@ -504,7 +504,7 @@ def test_sinkhorn_block_groups_equal_all_at_once(key, monkeypatch, causal, maske
     """On CPU the query blocks go in groups (recomputed in the backward): the same outputs
     and gradients as all blocks at once, with a last group that is not full (22 blocks of 3,
     the last one padded, in groups of 4)."""
-    from xformers_jax.attention import _sinkhorn as S
+    from xformers_jax.attention.learned import _sinkhorn as S
 
     q, k, v = _qkv(key)
     b, n = 3, 22

@@ -432,7 +432,7 @@ def test_grouped_chunks_equal_the_recurrent_form(length, chunk, group):
     # causal_chunked scans over groups of chunks (group_positions), carrying the state; the
     # group count need not divide the chunks (padding adds nothing). Outputs and gradients,
     # with decays, must equal the per-step scan's.
-    from xformers_jax.attention._linear_scan import causal_chunked, causal_recurrent
+    from xformers_jax.attention.linear._scan import causal_chunked, causal_recurrent
 
     ks = jax.random.split(jax.random.PRNGKey(5), 4)
     fq = jax.random.uniform(ks[0], (length, 6))

@@ -24,7 +24,7 @@ from xformers_jax.attention import (
     multihead,
     nystrom_attention,
 )
-from xformers_jax.attention._nystrom import depthwise_conv_skip
+from xformers_jax.attention.lowrank._nystrom import depthwise_conv_skip
 
 L, D = 32, 8
 

@@ -11,7 +11,7 @@ from xformers_jax.attention import (
     init_memory_compression,
     memory_compressed_attention,
 )
-from xformers_jax.attention._memory_compressed import compress
+from xformers_jax.attention.lowrank._memory_compressed import compress
 
 L, D, STRIDE, BLOCK = 30, 8, 4, 8
 WK, WV = init_memory_compression(jax.random.PRNGKey(1), STRIDE, D, D)

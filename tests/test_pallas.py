@@ -15,12 +15,13 @@ import numpy as np
 import pytest
 
 import pallas_kernels
-from pallas_kernels import _gpu_blocksparse, _planner, _tpu_blocksparse
+from pallas_kernels import _gpu_blocksparse, _tpu_blocksparse
 from pallas_kernels._common import PallasAttention
 from tests.tolerances import EXACT, EXACT_GRAD, assert_close
 from xformers_jax.attention import block_sparse_attention, flash_attention
 from xformers_jax.attention import patterns as P
-from xformers_jax.attention._blocksparse import attend_layout
+from xformers_jax.kernels import _planner
+from xformers_jax.kernels._tiled import attend_layout
 from xformers_jax.attention.patterns._base import EMPTY, FULL, PARTIAL
 
 GPU = PallasAttention("gpu", "gpu", _gpu_blocksparse, 32, 32, interpret=True)

@@ -252,7 +252,7 @@ def test_default_tiles_follow_the_pattern(key):
     """Without block_q/block_k a pattern is tiled at the size that skips what it leaves out:
     BigBird at its own block, a band at a tile near its width, the full and causal patterns at
     the 512 default (the sizes measured fastest at L=8192 on the 2-core CPU; see
-    ``_flash._TILE_COST``)."""
+    ``_exact._TILE_COST``)."""
     n = 4096
     assert pattern_tile(P.BigBird(64), n, n) == 64
     assert pattern_tile(P.Local(256, 256), n, n) == 256

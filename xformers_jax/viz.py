@@ -25,7 +25,7 @@ def _pyplot():
 
 def connectivity(pattern, lq: int, lk: int | None = None, *, causal: bool = False) -> np.ndarray:
     """``bool[lq, lk]`` (or ``[H, lq, lk]`` for a ``PerHead``) connectivity of ``pattern``."""
-    from xformers_jax.attention.patterns import Causal
+    from .attention.patterns import Causal
 
     lk = lq if lk is None else lk
     if causal:

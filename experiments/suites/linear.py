@@ -36,8 +36,8 @@ from xformers_jax.attention import (
     linear_attention,
     multihead,
 )
-from xformers_jax.attention import _linear
-from xformers_jax.attention._linear_scan import causal_chunked, causal_recurrent
+from xformers_jax.attention.linear import _linear
+from xformers_jax.attention.linear._scan import causal_chunked, causal_recurrent
 
 TITLE = "Causal linear attention: chunked vs per-step scan vs causal flash (fp32, B=1, H=4, D=64)"
 NOTE = ("The figures marked (why) are not the issue's: they show, in this run, why the 5x "

@@ -20,8 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-# Softmax statistics, normalisers and accumulators are always kept in this dtype.
-STATS_DTYPE = jnp.float32
+from ..kernels._tiles import STATS_DTYPE as STATS_DTYPE  # the kernel layer owns the dtype policy
 
 
 class QKV(NamedTuple):

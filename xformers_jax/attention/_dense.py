@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import _contract as C
-from . import _tiles
+from ..kernels import _tiles
 from .patterns import Causal, Pattern
 from .patterns._sparse import is_encoder_only
 

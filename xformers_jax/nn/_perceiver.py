@@ -24,8 +24,8 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 
-from xformers_jax.attention import flash_attention
-from xformers_jax.attention.patterns import Local
+from ..attention import flash_attention
+from ..attention.patterns import Local
 
 from ._ffn import FeedForward
 

@@ -15,7 +15,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 
-from xformers_jax.attention import dot_product_attention
+from ..attention import dot_product_attention
 
 
 class MAB(eqx.Module):

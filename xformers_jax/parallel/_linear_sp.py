@@ -1,7 +1,7 @@
 """Sequence-parallel causal linear attention by passing prefix states between shards.
 
 The causal recurrence ``S_t = exp(ld_t) S_{t-1} + phi(k_t) [v_t, 1]^T``, ``out_t = phi(q_t) S_t``
-(survey L 4.2 Eq 16, L 4.2.2, T1 3.2.13; see ``attention._linear_scan``) is associative over
+(survey L 4.2 Eq 16, L 4.2.2, T1 3.2.13; see ``attention.linear._scan``) is associative over
 shards: shard r summarises its keys as the state it would reach from zero, ``S_r``, and its
 total log-decay ``T_r``. Each shard gathers the n summaries (``lax.all_gather``: n small
 ``[M, Dv+1]`` matrices), forms the exclusive prefix ``S_in(r) = sum_{r'<r} exp(T_{r'+1} + ...
@@ -19,8 +19,8 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from ..attention import _contract as C, linear_attention
-from ..attention._linear import _guard, _prepare, check_implementation
-from ..attention._linear_scan import causal_chunked
+from ..attention.linear._linear import _guard, _prepare, check_implementation
+from ..attention.linear._scan import causal_chunked
 from ._axes import SEQUENCE
 from ._mesh import active
 

@@ -32,8 +32,8 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from ..attention import _contract as C, flash_attention
-from ..attention._blocksparse import attend_layout_backward
-from ..attention._flash import DEFAULT_BLOCK_K, DEFAULT_BLOCK_Q, _block
+from ..kernels._tiled import attend_layout_backward
+from ..attention._exact import DEFAULT_BLOCK_K, DEFAULT_BLOCK_Q, _block
 from ..attention.patterns import Causal, Full
 from ._axes import SEQUENCE
 from ._mesh import active

@@ -1,0 +1,59 @@
+"""Exact top-k attention: each query keeps its k highest-scoring keys.
+
+A content-based sparsification of softmax attention (survey P 4.1, "adaptive sparsity"; Gupta
+et al., "Memory-efficient Transformers via Top-k Attention", 2021). The scores are computed
+densely, so the saving is in the weights, not in the cost.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from .. import _contract as C
+from ...kernels import _tiles
+
+
+def topk_attention(
+    q,
+    k,
+    v,
+    *,
+    top_k: int,
+    causal: bool = False,
+    kv_mask=None,
+    scale: float | None = None,
+):
+    """Softmax attention over each query's ``top_k`` best visible keys.
+
+    Keys whose score ties the k-th best are all kept. With ``top_k >= Lk`` this is
+    :func:`dot_product_attention`. Masked (``kv_mask``) and future (``causal``) keys are never
+    selected; a query with fewer visible keys keeps them all.
+
+    Args:
+      q: ``[Lq, Dk]``. k: ``[Lk, Dk]``. v: ``[Lk, Dv]``.
+      top_k: keys kept per query.
+      causal: query i sees keys j <= i only.
+      kv_mask: ``bool[Lk]``, True for real keys.
+      scale: score scale, ``1/sqrt(Dk)`` by default.
+
+    Returns:
+      ``[Lq, Dv]`` in q's dtype.
+    """
+    name = "topk_attention"
+    x = C.check_qkv(name, q, k, v)
+    kv_mask = C.check_kv_mask(name, kv_mask, x.lk)
+    top_k = C.check_positive_int(name, "top_k", top_k)
+    scale = C.resolve_scale(x.dk, scale)
+    s = jnp.einsum("qd,kd->qk", x.q, x.k, preferred_element_type=C.STATS_DTYPE) * scale
+    if kv_mask is not None:
+        s = jnp.where(kv_mask[None, :], s, -jnp.inf)
+    if causal:
+        s = jnp.where(jnp.tril(jnp.ones(s.shape, bool)), s, -jnp.inf)
+    if top_k < x.lk:
+        kth = jax.lax.stop_gradient(jax.lax.top_k(s, top_k)[0][:, -1:])
+        s = jnp.where(s >= kth, s, -jnp.inf)
+    m = jax.lax.stop_gradient(_tiles.safe_max(s.max(-1)))
+    p = jnp.exp(s - m[:, None])
+    out = jnp.einsum("qk,kd->qd", p.astype(x.v.dtype), x.v, preferred_element_type=C.STATS_DTYPE)
+    return _tiles.normalise(out, p.sum(-1)).astype(x.q.dtype)

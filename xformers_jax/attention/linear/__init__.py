@@ -1,0 +1,23 @@
+"""Kernelized / linear attention: feature maps, linear attention with the one chunked causal
+scan (``_scan``), the delta rule, O(1) decoding states.
+
+Every public name here is also exported by ``xformers_jax.attention``.
+"""
+
+from ._delta import delta_rule_attention as delta_rule_attention
+from ._delta import delta_rule_init_state as delta_rule_init_state
+from ._delta import delta_rule_step as delta_rule_step
+from ._feature_maps import dpfp_features as dpfp_features
+from ._feature_maps import elu_features as elu_features
+from ._feature_maps import favor_positive_features as favor_positive_features
+from ._feature_maps import favor_trig_features as favor_trig_features
+from ._feature_maps import hyperbolic_features as hyperbolic_features
+from ._feature_maps import init_random_projection as init_random_projection
+from ._feature_maps import init_rfa_projection as init_rfa_projection
+from ._feature_maps import relu_features as relu_features
+from ._feature_maps import rfa_features as rfa_features
+from ._linear import LinearAttentionState as LinearAttentionState
+from ._linear import linear_attention as linear_attention
+from ._linear import linear_attention_init_state as linear_attention_init_state
+from ._linear import linear_attention_step as linear_attention_step
+from ._linear import performer_attention as performer_attention

@@ -1,0 +1,169 @@
+"""The delta rule of fast weight programmers (Schlag et al. 2021): ``delta_rule_attention``.
+
+Survey L 4.2.2: instead of only adding ``phi(k) v^T`` to the memory, each step retrieves the
+value currently bound to the key, ``vbar_t = S_{t-1}^T phi(k_t)``, and replaces it by a convex
+combination with the new value::
+
+    S_t = S_{t-1} + beta_t phi(k_t) (v_t - vbar_t)^T        out_t = S_t^T phi(q_t)
+
+with ``beta_t = sigmoid(beta_logits_t)`` and sum-normalised features ``phi(x) / sum(phi(x))``
+(which replaces the attention denominator). The chunked form (Yang et al. 2024, "Parallelizing
+linear transformers with the delta rule") writes a chunk's updates as ``S_0 + K^T U'`` where the
+pseudo-values solve the unit lower-triangular system
+``(I + tril(diag(beta) K K^T, -1)) U' = diag(beta) (V - K S_0)``.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.scipy.linalg import solve_triangular
+
+from .. import _contract as C
+from ._feature_maps import resolve_feature_map
+from ._linear import _guard, check_implementation, check_per_position
+from ._scan import _pad_to
+
+
+def _features(fm, x, arrays, root_scale, eps):
+    phi = fm.fn(x.astype(C.STATS_DTYPE) * root_scale, *arrays)
+    if fm.log_space:
+        # Sum normalisation cancels any per-row shift, so a row maximum leaks nothing.
+        phi = jnp.exp(phi - lax.stop_gradient(jnp.max(phi, axis=-1, keepdims=True)))
+    return phi / _guard(jnp.sum(phi, axis=-1, keepdims=True), fm.positive, eps)
+
+
+def _recurrent(fq, fk, v, beta):
+    def step(s, x):
+        q_t, k_t, v_t, b_t = x
+        s = s + (b_t * k_t)[:, None] * (v_t - k_t @ s)[None, :]
+        return s, q_t @ s
+
+    init = jnp.zeros((fk.shape[1], v.shape[1]), fk.dtype)
+    return lax.scan(step, init, (fq, fk, v, beta))[1]
+
+
+def _chunked(fq, fk, v, beta, chunk_size):
+    length, dv = v.shape
+    c = min(chunk_size, length)
+    n = -(-length // c)
+    fq, fk, v, beta = (_pad_to(x, n * c) for x in (fq, fk, v, beta))
+    fq, fk, v = (x.reshape(n, c, x.shape[-1]) for x in (fq, fk, v))
+    beta = beta.reshape(n, c, 1)
+    eye = jnp.eye(c, dtype=fk.dtype)
+    system = eye + jnp.tril(beta * jnp.einsum("ncm,ndm->ncd", fk, fk), -1)
+    uw = solve_triangular(system, jnp.concatenate([beta * v, beta * fk], -1), lower=True,
+                          unit_diagonal=True)
+    u, w = uw[..., :dv], uw[..., dv:]
+    scores = jnp.tril(jnp.einsum("ncm,ndm->ncd", fq, fk))
+
+    @functools.partial(jax.checkpoint, prevent_cse=False)
+    def chunk(s, x):
+        q_n, k_n, u_n, w_n, p_n = x
+        pseudo = u_n - w_n @ s
+        return s + k_n.T @ pseudo, q_n @ s + p_n @ pseudo
+
+    init = jnp.zeros((fk.shape[-1], dv), fk.dtype)
+    out = lax.scan(chunk, init, (fq, fk, u, w, scores))[1]
+    return out.reshape(n * c, dv)[:length]
+
+
+def delta_rule_attention(
+    q,
+    k,
+    v,
+    beta_logits,
+    *feature_arrays,
+    feature_map="dpfp",
+    causal: bool = True,
+    kv_mask=None,
+    scale: float | None = None,
+    implementation: str = "chunked",
+    chunk_size: int = 64,
+    eps: float = 1e-6,
+):
+    """Causal linear attention with the delta-rule (write-and-remove) memory update.
+
+    Survey L 4.2.1-4.2.2 (Schlag et al. 2021, DPFP features and the delta rule). The method is
+    a recurrence, so it exists only causally: ``causal=False`` raises.
+
+    Args:
+      q: ``[L, Dk]``.
+      k: ``[L, Dk]``.
+      v: ``[L, Dv]``.
+      beta_logits: ``[L]`` (or a scalar): write strengths ``beta = sigmoid(beta_logits)``.
+      *feature_arrays, feature_map, scale, eps: as in :func:`linear_attention` (default
+        feature map: DPFP with ``nu = 1``).
+      causal: must be True.
+      kv_mask: ``bool[L]``, True for real tokens; padded tokens write nothing.
+      implementation: ``"chunked"`` (triangular solve per chunk, scan over chunks) or
+        ``"recurrent"`` (per-step scan).
+      chunk_size: positions per chunk.
+
+    Returns:
+      ``[L, Dv]`` in q's dtype.
+    """
+    name = "delta_rule_attention"
+    if not causal:
+        raise ValueError(
+            f"{name}: the delta rule is a recurrence over positions and exists only with "
+            "causal=True"
+        )
+    check_implementation(name, implementation, chunk_size)
+    x = C.check_qkv(name, q, k, v)
+    C.check_same_length(name, x, "needs Lq == Lk")
+    kv_mask = C.check_kv_mask(name, kv_mask, x.lk)
+    fm = resolve_feature_map(name, feature_map, feature_arrays)
+    beta = jax.nn.sigmoid(check_per_position(name, "beta_logits", beta_logits, x.lk))
+    root_scale = math.sqrt(C.resolve_scale(x.dk, scale))
+    fq = _features(fm, x.q, feature_arrays, root_scale, eps)
+    k_in = x.k if kv_mask is None else jnp.where(kv_mask[:, None], x.k, 0)
+    fk = _features(fm, k_in, feature_arrays, root_scale, eps)
+    vf = x.v.astype(C.STATS_DTYPE)
+    if kv_mask is not None:
+        beta = jnp.where(kv_mask, beta, 0.0)
+        fk = jnp.where(kv_mask[:, None], fk, 0.0)
+        vf = jnp.where(kv_mask[:, None], vf, 0.0)
+    if implementation == "chunked":
+        out = _chunked(fq, fk, vf, beta, chunk_size)
+    else:
+        out = _recurrent(fq, fk, vf, beta)
+    return out.astype(x.q.dtype)
+
+
+def delta_rule_init_state(dk: int, dv: int, *feature_arrays, feature_map="dpfp"):
+    """An empty delta-rule memory ``[M, dv]`` (float32) for :func:`delta_rule_step`."""
+    name = "delta_rule_init_state"
+    fm = resolve_feature_map(name, feature_map, feature_arrays)
+    dk = C.check_positive_int(name, "dk", dk)
+    dv = C.check_positive_int(name, "dv", dv)
+    m = jax.eval_shape(lambda: fm.fn(jnp.zeros((1, dk), C.STATS_DTYPE), *feature_arrays)).shape[-1]
+    return jnp.zeros((m, dv), C.STATS_DTYPE)
+
+
+def delta_rule_step(state, q, k, v, beta_logit, *feature_arrays, feature_map="dpfp",
+                    scale: float | None = None, eps: float = 1e-6):
+    """One O(1) decoding step of :func:`delta_rule_attention`.
+
+    Args:
+      state: ``[M, Dv]`` memory from :func:`delta_rule_init_state` or a previous step.
+      q: ``[Dk]``, k: ``[Dk]``, v: ``[Dv]``: this token.
+      beta_logit: scalar write strength logit.
+      *feature_arrays, feature_map, scale, eps: as in :func:`delta_rule_attention`.
+
+    Returns:
+      ``(out [Dv] in q's dtype, new state)``.
+    """
+    name = "delta_rule_step"
+    x = C.check_token(name, q, k, v)
+    fm = resolve_feature_map(name, feature_map, feature_arrays)
+    root_scale = math.sqrt(C.resolve_scale(x.dk, scale))
+    fq = _features(fm, x.q, feature_arrays, root_scale, eps)
+    fk = _features(fm, x.k, feature_arrays, root_scale, eps)
+    beta = jax.nn.sigmoid(check_per_position(name, "beta_logit", beta_logit, 1))
+    s = state + (beta[0] * fk[0])[:, None] * (x.v[0].astype(C.STATS_DTYPE) - fk[0] @ state)[None, :]
+    return (fq[0] @ s).astype(x.q.dtype), s

@@ -1,0 +1,26 @@
+"""The kernel layer: tile numerics, block layouts, the XLA tiled back end, the planner, dispatch.
+
+Everything that computes attention tile by tile sits on this layer, and it imports nothing
+above it: ``xformers_jax.attention`` (flash, block-sparse, LSH and Long-Short chunks),
+``xformers_jax.parallel`` (ring attention) and the top-level ``pallas_kernels`` package all
+build on it.
+
+- ``BlockLayout`` and its tile kinds ``EMPTY``/``PARTIAL``/``FULL``: which tiles of a score
+  matrix are computed (patterns produce them).
+- ``attend_layout``: the XLA tiled online-softmax kernel over a layout, with a custom VJP that
+  recomputes tiles in the backward pass (Dao et al., 2022, "FlashAttention").
+- ``register``/``kernels_for``/``choose``: the ``implementation=None | "xla" | "pallas"``
+  dispatch.
+"""
+
+from ._dispatch import IMPLEMENTATIONS as IMPLEMENTATIONS
+from ._dispatch import choose as choose
+from ._dispatch import kernels_for as kernels_for
+from ._dispatch import register as register
+from ._layout import EMPTY as EMPTY
+from ._layout import FULL as FULL
+from ._layout import PARTIAL as PARTIAL
+from ._layout import BlockLayout as BlockLayout
+from ._tiled import attend_layout as attend_layout
+from ._tiled import attend_layout_backward as attend_layout_backward
+from ._tiles import STATS_DTYPE as STATS_DTYPE
