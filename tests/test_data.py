@@ -169,9 +169,9 @@ def test_pathfinder_deterministic_and_errors():
 
 
 def test_stdlib_splits_disjoint_and_covering():
-    files = data.stdlib_files()
+    files = data._bytes.stdlib_files()
     assert files == sorted(files) and len(files) > 100
-    splits = {s: {f for f in files if data.split_of(f) == s}
+    splits = {s: {f for f in files if data._bytes.split_of(f) == s}
               for s in ("train", "validation", "test")}
     assert all(splits.values())
     assert not (splits["train"] & splits["validation"] or splits["train"] & splits["test"]

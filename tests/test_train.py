@@ -183,7 +183,7 @@ def _read_tfrecords(path):
 
 
 def test_metric_writer_jsonl_and_tfevents(tmp_path):
-    assert train.crc32c(b"123456789") == 0xE3069283  # the CRC-32C check value
+    assert train._metrics.crc32c(b"123456789") == 0xE3069283  # the CRC-32C check value
     writer = train.MetricWriter(str(tmp_path))
     writer.write(3, {"loss": jnp.float32(0.5), "accuracy": np.float64(0.25)})
     writer.close()
@@ -244,7 +244,7 @@ def test_dynamic_loss_scale_state_machine():
     assert float(s.scale) == 4.0 and int(s.good_steps) == 0
     small = train.DynamicLossScale(init_scale=1.0, growth_interval=3)
     assert float(small.update(small.init(), jnp.asarray(False)).scale) == 1.0  # min_scale
-    assert not bool(train.all_finite({"a": jnp.ones(2), "b": jnp.asarray([1.0, jnp.inf])}))
+    assert not bool(train._loss_scale.all_finite({"a": jnp.ones(2), "b": jnp.asarray([1.0, jnp.inf])}))
     with pytest.raises(ValueError, match="backoff"):
         train.DynamicLossScale(backoff=1.5)
 
@@ -314,7 +314,7 @@ def test_progress_bar_line():
     assert "\r[#####.....] 5/10  50%" in text and "loss 1.5" in text
     assert "eval done" in text and "ETA" in text and "steps/s" in text
     assert text.endswith("10/10 100% " + text.split("10/10 100% ")[-1]) and text[-1] == "\n"
-    assert train.format_duration(3723) == "1h02m03s"
+    assert train._progress.format_duration(3723) == "1h02m03s"
 
 
 def _shrink(config):

@@ -8,10 +8,7 @@ from ._bytes import BYTE_VOCAB_SIZE as BYTE_VOCAB_SIZE
 from ._bytes import ByteWindows as ByteWindows
 from ._bytes import StdlibBytesClassification as StdlibBytesClassification
 from ._bytes import encode_bytes as encode_bytes
-from ._bytes import is_test_module as is_test_module
-from ._bytes import split_of as split_of
 from ._bytes import stdlib_bytes_lm as stdlib_bytes_lm
-from ._bytes import stdlib_files as stdlib_files
 from ._iterators import ArraySource as ArraySource
 from ._iterators import DataIterator as DataIterator
 from ._iterators import materialize as materialize

@@ -18,7 +18,6 @@ from ._multihost import global_batch as global_batch
 from ._multihost import initialize_from_env as initialize_from_env
 from ._multihost import process_batch_slice as process_batch_slice
 from ._ring import ring_attention as ring_attention
-from ._ring import zigzag_order as zigzag_order
 from ._rules import DEFAULT_COMPUTE_RULES as DEFAULT_COMPUTE_RULES
 from ._rules import DEFAULT_PARAM_RULES as DEFAULT_PARAM_RULES
 from ._rules import constrain as constrain

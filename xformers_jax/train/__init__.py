@@ -10,15 +10,11 @@ from ._loop import evaluate as evaluate
 from ._loop import train_and_evaluate as train_and_evaluate
 from ._loss_scale import DynamicLossScale as DynamicLossScale
 from ._loss_scale import LossScaleState as LossScaleState
-from ._loss_scale import all_finite as all_finite
 from ._metrics import MetricWriter as MetricWriter
-from ._metrics import crc32c as crc32c
 from ._metrics import read_jsonl as read_jsonl
-from ._metrics import tfrecord as tfrecord
 from ._optim import make_optimizer as make_optimizer
 from ._optim import make_schedule as make_schedule
 from ._progress import ProgressBar as ProgressBar
-from ._progress import format_duration as format_duration
 from ._sharding import MODEL_PARAM_PATTERNS as MODEL_PARAM_PATTERNS
 from ._sharding import ShardingPlan as ShardingPlan
 from ._sharding import make_sharding_plan as make_sharding_plan
