@@ -1,0 +1,102 @@
+"""The public API: every name README.md shows is exported where it says, and the exported names
+of ``xformers_jax.attention`` and ``.patterns`` are pinned (a rename or a lost re-export fails
+here, not in a user's code)."""
+
+import importlib
+import pathlib
+import re
+
+import pytest
+
+README = (pathlib.Path(__file__).resolve().parents[1] / "README.md").read_text()
+
+# The attention functions and patterns of the first wave: moving a module inside the package
+# must never change these.
+ATTENTION_NAMES = {
+    "LinearAttentionState", "RoutingAux", "RoutingState", "SinkhornSortNet",
+    "adaptive_span_attention", "adaptive_span_penalty", "axial_attention", "axial_shift",
+    "block_sparse_attention", "clustered_attention", "dam_attention", "dam_mask", "dam_penalty",
+    "delta_rule_attention", "delta_rule_init_state", "delta_rule_step", "dot_product_attention",
+    "dpfp_features", "elu_features", "entmax15", "entmax_alpha", "entmax_attention",
+    "entmax_bisect", "etc_attention", "favor_positive_features", "favor_trig_features",
+    "flash_attention", "funnel_attention", "funnel_pool", "funnel_upsample",
+    "hyperbolic_features", "improved_clustered_attention", "init_dam_logits",
+    "init_linformer_projections", "init_long_short_projection", "init_lowrank_band",
+    "init_lsh_rotations", "init_luna_sequence", "init_memory_compression", "init_nystrom_conv",
+    "init_random_projection", "init_rfa_projection", "init_routing_state",
+    "init_sinkhorn_sort_net", "init_synthesizer", "init_token_learner", "linear_attention",
+    "linear_attention_init_state", "linear_attention_step", "linformer_attention",
+    "long_short_attention", "longformer_attention", "lowrank_band_attention", "lsh_attention",
+    "luna_attention", "memory_compressed_attention", "multihead", "nystrom_attention",
+    "pattern_tile", "patterns", "per_head_block_sparse_attention", "performer_attention",
+    "poolingformer_attention", "probsparse_attention", "relu_features", "rfa_features",
+    "routing_attention", "sinkhorn_attention", "sparsemax", "synthesizer_attention",
+    "token_learner", "topk_attention",
+}
+PATTERN_NAMES = {
+    "BPTree", "BigBird", "BlockBERT", "BlockLayout", "BlockLocal", "Cascade", "Causal", "Dilated",
+    "EMPTY", "FULL", "Fixed", "Full", "Global", "ImageLocal1D", "ImageLocal2D", "Intersection",
+    "KeyPadding", "Local", "LogSparse", "Longformer", "PARTIAL", "Pattern", "PerHead", "Random",
+    "Segments", "Star", "Strided", "Union",
+}
+FAMILIES = ("sparse", "linear", "lowrank", "learned")
+
+
+def _public(module):
+    return {n for n in dir(module) if not n.startswith("_")}
+
+
+def test_attention_and_patterns_names_are_pinned():
+    attention = importlib.import_module("xformers_jax.attention")
+    patterns = importlib.import_module("xformers_jax.attention.patterns")
+    assert ATTENTION_NAMES <= _public(attention), sorted(ATTENTION_NAMES - _public(attention))
+    # Besides the pinned names, the top level only adds the family subpackages.
+    assert _public(attention) - ATTENTION_NAMES == set(FAMILIES)
+    assert _public(patterns) == PATTERN_NAMES
+
+
+def test_every_family_name_is_exported_at_the_top():
+    attention = importlib.import_module("xformers_jax.attention")
+    seen = set()
+    for family in FAMILIES:
+        names = _public(importlib.import_module(f"xformers_jax.attention.{family}"))
+        assert names, family
+        for name in names:
+            assert getattr(attention, name) is getattr(attention, family).__dict__[name], name
+        assert not names & seen, f"{family} re-exports names of another family: {names & seen}"
+        seen |= names
+
+
+def _readme_table_names():
+    """``(module, name)`` for every backticked identifier in the 'What is here' table."""
+    rows, module = [], None
+    for line in README.splitlines():
+        if not line.startswith("| "):
+            continue
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        if cells[0].startswith("`"):
+            module = cells[0].strip("`")
+        elif cells[0] not in ("",):
+            continue
+        if module is None or not module.startswith(("xformers_jax", "pallas_kernels")):
+            continue
+        for name in re.findall(r"`([A-Za-z_][A-Za-z0-9_]*)`", " ".join(cells[1:])):
+            rows.append((module, name))
+    return rows
+
+
+def _readme_import_names():
+    return [(m, n.strip()) for m, names in re.findall(r"^from (\S+) import (.+)$", README, re.M)
+            for n in names.split(",")]
+
+
+@pytest.mark.parametrize("module,name", _readme_table_names() + _readme_import_names())
+def test_readme_names_exist(module, name):
+    assert hasattr(importlib.import_module(module), name), f"README names {module}.{name}"
+
+
+def test_readme_table_is_read():
+    names = _readme_table_names()
+    assert ("xformers_jax.attention", "flash_attention") in names
+    assert ("xformers_jax.attention.patterns", "BigBird") in names
+    assert len(names) > 60
