@@ -290,7 +290,7 @@ def test_block_sparse_equals_dense_reference_and_causal_no_leak(pattern, n, key)
     w = jnp.cos(jnp.arange(n * v.shape[1]).reshape(n, -1))
     pad = 5
     kv_mask = jnp.arange(n) < n - pad
-    for causal in (False,) if getattr(pattern, "encoder_only", False) else (False, True):
+    for causal in (False,) if pattern.encoder_only else (False, True):
         f = _sparse_fn(pattern, causal, kv_mask)
         out, grads = f(q, k, v, w)
         # The reference runs eagerly: its primitives are cached across patterns.
@@ -361,7 +361,7 @@ def test_per_head_equals_reference(heads, key):
     n, h = 45, heads.num_heads
     kq, kk, kv = jax.random.split(key, 3)
     q, k, v = (jax.random.normal(x, (n, h, 8)) for x in (kq, kk, kv))
-    causal = heads.causal_safe or all(not getattr(p, "encoder_only", False) for p in heads.patterns)
+    causal = heads.causal_safe or all(not p.encoder_only for p in heads.patterns)
     out = per_head_block_sparse_attention(q, k, v, heads, causal=causal, block_q=8, block_k=8)
     for i, p in enumerate(heads.patterns):
         assert_close(out[:, i], dot_product_attention(q[:, i], k[:, i], v[:, i], pattern=p, causal=causal), EXACT)

@@ -1,6 +1,6 @@
 """Scaled dot-product attention, computed densely: the reference every variant is tested against.
 
-Vaswani et al., "Attention Is All You Need" (2017); survey P 2.1, T1 2.1.
+Vaswani et al., 2017, "Attention Is All You Need".
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ import numpy as np
 from . import _contract as C
 from ..kernels import _tiles
 from .patterns import Causal, Pattern
-from .patterns._sparse import is_encoder_only
 
 
 def combined_pattern(name: str, pattern: Pattern | None, causal: bool) -> Pattern | None:
@@ -24,7 +23,7 @@ def combined_pattern(name: str, pattern: Pattern | None, causal: bool) -> Patter
             f"{name}: pattern must be an xformers_jax.attention.patterns.Pattern, got "
             f"{type(pattern).__name__}"
         )
-    if causal and pattern is not None and is_encoder_only(pattern):
+    if causal and pattern is not None and pattern.encoder_only:
         C.causal_unsupported(
             name, f"{pattern!r} is an encoder-only pattern (its global, random or permuted "
             "connections are defined over the whole sequence, so it cannot decode)"

@@ -18,7 +18,7 @@ import numpy as np
 from .. import attention as A
 from .._sharding_hooks import constrain
 from ._cache import KVCache, RecurrentCache
-from ._positions import PositionScheme
+from ._positions import BiasScheme, InputScheme, PositionScheme, QKScheme
 from ._registry import AttentionSpec, get_variant
 
 
@@ -43,10 +43,10 @@ class MultiHeadAttention(eqx.Module):
 
     Args:
       dim: model width. num_heads: query heads. num_kv_heads: key/value heads (divides
-        ``num_heads``; 1 is multi-query attention, survey L 4.6.4). head_dim: per-head width
-        (``dim // num_heads`` by default). kv_dim: width of the cross-attention context.
+        ``num_heads``: grouped-query attention, Ainslie et al., 2023; 1 is multi-query attention,
+        Shazeer, 2019). head_dim: per-head width (``dim // num_heads`` by default). kv_dim: width of the cross-attention context.
       spec: the attention variant (:class:`AttentionSpec`). causal: self-attention is causal.
-      position: a ``"qk"`` or ``"bias"`` :class:`PositionScheme` (input schemes belong on the
+      position: a :class:`QKScheme` or :class:`BiasScheme` (input schemes belong on the
         embeddings). max_len: the longest sequence (for variants with length-sized parameters).
       key: PRNG key for the parameters.
     """
@@ -84,12 +84,12 @@ class MultiHeadAttention(eqx.Module):
         variant = get_variant(spec.kind)
         variant.check(spec.hyperparameters, causal=causal)
         if position is not None:
-            if position.where == "input":
+            if isinstance(position, InputScheme):
                 raise ValueError(
                     f"MultiHeadAttention: {type(position).__name__} is added to the inputs; give "
                     "it to the model's embedding, not to the attention"
                 )
-            if position.where == "bias" and not variant.bias:
+            if isinstance(position, BiasScheme) and not variant.bias:
                 raise ValueError(
                     f"MultiHeadAttention: {type(position).__name__} is an additive score bias, "
                     f"which attention kind {spec.kind!r} cannot take (it never forms softmax "
@@ -128,7 +128,7 @@ class MultiHeadAttention(eqx.Module):
         return constrain(q, _HEADS), constrain(k, _HEADS), constrain(v, _HEADS)
 
     def _bias(self, q, k, q_pos, k_pos):
-        if self.position is None or self.position.where != "bias":
+        if not isinstance(self.position, BiasScheme):
             return None
         groups = self.num_heads // self.num_kv_heads
         return self.position.bias(q, jnp.repeat(k, groups, axis=2), q_pos, k_pos,
@@ -164,7 +164,7 @@ class MultiHeadAttention(eqx.Module):
         b, lq = x.shape[:2]
         q_pos = _positions(b, lq) if positions is None else positions
         k_pos = q_pos if context is None else _positions(b, k.shape[1])
-        if self.position is not None and self.position.where == "qk":
+        if isinstance(self.position, QKScheme):
             q, k = self.position.rotate(q, q_pos), self.position.rotate(k, k_pos)
         causal = self.causal and context is None
         o = self.variant.attend(
@@ -199,7 +199,7 @@ class MultiHeadAttention(eqx.Module):
         b = x.shape[0]
         q, k, v = self._project(x, None)
         t_pos = jnp.broadcast_to(cache.index, (b, 1))
-        if self.position is not None and self.position.where == "qk":
+        if isinstance(self.position, QKScheme):
             q, k = self.position.rotate(q, t_pos), self.position.rotate(k, t_pos)
         if isinstance(cache, RecurrentCache):
             o, state = self.variant.step(cache.state, q[:, 0], k[:, 0], v[:, 0],
@@ -224,8 +224,8 @@ class MultiHeadAttention(eqx.Module):
 
 def redraw_random_features(model, key):
     """Returns ``model`` with fresh Performer random features in every ``performer`` attention
-    (survey P 4.2: periodic redrawing), each drawn from its own fold of ``key``. Works on
-    stacked layers (a leading layer axis on the projection)."""
+    (Choromanski et al., 2021: periodic redrawing), each drawn from its own fold of ``key``.
+    Works on stacked layers (a leading layer axis on the projection)."""
     count = [0]
 
     def redraw(node):

@@ -1,10 +1,16 @@
 """Encoder and decoder blocks: attention, optional cross attention and a feed-forward network,
-each a residual branch with a chosen normalisation placement (survey L 5.2; P 3):
+each a residual branch with a chosen normalisation placement (Xiong et al., 2020, "On Layer
+Normalization in the Transformer Architecture"):
 
 * ``"pre"``: ``x + f(norm(x))`` (pre-LN; the stack adds a final norm).
-* ``"post"``: ``norm(omega * x + f(x))`` (post-LN; ``omega = 1`` unless Admin sets it).
-* ``"rezero"``: ``x + alpha * f(x)`` with ``alpha`` initialised to 0 (ReZero, L eq. 45).
-* ``"none"``: ``x + f(x)`` (for T-Fixup initialisation).
+* ``"post"``: ``norm(omega * x + f(x))`` (post-LN; ``omega = 1`` unless Admin (Liu et al.,
+  2020) sets it).
+* ``"rezero"``: ``x + alpha * f(x)`` with ``alpha`` initialised to 0 (ReZero, Bachlechner et
+  al., 2020).
+* ``"none"``: ``x + f(x)`` (for T-Fixup initialisation, Huang et al., 2020).
+
+Blocks take Equinox's optional state: ``block(x) -> y``, or ``block(x, state) -> (y, state)``
+when a stateful norm (PowerNorm) or stateful attention (routing) needs an ``eqx.nn.State``.
 """
 
 from __future__ import annotations
@@ -16,7 +22,7 @@ import jax.numpy as jnp
 from .._sharding_hooks import constrain
 from ._attention import MultiHeadAttention
 from ._ffn import FeedForward
-from ._norms import make_norm
+from ._norms import StatefulNorm, make_norm
 from ._positions import PositionScheme
 from ._registry import AttentionSpec
 
@@ -65,18 +71,23 @@ class TransformerBlock(eqx.Module):
         self.gains = jnp.zeros((n,)) if placement == "rezero" else jnp.ones((n,))
         self.placement = placement
 
+    def _norm(self, i, x, state, mask, inference):
+        norm = self.norms[i]
+        if isinstance(norm, StatefulNorm):
+            return norm(x, state, mask=mask, inference=inference)
+        return norm(x), state
+
     def _residual(self, i, x, f, state, mask, inference, threads_state=False):
         # threads_state: f is ``(h, state) -> (y, state)`` (stateful attention), called after
         # the norm so that the one eqx.nn.State is passed along linearly.
         g = f if threads_state else (lambda h, s: (f(h), s))
         if self.placement == "pre":
-            h, state = self.norms[i](x, state, mask=mask, inference=inference)
+            h, state = self._norm(i, x, state, mask, inference)
             y, state = g(h, state)
             return x + y, state
         y, state = g(x, state)
         if self.placement == "post":
-            return self.norms[i](self.gains[i].astype(x.dtype) * x + y, state, mask=mask,
-                                 inference=inference)
+            return self._norm(i, self.gains[i].astype(x.dtype) * x + y, state, mask, inference)
         if self.placement == "rezero":
             return x + self.gains[i].astype(x.dtype) * y, state
         return x + y, state
@@ -93,7 +104,8 @@ class TransformerBlock(eqx.Module):
     def __call__(self, x, state=None, *, kv_mask=None, context=None, context_mask=None,
                  positions=None, key=None, inference=False):
         """x: ``[B, L, dim]``; kv_mask: ``bool[B, L]``; context ``[B, Lc, dim]`` with
-        context_mask ``bool[B, Lc]`` for cross attention. Returns ``(y, state)``."""
+        context_mask ``bool[B, Lc]`` for cross attention. Returns ``y``, or ``(y, state)``
+        when an ``eqx.nn.State`` is passed (stateful norms or attention need one)."""
         if (context is None) != (self.cross is None):
             raise ValueError("TransformerBlock: pass `context` exactly when the block has cross "
                              "attention (cross=True)")
@@ -108,7 +120,7 @@ class TransformerBlock(eqx.Module):
             x, state = self._residual(i, x, f, state, kv_mask, inference,
                                       threads_state=stateful and i == 0)
             x = constrain(x, _EMBED)
-        return x, state
+        return x if state is None else (x, state)
 
     def branch_outputs(self, x, *, kv_mask=None, context=None, context_mask=None):
         """Runs the block, also returning each branch's output ``f(x)`` (Admin profiling)."""

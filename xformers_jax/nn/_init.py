@@ -1,10 +1,9 @@
-"""Initialisations that stabilise deep Transformers without warm-up (practical survey P 3;
-Lin et al. survey L 5.2.1).
+"""Initialisations that stabilise deep Transformers without warm-up.
 
-* :func:`t_fixup` (Huang et al. 2020): blocks without normalisation (``placement="none"``);
+* :func:`t_fixup` (Huang et al., 2020): blocks without normalisation (``placement="none"``);
   the value/output projections and FFN weights are scaled by ``0.67 N^(-1/4)`` (encoder) or
   ``(9 N)^(-1/4)`` (decoder).
-* :func:`admin_initialize` (Liu et al. 2020): post-LN blocks ``LN(omega_i x + f_i(x))`` whose
+* :func:`admin_initialize` (Liu et al., 2020): post-LN blocks ``LN(omega_i x + f_i(x))`` whose
   ``omega_i`` come from a profiling pass on sample data: ``omega_i = sqrt(sum_{j<i} Var f_j)``,
   the variance the residual stream accumulated before sublayer i.
 """

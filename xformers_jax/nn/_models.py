@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from .._sharding_hooks import constrain
 from ._blocks import TransformerBlock
 from ._norms import LayerNorm
-from ._positions import ConvPositions, PositionScheme, SinusoidalPositions
+from ._positions import ConvPositions, InputScheme, SinusoidalPositions
 from ._stack import LayerStack
 
 
@@ -32,11 +32,11 @@ class Embedder(eqx.Module):
     table: jax.Array | None
     proj: jax.Array | None
     cls: jax.Array | None
-    positions: PositionScheme | None
+    positions: InputScheme
 
     def __init__(self, dim: int, *, vocab_size: int | None = None,
                  input_dim: int | None = None, cls_token: bool = False,
-                 positions: PositionScheme | None = None, key):
+                 positions: InputScheme | None = None, key):
         if (vocab_size is None) == (input_dim is None):
             raise ValueError("Embedder: give exactly one of vocab_size (token ids) or input_dim "
                              "(continuous inputs)")
@@ -47,7 +47,7 @@ class Embedder(eqx.Module):
                      if input_dim is not None else None)
         self.cls = 0.02 * jax.random.normal(k2, (dim,)) if cls_token else None
         self.positions = SinusoidalPositions() if positions is None else positions
-        if self.positions.where != "input":
+        if not isinstance(self.positions, InputScheme):
             raise ValueError(f"Embedder: {type(self.positions).__name__} is not an input position "
                              "scheme; give it to the blocks (block=dict(position=...))")
 
@@ -82,7 +82,7 @@ def _stack(dim, num_layers, num_heads, hidden, *, causal, cross, max_len, block,
 
 
 def _finish(final, x):
-    return x if final is None else final(x)[0]
+    return x if final is None else final(x)
 
 
 def _run(layers, x, state, **kw):

@@ -1,18 +1,21 @@
-"""Position representations (Lin et al. survey, section 5.1).
+"""Position representations (Lin et al., 2022, "A Survey of Transformers", section 5.1).
 
-Three ways a scheme enters the model, which decide what it composes with:
+Three abstract kinds of :class:`PositionScheme`, by where a scheme enters the model, which
+decides what it composes with; the concrete schemes are final subclasses of one of them:
 
-* ``"input"`` (added to the token embeddings): :class:`SinusoidalPositions`,
+* :class:`InputScheme` (added to the token embeddings): :class:`SinusoidalPositions`,
   :class:`LearnedPositions`, :class:`LearnedSinusoidalPositions`, :class:`ConvPositions` (CPE),
   :class:`NoPositions`. They compose with every attention kind.
-* ``"qk"`` (rotates queries and keys): :class:`RotaryPositions` (RoPE). It composes with every
-  kind; scores depend only on ``i - j`` for softmax kinds (for kernel kinds the rotation is
-  applied before the feature map, which keeps the module well defined but not exactly relative).
-* ``"bias"`` (an additive score bias): :class:`ALiBi`, :class:`T5Bias`, :class:`ShawRelative`,
-  :class:`TransformerXLRelative`, :class:`DeBERTaRelative`, :class:`TUPE`. Biases are pytree
-  callables ``bias(q_index, k_index)`` evaluated per tile by exact kernels, so no ``L x L``
-  array is built. They compose only with kinds whose registry entry says ``bias=True``
-  (softmax-style kinds); :class:`~xformers_jax.nn.MultiHeadAttention` rejects the others.
+* :class:`QKScheme` (transforms queries and keys): :class:`RotaryPositions` (RoPE). It composes
+  with every kind; scores depend only on ``i - j`` for softmax kinds (for kernel kinds the
+  rotation is applied before the feature map, which keeps the module well defined but not
+  exactly relative).
+* :class:`BiasScheme` (an additive score bias): :class:`ALiBi`, :class:`T5Bias`,
+  :class:`ShawRelative`, :class:`TransformerXLRelative`, :class:`DeBERTaRelative`,
+  :class:`TUPE`. Biases are pytree callables ``bias(q_index, k_index)`` evaluated per tile by
+  exact kernels, so no ``L x L`` array is built. They compose only with kinds whose registry
+  entry says ``bias=True`` (softmax-style kinds); :class:`~xformers_jax.nn.MultiHeadAttention`
+  rejects the others.
 
 Biases read absolute positions through ``q_pos``/``k_pos`` arrays, so a decoding step (one query
 at position t against a cache of keys at their own positions) uses the same code.
@@ -20,8 +23,9 @@ at position t against a cache of keys at their own positions) uses the same code
 
 from __future__ import annotations
 
+import abc
 import math
-from typing import ClassVar
+from typing import final
 
 import equinox as eqx
 import jax
@@ -33,7 +37,7 @@ from ..attention._contract import STATS_DTYPE
 
 def sinusoid(positions, dim: int, base: float = 10000.0):
     """``PE(t)_{2i} = sin(t w_i)``, ``PE(t)_{2i+1} = cos(t w_i)``, ``w_i = base^(-2i/dim)``
-    (survey L eq. 28). positions: int ``[...]`` -> float32 ``[..., dim]``."""
+    (Vaswani et al., 2017). positions: int ``[...]`` -> float32 ``[..., dim]``."""
     freqs = base ** (-np.arange(0, dim, 2, dtype=np.float32) / dim)
     return _interleave(positions.astype(jnp.float32)[..., None] * freqs, dim)
 
@@ -44,30 +48,43 @@ def _interleave(angles, dim):
 
 
 class PositionScheme(eqx.Module):
-    """Base of every position scheme; ``where`` says how it enters the model (see module doc)."""
-
-    where: ClassVar[str] = "input"
+    """Abstract base of every position scheme: an :class:`InputScheme`, a :class:`QKScheme` or
+    a :class:`BiasScheme` (see the module docstring)."""
 
 
 # --- input schemes ---------------------------------------------------------------------------
 
 
-class NoPositions(PositionScheme):
-    """No explicit positions (survey L 5.1.5: causal decoders can infer order)."""
+class InputScheme(PositionScheme):
+    """Abstract: positions added to the token embeddings, before any attention."""
+
+    @abc.abstractmethod
+    def embed(self, x, positions, *, mask=None, causal=False):
+        """x: ``[B, L, D]``; positions: int ``[B, L]``; mask: ``bool[B, L]`` (real tokens);
+        causal: the model is causal (no position may read a later one). Returns ``[B, L, D]``."""
+        raise NotImplementedError
+
+
+@final
+class NoPositions(InputScheme):
+    """No explicit positions (causal decoders can infer order; Haviv et al., 2022)."""
 
     def embed(self, x, positions, *, mask=None, causal=False):
         return x
 
 
-class SinusoidalPositions(PositionScheme):
-    """Fixed sinusoidal encodings added to the inputs (survey L 5.1.1, eq. 28)."""
+@final
+class SinusoidalPositions(InputScheme):
+    """Fixed sinusoidal encodings added to the inputs (Vaswani et al., 2017)."""
 
     def embed(self, x, positions, *, mask=None, causal=False):
         return x + sinusoid(positions, x.shape[-1]).astype(x.dtype)
 
 
-class LearnedPositions(PositionScheme):
-    """A learned table of ``max_len`` absolute embeddings (survey L 5.1.1); not inductive."""
+@final
+class LearnedPositions(InputScheme):
+    """A learned table of ``max_len`` absolute embeddings (Gehring et al., 2017; Devlin et al.,
+    2019); not inductive."""
 
     table: jax.Array
 
@@ -81,8 +98,9 @@ class LearnedPositions(PositionScheme):
         return x + self.table[positions].astype(x.dtype)
 
 
-class LearnedSinusoidalPositions(PositionScheme):
-    """Sinusoids whose frequencies are learned (Wang et al.; survey L 5.1.1): inductive."""
+@final
+class LearnedSinusoidalPositions(InputScheme):
+    """Sinusoids whose frequencies are learned (Wang et al., 2021): inductive."""
 
     log_freqs: jax.Array
 
@@ -94,8 +112,9 @@ class LearnedSinusoidalPositions(PositionScheme):
         return x + _interleave(angles, x.shape[-1]).astype(x.dtype)
 
 
-class ConvPositions(PositionScheme):
-    """Conditional position encoding (CPE, survey L 5.1.4): ``x + depthwise_conv(x)`` with zero
+@final
+class ConvPositions(InputScheme):
+    """Conditional position encoding (CPE; Chu et al., 2021): ``x + depthwise_conv(x)`` with zero
     padding; left padding only when causal, so no position sees a later one. Padded tokens are
     zeroed first so they do not leak into real ones. ``x: [B, L, D]``."""
 
@@ -114,14 +133,23 @@ class ConvPositions(PositionScheme):
         return x + conv
 
 
-# --- q/k scheme ------------------------------------------------------------------------------
+# --- q/k schemes -----------------------------------------------------------------------------
 
 
-class RotaryPositions(PositionScheme):
-    """RoPE (Su et al.; survey L 5.1.3, eqs. 35-38): rotates each pair of q/k features by
+class QKScheme(PositionScheme):
+    """Abstract: a position-dependent transform of the queries and the keys, after projection."""
+
+    @abc.abstractmethod
+    def rotate(self, x, positions):
+        """x: ``[B, L, H, D]`` (queries or keys); positions: int ``[B, L]``. Returns x's shape."""
+        raise NotImplementedError
+
+
+@final
+class RotaryPositions(QKScheme):
+    """RoPE (Su et al., 2021, "RoFormer"): rotates each pair of q/k features by
     ``t * theta_j``, so softmax scores depend on ``i - j`` only."""
 
-    where: ClassVar[str] = "qk"
     base: float = eqx.field(static=True, default=10000.0)
 
     def rotate(self, x, positions):
@@ -156,15 +184,12 @@ class _Bias(eqx.Module):
     scheme: "BiasScheme" = eqx.field(static=True)
 
     def __call__(self, i, j):
-        qp = _take(self.q_pos, i).astype(jnp.int32)
-        kp = _take(self.k_pos, j).astype(jnp.int32)
-        return self.scheme.score(qp, kp, i, j, *self.arrays)
+        return self.scheme.score(_take(self.q_pos, i), _take(self.k_pos, j), i, j, *self.arrays)
 
 
 class BiasScheme(PositionScheme):
-    """An additive bias built from positions (and, for some schemes, from q and k)."""
-
-    where: ClassVar[str] = "bias"
+    """Abstract: an additive score bias built from positions (and, for some schemes, from q
+    and k). Subclasses give the per-head arrays, the per-sequence arrays and the tile score."""
 
     def bias(self, q, k, q_pos, k_pos, scale):
         """q: ``[B, Lq, H, Dk]``, k: ``[B, Lk, H, Dk]`` (kv heads already repeated),
@@ -174,21 +199,27 @@ class BiasScheme(PositionScheme):
 
         def one(q1, k1, qp, kp, head):
             arrays = self.arrays(q1, k1, qp, kp, head, scale)
-            # Positions are carried as float32 (exact below 2^24): jax.closure_convert, which
-            # the kernels apply to a callable bias, hoists only floating-point constants.
-            return _Bias(qp.astype(jnp.float32), kp.astype(jnp.float32), arrays, stripped)
+            return _Bias(qp.astype(jnp.int32), kp.astype(jnp.int32), arrays, stripped)
 
         f = jax.vmap(one, in_axes=(1, 1, None, None, 0))  # heads
         f = jax.vmap(f, in_axes=(0, 0, 0, 0, None))  # batch
         return f(q, k, q_pos, k_pos, per_head)
 
+    @abc.abstractmethod
     def per_head_arrays(self):
+        """Arrays with a leading head axis (or None), sliced per head by :meth:`bias`."""
         raise NotImplementedError
 
+    @abc.abstractmethod
     def arrays(self, q, k, q_pos, k_pos, head, scale):
+        """One head and sequence's arrays (q ``[Lq, Dk]``, k ``[Lk, Dk]``, positions int
+        ``[L]``, ``head`` from :meth:`per_head_arrays`): a tuple passed to :meth:`score`."""
         raise NotImplementedError
 
+    @abc.abstractmethod
     def score(self, qp, kp, i, j, *arrays):
+        """float32 ``[bq, bk]`` scores of one tile: positions ``qp [bq, 1]``, ``kp [1, bk]``
+        (int32) and indices ``i [bq, 1]``, ``j [1, bk]`` into the sequences."""
         raise NotImplementedError
 
 
@@ -197,9 +228,10 @@ def alibi_slopes(num_heads: int) -> np.ndarray:
     return 2.0 ** (-8.0 * np.arange(1, num_heads + 1) / num_heads)
 
 
+@final
 class ALiBi(BiasScheme):
     """Attention with linear biases: ``-m_h |i - j|`` (Press et al., 2022). A relative bias in
-    the spirit of T5 (survey L 5.1.2)."""
+    the spirit of T5 (Raffel et al., 2020)."""
 
     slopes: jax.Array
 
@@ -217,7 +249,7 @@ class ALiBi(BiasScheme):
 
 
 def t5_bucket(relative, *, bidirectional: bool, num_buckets: int, max_distance: int):
-    """T5's relative-position buckets of ``relative = j - i`` (Raffel et al.; survey L 5.1.2):
+    """T5's relative-position buckets of ``relative = j - i`` (Raffel et al., 2020):
     exact buckets for small distances, logarithmic ones up to ``max_distance``, then clipped."""
     n, ret = num_buckets, 0
     if bidirectional:
@@ -234,8 +266,9 @@ def t5_bucket(relative, *, bidirectional: bool, num_buckets: int, max_distance: 
     return ret + jnp.where(dist < exact, dist, jnp.minimum(log_bucket, n - 1))
 
 
+@final
 class T5Bias(BiasScheme):
-    """A learned scalar per (head, relative-distance bucket) (survey L 5.1.2)."""
+    """A learned scalar per (head, relative-distance bucket) (Raffel et al., 2020, T5)."""
 
     table: jax.Array
     num_buckets: int = eqx.field(static=True)
@@ -261,12 +294,13 @@ class T5Bias(BiasScheme):
 
 
 def clipped_distance(qp, kp, max_offset: int):
-    """``clip(i - j, -K, K) + K``: Shaw et al.'s index into ``2K + 1`` embeddings (L eq. 31)."""
+    """``clip(i - j, -K, K) + K``: the index into ``2K + 1`` embeddings of Shaw et al. (2018)."""
     return jnp.clip(qp - kp, -max_offset, max_offset) + max_offset
 
 
+@final
 class ShawRelative(BiasScheme):
-    """Shaw et al.: ``k'_j = k_j + R_clip(i-j)`` (survey L eqs. 29-31), as the score term
+    """Shaw et al. (2018): ``k'_j = k_j + R_clip(i-j)``, as the score term
     ``scale * q_i . R_clip(i-j)``. Only ``q R^T`` (``[Lq, 2K+1]``) is built, never ``L x L``."""
 
     embeddings: jax.Array
@@ -289,8 +323,9 @@ class ShawRelative(BiasScheme):
         return jnp.take_along_axis(_take(qr, i[:, 0]), r, axis=1)
 
 
+@final
 class DeBERTaRelative(BiasScheme):
-    """DeBERTa's disentangled attention (survey L eq. 33): content-to-position
+    """DeBERTa's disentangled attention (He et al., 2021): content-to-position
     ``q_i . (r_ij W^{K,R})`` plus position-to-content ``k_j . (r_ij W^{Q,R})`` with Shaw's
     clipped relative embeddings ``r_ij``; built from ``[L, 2K+1]`` tables."""
 
@@ -323,8 +358,9 @@ class DeBERTaRelative(BiasScheme):
         return c2p + p2c
 
 
+@final
 class TransformerXLRelative(BiasScheme):
-    """Transformer-XL's relative terms (survey L eq. 32): ``q_i . R_{i-j} W + u1 . k_j +
+    """Transformer-XL's relative terms (Dai et al., 2019): ``q_i . R_{i-j} W + u1 . k_j +
     u2 . R_{i-j} W`` with sinusoidal ``R``. ``R W`` is a ``[2 max_len - 1, Dk]`` table; a tile
     gathers its rows, so the cost per tile is ``bq * bk * Dk`` and no ``L x L`` array exists."""
 
@@ -355,8 +391,9 @@ class TransformerXLRelative(BiasScheme):
         return jnp.einsum("qd,qkd->qk", _take(qu, i[:, 0]), rel) + _take(uk, j[0])[None, :]
 
 
+@final
 class TUPE(BiasScheme):
-    """TUPE (Ke et al.; survey L eq. 34): untied absolute position-to-position term
+    """TUPE (Ke et al., 2021): untied absolute position-to-position term
     ``(p_i W^{Q,P}) . (p_j W^{K,P})`` plus a bucketed relative scalar ``b_{j-i}``. The learned
     absolute embeddings ``p`` live here, not on the inputs."""
 

@@ -1,16 +1,17 @@
 """Layer stacks: built with ``eqx.filter_vmap``, run with ``lax.scan`` (or unrolled), with a
-remat policy, parameter sharing and reversible residuals (practical survey P 3).
+remat policy, parameter sharing and reversible residuals.
 
 * ``remat``: ``"none"``, ``"dots_saveable"`` (keep matmul outputs, recompute the rest) or
-  ``"full"`` (keep only each layer's input; gradient checkpointing, P 3 / B.1.2).
-* ``sharing``: ``"none"``, ``"all"`` (ALBERT: one block's parameters for every layer) or
-  ``"attention"`` (ALBERT's attention-only sharing).
-* ``universal``: Universal-Transformer recurrence: one shared block applied ``num_layers``
-  times, with a sinusoidal timestep embedding added before each step.
-* ``reversible``: RevNet residuals (Reformer; P 3) ``y1 = x1 + F(x2)``, ``y2 = x2 + G(y1)``
-  with ``F`` the attention branch and ``G`` the FFN branch (pre-norm inside each), on two
-  copies of the input, averaged at the end. A custom VJP reconstructs each layer's inputs from
-  its outputs during the backward pass, so activation memory does not grow with depth.
+  ``"full"`` (keep only each layer's input; gradient checkpointing, Chen et al., 2016).
+* ``sharing``: ``"none"``, ``"all"`` (ALBERT, Lan et al., 2020: one block's parameters for
+  every layer) or ``"attention"`` (ALBERT's attention-only sharing).
+* ``universal``: Universal-Transformer recurrence (Dehghani et al., 2019): one shared block
+  applied ``num_layers`` times, with a sinusoidal timestep embedding added before each step.
+* ``reversible``: RevNet residuals (Gomez et al., 2017; Kitaev et al., 2020, Reformer)
+  ``y1 = x1 + F(x2)``, ``y2 = x2 + G(y1)`` with ``F`` the attention branch and ``G`` the FFN
+  branch (pre-norm inside each), on two copies of the input, averaged at the end. A custom VJP
+  reconstructs each layer's inputs from its outputs during the backward pass, so activation
+  memory does not grow with depth.
 """
 
 from __future__ import annotations
@@ -104,8 +105,7 @@ class LayerStack(eqx.Module):
         if self.reversible:
             if key is not None:
                 raise ValueError("LayerStack: reversible blocks must be deterministic (key=None)")
-            mask = None if kv_mask is None else kv_mask.astype(x.dtype)
-            y1, y2 = _reversible(static, dynamic, x, x, mask)
+            y1, y2 = _reversible(static, dynamic, x, x, kv_mask)
             return (y1 + y2) / 2
 
         def step(x, inputs):
@@ -113,9 +113,9 @@ class LayerStack(eqx.Module):
             block = eqx.combine(params, static)
             if self.universal:
                 x = x + sinusoid(t, x.shape[-1]).astype(x.dtype)
-            y, s = block(x, s, kv_mask=kv_mask, context=context, context_mask=context_mask,
-                         positions=positions, key=k, inference=inference)
-            return y, s
+            kw = dict(kv_mask=kv_mask, context=context, context_mask=context_mask,
+                      positions=positions, key=k, inference=inference)
+            return (block(x, **kw), None) if s is None else block(x, s, **kw)
 
         step = _remat(step, self.remat)
         steps = jnp.arange(self.num_layers)
@@ -162,19 +162,20 @@ def _state_indices(tree):
     return [x for x in jax.tree_util.tree_leaves(tree, is_leaf=is_index) if is_index(x)]
 
 
-def _branches(static, params, mask):
+def _branches(static, params, kv_mask):
     block = eqx.combine(params, static)
-    kv_mask = None if mask is None else mask > 0.5
 
     def f(x):
-        return block.attn(block.norms[0](x)[0], kv_mask=kv_mask)
+        return block.attn(block.norms[0](x), kv_mask=kv_mask)
 
     def g(x):
-        return block.ffn(block.norms[1](x)[0])
+        return block.ffn(block.norms[1](x))
 
     return f, g
 
 
+# kv_mask (bool [B, L] or None) is an ordinary argument: the backward returns None for it
+# (booleans have no cotangent).
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _reversible(static, params, x1, x2, mask):
     def body(carry, p):
@@ -199,22 +200,19 @@ def _reversible_bwd(static, res, cotangents):
     dy1, dy2 = cotangents
 
     def body(carry, p):
-        y1, y2, dy1, dy2, dmask = carry
+        y1, y2, dy1, dy2 = carry
         g_out, g_vjp = jax.vjp(lambda p, a: _branches(static, p, mask)[1](a), p, y1)
         x2 = y2 - g_out
         dp_g, da = g_vjp(dy2)
         dy1 = dy1 + da
-        f_out, f_vjp = jax.vjp(lambda p, b, m: _branches(static, p, m)[0](b), p, x2, mask)
+        f_out, f_vjp = jax.vjp(lambda p, b: _branches(static, p, mask)[0](b), p, x2)
         x1 = y1 - f_out
-        dp_f, db, dm = f_vjp(dy1)
-        dmask = dmask if dm is None else dmask + dm
+        dp_f, db = f_vjp(dy1)
         dp = jax.tree_util.tree_map(jnp.add, dp_f, dp_g)
-        return (x1, x2, dy1, dy2 + db, dmask), dp
+        return (x1, x2, dy1, dy2 + db), dp
 
-    dmask0 = None if mask is None else jnp.zeros_like(mask)
-    (_, _, dx1, dx2, dmask), dparams = jax.lax.scan(
-        body, (y1, y2, dy1, dy2, dmask0), params, reverse=True)
-    return dparams, dx1, dx2, dmask
+    (_, _, dx1, dx2), dparams = jax.lax.scan(body, (y1, y2, dy1, dy2), params, reverse=True)
+    return dparams, dx1, dx2, None
 
 
 _reversible.defvjp(_reversible_fwd, _reversible_bwd)

@@ -32,9 +32,13 @@ class Pattern:
 
     Attributes:
       causal_safe: True when no query sees a later key (such a pattern can decode).
+      encoder_only: True when the pattern connects queries to later keys by construction
+        (relay nodes, block permutations, span trees, random blocks), so asking for
+        ``causal=True`` with it raises instead of silently dropping half of its structure.
     """
 
     causal_safe: ClassVar[bool] = False
+    encoder_only: ClassVar[bool] = False
 
     def mask(self, i: np.ndarray, j: np.ndarray, lq: int, lk: int) -> np.ndarray:
         """Elementwise connectivity for broadcastable int64 query positions ``i``, key ``j``.
@@ -147,6 +151,10 @@ class Union(Pattern):
     def causal_safe(self) -> bool:  # type: ignore[override]
         return all(p.causal_safe for p in self.parts)
 
+    @property
+    def encoder_only(self) -> bool:  # type: ignore[override]
+        return any(p.encoder_only for p in self.parts)
+
     def mask(self, i, j, lq, lk):
         return functools.reduce(np.logical_or, (p.mask(i, j, lq, lk) for p in self.parts))
 
@@ -174,6 +182,12 @@ class Intersection(Pattern):
     @property
     def causal_safe(self) -> bool:  # type: ignore[override]
         return any(p.causal_safe for p in self.parts)
+
+    @property
+    def encoder_only(self) -> bool:  # type: ignore[override]
+        # Any encoder-only part makes it encoder only: intersecting with Causal would still cut
+        # that part's connections to later keys.
+        return any(p.encoder_only for p in self.parts)
 
     def mask(self, i, j, lq, lk):
         return functools.reduce(np.logical_and, (p.mask(i, j, lq, lk) for p in self.parts))

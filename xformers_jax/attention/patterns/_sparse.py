@@ -557,10 +557,3 @@ class PerHead:
         with more heads than permutations, heads share them)."""
         _check_int("PerHead.blockbert", "num_heads", num_heads, 1)
         return cls(tuple(BlockBERT(num_blocks, h % num_blocks) for h in range(num_heads)))
-
-
-def is_encoder_only(pattern) -> bool:
-    """True if ``pattern`` or any part of a union/intersection is encoder only."""
-    return bool(getattr(pattern, "encoder_only", False)) or any(
-        is_encoder_only(p) for p in getattr(pattern, "parts", ())
-    )
