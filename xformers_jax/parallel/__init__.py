@@ -10,7 +10,7 @@ from . import _axes as axes
 from ._checkpoint import restore_checkpoint as restore_checkpoint
 from ._checkpoint import save_checkpoint as save_checkpoint
 from ._linear_sp import sequence_parallel_linear_attention as sequence_parallel_linear_attention
-from ._mesh import active as active
+from ._active import active as active
 from ._mesh import make_mesh as make_mesh
 from ._mesh import resolve_mesh_shape as resolve_mesh_shape
 from ._mesh import use_mesh as use_mesh

@@ -22,7 +22,7 @@ from ..attention import _contract as C, linear_attention
 from ..attention.linear._linear import _guard, _prepare, check_implementation
 from ..attention.linear._scan import causal_chunked
 from ._axes import SEQUENCE
-from ._mesh import active
+from ._active import active
 
 _NAME = "sequence_parallel_linear_attention"
 

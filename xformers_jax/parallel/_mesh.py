@@ -7,15 +7,16 @@ logical names run unchanged on one device.
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import math
-from typing import Mapping, NamedTuple, Sequence
+from typing import Mapping, Sequence
 
 import jax
 from jax.sharding import AxisType, Mesh
 
 from .. import _sharding_hooks
+from ._active import _ACTIVE, Active
 from ._axes import MESH_AXES
+from ._rules import DEFAULT_COMPUTE_RULES, DEFAULT_PARAM_RULES, constrain
 
 
 def resolve_mesh_shape(sizes: Mapping[str, int] | None, num_devices: int) -> dict[str, int]:
@@ -71,17 +72,6 @@ def make_mesh(sizes: Mapping[str, int] | None = None, devices: Sequence | None =
     )
 
 
-class Active(NamedTuple):
-    """The mesh and the rules sharding calls use while a :func:`use_mesh` block is open."""
-
-    mesh: Mesh
-    compute_rules: tuple
-    param_rules: tuple
-
-
-_ACTIVE: contextvars.ContextVar[Active | None] = contextvars.ContextVar("xformers_jax_mesh", default=None)
-
-
 @contextlib.contextmanager
 def use_mesh(mesh: Mesh, compute_rules=None, param_rules=None):
     """Activates ``mesh`` and the logical->mesh rules for :func:`constrain` and friends.
@@ -90,8 +80,6 @@ def use_mesh(mesh: Mesh, compute_rules=None, param_rules=None):
     the active mesh while a function is traced, so open the block around the ``jax.jit`` call
     that traces it.
     """
-    from ._rules import DEFAULT_COMPUTE_RULES, DEFAULT_PARAM_RULES, constrain
-
     token = _ACTIVE.set(Active(
         mesh,
         tuple(DEFAULT_COMPUTE_RULES if compute_rules is None else compute_rules),
@@ -103,8 +91,3 @@ def use_mesh(mesh: Mesh, compute_rules=None, param_rules=None):
             yield mesh
     finally:
         _ACTIVE.reset(token)
-
-
-def active() -> Active | None:
-    """The active mesh and rules, or None outside :func:`use_mesh`."""
-    return _ACTIVE.get()

@@ -36,7 +36,7 @@ from ..kernels._tiled import attend_layout_backward
 from ..attention._exact import DEFAULT_BLOCK_K, DEFAULT_BLOCK_Q, _block
 from ..attention.patterns import Causal, Full
 from ._axes import SEQUENCE
-from ._mesh import active
+from ._active import active
 
 _NAME = "ring_attention"
 _DIAGONAL, _EARLIER, _LATER = 0, 1, 2

@@ -19,7 +19,7 @@ import equinox as eqx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from . import _axes as A
-from ._mesh import active
+from ._active import active
 
 # Activations: the batch is split over every data-like axis (FSDP is data parallel for
 # compute), the sequence over `sequence`, heads and the MLP hidden over `tensor` (Megatron).
