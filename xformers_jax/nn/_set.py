@@ -1,12 +1,15 @@
 """Set Transformer blocks: MAB, SAB, ISAB (inducing points) and PMA (seed vectors).
 
-Lee et al., "Set Transformer" (2019); survey T1 3.2.3::
+Lee et al., 2019, "Set Transformer: A Framework for Attention-based Permutation-Invariant
+Neural Networks"::
 
     MAB(X, Y) = LayerNorm(H + rFF(H)),  H = LayerNorm(X + Multihead(X, Y, Y))
     SAB(X) = MAB(X, X)    ISAB_m(X) = MAB(X, MAB(I_m, X))    PMA_k(X) = MAB(S_k, rFF(X))
 
-Each module takes one set ``x [N, dim]`` (vmap for a batch) and an optional ``mask bool[N]``
-marking real elements; padding never reaches a real output.
+Like the other ``xformers_jax.nn`` modules these are batched: a batch of sets ``x [B, N, dim]``
+with an optional ``mask bool[B, N]`` marking real elements; padding never reaches a real output.
+``Multihead`` is a :class:`~xformers_jax.nn.MultiHeadAttention` over any attention kind named
+by ``spec`` (dense softmax attention by default).
 """
 
 from __future__ import annotations
@@ -15,39 +18,42 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 
-from ..attention import dot_product_attention
+from ._attention import MultiHeadAttention
+from ._ffn import FeedForward
+from ._norms import LayerNorm
+from ._registry import AttentionSpec
 
 
 class MAB(eqx.Module):
-    """Multihead attention block: ``x [Nx, dim]`` attends over ``y [Ny, dim]``."""
+    """Multihead attention block: ``x [B, Nx, dim]`` attends over ``y [B, Ny, dim]`` (over
+    ``x`` itself when ``y`` is None: self attention).
 
-    q_proj: eqx.nn.Linear
-    k_proj: eqx.nn.Linear
-    v_proj: eqx.nn.Linear
-    o_proj: eqx.nn.Linear
-    ff: eqx.nn.MLP
-    norm1: eqx.nn.LayerNorm
-    norm2: eqx.nn.LayerNorm
-    num_heads: int = eqx.field(static=True)
+    Args:
+      dim: width. num_heads: attention heads (dividing ``dim``).
+      spec: the attention kind (:class:`AttentionSpec`; dense ``dot_product`` by default).
+      max_len: the longest set, for kinds with length-sized parameters. key: PRNG key.
+    """
 
-    def __init__(self, dim: int, num_heads: int, *, key):
+    attn: MultiHeadAttention
+    ff: FeedForward
+    norm1: LayerNorm
+    norm2: LayerNorm
+
+    def __init__(self, dim: int, num_heads: int, *, spec: AttentionSpec | None = None,
+                 max_len: int = 512, key):
         if dim % num_heads:
             raise ValueError(f"MAB: dim={dim} must be a multiple of num_heads={num_heads}")
-        keys = jax.random.split(key, 5)
-        self.q_proj, self.k_proj, self.v_proj, self.o_proj = (
-            eqx.nn.Linear(dim, dim, key=k) for k in keys[:4])
-        self.ff = eqx.nn.MLP(dim, dim, dim, depth=1, activation=jax.nn.relu, key=keys[4])
-        self.norm1, self.norm2 = eqx.nn.LayerNorm(dim), eqx.nn.LayerNorm(dim)
-        self.num_heads = num_heads
+        ka, kf = jax.random.split(key)
+        spec = AttentionSpec() if spec is None else spec
+        self.attn = MultiHeadAttention(dim, num_heads, spec=spec, max_len=max_len, key=ka)
+        self.ff = FeedForward(dim, dim, "relu", key=kf)
+        self.norm1, self.norm2 = LayerNorm(dim), LayerNorm(dim)
 
-    def __call__(self, x, y, *, mask=None):
-        heads = lambda a: a.reshape(a.shape[0], self.num_heads, -1)
-        q = heads(jax.vmap(self.q_proj)(x))
-        k, v = heads(jax.vmap(self.k_proj)(y)), heads(jax.vmap(self.v_proj)(y))
-        att = jax.vmap(lambda q, k, v: dot_product_attention(q, k, v, kv_mask=mask),
-                       in_axes=1, out_axes=1)(q, k, v)
-        h = jax.vmap(self.norm1)(x + jax.vmap(self.o_proj)(att.reshape(x.shape[0], -1)))
-        return jax.vmap(self.norm2)(h + jax.vmap(self.ff)(h))
+    def __call__(self, x, y=None, *, mask=None):
+        """x: ``[B, Nx, dim]``; y: ``[B, Ny, dim]`` or None; mask: ``bool[B, Ny]`` (real
+        elements of ``y``). Returns ``[B, Nx, dim]``."""
+        h = self.norm1(x + self.attn(x, y, kv_mask=mask))
+        return self.norm2(h + self.ff(h))
 
 
 class SAB(eqx.Module):
@@ -55,11 +61,18 @@ class SAB(eqx.Module):
 
     mab: MAB
 
-    def __init__(self, dim: int, num_heads: int, *, key):
-        self.mab = MAB(dim, num_heads, key=key)
+    def __init__(self, dim: int, num_heads: int, *, spec: AttentionSpec | None = None,
+                 max_len: int = 512, key):
+        self.mab = MAB(dim, num_heads, spec=spec, max_len=max_len, key=key)
 
     def __call__(self, x, *, mask=None):
-        return self.mab(x, x, mask=mask)
+        """x: ``[B, N, dim]``; mask: ``bool[B, N]``. Returns ``[B, N, dim]``."""
+        return self.mab(x, mask=mask)
+
+
+def _broadcast(a, x):
+    """A learned ``[k, dim]`` array repeated over the batch of ``x`` in x's dtype."""
+    return jnp.broadcast_to(a.astype(x.dtype), (x.shape[0], *a.shape))
 
 
 class ISAB(eqx.Module):
@@ -70,30 +83,34 @@ class ISAB(eqx.Module):
     mab_in: MAB
     mab_out: MAB
 
-    def __init__(self, dim: int, num_heads: int, num_inducing: int, *, key):
+    def __init__(self, dim: int, num_heads: int, num_inducing: int, *,
+                 spec: AttentionSpec | None = None, max_len: int = 512, key):
         ki, k1, k2 = jax.random.split(key, 3)
         self.inducing = dim ** -0.5 * jax.random.normal(ki, (num_inducing, dim))
-        self.mab_in = MAB(dim, num_heads, key=k1)
-        self.mab_out = MAB(dim, num_heads, key=k2)
+        self.mab_in = MAB(dim, num_heads, spec=spec, max_len=max_len, key=k1)
+        self.mab_out = MAB(dim, num_heads, spec=spec, max_len=max_len, key=k2)
 
     def __call__(self, x, *, mask=None):
-        summary = self.mab_in(self.inducing, x, mask=mask)
+        """x: ``[B, N, dim]``; mask: ``bool[B, N]``. Returns ``[B, N, dim]``."""
+        summary = self.mab_in(_broadcast(self.inducing, x), x, mask=mask)
         return self.mab_out(x, summary)
 
 
 class PMA(eqx.Module):
     """Pooling by multihead attention ``MAB(S, rFF(X))`` with ``k`` learned seed vectors:
-    ``[N, dim] -> [k, dim]``, permutation invariant."""
+    ``[B, N, dim] -> [B, k, dim]``, permutation invariant."""
 
     seeds: jax.Array
-    ff: eqx.nn.MLP
+    ff: FeedForward
     mab: MAB
 
-    def __init__(self, dim: int, num_heads: int, num_seeds: int = 1, *, key):
+    def __init__(self, dim: int, num_heads: int, num_seeds: int = 1, *,
+                 spec: AttentionSpec | None = None, max_len: int = 512, key):
         ks, kf, km = jax.random.split(key, 3)
         self.seeds = dim ** -0.5 * jax.random.normal(ks, (num_seeds, dim))
-        self.ff = eqx.nn.MLP(dim, dim, dim, depth=1, activation=jax.nn.relu, key=kf)
-        self.mab = MAB(dim, num_heads, key=km)
+        self.ff = FeedForward(dim, dim, "relu", key=kf)
+        self.mab = MAB(dim, num_heads, spec=spec, max_len=max_len, key=km)
 
     def __call__(self, x, *, mask=None):
-        return self.mab(self.seeds, jax.vmap(self.ff)(x), mask=mask)
+        """x: ``[B, N, dim]``; mask: ``bool[B, N]``. Returns ``[B, num_seeds, dim]``."""
+        return self.mab(_broadcast(self.seeds, x), self.ff(x), mask=mask)
