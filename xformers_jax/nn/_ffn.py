@@ -1,5 +1,5 @@
-"""Position-wise feed-forward networks (survey L 5.3.1): ReLU, GELU, Swish and GLU variants
-(GLU, GEGLU, SwiGLU; Shazeer 2020), optionally applied in chunks of positions so the hidden
+"""Position-wise feed-forward networks (Vaswani et al., 2017): ReLU, GELU, Swish and GLU variants
+(GLU, GEGLU, SwiGLU; Shazeer, 2020), optionally applied in chunks of positions so the hidden
 ``[L, hidden]`` activation is never held for the whole sequence (Reformer's chunked FFN)."""
 
 from __future__ import annotations

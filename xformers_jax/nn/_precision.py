@@ -1,4 +1,4 @@
-"""Mixed precision (practical survey P 3): parameters stored in one dtype, computation in
+"""Mixed precision (Micikevicius et al., 2018): parameters stored in one dtype, computation in
 another, outputs in a third. Softmax statistics and norms stay in float32 inside the layers."""
 
 from __future__ import annotations
