@@ -6,6 +6,8 @@ that exercises it (one layer, width 16, two heads of width 8, L = 16). Compiling
 of these tests, so the programs use XLA's backend optimisation level 0 (same numerics up to
 rounding, well inside the tolerances)."""
 
+import pathlib
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -13,52 +15,26 @@ import numpy as np
 import pytest
 
 import xformers_jax.nn as nn
-from xformers_jax.attention import patterns as P
+from experiments.catalogue import catalogue
+from xformers_jax.attention._kind import all_kinds
 
 L, DIM, HEADS, HIDDEN = 16, 16, 2, 32
-# Hyperparameters each kind needs at this tiny size (L = max_len = 16, head width 8).
-HYPERPARAMETERS = {
-    "dot_product": {},
-    "flash": {"block_q": 8, "block_k": 8},
-    "block_sparse": {"pattern": P.Local(4, 4), "block_q": 8, "block_k": 8},
-    "local": {"left": 3},
-    "linear": {"chunk_size": 8},
-    "performer": {"num_features": 16, "chunk_size": 8},
-    "linformer": {"proj_len": 8},
-    "nystrom": {"num_landmarks": 4, "kernel_size": 3},
-    "luna": {"length": 4, "chunk_size": 8},
-    "clustered": {"num_clusters": 4},
-    "improved_clustered": {"num_clusters": 4, "topk": 4},
-    "lsh": {"num_buckets": 4, "chunk_size": 4},
-    "sinkhorn": {"block_size": 4},
-    "entmax": {},
-    "topk": {"top_k": 4},
-    "adaptive_span": {"max_span": 8, "ramp": 2},
-    "dam": {},
-    "lowrank_band": {"window": 3, "rank": 4},
-    "long_short": {"window": 3, "rank": 4, "segment_size": 4},
-    "memory_compressed": {"block_size": 4, "stride": 2},
-    "poolingformer": {"window": 3, "pool_size": 4},
-    "probsparse": {"factor": 1.0},
-    "synthesizer": {"forms": ("dense", "factorized_random"), "rank": 4},
-    "per_head_block_sparse": {"stride": 4, "block_q": 8, "block_k": 8},
-    "axial": {"shape": (4, 4)},
-    "delta_rule": {"chunk_size": 8},
-    "longformer": {"window": 2, "global_tokens": (0,), "block_q": 8, "block_k": 8},
-    "etc": {"num_global": 2, "radius": 2, "block_q": 8, "block_k": 8},
-    "routing": {"num_clusters": 2, "window": 4},
-}
+# Each kind's tiny test hyperparameters (L = max_len = 16, head width 8) are declared with its
+# metadata, beside its function (xformers_jax/attention/**/_kinds.py).
+ROOT = pathlib.Path(__file__).resolve().parents[1]
 KINDS = sorted(nn.registered_variants())
 CAUSAL_KINDS = [k for k in KINDS if nn.get_variant(k).causal]
 
 
 def _spec(kind):
-    if kind not in HYPERPARAMETERS:
-        pytest.fail(f"registered kind {kind!r} has no test hyperparameters; add it here")
-    if getattr(nn.get_variant(kind), "state_init", None) is not None:
+    metadata = nn.get_variant(kind).metadata
+    if metadata is None:
+        pytest.fail(f"registered kind {kind!r} has no test hyperparameters; declare a Kind record "
+                    "beside its function")
+    if nn.get_variant(kind).state is not None:
         pytest.skip(f"{kind!r} keeps eqx.nn.State (models take and return `state`): covered by "
                     "tests/test_nn_variants_extra.py")
-    return nn.AttentionSpec(kind, HYPERPARAMETERS[kind])
+    return nn.AttentionSpec(kind, metadata.hyperparameters)
 
 
 def _finite_grads(grads):
@@ -130,3 +106,27 @@ def test_spec_from_config_and_errors():
     with pytest.raises(ValueError, match=r"unknown hyperparameters \['window'\]"):
         nn.MultiHeadAttention(32, 4, spec=nn.AttentionSpec("local", {"window": 3}),
                               key=jax.random.PRNGKey(0))
+
+
+def test_every_kind_has_complete_metadata_and_the_catalogue_is_current():
+    # Every kind the library declares is registered from its record, and the record is complete
+    # (a kind registered by a user, e.g. the LRA suite's floor, may have none).
+    declared = {k.name: k for k in all_kinds()}
+    assert len(declared) == len(all_kinds())
+    for name, kind in declared.items():
+        assert kind.missing() == (), (name, kind.missing())
+        assert nn.get_variant(name).metadata is kind
+    library = [n for n in KINDS if nn.get_variant(n).attend.__module__.startswith("xformers_jax")]
+    assert set(library) == set(declared)
+    with open(ROOT / "CATALOGUE.md") as f:
+        assert f.read() == catalogue(), ("CATALOGUE.md is stale: run "
+                                         "`python -m experiments.catalogue`")
+
+
+def test_registration_is_explicit():
+    variant = nn.get_variant("local")
+    with pytest.raises(ValueError, match="'local' is already registered"):
+        nn.register_variant(variant)
+    assert nn.register_variant(variant, replace=True) is variant
+    with pytest.raises(TypeError, match="Variant is final"):
+        type("Sub", (nn.Variant,), {})

@@ -1,5 +1,5 @@
-"""The variants registered in xformers_jax/nn/_variants_extra.py: references against other
-registry kinds, delta-rule decoding, and routing attention's eqx.nn.State through attention,
+"""The sparse, delta-rule and routing variants (xformers_jax/nn/_variants/): references against
+other registry kinds, delta-rule decoding, and routing attention's eqx.nn.State through attention,
 blocks and scanned stacks (the generic registry tests in test_nn_registry.py cover forward,
 gradient, jit and causal no-leak for the stateless ones)."""
 

@@ -43,12 +43,14 @@ from ._positions import T5Bias as T5Bias
 from ._positions import TransformerXLRelative as TransformerXLRelative
 from ._positions import t5_bucket as t5_bucket
 from ._precision import Policy as Policy
-from . import _variants  # noqa: F401  (registers the other attention families)
-from ._variants_extra import ModuleVariant as ModuleVariant
-from ._variants_extra import RoutingCentroids as RoutingCentroids
-from ._variants_extra import routing_commitment_loss as routing_commitment_loss
+from . import _variants  # noqa: F401  (registers every attention family)
+from ._variants import RoutingCentroids as RoutingCentroids
+from ._variants import routing_commitment_loss as routing_commitment_loss
 from ._registry import AttentionSpec as AttentionSpec
+from ._registry import KVDecoding as KVDecoding
+from ._registry import RecurrentDecoding as RecurrentDecoding
 from ._registry import Variant as Variant
+from ._registry import WindowDecoding as WindowDecoding
 from ._registry import get_variant as get_variant
 from ._registry import register_variant as register_variant
 from ._registry import registered_variants as registered_variants

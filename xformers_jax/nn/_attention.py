@@ -19,7 +19,7 @@ from .. import attention as A
 from .._sharding_hooks import constrain
 from ._cache import KVCache, RecurrentCache
 from ._positions import BiasScheme, InputScheme, PositionScheme, QKScheme
-from ._registry import AttentionSpec, get_variant
+from ._registry import AttentionSpec, KVDecoding, RecurrentDecoding, WindowDecoding, get_variant
 
 
 def _dense_init(key, fan_in, fan_out):
@@ -101,14 +101,12 @@ class MultiHeadAttention(eqx.Module):
         self.wk = _dense_init(kk, kv_dim, num_kv_heads * head_dim)
         self.wv = _dense_init(kv, kv_dim, num_kv_heads * head_dim)
         self.wo = _dense_init(ko, num_heads * head_dim, dim)
-        takes_input = getattr(variant, "takes_input", False)
         self.variant_params = variant.init(
             kp, spec.hyperparameters, num_heads=num_heads, head_dim=head_dim, max_len=max_len,
-            **({"dim": dim} if takes_input else {}),
+            **({"dim": dim} if variant.takes_input else {}),
         )
         # Non-gradient state of the variant (routing centroids), kept in eqx.nn.State.
-        state_init = getattr(variant, "state_init", None)
-        self.state_index = None if state_init is None else eqx.nn.StateIndex(state_init(
+        self.state_index = None if variant.state is None else eqx.nn.StateIndex(variant.state(
             jax.random.fold_in(kp, 1), spec.hyperparameters, num_heads=num_heads,
             head_dim=head_dim))
         self.position = position
@@ -149,7 +147,7 @@ class MultiHeadAttention(eqx.Module):
         ``eqx.nn.State`` from ``eqx.nn.make_with_state`` and returns ``(out, state)``; with
         ``inference=True`` it leaves its state unchanged."""
         extra = {}
-        if getattr(self.variant, "takes_input", False):
+        if self.variant.takes_input:
             if context is not None:
                 raise ValueError(f"MultiHeadAttention: attention kind {self.spec.kind!r} is self "
                                  "attention only (it projects global tokens from the input)")
@@ -169,7 +167,8 @@ class MultiHeadAttention(eqx.Module):
         causal = self.causal and context is None
         o = self.variant.attend(
             q, k, v, self.variant_params, causal=causal, kv_mask=kv_mask,
-            bias=self._bias(q, k, q_pos, k_pos), key=key, **extra, **self.spec.hyperparameters,
+            bias=self._bias(q, k, q_pos, k_pos), key=key, **extra,
+            **self.variant.call_hyperparameters(self.spec.hyperparameters),
         )
         if self.state_index is None:
             return self._out(o)
@@ -180,16 +179,18 @@ class MultiHeadAttention(eqx.Module):
 
     def init_cache(self, batch: int, max_len: int, dtype=jnp.float32):
         """An empty decoding cache for causal self-attention (kind given by the registry)."""
-        variant, hp = self.variant, self.spec.hyperparameters
+        decoding = self.variant.decoding
+        hp = self.variant.call_hyperparameters(self.spec.hyperparameters)
         if not self.causal:
             raise ValueError("MultiHeadAttention.init_cache: only causal self-attention decodes")
-        if variant.cache in ("kv", "window"):
-            capacity = max_len if variant.cache == "kv" else variant.window(hp) + 1
+        if isinstance(decoding, (KVDecoding, WindowDecoding)):
+            ring = isinstance(decoding, WindowDecoding)
+            capacity = decoding.left(hp) + 1 if ring else max_len
             return KVCache.empty(batch, capacity, self.num_kv_heads, self.head_dim,
-                                 self.head_dim, dtype, ring=variant.cache == "window")
-        if variant.cache == "recurrent":
-            state = variant.init_state(batch, self.num_heads, self.head_dim, self.head_dim,
-                                       self.variant_params, **hp)
+                                 self.head_dim, dtype, ring=ring)
+        if isinstance(decoding, RecurrentDecoding):
+            state = decoding.init_state(batch, self.num_heads, self.head_dim, self.head_dim,
+                                        self.variant_params, **hp)
             return RecurrentCache(state, jnp.zeros((), jnp.int32))
         raise NotImplementedError(f"attention kind {self.spec.kind!r} has no decoding cache")
 
@@ -202,13 +203,15 @@ class MultiHeadAttention(eqx.Module):
         if isinstance(self.position, QKScheme):
             q, k = self.position.rotate(q, t_pos), self.position.rotate(k, t_pos)
         if isinstance(cache, RecurrentCache):
-            o, state = self.variant.step(cache.state, q[:, 0], k[:, 0], v[:, 0],
-                                         self.variant_params, **self.spec.hyperparameters)
+            o, state = self.variant.decoding.step(
+                cache.state, q[:, 0], k[:, 0], v[:, 0], self.variant_params,
+                **self.variant.call_hyperparameters(self.spec.hyperparameters))
             return self._out(o[:, None]), RecurrentCache(state, cache.index + 1)
         cache = cache.append(k, v)
         valid = cache.valid
-        pattern = self.variant.decode_pattern and self.variant.decode_pattern(
-            self.spec.hyperparameters)
+        decoding = self.variant.decoding
+        pattern = decoding.pattern_for(self.spec.hyperparameters) if isinstance(
+            decoding, KVDecoding) else None
         if pattern is not None and not cache.ring:
             n = cache.pos.shape[0]
             row = jnp.asarray(pattern.dense(n, n))[cache.index - 1]

@@ -4,18 +4,22 @@ An :class:`AttentionSpec` (``kind`` plus hyperparameters) is what configs hold. 
 :class:`Variant` entry says how to run that kind inside
 :class:`~xformers_jax.nn.MultiHeadAttention`: how to build its own parameters from a key, how to
 call it on ``[batch, length, heads, dim]`` arrays, whether it supports ``causal`` and additive
-position biases, and which decoding cache it uses (``"kv"`` for softmax-style attention,
-``"window"`` for sliding-window eviction, ``"recurrent"`` for linear attention, ``None`` when it
-cannot decode).
+position biases, and how it decodes (:class:`KVDecoding` for softmax-style attention,
+:class:`WindowDecoding` for sliding-window eviction, :class:`RecurrentDecoding` for linear
+attention, None when it cannot decode).
+
+Entries are built from the metadata each attention family declares beside its functions
+(:class:`xformers_jax.attention._kind.Kind`) plus the module-side adapters in
+:mod:`._variants` (one module per family).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, final
 
 from .. import attention as A
-from ..attention import patterns as P
+from ..attention._kind import Kind
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,6 +56,50 @@ def _no_params(key, hp, *, num_heads, head_dim, max_len):
     return None
 
 
+@final
+@dataclasses.dataclass(frozen=True)
+class KVDecoding:
+    """Decodes with a growing key/value cache and exact softmax over it.
+
+    ``pattern(hp)`` gives the causal-safe sparse pattern whose row ``t`` masks the cache at step
+    ``t`` (None, or a ``pattern`` returning None, for dense attention).
+    """
+
+    pattern: Callable[[Mapping], Any] | None = None
+    name = "kv"
+
+    def pattern_for(self, hp: Mapping):
+        return None if self.pattern is None else self.pattern(hp)
+
+
+@final
+@dataclasses.dataclass(frozen=True)
+class WindowDecoding:
+    """Decodes with a ring buffer of the last keys: ``left(hp)`` keys before ``t`` are kept."""
+
+    left: Callable[[Mapping], int]
+    name = "window"
+
+
+@final
+@dataclasses.dataclass(frozen=True)
+class RecurrentDecoding:
+    """Decodes with a fixed-size state, as a recurrence.
+
+    ``init_state(batch, heads, dk, dv, params, **hp)`` gives the ``[B, H, ...]`` state;
+    ``step(state, q [B,H,Dk], k [B,Hkv,Dk], v [B,Hkv,Dv], params, **hp) -> (out [B,H,Dv],
+    state)`` takes one token.
+    """
+
+    init_state: Callable
+    step: Callable
+    name = "recurrent"
+
+
+Decoding = KVDecoding | WindowDecoding | RecurrentDecoding
+
+
+@final
 @dataclasses.dataclass(frozen=True)
 class Variant:
     """How :class:`MultiHeadAttention` runs one kind of attention.
@@ -60,19 +108,26 @@ class Variant:
       name: the ``kind`` a spec uses.
       attend: ``attend(q [B,Lq,H,Dk], k [B,Lk,Hkv,Dk], v [B,Lk,Hkv,Dv], params, *, causal,
         kv_mask [B,Lk] | None, bias, key, **hp) -> [B,Lq,H,Dv]``; ``bias`` is a pytree callable
-        whose leaves lead with ``[B, H]`` (see :mod:`._positions`) or None.
+        whose leaves lead with ``[B, H]`` (see :mod:`._positions`) or None. It never sees the
+        ``init_only`` hyperparameters.
       init: ``init(key, hp, *, num_heads, head_dim, max_len) -> pytree | None``: the variant's
-        own trainable arrays (e.g. Linformer's projections).
+        own trainable arrays (e.g. Linformer's projections); it sees every hyperparameter.
       causal: whether ``causal=True`` is supported (otherwise the module raises).
       bias: whether additive score biases (ALiBi, T5, Shaw, ...) are supported.
-      cache: ``"kv"``, ``"window"``, ``"recurrent"`` or None (cannot decode).
-      hyperparameters: the names ``attend`` accepts (others are rejected when the spec is used).
-      window: for ``cache="window"``, ``window(hp) -> left`` (keys ``t-left..t`` are kept).
-      init_state / step: for ``cache="recurrent"``: ``init_state(batch, heads, dk, dv, params,
-        **hp)`` and ``step(state, q [B,H,Dk], k [B,Hkv,Dk], v [B,Hkv,Dv], params, **hp) ->
-        (out [B,H,Dv], state)``.
-      decode_pattern: for ``cache="kv"`` with a sparse pattern, ``decode_pattern(hp)`` gives
-        the causal-safe pattern whose row ``t`` masks the cache.
+      decoding: a :class:`KVDecoding`, :class:`WindowDecoding`, :class:`RecurrentDecoding`, or
+        None (cannot decode).
+      hyperparameters: the names a spec may give (others are rejected when the spec is used).
+      init_only: those of ``hyperparameters`` that only shape the parameters (Linformer's
+        ``proj_len``): ``init`` reads them, ``attend`` and decoding never see them.
+      takes_input: ``attend`` also receives ``inputs`` (the block input ``[B, L, dim]``) and
+        ``init`` receives ``dim`` (e.g. Longformer's global projections).
+      state: ``state(key, hp, *, num_heads, head_dim) -> pytree`` or None: the initial value of
+        the variant's non-gradient state (an ``eqx.nn.StateIndex`` of the module). ``attend``
+        then also receives ``state`` (the current value) and ``inference`` and returns
+        ``(out, new_state)``.
+      metadata: the kind's :class:`~xformers_jax.attention._kind.Kind` record (paper,
+        complexity, test hyperparameters), or None for a variant registered outside the
+        library.
     """
 
     name: str
@@ -80,12 +135,43 @@ class Variant:
     init: Callable = _no_params
     causal: bool = True
     bias: bool = False
-    cache: str | None = None
+    decoding: Decoding | None = None
     hyperparameters: frozenset = frozenset()
-    window: Callable | None = None
-    init_state: Callable | None = None
-    step: Callable | None = None
-    decode_pattern: Callable | None = None
+    init_only: frozenset = frozenset()
+    takes_input: bool = False
+    state: Callable | None = None
+    metadata: Kind | None = None
+
+    def __init_subclass__(cls, **kwargs):
+        raise TypeError("Variant is final: give a kind its module-side needs with the fields "
+                        "takes_input, state and decoding, not with a subclass")
+
+    def __post_init__(self):
+        object.__setattr__(self, "hyperparameters", frozenset(self.hyperparameters))
+        object.__setattr__(self, "init_only", frozenset(self.init_only))
+        if not self.init_only <= self.hyperparameters:
+            raise ValueError(f"Variant {self.name!r}: init_only {sorted(self.init_only)} must be "
+                             f"among its hyperparameters {sorted(self.hyperparameters)}")
+        if self.decoding is not None and not isinstance(
+                self.decoding, (KVDecoding, WindowDecoding, RecurrentDecoding)):
+            raise ValueError(f"Variant {self.name!r}: decoding must be a KVDecoding, "
+                             f"WindowDecoding, RecurrentDecoding or None, got {self.decoding!r}")
+
+    @classmethod
+    def from_kind(cls, kind: Kind, attend: Callable, **fields) -> "Variant":
+        """The entry for a kind declared in :mod:`xformers_jax.attention`: ``name``,
+        ``causal`` and ``bias`` come from its record, and the decoding object must match the
+        record's decoding mode."""
+        v = cls(kind.name, attend, causal=kind.causal, bias=kind.bias, metadata=kind, **fields)
+        mode = None if v.decoding is None else v.decoding.name
+        if mode != kind.decoding:
+            raise ValueError(f"Variant {kind.name!r}: decoding {mode!r} but its Kind record "
+                             f"declares {kind.decoding!r}")
+        return v
+
+    def call_hyperparameters(self, hp: Mapping) -> dict:
+        """``hp`` without the ``init_only`` names: what ``attend`` and decoding receive."""
+        return {n: val for n, val in hp.items() if n not in self.init_only}
 
     def check(self, hp: Mapping, *, causal: bool):
         unknown = set(hp) - set(self.hyperparameters)
@@ -104,8 +190,12 @@ class Variant:
 _REGISTRY: dict[str, Variant] = {}
 
 
-def register_variant(variant: Variant) -> Variant:
-    """Adds (or replaces) a registry entry; returns it."""
+def register_variant(variant: Variant, *, replace: bool = False) -> Variant:
+    """Adds a registry entry and returns it; a name already registered raises ValueError
+    unless ``replace=True``."""
+    if variant.name in _REGISTRY and not replace:
+        raise ValueError(f"attention kind {variant.name!r} is already registered; pass "
+                         "replace=True to replace it")
     _REGISTRY[variant.name] = variant
     return variant
 
@@ -121,47 +211,25 @@ def registered_variants() -> tuple[str, ...]:
     return tuple(sorted(_REGISTRY))
 
 
-def lifted(fn: Callable, arg_axes=(), kwarg_axes=None) -> Callable:
+def lifted(fn: Callable, arg_axes=(), kwarg_axes=None, *, unpack: bool = False) -> Callable:
     """An ``attend`` for a one-head function of the contract, lifted with ``multihead``.
 
     ``params`` (if not None) is passed as one extra positional argument laid out per
-    ``arg_axes``; a bias pytree is mapped over ``[batch, heads]``.
+    ``arg_axes`` (with ``unpack=True``, a tuple of them); a bias pytree is mapped over
+    ``[batch, heads]``. Grouped-query heads are multihead's: no key/value head is copied.
     """
     kw_axes = {"bias": "batch_heads", **(kwarg_axes or {})}
 
     def attend(q, k, v, params, *, causal, kv_mask, bias, key, **hp):
-        extra = () if params is None else (params,)
+        extra = () if params is None else tuple(params) if unpack else (params,)
+        axes = tuple(arg_axes) * len(extra) if unpack else tuple(arg_axes)[: len(extra)]
         kw = {} if bias is None else {"bias": bias}
-        f = A.multihead(fn, arg_axes=tuple(arg_axes)[: len(extra)], kwarg_axes=kw_axes)
+        f = A.multihead(fn, arg_axes=axes, kwarg_axes=kw_axes)
         return f(q, k, v, *extra, causal=causal, kv_mask=kv_mask, key=key, **kw, **hp)
 
     return attend
 
 
-def _block_sparse(q, k, v, *, pattern, **kw):
-    return A.block_sparse_attention(q, k, v, pattern, **kw)
-
-
-def _local(q, k, v, *, left, right=0, **kw):
-    return A.block_sparse_attention(q, k, v, P.Local(left, right), **kw)
-
-
-_EXACT_HP = frozenset({"block_q", "block_k", "implementation"})
-
-register_variant(Variant(
-    "dot_product", lifted(A.dot_product_attention), bias=True, cache="kv",
-    hyperparameters=frozenset({"pattern"}), decode_pattern=lambda hp: hp.get("pattern"),
-))
-register_variant(Variant(
-    "flash", lifted(A.flash_attention), bias=True, cache="kv",
-    hyperparameters=_EXACT_HP | {"pattern"}, decode_pattern=lambda hp: hp.get("pattern"),
-))
-register_variant(Variant(
-    "block_sparse", lifted(_block_sparse), bias=True, cache="kv",
-    hyperparameters=_EXACT_HP | {"pattern"}, decode_pattern=lambda hp: hp["pattern"],
-))
-register_variant(Variant(
-    "local", lifted(_local), bias=True, cache="window",
-    hyperparameters=_EXACT_HP | {"left", "right"}, window=lambda hp: hp["left"],
-))
-
+# Every family registers here, so any import of the registry sees every kind (the default
+# AttentionSpec names "dot_product").
+from . import _variants  # noqa: E402,F401

@@ -57,6 +57,7 @@ def adaptive_span_attention(
     kv_mask=None,
     scale: float | None = None,
     block_size: int | None = None,
+    key=None,
 ):
     """Softmax attention with a learnable soft span for one sequence and one head.
 
@@ -75,6 +76,8 @@ def adaptive_span_attention(
       kv_mask: ``bool[Lk]``, True for real keys.
       scale: score scale, ``1/sqrt(Dk)`` by default.
       block_size: tile size of the block-sparse band (default: fits the band).
+      key: unused (the method is deterministic); accepted as the attention
+        contract's keyword.
 
     Returns:
       ``[Lq, Dv]`` in q's dtype.

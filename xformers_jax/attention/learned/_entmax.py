@@ -206,6 +206,7 @@ def entmax_attention(
     kv_mask=None,
     scale: float | None = None,
     n_iter: int = 50,
+    key=None,
 ):
     """Attention whose weights are alpha-entmax of the scores (exactly sparse for alpha > 1).
 
@@ -222,6 +223,8 @@ def entmax_attention(
       kv_mask: ``bool[Lk]``, True for real keys.
       scale: score scale, ``1/sqrt(Dk)`` by default.
       n_iter: bisection steps (array or non-special alpha).
+      key: unused (the method is deterministic); accepted as the attention
+        contract's keyword.
 
     Returns:
       ``[Lq, Dv]`` in q's dtype.

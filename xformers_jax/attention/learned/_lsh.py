@@ -67,6 +67,7 @@ def lsh_attention(
     causal: bool = False,
     kv_mask=None,
     scale: float | None = None,
+    key=None,
 ):
     """Reformer LSH attention for one sequence and one head.
 
@@ -91,6 +92,8 @@ def lsh_attention(
       causal: query i sees keys j <= i only.
       kv_mask: ``bool[L]``, True for real tokens.
       scale: score scale, ``1/sqrt(Dk)`` by default.
+      key: unused (the method is deterministic); accepted as the attention
+        contract's keyword.
 
     Returns:
       ``[L, Dv]`` in q's dtype.

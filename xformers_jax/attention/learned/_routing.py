@@ -92,6 +92,7 @@ def routing_attention(
     kv_mask=None,
     scale: float | None = None,
     decay: float = 0.999,
+    key=None,
 ):
     """Routing attention for one sequence and one head; returns ``(out, RoutingAux)``.
 
@@ -125,6 +126,8 @@ def routing_attention(
       kv_mask: ``bool[Lk]``, True for real keys.
       scale: score scale, ``1/sqrt(Dk)`` by default.
       decay: the EMA factor lambda of Eq 8-9.
+      key: unused (the method is deterministic); accepted as the attention
+        contract's keyword.
 
     Returns:
       ``(out [Lq, Dv] in q's dtype, RoutingAux(state, commitment_loss))``.

@@ -23,6 +23,7 @@ def topk_attention(
     causal: bool = False,
     kv_mask=None,
     scale: float | None = None,
+    key=None,
 ):
     """Softmax attention over each query's ``top_k`` best visible keys.
 
@@ -36,6 +37,8 @@ def topk_attention(
       causal: query i sees keys j <= i only.
       kv_mask: ``bool[Lk]``, True for real keys.
       scale: score scale, ``1/sqrt(Dk)`` by default.
+      key: unused (the method is deterministic); accepted as the attention
+        contract's keyword.
 
     Returns:
       ``[Lq, Dv]`` in q's dtype.

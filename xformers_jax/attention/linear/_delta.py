@@ -85,6 +85,7 @@ def delta_rule_attention(
     implementation: str = "chunked",
     chunk_size: int = 64,
     eps: float = 1e-6,
+    key=None,
 ):
     """Causal linear attention with the delta-rule (write-and-remove) memory update.
 
@@ -103,6 +104,8 @@ def delta_rule_attention(
       implementation: ``"chunked"`` (triangular solve per chunk, scan over chunks) or
         ``"recurrent"`` (per-step scan).
       chunk_size: positions per chunk.
+      key: unused (the method is deterministic); accepted as the attention
+        contract's keyword.
 
     Returns:
       ``[L, Dv]`` in q's dtype.

@@ -144,6 +144,7 @@ def linear_attention(
     implementation: str = "chunked",
     chunk_size: int = 64,
     eps: float = 1e-6,
+    key=None,
 ):
     """Kernelized attention ``phi(Q) (phi(K)^T V)``, normalised, in time linear in length.
 
@@ -172,6 +173,8 @@ def linear_attention(
         (per-step scan with a two-scan custom VJP). Both compute the same function.
       chunk_size: positions per chunk for ``"chunked"``.
       eps: smallest denominator magnitude for feature maps that can be negative.
+      key: unused (the method is deterministic); accepted as the attention
+        contract's keyword.
 
     Returns:
       ``[Lq, Dv]`` in q's dtype (computed in float32).
@@ -202,6 +205,7 @@ def performer_attention(
     scale: float | None = None,
     implementation: str = "chunked",
     chunk_size: int = 64,
+    key=None,
 ):
     """Performer attention with FAVOR+ (Choromanski et al. 2021).
 
@@ -217,6 +221,8 @@ def performer_attention(
         when you want fresh features).
       kernel: ``"softmax"`` or ``"relu"``.
       causal, kv_mask, scale, implementation, chunk_size: as in :func:`linear_attention`.
+      key: unused (the method is deterministic); accepted as the attention
+        contract's keyword.
 
     Returns:
       ``[Lq, Dv]`` in q's dtype.

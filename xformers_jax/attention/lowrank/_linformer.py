@@ -32,7 +32,7 @@ def init_linformer_projections(key, seq_len: int, proj_len: int, *, shared_kv: b
 
 
 def linformer_attention(q, k, v, e, f=None, *, causal: bool = False, kv_mask=None,
-                        scale: float | None = None):
+                        scale: float | None = None, key=None):
     """Linformer attention for one sequence and one head.
 
     Keys and values are projected along the length axis, ``K' = E K`` and ``V' = F V``
@@ -52,6 +52,8 @@ def linformer_attention(q, k, v, e, f=None, *, causal: bool = False, kv_mask=Non
       causal: unsupported; raises ``NotImplementedError``.
       kv_mask: ``bool[Lk]``, True for real keys.
       scale: score scale, ``1/sqrt(Dk)`` by default.
+      key: unused (the method is deterministic); accepted as the attention
+        contract's keyword.
 
     Returns:
       ``[Lq, Dv]`` in q's dtype.

@@ -54,7 +54,7 @@ def _project(k, v, w_p, real, segment):
 
 def long_short_attention(q, k, v, w_p, *, window: int, causal: bool = False,
                          segment_size: int | None = None, kv_mask=None,
-                         scale: float | None = None):
+                         scale: float | None = None, key=None):
     """Long-Short attention for one sequence and one head.
 
     Non-causal: query i sees keys ``|i - j| <= window`` and the ``r`` slots projected from the
@@ -72,6 +72,8 @@ def long_short_attention(q, k, v, w_p, *, window: int, causal: bool = False,
       segment_size: tokens per projected segment (causal form only).
       kv_mask: ``bool[L]``, True for real tokens; padding is left out of the projection.
       scale: score scale, ``1/sqrt(Dk)`` by default.
+      key: unused (the method is deterministic); accepted as the attention
+        contract's keyword.
 
     Returns:
       ``[L, Dv]`` in q's dtype.

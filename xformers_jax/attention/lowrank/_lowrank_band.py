@@ -38,7 +38,7 @@ def init_lowrank_band(key, dk: int, rank: int, *, gate: float = 0.0, dtype=jnp.f
 
 def lowrank_band_attention(q, k, v, w_q, w_k, gate, *, window: int, causal: bool = False,
                            kv_mask=None, scale: float | None = None,
-                           lowrank_scale: float | None = None):
+                           lowrank_scale: float | None = None, key=None):
     """Low-rank plus band attention for one sequence and one head.
 
     ``out = (1 - g) softmax(s_r (q W_q)(k W_k)^T) v + g softmax_band(s q k^T) v`` with
@@ -57,6 +57,8 @@ def lowrank_band_attention(q, k, v, w_q, w_k, gate, *, window: int, causal: bool
       kv_mask: ``bool[Lk]``, True for real keys.
       scale: band score scale, ``1/sqrt(Dk)`` by default.
       lowrank_scale: low-rank score scale, ``1/sqrt(r)`` by default.
+      key: unused (the method is deterministic); accepted as the attention
+        contract's keyword.
 
     Returns:
       ``[Lq, Dv]`` in q's dtype.

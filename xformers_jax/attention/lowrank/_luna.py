@@ -74,7 +74,7 @@ def _luna_causal(q, k, v, p, kv_mask, scale, chunk):
 
 
 def luna_attention(q, k, v, p, *, causal: bool = False, kv_mask=None, scale: float | None = None,
-                   return_packed: bool = False, chunk_size: int = 64):
+                   return_packed: bool = False, chunk_size: int = 64, key=None):
     """Luna attention for one sequence and one head.
 
     Pack: ``A = softmax(P K^T * scale)`` (``[l, Lk]``, masked keys excluded); the packed keys
@@ -93,6 +93,8 @@ def luna_attention(q, k, v, p, *, causal: bool = False, kv_mask=None, scale: flo
       scale: score scale, ``1/sqrt(Dk)`` by default (both steps).
       return_packed: also return the packed values ``[l, Dv]`` (over the whole sequence).
       chunk_size: positions per step of the causal form (memory ``chunk^2 l + chunk l D``).
+      key: unused (the method is deterministic); accepted as the attention
+        contract's keyword.
 
     Returns:
       ``[Lq, Dv]`` in q's dtype, or ``(out, packed [l, Dv])``.

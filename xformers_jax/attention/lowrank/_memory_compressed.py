@@ -36,7 +36,7 @@ def compress(x, weight):
 
 
 def memory_compressed_attention(q, k, v, wk, wv, *, block_size: int, causal: bool = False,
-                                kv_mask=None, scale: float | None = None):
+                                kv_mask=None, scale: float | None = None, key=None):
     """Local-block plus memory-compressed attention for one sequence and one head.
 
     Query i (in block ``b = i // block_size``) attends with one softmax over the keys of block
@@ -53,6 +53,8 @@ def memory_compressed_attention(q, k, v, wk, wv, *, block_size: int, causal: boo
       kv_mask: ``bool[L]``; masked keys are zeroed before compression, and a slot of padding
         only is masked out.
       scale: score scale, ``1/sqrt(Dk)`` by default.
+      key: unused (the method is deterministic); accepted as the attention
+        contract's keyword.
 
     Returns:
       ``[L, Dv]`` in q's dtype.

@@ -77,7 +77,7 @@ def init_nystrom_conv(key, kernel_size: int = 33, *, dtype=jnp.float32):
 
 def nystrom_attention(q, k, v, conv_weight=None, *, num_landmarks: int, causal: bool = False,
                       kv_mask=None, q_mask=None, scale: float | None = None,
-                      pinv_iterations: int = 6):
+                      pinv_iterations: int = 6, key=None):
     """Nyströmformer attention for one sequence and one head.
 
     Landmarks ``Q~, K~`` (``[m, Dk]``) are segment means of the real queries and keys; the
@@ -97,6 +97,8 @@ def nystrom_attention(q, k, v, conv_weight=None, *, num_landmarks: int, causal: 
         padding mask here for padded self-attention). Their outputs are still computed.
       scale: score scale, ``1/sqrt(Dk)`` by default.
       pinv_iterations: iterations of the pseudo-inverse (6 in the paper).
+      key: unused (the method is deterministic); accepted as the attention
+        contract's keyword.
 
     Returns:
       ``[Lq, Dv]`` in q's dtype.

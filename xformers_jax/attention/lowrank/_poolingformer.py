@@ -36,7 +36,8 @@ def pool_memory(x, real, pool_size: int, pool: str):
 
 def poolingformer_attention(q, k, v, q2=None, *, window: int, pool_size: int,
                             second_window: int | None = None, pool: str = "mean",
-                            causal: bool = False, kv_mask=None, scale: float | None = None):
+                            causal: bool = False, kv_mask=None, scale: float | None = None,
+                            key=None):
     """Poolingformer attention for one sequence and one head.
 
     ``out = SW(q, k, v) + softmax(q2 pool(k)^T * scale) pool(v)``: the first level is exact
@@ -57,6 +58,8 @@ def poolingformer_attention(q, k, v, q2=None, *, window: int, pool_size: int,
       causal: unsupported; raises ``NotImplementedError``.
       kv_mask: ``bool[L]``, True for real tokens; pooling skips padding.
       scale: score scale, ``1/sqrt(Dk)`` by default.
+      key: unused (the method is deterministic); accepted as the attention
+        contract's keyword.
 
     Returns:
       ``[L, Dv]`` in q's dtype.

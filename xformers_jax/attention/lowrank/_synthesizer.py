@@ -94,7 +94,8 @@ def _logits(name, kind, params, x, lk):
 
 
 def synthesizer_attention(q, k, v, params: dict, weights: dict | None = None, *,
-                          causal: bool = False, kv_mask=None, scale: float | None = None):
+                          causal: bool = False, kv_mask=None, scale: float | None = None,
+                          key=None):
     """Synthesizer attention (one form or a mixture) for one sequence and one head.
 
     ``softmax(sum_f w_f S_f) V`` over the forms ``f`` in ``params``, where ``S_dot = q k^T *
@@ -110,6 +111,8 @@ def synthesizer_attention(q, k, v, params: dict, weights: dict | None = None, *,
       causal: query i sees keys ``j <= i`` only.
       kv_mask: ``bool[Lk]``, True for real keys.
       scale: scale of the dot-product form, ``1/sqrt(Dk)`` by default.
+      key: unused (the method is deterministic); accepted as the attention
+        contract's keyword.
 
     Returns:
       ``[Lq, Dv]`` in q's dtype.

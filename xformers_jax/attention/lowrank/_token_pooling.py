@@ -81,12 +81,13 @@ def funnel_upsample(x, length: int, stride: int = 2):
 
 
 def funnel_attention(q, k, v, *, stride: int = 2, causal: bool = False, kv_mask=None,
-                     q_mask=None, scale: float | None = None):
+                     q_mask=None, scale: float | None = None, key=None):
     """Funnel attention for one sequence and one head: pooled queries, full keys.
 
     ``softmax(pool(Q) K^T * scale) V`` (:func:`dot_product_attention`), giving
     ``[ceil(Lq / stride), Dv]``: the sequence is shortened ``stride`` times while every key
-    still contributes. ``q_mask`` keeps padding out of the pooled queries.
+    still contributes. ``q_mask`` keeps padding out of the pooled queries. ``key`` is unused
+    (the method is deterministic); it is accepted as the attention contract's keyword.
     """
     name = "funnel_attention"
     if causal:

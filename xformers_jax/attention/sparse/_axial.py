@@ -35,7 +35,7 @@ def _unlines(x, shape, axis):
 
 def axial_attention(q, k, v, *, shape, axis: int, causal: bool = False, kv_mask=None,
                     scale: float | None = None, block_q: int | None = None,
-                    block_k: int | None = None, implementation: str | None = None):
+                    block_k: int | None = None, implementation: str | None = None, key=None):
     """Exact attention along one axis of a tensor flattened in raster (row-major) order.
 
     Position ``p`` of the sequence is the element ``unravel_index(p, shape)``; it attends to the
@@ -50,6 +50,8 @@ def axial_attention(q, k, v, *, shape, axis: int, causal: bool = False, kv_mask=
       axis: the axis to attend along.
       causal, kv_mask (``bool[L]``), scale, block_q, block_k, implementation: as in
         :func:`flash_attention`, per line.
+      key: unused (the method is deterministic); accepted as the attention
+        contract's keyword.
 
     Returns:
       ``[L, Dv]``.

@@ -52,7 +52,7 @@ def _ones_or(mask, n):
 def etc_attention(q, k, v, q_global, k_global, v_global, *, radius: int,
                   k_local_to_global=None, k_global_to_local=None, causal: bool = False,
                   kv_mask=None, global_kv_mask=None, scale: float | None = None,
-                  block_q: int | None = None, block_k: int | None = None):
+                  block_q: int | None = None, block_k: int | None = None, key=None):
     """ETC global-local attention with ``G`` external global tokens (T1 3.2.7).
 
     Four pieces, two softmaxes: a global token attends to every global token (g2g) and every
@@ -69,6 +69,8 @@ def etc_attention(q, k, v, q_global, k_global, v_global, *, radius: int,
       radius: l2l window radius.
       kv_mask: ``bool[L]``; global_kv_mask: ``bool[G]``.
       causal: unsupported (global tokens summarise the whole input).
+      key: unused (the method is deterministic); accepted as the attention
+        contract's keyword.
 
     Returns:
       ``(out [L, Dv], out_global [G, Dv])``.
@@ -113,7 +115,7 @@ def etc_attention(q, k, v, q_global, k_global, v_global, *, radius: int,
 def longformer_attention(q, k, v, q_global, k_global, v_global, *, window: int,
                          dilation: int = 1, global_tokens: tuple[int, ...], causal: bool = False,
                          kv_mask=None, scale: float | None = None, block_q: int | None = None,
-                         block_k: int | None = None):
+                         block_k: int | None = None, key=None):
     """Longformer attention with separate global projections (T1 3.2.6).
 
     Every query attends, with the ordinary projections, to its dilated window
@@ -126,6 +128,8 @@ def longformer_attention(q, k, v, q_global, k_global, v_global, *, window: int,
       global_tokens: positions with global attention (e.g. ``(0,)`` for [CLS]).
       causal: decoding order (every row sees only keys ``j <= i``).
       kv_mask: ``bool[L]``.
+      key: unused (the method is deterministic); accepted as the attention
+        contract's keyword.
 
     Returns:
       ``[L, Dv]``.

@@ -14,7 +14,7 @@ from ..patterns import PerHead
 def per_head_block_sparse_attention(q, k, v, heads: PerHead, *, causal: bool = False,
                                     kv_mask=None, scale: float | None = None,
                                     block_q: int | None = None, block_k: int | None = None,
-                                    implementation: str | None = None):
+                                    implementation: str | None = None, key=None):
     """Block-sparse attention with one pattern per head, for one sequence.
 
     Heads that share a pattern run together under ``jax.vmap`` (one layout each group), so the
@@ -25,6 +25,8 @@ def per_head_block_sparse_attention(q, k, v, heads: PerHead, *, causal: bool = F
       heads: a :class:`~xformers_jax.attention.patterns.PerHead` with ``H`` patterns.
       causal, kv_mask (``bool[Lk]``), scale, block_q, block_k, implementation: as in
         :func:`block_sparse_attention`.
+      key: unused (the method is deterministic); accepted as the attention
+        contract's keyword.
 
     Returns:
       ``[Lq, H, Dv]``.
