@@ -1,4 +1,4 @@
-"""Writes a PNG of every sparse pattern's connectivity matrix (issue 3's gallery).
+"""Writes a PNG of every sparse pattern's connectivity matrix.
 
   python -m experiments.pattern_gallery --outdir=/tmp/patterns [--length=32]
 """

@@ -1,4 +1,4 @@
-"""LSH, routing and Sinkhorn attention: content-based sorting into chunks (issue 6)."""
+"""LSH, routing and Sinkhorn attention: content-based sorting into chunks."""
 
 import jax
 import jax.numpy as jnp

@@ -1,4 +1,4 @@
-"""Adaptive attention span and SparseBERT's differentiable attention mask (issue 6)."""
+"""Adaptive attention span and SparseBERT's differentiable attention mask."""
 
 import jax
 import jax.numpy as jnp

@@ -1,4 +1,4 @@
-"""Kernelized / linear attention (issue 4): feature maps, causal forms, gates, delta rule, decoding."""
+"""Kernelized / linear attention: feature maps, causal forms, gates, delta rule, decoding."""
 
 import functools
 import math

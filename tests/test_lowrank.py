@@ -1,4 +1,4 @@
-"""Linformer, Nyströmformer, Luna and (improved) clustered attention (issue 5).
+"""Linformer, Nyströmformer, Luna and (improved) clustered attention.
 
 Exact limits against dot_product_attention, approximation error that falls as rank, landmarks
 or clusters grow, padding invariance, causal no-leak or a clear error, bf16, gradients.

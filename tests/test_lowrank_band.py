@@ -1,4 +1,4 @@
-"""Low-rank attention with a band branch (issue 5)."""
+"""Low-rank attention with a band branch."""
 
 import jax
 import jax.numpy as jnp

@@ -1,4 +1,4 @@
-"""Long-Short Transformer attention (issue 5)."""
+"""Long-Short Transformer attention."""
 
 import jax
 import jax.numpy as jnp

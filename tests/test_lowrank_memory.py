@@ -1,4 +1,4 @@
-"""Memory-compressed attention with local blocks (issue 5)."""
+"""Memory-compressed attention with local blocks."""
 
 import jax
 import jax.numpy as jnp

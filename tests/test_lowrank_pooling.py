@@ -1,4 +1,4 @@
-"""Poolingformer attention (issue 5)."""
+"""Poolingformer attention."""
 
 import jax
 import jax.numpy as jnp

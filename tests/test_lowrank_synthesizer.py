@@ -1,4 +1,4 @@
-"""Synthesizer and Informer ProbSparse attention (issue 5)."""
+"""Synthesizer and Informer ProbSparse attention."""
 
 import functools
 

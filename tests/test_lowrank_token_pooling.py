@@ -1,4 +1,4 @@
-"""TokenLearner and Funnel pooling / up-sampling (issue 5)."""
+"""TokenLearner and Funnel pooling / up-sampling."""
 
 import jax
 import jax.numpy as jnp

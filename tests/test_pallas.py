@@ -1,4 +1,4 @@
-"""Pallas kernels (issue 7): planner vs brute force, interpret-mode equality with the XLA path,
+"""Pallas kernels: planner vs brute force, interpret-mode equality with the XLA path,
 dispatch, and cross-lowering for CUDA (Triton) and TPU (Mosaic) on CPU.
 
 Interpret mode is slow, so each case bundles several features (padding, segments, odd shapes,

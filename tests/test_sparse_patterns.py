@@ -1,4 +1,5 @@
-"""Fixed and combined sparse patterns (issue 3): definitions against the survey formulas,
+"""Fixed and combined sparse patterns: definitions against the papers' index formulas (as
+written by Fournier et al., 2021, "A Practical Survey on Faster and Lighter Transformers"),
 block-sparse attention against the dense masked reference, causal behaviour, per-head use,
 axial attention and external global tokens."""
 
@@ -59,13 +60,14 @@ def _brute(fn, lq, lk=None):
 
 def test_strided_and_fixed_membership():
     n, s, c = 40, 6, 2
-    # P 4.1: strided: (i + s) > j > (i - s) or (i - j) mod s = 0.
+    # Child et al., 2019, strided, in the bidirectional form of Fournier et al., 2021:
+    # (i + s) > j > (i - s) or (i - j) mod s = 0.
     want = _brute(lambda i, j: (i + s) > j > (i - s) or (i - j) % s == 0, n)
     np.testing.assert_array_equal(P.Strided(s).dense(n, n), want)
     # fixed: floor(j / s) = floor(i / s) or (j mod s) >= (s - c).
     want = _brute(lambda i, j: j // s == i // s or j % s >= s - c, n)
     np.testing.assert_array_equal(P.Fixed(s, c).dense(n, n), want)
-    # The two halves of the factorised heads (T1 3.2.4) make up the whole.
+    # The two halves of the factorised heads (Child et al., 2019) make up the whole.
     st = P.PerHead.sparse_transformer(4, s, "strided")
     assert st.patterns[:2] == (P.Strided(s, "local"),) * 2
     np.testing.assert_array_equal(st.dense(n, n)[0] | st.dense(n, n)[3], P.Strided(s).dense(n, n))
@@ -74,14 +76,16 @@ def test_strided_and_fixed_membership():
 
 
 def test_star_membership():
-    # P 4.1: i = 0 sees everything; otherwise j = 0 or i - 1 <= j <= i + 1.
+    # Star-Transformer (Guo et al., 2019), as indexed by Fournier et al., 2021: i = 0 sees
+    # everything; otherwise j = 0 or i - 1 <= j <= i + 1.
     want = _brute(lambda i, j: i == 0 or j == 0 or i - 1 <= j <= i + 1, 23)
     np.testing.assert_array_equal(P.Star().dense(23, 23), want)
 
 
 @pytest.mark.parametrize("b,m,layer,size", [(1, 2, 0, 1), (1, 2, 1, 3), (1, 2, 2, 7), (1, 2, 3, 15), (2, 3, 1, 11)])
 def test_cascade_window_sizes(b, m, layer, size):
-    # P 4.1, Fig 12: 2 * b * m**l - 1 connections at layer l (b=1, m=2, l=2 gives 7).
+    # Cascade Transformer (Wang et al., 2020; Fournier et al., 2021, Fig. 12): 2 * b * m**l - 1
+    # connections at layer l (b=1, m=2, l=2 gives 7).
     p = P.Cascade(b, m, layer)
     assert p.connections == size
     n = 64
@@ -91,7 +95,8 @@ def test_cascade_window_sizes(b, m, layer, size):
 
 
 def _logsparse_set(i, n):
-    # P 4.1: {i - 2^floor(log2 i), ..., i - 2^0, i, i + 2^0, ..., i + 2^floor(log2(n - i))},
+    # LogSparse (Li et al., 2019), the index set as written by Fournier et al., 2021:
+    # {i - 2^floor(log2 i), ..., i - 2^0, i, i + 2^0, ..., i + 2^floor(log2(n - i))},
     # kept within the sequence.
     out = {i}
     if i >= 1:
@@ -163,7 +168,8 @@ def test_dilated_longformer_imagelocal_membership():
     np.testing.assert_array_equal(
         P.Longformer(2, 2, (0, 7)).dense(n, n),
         _brute(lambda i, j: (abs(i - j) <= 4 and (i - j) % 2 == 0) or i in (0, 7) or j in (0, 7), n))
-    # T1 3.2.2: a query block of l_q positions sees itself and the l_m positions before it.
+    # Image Transformer (Parmar et al., 2018): a query block of l_q positions sees itself and
+    # the l_m positions before it.
     lq_, lm = 8, 5
     np.testing.assert_array_equal(
         P.ImageLocal1D(lq_, lm).dense(n, n),
@@ -392,9 +398,9 @@ def test_axial_equals_masked_dense(shape, axis, causal, key):
 
 
 def test_axial_raster_decoder_is_causal(key):
-    # T1 3.2.5: shift down, unmasked row + masked column attention (context from the rows
-    # above), then shift right and masked row attention: pixel (r, c) depends on rows < r and
-    # on (r, < c) only.
+    # Axial Transformer decoder (Ho et al., 2019): shift down, unmasked row + masked column
+    # attention (context from the rows above), then shift right and masked row attention:
+    # pixel (r, c) depends on rows < r and on (r, < c) only.
     shape, d = (4, 5), 4
     n = math.prod(shape)
     x = jax.random.normal(key, (n, d))

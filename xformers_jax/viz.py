@@ -1,6 +1,7 @@
-"""Pictures of attention patterns: the connectivity matrix drawn as in the surveys' figures
-(P Figs 10-15, L Figs 4-5): rows are queries (output positions), columns keys (input
-positions), a filled square where a query attends to a key.
+"""Pictures of attention patterns: the connectivity matrix drawn as in the figures of Fournier
+et al. (2021, "A Practical Survey on Faster and Lighter Transformers", Figs 10-15) and Lin et
+al. (2022, "A Survey of Transformers", Figs 4-5): rows are queries (output positions),
+columns keys (input positions), a filled square where a query attends to a key.
 
 matplotlib is an optional dependency, imported only when drawing.
 """

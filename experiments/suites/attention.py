@@ -1,4 +1,4 @@
-"""Suite ``attention``: the dense reference against flash attention (issue 2's figures).
+"""Suite ``attention``: the dense reference against flash attention.
 
 fp32, B=1, H=4, D=64, lifted with ``multihead``. The dense reference stops at L=8192: at
 16384 its scores alone would be 4 GB per head.

@@ -1,6 +1,6 @@
 """Suite ``learned``: content-based sparse attention (LSH, Sinkhorn, routing) against flash.
 
-fp32, B=1, H=4, D=64, lifted with ``multihead`` (issue 6's figures). LSH: chunk 128, 2 rounds
+fp32, B=1, H=4, D=64, lifted with ``multihead``. LSH: chunk 128, 2 rounds
 (buckets L / 128); Sinkhorn: block 128; routing: window 256 with L / 256 clusters. The dense
 replacements of softmax (entmax, top-k) and adaptive span are measured at one length for
 reference; they carry no figure.

@@ -1,4 +1,4 @@
-"""Suite ``linear``: causal linear attention, chunked vs per-step scan vs causal flash (issue 4).
+"""Suite ``linear``: causal linear attention, chunked vs per-step scan vs causal flash.
 
 fp32, B=1, H=4, D=64, FAVOR+ with 64 orthogonal random features (the projection shared by the
 heads), lifted with ``multihead``. The chunked form should beat the per-step scan by 5x and

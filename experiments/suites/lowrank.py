@@ -1,5 +1,4 @@
-"""Suite ``lowrank``: low-rank, compressed and prototype attention against flash attention
-(issue 5's figures).
+"""Suite ``lowrank``: low-rank, compressed and prototype attention against flash attention.
 
 fp32, B=1, H=4, D=64, lifted with ``multihead``: Linformer (k=256, E and F shared by the
 heads), Nyströmformer (64 landmarks, with the conv skip), Luna (256 packed rows) and clustered

@@ -1,4 +1,4 @@
-"""Suite ``lra``: the Long Range Arena efficiency table on this machine (issue 9).
+"""Suite ``lra``: the Long Range Arena efficiency table on this machine.
 
 One training step (forward and backward of the mean cross-entropy with respect to every
 parameter) of the byte-level Text classifier, ``nn.EncoderClassifier`` with each attention
@@ -15,14 +15,14 @@ is what the step needs on a device and what the paper's TPU figures count; the w
 RSS above start-up is recorded too, but it adds 250-400 MB of XLA compiler memory to every
 variant alike, which caps any measured saving.
 
-The LRA paper's figures at 4K (Tay et al. 2021, Table 3 via the practical survey's Table 3 /
-CATALOG.md): steps/s relative to the Transformer Performer 5.7x, Linear 5.6x, Linformer
-5.5x, Local 5.3x, Sinkhorn 3.8x, Synthesizer 1.4x, BigBird 1.1x, Reformer 0.8x; peak memory
-9.48 GB for the Transformer against Performer 1.06 (8.9x lighter), Linear 1.03 (9.2x),
-Linformer 0.99 (9.6x), Sinkhorn 1.48 (6.4x), Synthesizer 6.99 (1.36x), Reformer 2.28 (4.2x),
-BigBird 2.88 (3.3x); the paper gives no memory figure for Local attention here. The checks
-ask each of those variants for at least the paper's figures, and BigBird and Reformer to be
-faster than dense vanilla.
+The LRA paper's figures at 4K (Tay et al., 2021, "Long Range Arena", Table 3, as reproduced in
+Fournier et al., 2021, Table 3, and CATALOG.md): steps/s relative to the Transformer Performer 5.7x,
+Linear 5.6x, Linformer 5.5x, Local 5.3x, Sinkhorn 3.8x, Synthesizer 1.4x, BigBird 1.1x, Reformer
+0.8x; peak memory 9.48 GB for the Transformer against Performer 1.06 (8.9x lighter), Linear 1.03
+(9.2x), Linformer 0.99 (9.6x), Sinkhorn 1.48 (6.4x), Synthesizer 6.99 (1.36x), Reformer 2.28 (4.2x),
+BigBird 2.88 (3.3x); the paper gives no memory figure for Local attention here. The checks ask each
+of those variants for at least the paper's figures, and BigBird and Reformer to be faster than dense
+vanilla.
 """
 
 from __future__ import annotations

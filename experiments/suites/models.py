@@ -1,4 +1,4 @@
-"""Suite ``models``: activation memory of deep encoders (issue 8's figures).
+"""Suite ``models``: activation memory of deep encoders.
 
 A pre-LN encoder layer stack (d=256, 4 heads, FFN 1024, flash attention, fp32, B=2, L=2048),
 trained for one step's gradient with respect to every parameter. Peak memory is the fresh

@@ -1,4 +1,4 @@
-"""Suite ``parallel``: memory per device under FSDP and ring attention (issue 10's figures).
+"""Suite ``parallel``: memory per device under FSDP and ring attention.
 
 Simulated CPU devices share one memory, so these figures are not RSS. They are computed in a
 subprocess started with ``XLA_FLAGS=--xla_force_host_platform_device_count=8`` (the harness's

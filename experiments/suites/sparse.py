@@ -1,5 +1,5 @@
 """Suite ``sparse``: block-sparse attention of fixed patterns vs full flash attention and the
-dense-masked computation of the same pattern (issue 3's figures).
+dense-masked computation of the same pattern.
 
 fp32, B=1, H=4, D=64, lifted with ``multihead``. "Local window 512" is ``Local(256, 256)``
 (512 keys around each query, as Longformer/BigBird count a window); BigBird is block 64 with 3

@@ -1,12 +1,13 @@
 """Sequence-parallel causal linear attention by passing prefix states between shards.
 
 The causal recurrence ``S_t = exp(ld_t) S_{t-1} + phi(k_t) [v_t, 1]^T``, ``out_t = phi(q_t) S_t``
-(survey L 4.2 Eq 16, L 4.2.2, T1 3.2.13; see ``attention.linear._scan``) is associative over
-shards: shard r summarises its keys as the state it would reach from zero, ``S_r``, and its
-total log-decay ``T_r``. Each shard gathers the n summaries (``lax.all_gather``: n small
-``[M, Dv+1]`` matrices), forms the exclusive prefix ``S_in(r) = sum_{r'<r} exp(T_{r'+1} + ...
-+ T_{r-1}) S_{r'}``, and adds ``phi(q_t) exp(ld_1 + ... + ld_t) S_in(r)`` to its local causal
-outputs. Features, gates and the chunked scan are ``linear_attention``'s own.
+(Katharopoulos et al., 2020; gated as in Peng et al., 2021; see ``attention.linear._scan``) is
+associative over shards: shard r summarises its keys as the state it would reach from zero,
+``S_r``, and its total log-decay ``T_r``. Each shard gathers the n summaries
+(``lax.all_gather``: n small ``[M, Dv+1]`` matrices), forms the exclusive prefix
+``S_in(r) = sum_{r'<r} exp(T_{r'+1} + ... + T_{r-1}) S_{r'}``, and adds
+``phi(q_t) exp(ld_1 + ... + ld_t) S_in(r)`` to its local causal outputs. Features, gates and
+the chunked scan are ``linear_attention``'s own.
 """
 
 from __future__ import annotations

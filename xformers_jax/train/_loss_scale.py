@@ -1,4 +1,5 @@
-"""Dynamic loss scaling for float16 training (practical survey P 3, mixed precision).
+"""Dynamic loss scaling for float16 training (Micikevicius et al., 2018, "Mixed Precision
+Training").
 
 float16 has 5 exponent bits: small gradients underflow to 0. The loss is multiplied by a
 scale ``S`` before differentiation and the gradients divided by ``S`` after, in float32. When a

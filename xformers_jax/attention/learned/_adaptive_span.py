@@ -1,7 +1,6 @@
 """Adaptive attention span: a learnable soft limit on how far back each head looks.
 
-Sukhbaatar, Grave, Bojanowski & Joulin, "Adaptive Attention Span in Transformers" (ACL 2019);
-survey P 3, L 4.6.2 (Fig 10b).
+Sukhbaatar, Grave, Bojanowski & Joulin, "Adaptive Attention Span in Transformers" (ACL 2019).
 
 The soft mask ``m_z(x) = clamp((R + z - x) / R, 0, 1)`` of the distance ``x = i - j`` (R the
 ramp, z the learnable span) multiplies the attention weights before renormalisation, which is

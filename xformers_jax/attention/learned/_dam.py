@@ -1,7 +1,8 @@
 """SparseBERT's differentiable attention mask (DAM): a learned, Gumbel-sigmoid gated mask.
 
 Shi et al., "SparseBERT: Rethinking the Importance Analysis in Self-attention" (ICML 2021);
-survey P 4.1 (Eq 15).
+the equation number is that of Fournier et al. (2021, "A Practical Survey on Faster and
+Lighter Transformers", Eq. 15).
 
 ``M_ij = sigmoid((a_ij + G1 - G2) / tau)`` with Gumbel noises G1, G2 (Eq 15), and a penalty
 ``lambda * ||M||_1`` on the loss. Options the paper uses to keep the pattern structured: the

@@ -2,7 +2,8 @@
 
 Correia, Niculae & Martins, "Adaptively Sparse Transformers" (EMNLP 2019); Peters, Niculae &
 Martins, "Sparse Sequence-to-Sequence Models" (ACL 2019); Martins & Astudillo, "From Softmax to
-Sparsemax" (ICML 2016). Survey P 4.1 (Eq 16-19).
+Sparsemax" (ICML 2016). Equation numbers below are those of Fournier et al. (2021, "A
+Practical Survey on Faster and Lighter Transformers", Eq. 16-19).
 
 alpha-entmax(z) = [(alpha - 1) z - tau]_+ ^ (1 / (alpha - 1)) with tau making it sum to one
 (Eq 18): alpha = 1 is softmax, alpha = 2 sparsemax, alpha = 1.5 has an exact sort-based
@@ -214,7 +215,7 @@ def entmax_attention(
     :func:`sparsemax`, else :func:`entmax_bisect`; as an array (e.g. ``entmax_alpha(a)`` for a
     learnable per-head ``a``, mapped over heads with ``multihead(..., arg_axes=("heads",))``)
     it always uses the bisection, with the exact gradient for alpha. The score matrix is dense,
-    O(Lq * Lk): sparsity here is in the weights, not the cost (survey P 4.1).
+    O(Lq * Lk): sparsity here is in the weights, not the cost (Correia et al., 2019).
 
     Args:
       q: ``[Lq, Dk]``. k: ``[Lk, Dk]``. v: ``[Lk, Dv]``.

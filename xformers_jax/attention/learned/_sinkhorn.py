@@ -1,7 +1,6 @@
 """Sparse Sinkhorn attention: a learned sort of key blocks, then local + sorted block attention.
 
-Tay, Bahri, Yang, Metzler & Juan, "Sparse Sinkhorn Attention" (ICML 2020); survey P 4.1
-(Fig 16), T1 3.2.11 (Eq 4), L 4.1.2.
+Tay, Bahri, Yang, Metzler & Juan, "Sparse Sinkhorn Attention" (ICML 2020).
 
 Blocks are contiguous runs of ``block_size`` tokens (the Long Range Arena code reshapes
 ``(L,) -> (block, num_blocks)``, which makes strided sets, and its einsum never applies the
@@ -46,8 +45,9 @@ def _block_group(n: int, b: int, keys_per_query: int) -> int | None:
 
 
 class SinkhornSortNet(NamedTuple):
-    """The meta sorting network F_S (a two-layer ReLU MLP, T1 Eq 4) mapping a block's summary
-    ``[D]`` to its logits over the ``num_blocks`` blocks."""
+    """The meta sorting network (a two-layer ReLU MLP; ``F_S`` in Eq. 4 of Tay et al., 2020,
+    "Efficient Transformers: A Survey") mapping a block's summary ``[D]`` to its logits over the
+    ``num_blocks`` blocks."""
 
     w1: jax.Array  # [D, hidden]
     b1: jax.Array  # [hidden]

@@ -1,7 +1,7 @@
 """Exact top-k attention: each query keeps its k highest-scoring keys.
 
-A content-based sparsification of softmax attention (survey P 4.1, "adaptive sparsity"; Gupta
-et al., "Memory-efficient Transformers via Top-k Attention", 2021). The scores are computed
+A content-based ("adaptive") sparsification of softmax attention (Gupta et al.,
+"Memory-efficient Transformers via Top-k Attention", 2021). The scores are computed
 densely, so the saving is in the weights, not in the cost.
 """
 

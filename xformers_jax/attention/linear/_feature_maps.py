@@ -1,7 +1,8 @@
 """Feature maps phi for kernelized (linear) attention, and the random projections they draw.
 
-``sim(q, k) = phi(q) . phi(k)`` replaces ``exp(q . k)`` (survey L 4.2.1, P 4.2 Eq 30-35,
-T1 3.2.13-3.2.14). Each public map takes ``x: [L, D]`` and returns float32 features ``[L, M]``.
+``sim(q, k) = phi(q) . phi(k)`` replaces ``exp(q . k)`` (Katharopoulos et al., 2020;
+Choromanski et al., 2021). Each public map takes ``x: [L, D]`` and returns float32 features
+``[L, M]``.
 
 The exponential maps (FAVOR+ positive, hyperbolic) are also registered in *log space*:
 :func:`~xformers_jax.attention.linear_attention` receives ``log phi`` and stabilises it itself,
@@ -41,7 +42,7 @@ def _half_sq_norm(x: jax.Array) -> jax.Array:
 
 
 def elu_features(x) -> jax.Array:
-    """``phi(x) = elu(x) + 1`` (Linear Transformer; survey L 4.2.1, P Eq 33, T1 3.2.13).
+    """``phi(x) = elu(x) + 1`` (Linear Transformer; Katharopoulos et al., 2020).
 
     Args:
       x: ``[L, D]``.
@@ -55,8 +56,9 @@ def elu_features(x) -> jax.Array:
 def relu_features(x, projection=None) -> jax.Array:
     """``relu(x)``, or Performer's ReLU kernel ``relu(x W^T) / sqrt(M)`` given a projection.
 
-    The projected form approximates the order-1 arc-cosine kernel (survey L 4.2.1: ``h = 1``,
-    ``f = ReLU``).
+    The projected form approximates the order-1 arc-cosine kernel (Choromanski et al., 2021;
+    Peng et al., 2021; ``h = 1``, ``f = ReLU`` in the general random feature map of Lin et al.,
+    2022, "A Survey of Transformers", Eq. 17).
 
     Args:
       x: ``[L, D]``.
@@ -82,8 +84,8 @@ def favor_positive_features(x, projection) -> jax.Array:
     """FAVOR+ positive random features ``exp(W x - |x|^2 / 2) / sqrt(M)``.
 
     ``E[phi(q) . phi(k)] = exp(q . k)`` for Gaussian rows of ``W``; orthogonal rows lower the
-    variance (Choromanski et al. 2021; survey L 4.2.1 with ``h(x) = exp(-|x|^2/2)``, ``f = exp``;
-    T1 3.2.14). This public function is unstabilised; ``linear_attention`` and
+    variance (Choromanski et al., 2021; ``h(x) = exp(-|x|^2/2)``, ``f = exp`` in Lin et al.,
+    2022, Eq. 17). This public function is unstabilised; ``linear_attention`` and
     ``performer_attention`` use the log-space form and stabilise it without leaking the future.
 
     Args:
@@ -107,8 +109,9 @@ def _hyperbolic_log(x, projection) -> jax.Array:
 def hyperbolic_features(x, projection) -> jax.Array:
     """Hyperbolic positive features ``exp(-|x|^2/2) / sqrt(2M) [exp(W x), exp(-W x)]``.
 
-    Survey P 4.2 Eq 35: the antithetic pair makes the estimate of ``exp(q . k)`` lower-variance
-    than FAVOR+ at the cost of twice the features.
+    Choromanski et al. (2021), in the form of Fournier et al. (2021, "A Practical Survey on
+    Faster and Lighter Transformers", Eq. 35): the antithetic pair makes the estimate of
+    ``exp(q . k)`` lower-variance than FAVOR+ at the cost of twice the features.
 
     Args:
       x: ``[L, D]``.
@@ -123,11 +126,12 @@ def hyperbolic_features(x, projection) -> jax.Array:
 def favor_trig_features(x, projection) -> jax.Array:
     """FAVOR trigonometric features ``exp(|x|^2/2) / sqrt(M) [sin(W x), cos(W x)]``.
 
-    The first Performer (survey L 4.2.1, random Fourier features): ``E[phi(q) . phi(k)] =
-    exp(q . k)`` because ``exp(q . k) = exp(|q|^2/2) exp(|k|^2/2) exp(-|q - k|^2/2)``. The
-    survey prints ``h(x) = exp(-|x|^2/2)``; the sign must be ``+`` for the identity to hold.
-    Features can be negative, so the attention denominator can vanish: ``linear_attention``
-    guards it.
+    The first Performer (Choromanski et al., 2020; random Fourier features, Rahimi & Recht,
+    2007): ``E[phi(q) . phi(k)] = exp(q . k)`` because
+    ``exp(q . k) = exp(|q|^2/2) exp(|k|^2/2) exp(-|q - k|^2/2)``. Lin et al. (2022, "A Survey of
+    Transformers", text after Eq. 17) print ``h(x) = exp(-|x|^2/2)``; the sign must be ``+``
+    for the identity to hold. Features can be negative, so the attention denominator can
+    vanish: ``linear_attention`` guards it.
 
     Args:
       x: ``[L, D]``.
@@ -146,7 +150,7 @@ def favor_trig_features(x, projection) -> jax.Array:
 def rfa_features(x, projection) -> jax.Array:
     """Random Feature Attention features ``[sin(W x'), cos(W x')] / sqrt(M)``, ``x' = x/|x|``.
 
-    Peng et al. 2021 (survey L 4.2.1, T2 Table 1): on l2-normalised inputs the Gaussian kernel
+    Peng et al., 2021, "Random Feature Attention": on l2-normalised inputs the Gaussian kernel
     ``exp(-|q' - k'|^2 / (2 sigma^2))`` is proportional to ``exp(q' . k' / sigma^2)``, so
     ``h(x) = 1``. ``sigma`` lives in the projection (:func:`init_rfa_projection`).
 
@@ -165,7 +169,8 @@ def rfa_features(x, projection) -> jax.Array:
 
 
 def dpfp_features(x, nu: int = 1) -> jax.Array:
-    """Deterministic parameter-free projection (Schlag et al. 2021; survey L 4.2.1 Eq 18).
+    """Deterministic parameter-free projection (Schlag et al., 2021; indexed as in Lin et al.,
+    2022, "A Survey of Transformers", Eq. 18).
 
     ``phi_{i + 2(j-1)D}(x) = r_i r_{i+j}`` for ``r = relu([x, -x])``, ``i = 1..2D``,
     ``j = 1..nu`` (indices modulo 2D).
@@ -190,7 +195,7 @@ def init_random_projection(
 ) -> jax.Array:
     """Draws a ``[num_features, dim]`` Gaussian projection for the random feature maps.
 
-    Orthogonal random features (Choromanski et al. 2021; survey P 4.2 after Eq 35): stacked
+    Orthogonal random features (Choromanski et al., 2021): stacked
     ``dim x dim`` blocks with orthonormal rows (QR of Gaussian matrices), then rescaled so each
     row has the norm of a Gaussian vector. ``scaling="chi"`` draws those norms from the chi
     distribution with ``dim`` degrees of freedom (the marginal of an iid Gaussian row, so the

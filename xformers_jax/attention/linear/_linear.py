@@ -1,9 +1,10 @@
 """Kernelized linear attention: ``linear_attention``, ``performer_attention`` and O(1) decoding.
 
 ``out_i = phi(q_i) S / phi(q_i) z`` with ``S = sum_j phi(k_j) v_j^T``, ``z = sum_j phi(k_j)``
-(survey L 4.2 Eq 15-16, P 4.2 Eq 31-32, T1 3.2.13-3.2.14). Under ``causal=True`` the sums run
-over ``j <= i`` and may be gated or decayed (L 4.2.2); all of that is one recurrence, computed
-by ``_scan`` (chunkwise parallel or per-step scan).
+(Katharopoulos et al., 2020, "Transformers are RNNs"; Choromanski et al., 2021, Performer).
+Under ``causal=True`` the sums run over ``j <= i`` and may be gated or decayed (the gated
+update of RFA, Peng et al., 2021); all of that is one recurrence, computed by ``_scan``
+(chunkwise parallel or per-step scan).
 
 Stabilising exponential features (FAVOR+, hyperbolic) without leaking the future: the feature
 maps hand over ``log phi``. A query row is shifted by its own maximum, which cancels between
@@ -148,9 +149,9 @@ def linear_attention(
 ):
     """Kernelized attention ``phi(Q) (phi(K)^T V)``, normalised, in time linear in length.
 
-    Survey L 4.2 Eq 16 (Linear Transformer, Performer, RFA), L 4.2.2 (RFA gating), P 4.2
-    Eq 31-32, T1 3.2.13-3.2.14. q and k are multiplied by ``sqrt(scale)`` before the feature
-    map, so softmax-approximating maps approximate ``exp(scale q . k)``.
+    Linear Transformer (Katharopoulos et al., 2020), Performer (Choromanski et al., 2021) and
+    RFA with its gating (Peng et al., 2021). q and k are multiplied by ``sqrt(scale)`` before
+    the feature map, so softmax-approximating maps approximate ``exp(scale q . k)``.
 
     Args:
       q: ``[Lq, Dk]``.
@@ -209,9 +210,9 @@ def performer_attention(
 ):
     """Performer attention with FAVOR+ (Choromanski et al. 2021).
 
-    Survey P 4.2 Eq 34-35, T1 3.2.14, L 4.2.1. ``kernel="softmax"`` uses positive orthogonal
-    random features, stabilised as described in this module (no future leak under
-    ``causal=True``); ``kernel="relu"`` uses the ReLU kernel ``relu(W x) / sqrt(M)``.
+    ``kernel="softmax"`` uses positive orthogonal random features, stabilised as described in
+    this module (no future leak under ``causal=True``); ``kernel="relu"`` uses the ReLU kernel
+    ``relu(W x) / sqrt(M)``.
 
     Args:
       q: ``[Lq, Dk]``.
@@ -284,8 +285,8 @@ def linear_attention_step(
     """One decoding step of causal :func:`linear_attention` in O(1) time and memory.
 
     Feeding a sequence token by token gives, position by position, what
-    ``linear_attention(..., causal=True)`` gives for the whole sequence (survey T1 3.2.13: the
-    causal Linear Transformer is an RNN).
+    ``linear_attention(..., causal=True)`` gives for the whole sequence (the causal Linear
+    Transformer is an RNN; Katharopoulos et al., 2020).
 
     Args:
       state: from :func:`linear_attention_init_state` or a previous step.

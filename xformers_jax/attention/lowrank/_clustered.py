@@ -1,10 +1,10 @@
 """Clustered and improved clustered attention: queries grouped into prototypes.
 
-Vyas, Katharopoulos, Fleuret, "Fast Transformers with Clustered Attention" (2020); survey
-P 4.2 ("Clustering and Locality-Sensitive Hashing"), L 4.3.1. Queries are hashed to bits by
-random hyperplanes, grouped by k-means under the Hamming distance, and each cluster's centroid
-attends for all its members. The improved form recomputes each cluster's top-k keys exactly
-for every member and rescales them by the mass the centroid gave them.
+Vyas, Katharopoulos, Fleuret, "Fast Transformers with Clustered Attention" (2020). Queries
+are hashed to bits by random hyperplanes, grouped by k-means under the Hamming distance, and
+each cluster's centroid attends for all its members. The improved form recomputes each
+cluster's top-k keys exactly for every member and rescales them by the mass the centroid gave
+them.
 """
 
 from __future__ import annotations

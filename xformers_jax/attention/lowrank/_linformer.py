@@ -1,7 +1,7 @@
 """Linformer: softmax attention over keys and values projected along the length axis.
 
-Wang et al., "Linformer: Self-Attention with Linear Complexity" (2020); survey P 4.2 (Eq 22),
-T1 3.2.12: ``softmax(Q (E K)^T / sqrt(d)) (F V)`` with ``E, F: [k, n]``.
+Wang et al., "Linformer: Self-Attention with Linear Complexity" (2020):
+``softmax(Q (E K)^T / sqrt(d)) (F V)`` with ``E, F: [k, n]``.
 """
 
 from __future__ import annotations

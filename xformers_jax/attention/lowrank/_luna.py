@@ -1,8 +1,8 @@
 """Luna: linear unified nested attention, packing the input into a short extra sequence.
 
-Ma et al., "Luna: Linear Unified Nested Attention" (2021); survey T2 Table 1, L 4.3.2. Pack:
-the ``l`` rows of an extra sequence ``P`` attend over the input; unpack: every query attends
-over the ``l`` packed rows. Both steps are exact softmax attention over a short set.
+Ma et al., "Luna: Linear Unified Nested Attention" (2021). Pack: the ``l`` rows of an
+extra sequence ``P`` attend over the input; unpack: every query attends over the ``l`` packed
+rows. Both steps are exact softmax attention over a short set.
 
 Both softmax steps (and the causal form's whole-sequence pack) run through
 :func:`~xformers_jax.attention._dense.short_softmax_attention`, softmax attention whose

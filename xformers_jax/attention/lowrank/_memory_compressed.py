@@ -1,9 +1,9 @@
 """Memory-compressed attention combined with local blocks.
 
-Liu et al., "Generating Wikipedia by Summarizing Long Sequences" (2018); survey T1 3.2.1,
-L 4.3.2. Keys and values are compressed by a strided convolution (kernel = stride = c), which
-shortens the memory c times; each query attends jointly over the keys of its own contiguous
-block and over the compressed memory, with one softmax.
+Liu et al., "Generating Wikipedia by Summarizing Long Sequences" (2018). Keys and values are
+compressed by a strided convolution (kernel = stride = c), which shortens the memory c times;
+each query attends jointly over the keys of its own contiguous block and over the compressed
+memory, with one softmax.
 """
 
 from __future__ import annotations

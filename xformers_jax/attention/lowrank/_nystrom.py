@@ -1,8 +1,7 @@
 """Nyströmformer: attention through segment-mean landmarks and an iterative pseudo-inverse.
 
 Xiong et al., "Nyströmformer: A Nyström-Based Algorithm for Approximating Self-Attention"
-(2021); survey P 4.2 (Eq 28-29), L 4.4.2 (Eq 19):
-``softmax(Q K~^T) Z softmax(Q~ K^T) V`` with ``Z ~ softmax(Q~ K~^T)^+``.
+(2021): ``softmax(Q K~^T) Z softmax(Q~ K^T) V`` with ``Z ~ softmax(Q~ K~^T)^+``.
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """Poolingformer: sliding-window attention, then attention over a pooled memory.
 
-Zhang et al., "Poolingformer: Long Document Modeling with Pooling Attention" (2021); survey
-T2 Table 1, L 4.3.2. Two levels: an exact sliding window, and a second level whose keys and
-values are pooled (mean or max over ``pool_size`` consecutive tokens), optionally restricted
-to a wider window; the two levels' outputs are summed.
+Zhang et al., "Poolingformer: Long Document Modeling with Pooling Attention" (2021). Two
+levels: an exact sliding window, and a second level whose keys and values are pooled (mean or
+max over ``pool_size`` consecutive tokens), optionally restricted to a wider window; the two
+levels' outputs are summed.
 """
 
 from __future__ import annotations

@@ -1,10 +1,10 @@
 """Informer's ProbSparse attention: only the most "peaked" queries attend.
 
 Zhou et al., "Informer: Beyond Efficient Transformer for Long Sequence Time-Series Forecasting"
-(2021); survey L 4.3.1. The sparsity measure ``M(q_i) = max_j s_ij - mean_j s_ij`` (an
-approximation of the KL divergence of the query's attention from uniform), estimated on a
-random sample of keys, picks the top-u queries; they get exact softmax attention, the others
-the mean of the values (the output of uniform attention).
+(2021). The sparsity measure ``M(q_i) = max_j s_ij - mean_j s_ij`` (an approximation of the
+KL divergence of the query's attention from uniform), estimated on a random sample of keys,
+picks the top-u queries; they get exact softmax attention, the others the mean of the values
+(the output of uniform attention).
 
 Informer's decoder also has a "causal" form (lazy queries get the mean of the values up to
 their position). It is not offered here: choosing the top-u queries ranks every query against

@@ -1,8 +1,9 @@
 """Synthesizer: attention weights synthesised without (or mixed with) query-key dot products.
 
-Tay et al., "Synthesizer: Rethinking Self-Attention in Transformer Models" (2020); survey
-P 4.2 (Eq 23-27), T1 3.2.15 (Eq 8-12). Every form gives logits ``[Lq, Lk]`` that are softmaxed
-and applied to the values; mixtures add the logits of several forms with weights.
+Tay et al., "Synthesizer: Rethinking Self-Attention in Transformer Models" (2020). Every form
+gives logits ``[Lq, Lk]`` that are softmaxed and applied to the values; mixtures add the
+logits of several forms with weights. Equation numbers below are those of Fournier et al.
+(2021, "A Practical Survey on Faster and Lighter Transformers", Eq. 23-27).
 """
 
 from __future__ import annotations

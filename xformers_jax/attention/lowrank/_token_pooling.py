@@ -1,8 +1,7 @@
 """Down-sampling the token sequence: TokenLearner, and Funnel query pooling and up-sampling.
 
 TokenLearner: Ryoo et al., "TokenLearner: What Can 8 Learned Tokens Do for Images and Videos?"
-(2021); survey T2 Table 1. Funnel: Dai et al., "Funnel-Transformer" (2020); survey P 4.3,
-L 6.1.
+(2021). Funnel: Dai et al., "Funnel-Transformer" (2020).
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ from ._basic import Full as Full
 from ._basic import KeyPadding as KeyPadding
 from ._basic import Local as Local
 from ._basic import Segments as Segments
-# --- sparse patterns (issue 3) ---
+# --- sparse patterns ---
 from ._sparse import BlockBERT as BlockBERT
 from ._sparse import BlockLocal as BlockLocal
 from ._sparse import BPTree as BPTree

@@ -1,9 +1,11 @@
-"""Fixed sparse patterns of the surveys: atomic (dilated, strided, global, block-local) and
+"""Fixed sparse patterns: atomic (dilated, strided, global, block-local) and
 compound (Star, Sparse Transformer, Cascade, LogSparse, BlockBERT, Longformer, Image
 Transformer, BP-Transformer), plus per-head assignment.
 
-Index formulas follow survey P 4.1 (Fournier et al., Figs 10-15, Eq 14), L 4.1.1 (Lin et al.,
-Figs 4-6) and T1 3.2.2-3.2.6 (Tay et al.). Patterns marked ``encoder_only`` connect every query
+Index formulas are those of the original papers cited on each pattern, in the bidirectional
+form given by Fournier et al. (2021, "A Practical Survey on Faster and Lighter Transformers",
+Figs 10-15, Eq. 14); the atomic patterns are those of Lin et al. (2022, "A Survey of
+Transformers", Figs 4-6). Patterns marked ``encoder_only`` connect every query
 to later keys by construction (relay nodes, block permutations, span trees); asking for
 ``causal=True`` with them raises instead of silently dropping half of their structure.
 """
@@ -67,7 +69,8 @@ def block_matrix_mask(blocks: np.ndarray, block: int, i, j, lq, lk):
 
 @dataclasses.dataclass(frozen=True)
 class Dilated(Pattern):
-    """Dilated window (L 4.1.1.1, Fig 4c): ``j = i + t * dilation`` for ``-left <= t <= right``.
+    """Dilated window (Beltagy et al., 2020, Longformer): ``j = i + t * dilation`` for
+    ``-left <= t <= right``.
 
     ``left`` and ``right`` count attended keys on each side (the receptive field is
     ``dilation`` times wider than a band with as many keys); ``dilation=1`` is ``Local``.
@@ -108,7 +111,7 @@ def _strided_kinds(stride, lq, lk, block_q, block_k):
 
 @dataclasses.dataclass(frozen=True)
 class Strided(Pattern):
-    """Sparse Transformer strided attention (P 4.1, Fig 11 left; T1 3.2.4).
+    """Sparse Transformer strided attention (Child et al., 2019, Fig. 3b).
 
     ``i`` sees ``j`` if ``(i + s) > j > (i - s)`` (the local part) or ``(i - j) mod s == 0``
     (the strided part); the stride ``s`` is chosen close to ``sqrt(n)``. ``part`` selects one
@@ -142,7 +145,8 @@ class Strided(Pattern):
 
 @dataclasses.dataclass(frozen=True)
 class BlockLocal(Pattern):
-    """Block-local attention (L 4.1.1.1, Fig 4e; T1 3.2.4 local heads): ``i // b == j // b``."""
+    """Block-local attention (Parmar et al., 2018; the local heads of Child et al., 2019):
+    ``i // b == j // b``."""
 
     block: int
 
@@ -160,7 +164,7 @@ class BlockLocal(Pattern):
 
 @dataclasses.dataclass(frozen=True)
 class Fixed(Pattern):
-    """Sparse Transformer fixed attention (P 4.1, Fig 11 right).
+    """Sparse Transformer fixed attention (Child et al., 2019, Fig. 3c).
 
     ``i`` sees ``j`` if ``floor(j / s) == floor(i / s)`` (``part="block"``) or
     ``(j mod s) >= s - c`` (``part="summary"``: the last ``c`` positions of every block act as
@@ -203,8 +207,9 @@ class Fixed(Pattern):
 
 @dataclasses.dataclass(frozen=True)
 class Global(Pattern):
-    """Internal global tokens (L 4.1.1.1, Fig 4a): positions in ``tokens`` see every key and
-    are seen by every query. Under ``causal=True`` they keep only what decoding allows."""
+    """Internal global tokens (Beltagy et al., 2020; Zaheer et al., 2020): positions in
+    ``tokens`` see every key and are seen by every query. Under ``causal=True`` they keep only
+    what decoding allows."""
 
     tokens: tuple[int, ...]
 
@@ -226,7 +231,7 @@ class Global(Pattern):
 
 @dataclasses.dataclass(frozen=True)
 class Star(Pattern):
-    """Star-Transformer (P 4.1, Fig 10): a relay node at position 0 sees and is seen by all;
+    """Star-Transformer (Guo et al., 2019): a relay node at position 0 sees and is seen by all;
     every other ``i`` sees ``j = 0`` and ``i - 1 <= j <= i + 1``. Encoder only."""
 
     encoder_only: ClassVar[bool] = True
@@ -244,8 +249,9 @@ class Star(Pattern):
 
 @dataclasses.dataclass(frozen=True)
 class Cascade(Pattern):
-    """Cascade Transformer (P 4.1, Fig 12): a band of ``2 * b * m**layer - 1`` connections at
-    layer ``layer`` (0-based), base window ``b``, cardinal number ``m``; causal via ``& Causal()``."""
+    """Cascade Transformer (Wang et al., 2020, "Transformer on a Diet"): a band of
+    ``2 * b * m**layer - 1`` connections at layer ``layer`` (0-based), base window ``b``,
+    cardinal number ``m``; causal via ``& Causal()``."""
 
     base: int
     cardinal: int
@@ -278,7 +284,7 @@ def _is_power_of_two(d):
 
 @dataclasses.dataclass(frozen=True)
 class LogSparse(Pattern):
-    """LogSparse Transformer (P 4.1, Fig 13): ``i`` sees ``i`` and ``i +- 2**k`` (k >= 0), so
+    """LogSparse Transformer (Li et al., 2019): ``i`` sees ``i`` and ``i +- 2**k`` (k >= 0), so
     O(log n) keys per query. The two alternatives of the paper:
 
     - ``local=k``: every key within distance ``k`` is seen, after which the exponential steps
@@ -325,7 +331,8 @@ class LogSparse(Pattern):
 
 @dataclasses.dataclass(frozen=True)
 class BlockBERT(Pattern):
-    """BlockBERT block-wise attention (P 4.1, Eq 14, Fig 14): the sequence is cut into
+    """BlockBERT block-wise attention (Qiu et al., 2020; index rule as in Fournier et al., 2021,
+    Eq. 14): the sequence is cut into
     ``num_blocks`` blocks; block ``b`` of the queries sees block ``pi(b) = (b + shift) mod
     num_blocks`` of the keys (the shift permutations of the paper; one per head, see
     :meth:`PerHead.blockbert`). Encoder only."""
@@ -351,7 +358,7 @@ class BlockBERT(Pattern):
 
 @dataclasses.dataclass(frozen=True)
 class Longformer(Pattern):
-    """Longformer (P 4.1 Fig 15 left, T1 3.2.6): a sliding window of ``window`` keys on each
+    """Longformer (Beltagy et al., 2020): a sliding window of ``window`` keys on each
     side with gaps of ``dilation``, plus internal global tokens. For separate global
     projections use :func:`xformers_jax.attention.longformer_attention`."""
 
@@ -378,7 +385,7 @@ class Longformer(Pattern):
 
 @dataclasses.dataclass(frozen=True)
 class ImageLocal1D(Pattern):
-    """Image Transformer 1-D local attention (T1 3.2.2, L 4.1.1.3): the raster-order sequence is
+    """Image Transformer 1-D local attention (Parmar et al., 2018): the raster-order sequence is
     cut into query blocks of ``query_block`` positions; each sees its own block and the
     ``memory`` positions before it. The decoder form is this ``& Causal()``."""
 
@@ -404,7 +411,7 @@ class ImageLocal1D(Pattern):
 
 @dataclasses.dataclass(frozen=True)
 class ImageLocal2D(Pattern):
-    """Image Transformer 2-D local attention (T1 3.2.2, Fig 3; L Fig 6b).
+    """Image Transformer 2-D local attention (Parmar et al., 2018).
 
     A ``height x width`` image is cut into ``query_shape = (h_q, w_q)`` query blocks; the memory
     block extends a query block ``h_m`` rows up and ``w_m`` columns left and right
@@ -456,7 +463,7 @@ class ImageLocal2D(Pattern):
 
 @dataclasses.dataclass(frozen=True)
 class BPTree(Pattern):
-    """BP-Transformer's binary partition tree (L 4.1.1.3, Fig 6a), as a pattern over tokens
+    """BP-Transformer's binary partition tree (Ye et al., 2019), as a pattern over tokens
     followed by span nodes.
 
     Positions ``0 .. num_tokens - 1`` are the tokens (leaves); then come the span nodes, level
@@ -506,8 +513,8 @@ class BPTree(Pattern):
 
 @dataclasses.dataclass(frozen=True)
 class PerHead:
-    """One pattern per attention head (T1 3.2.4: the Sparse Transformer gives half of the heads
-    each pattern; BlockBERT a permutation per head). Run it with
+    """One pattern per attention head (the Sparse Transformer, Child et al., 2019, gives half of
+    the heads each pattern; BlockBERT, Qiu et al., 2020, a permutation per head). Run it with
     :func:`xformers_jax.attention.per_head_block_sparse_attention`, which groups the heads that
     share a pattern."""
 
@@ -553,7 +560,7 @@ class PerHead:
 
     @classmethod
     def blockbert(cls, num_heads: int, num_blocks: int):
-        """BlockBERT: head ``h`` uses the shift permutation ``h mod num_blocks`` (P 4.1 footnote 9:
-        with more heads than permutations, heads share them)."""
+        """BlockBERT: head ``h`` uses the shift permutation ``h mod num_blocks`` (Fournier et al.,
+        2021, footnote 9: with more heads than permutations, heads share them)."""
         _check_int("PerHead.blockbert", "num_heads", num_heads, 1)
         return cls(tuple(BlockBERT(num_blocks, h % num_blocks) for h in range(num_heads)))

@@ -1,5 +1,5 @@
-"""Seeded random patterns: random attention (L 4.1.1.1, Fig 4d) and BigBird (P 4.1 Fig 15
-right, T1 3.2.8).
+"""Seeded random patterns: random attention (a few random keys per query, the random part of
+BigBird) and BigBird itself (Zaheer et al., 2020).
 
 The random connections are fixed per layer: they are drawn once on the host from
 ``numpy.random.default_rng(seed)`` for the given lengths, so the same seed gives the same
@@ -76,7 +76,7 @@ class Random(Pattern):
 
 @dataclasses.dataclass(frozen=True)
 class BigBird(Pattern):
-    """BigBird-ITC at block granularity (P 4.1 Fig 15 right, T1 3.2.8).
+    """BigBird-ITC at block granularity (Zaheer et al., 2020).
 
     The sequence is cut into blocks of ``block`` positions. Query block ``b`` sees the
     ``num_window_blocks`` blocks centred on it, the global blocks (the first

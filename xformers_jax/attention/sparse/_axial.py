@@ -1,5 +1,6 @@
-"""Axial attention (Ho et al., 2019; T1 3.2.5, L 4.1.1.3 Fig 6c): attention along one axis of an
-N-d tensor at a time, each line of the axis an independent exact attention."""
+"""Axial attention (Ho et al., 2019, "Axial Attention in Multidimensional Transformers"):
+attention along one axis of an N-d tensor at a time, each line of the axis an independent exact
+attention."""
 
 from __future__ import annotations
 
@@ -41,7 +42,7 @@ def axial_attention(q, k, v, *, shape, axis: int, causal: bool = False, kv_mask=
     Position ``p`` of the sequence is the element ``unravel_index(p, shape)``; it attends to the
     elements that differ from it only along ``axis``. ``causal=True`` masks along the axis
     (``j <= i`` there), which never looks ahead in raster order along any axis; combined with
-    :func:`axial_shift` it gives the Axial Transformer's raster-order decoder (T1 3.2.5).
+    :func:`axial_shift` it gives the Axial Transformer's raster-order decoder (Ho et al., 2019).
     Cost ``O(L * shape[axis])``.
 
     Args:
@@ -78,7 +79,7 @@ def axial_shift(x, *, shape, axis: int):
 
     After the shift, element ``(.., r, ..)`` holds what ``(.., r - 1, ..)`` held, so a layer
     reading it conditions only on earlier rows (the "shift down" of the Axial Transformer
-    decoder, T1 3.2.5); along the last axis it is the shift right within a row.
+    decoder, Ho et al., 2019); along the last axis it is the shift right within a row.
     """
     x = jnp.asarray(x)
     shape, axis = _check_shape("axial_shift", shape, axis, x.shape[0])

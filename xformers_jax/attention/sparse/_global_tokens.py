@@ -1,5 +1,5 @@
 """Global tokens that are not a mask over one sequence: ETC's external global tokens and
-Longformer's separate global projections (T1 3.2.6-3.2.7, L 4.1.1.2)."""
+Longformer's separate global projections (Ainslie et al., 2020; Beltagy et al., 2020)."""
 
 from __future__ import annotations
 
@@ -53,7 +53,7 @@ def etc_attention(q, k, v, q_global, k_global, v_global, *, radius: int,
                   k_local_to_global=None, k_global_to_local=None, causal: bool = False,
                   kv_mask=None, global_kv_mask=None, scale: float | None = None,
                   block_q: int | None = None, block_k: int | None = None, key=None):
-    """ETC global-local attention with ``G`` external global tokens (T1 3.2.7).
+    """ETC global-local attention with ``G`` external global tokens (Ainslie et al., 2020).
 
     Four pieces, two softmaxes: a global token attends to every global token (g2g) and every
     local token (g2l); a local token ``i`` attends to every global token (l2g) and to local
@@ -116,7 +116,7 @@ def longformer_attention(q, k, v, q_global, k_global, v_global, *, window: int,
                          dilation: int = 1, global_tokens: tuple[int, ...], causal: bool = False,
                          kv_mask=None, scale: float | None = None, block_q: int | None = None,
                          block_k: int | None = None, key=None):
-    """Longformer attention with separate global projections (T1 3.2.6).
+    """Longformer attention with separate global projections (Beltagy et al., 2020).
 
     Every query attends, with the ordinary projections, to its dilated window
     (``window`` keys per side, gaps ``dilation``) and to the global tokens; the rows of the

@@ -1,5 +1,6 @@
-"""Different sparse patterns on different heads (T1 3.2.4: the Sparse Transformer's factorised
-heads; P 4.1 Eq 14: BlockBERT's per-head permutations), each head block-sparse."""
+"""Different sparse patterns on different heads (the Sparse Transformer's factorised heads,
+Child et al., 2019; BlockBERT's per-head permutations, Qiu et al., 2020), each head
+block-sparse."""
 
 from __future__ import annotations
 
