@@ -77,7 +77,7 @@ def etc_attention(q, k, v, q_global, k_global, v_global, *, radius: int,
     """
     name = "etc_attention"
     if causal:
-        C.causal_unsupported(name, "ETC's global tokens summarise the whole input (T1 3.2.7)")
+        C.causal_unsupported(name, "ETC's global tokens summarise the whole input (Ainslie et al., 2020)")
     x = C.check_qkv(name, q, k, v)
     g = C.check_qkv(name, q_global, k_global, v_global)
     if x.lq != x.lk or x.dk != g.dk or x.dv != g.dv:
