@@ -1,16 +1,17 @@
-"""What the GPU and TPU kernels share: tile math, the kernel object, padding and the VJP.
+"""What the GPU and TPU kernels share: tile scores and masks, the kernel object and the VJP.
 
-The tile math follows the XLA path (``xformers_jax.kernels._tiled``) step for step:
-the online softmax of FlashAttention (Dao et al. 2022; survey T2 4.4) in the forward pass,
-and a backward pass that recomputes each tile's probabilities from the saved log-sum-exp.
-Each backend module supplies ``forward(cfg, plan, q, k, v, dyn) -> (out, lse)`` and
+The tile math is the kernel layer's (``xformers_jax.kernels._tiles``), the same functions the
+XLA path (``xformers_jax.kernels._tiled``) runs: the online softmax of FlashAttention (Dao et
+al., 2022; Milakov & Gimelshein, 2018) in the forward pass, and a backward pass that
+recomputes each tile's probabilities from the saved log-sum-exp, wrapped in the kernel layer's
+custom VJP (``xformers_jax.kernels._vjp.lse_vjp``). Each backend module supplies
+``forward(cfg, plan, q, k, v, dyn) -> (out, lse)`` and
 ``backward(cfg, plan, q, k, v, dyn, lse, delta, d_out) -> (dq, dk, dv)`` on padded inputs.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Any
 
 import jax
@@ -18,9 +19,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from xformers_jax.kernels import _tiles
-from xformers_jax.kernels._tiles import STATS_DTYPE
-
 from xformers_jax.kernels import _planner
+from xformers_jax.kernels._tiles import STATS_DTYPE
+from xformers_jax.kernels._vjp import lse_vjp
 
 _NT = (((1,), (1,)), ((), ()))  # a @ b.T
 _NN = (((1,), (0,)), ((), ()))  # a @ b
@@ -61,71 +62,51 @@ def scores(cfg, q, k, mask):
 
 
 def online_step(s, v, m_old, l_old, acc_old):
-    """One online-softmax update with scores ``s [bq, bk]``; ``m, l: [bq, 1]``."""
-    m_new = jnp.maximum(m_old, s.max(axis=-1, keepdims=True))
-    m_safe = _tiles.safe_max(m_new)
-    p = jnp.exp(s - m_safe)
-    alpha = jnp.exp(m_old - m_safe)
-    l_new = alpha * l_old + p.sum(axis=-1, keepdims=True)
-    acc_new = alpha * acc_old + dot(p.astype(v.dtype), v, _NN)
-    return m_new, l_new, acc_new
+    """One online-softmax update with scores ``s [bq, bk]``; ``m, l: [bq, 1]``
+    (``_tiles.online_step`` with ``p @ v`` in the input dtype)."""
+    return _tiles.online_step(s, m_old, l_old, acc_old,
+                              lambda p: dot(p.astype(v.dtype), v, _NN))
 
 
-def finish(m, l, acc):
-    """``(out f32 [bq, dv], lse [bq, 1])``; rows that saw no key give 0 and -inf."""
-    out = acc / jnp.where(l == 0, 1.0, l)
-    lse = jnp.where(l > 0, m + jnp.log(jnp.where(l > 0, l, 1.0)), -jnp.inf)
-    return out, lse
+finish = _tiles.finish  # (out f32 [bq, dv], lse [bq, 1]); rows that saw no key: 0 and -inf
 
 
 def tile_grads(s, v, d_out, lse, delta):
     """``(ds [bq, bk] f32, p [bq, bk] f32)`` of one tile, from the saved ``lse`` (+inf for
     rows that saw nothing, so their probabilities are 0) and ``delta = rowsum(dO * O)``."""
-    p = jnp.exp(s - lse)
-    dp = dot(d_out, v, _NT)
-    return p * (dp - delta), p
+    p = _tiles.tile_probs(s, lse)
+    return _tiles.score_grad(p, dot(d_out, v, _NT), delta), p
 
 
 @dataclasses.dataclass(frozen=True)
-class Config:
-    """Static configuration of one kernel call (hashable: part of the jit cache key)."""
+class Config(_tiles.TileConfig):
+    """Static configuration of one kernel call (hashable: part of the jit cache key): the
+    kernel layer's tile configuration plus the kernel's tiles and options."""
 
-    scale: float
     block_q: int
     block_k: int
-    has_kv_mask: bool
-    has_segments: bool
     interpret: bool
     extra: tuple = ()
 
 
-def _pad(x, length, axis, value=0):
-    widths = [(0, 0)] * x.ndim
-    widths[axis] = (0, length - x.shape[axis])
-    return jnp.pad(x, widths, constant_values=value) if length != x.shape[axis] else x
+_pad = _tiles.pad_to
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
-def _attend(backend, cfg, plan, q, k, v, dyn):
+def _forward(static, q, k, v, extra, dyn):
+    backend, cfg, plan = static
     return backend.forward(cfg, plan, q, k, v, dyn)
 
 
-def _attend_fwd(backend, cfg, plan, q, k, v, dyn):
-    out, lse = backend.forward(cfg, plan, q, k, v, dyn)
-    return (out, lse), (q, k, v, dyn, out, lse)
-
-
-def _attend_bwd(backend, cfg, plan, res, cotangents):
-    q, k, v, dyn, out, lse = res
-    d_out, _ = cotangents  # the log-sum-exp is a statistic; its cotangent is ignored
+def _backward(static, q, k, v, extra, dyn, out, lse, d_out, d_lse):
+    backend, cfg, plan = static
+    # The log-sum-exp is treated as a statistic here: its cotangent ``d_lse`` is ignored.
     d_out = d_out.astype(q.dtype)
-    delta = jnp.sum(d_out.astype(STATS_DTYPE) * out.astype(STATS_DTYPE), axis=-1)
-    lse = jnp.where(jnp.isneginf(lse), jnp.inf, lse)
+    lse, delta = _tiles.backward_stats(out, lse, d_out)
     dq, dk, dv = backend.backward(cfg, plan, q, k, v, dyn, lse, delta, d_out)
-    return dq, dk, dv, jax.tree_util.tree_map(lambda _: None, dyn)
+    return dq, dk, dv, extra
 
 
-_attend.defvjp(_attend_fwd, _attend_bwd)
+_attend = lse_vjp(_forward, _backward)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -195,7 +176,7 @@ class PallasAttention:
             has_kv_mask=kv_mask is not None, has_segments=segments is not None,
             interpret=self.interpret, extra=self.extra,
         )
-        out, lse = _attend(self.backend, cfg, plan, q_p, k_p, v_p, (kv_valid, segs))
+        out, lse = _attend((self.backend, cfg, plan), q_p, k_p, v_p, (), (kv_valid, segs))
         return out[:lq, : v.shape[1]].astype(q.dtype), lse[:lq]
 
 

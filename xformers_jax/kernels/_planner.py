@@ -61,31 +61,29 @@ class Plan:
     """Kernel metadata for one layout and one kernel tiling.
 
     Attributes:
-      lq, lk: true lengths. block_q, block_k: the kernel's tiles. nq, nk: tile counts.
-      kinds, mask_index: the re-tiled layout (``BlockLayout`` conventions).
+      layout: the layout re-tiled to the kernel's tiles (the caller's own layout when the
+        tiles already match). ``lq``, ``lk``, ``block_q``, ``block_k``, ``kinds``,
+        ``mask_index`` and the tile counts ``nq``, ``nk`` are read from it.
       rows: key blocks per query block (forward, dq). cols: query blocks per key block (dk, dv).
-      masks: ``bool[n, block_q, block_k]`` de-duplicated partial masks (empty when ``band``).
+      masks: ``bool[n, block_q, block_k]`` de-duplicated partial masks the kernels load: the
+        layout's ``partial_masks``, or none when ``band``.
       band: ``(left, right)`` when partial tiles are evaluated from positions, else None.
     """
 
-    lq: int
-    lk: int
-    block_q: int
-    block_k: int
-    kinds: np.ndarray
-    mask_index: np.ndarray
+    layout: BlockLayout
     rows: Blocks
     cols: Blocks
     masks: np.ndarray
     band: tuple[int, int] | None
 
-    @property
-    def nq(self) -> int:
-        return self.kinds.shape[0]
-
-    @property
-    def nk(self) -> int:
-        return self.kinds.shape[1]
+    lq = property(lambda self: self.layout.lq)
+    lk = property(lambda self: self.layout.lk)
+    block_q = property(lambda self: self.layout.block_q)
+    block_k = property(lambda self: self.layout.block_k)
+    kinds = property(lambda self: self.layout.kinds)
+    mask_index = property(lambda self: self.layout.mask_index)
+    nq = property(lambda self: self.layout.num_q_blocks)
+    nk = property(lambda self: self.layout.num_k_blocks)
 
     @property
     def has_partial(self) -> bool:
@@ -207,16 +205,13 @@ def plan(layout: BlockLayout, block_q: int, block_k: int) -> Plan:
     """The :class:`Plan` of ``layout`` for kernel tiles ``block_q x block_k`` (cached per
     layout object, which layouts are per pattern and shape)."""
     kinds, mask_index, masks = retile(layout, block_q, block_k)
+    if (block_q, block_k) != (layout.block_q, layout.block_k):
+        layout = BlockLayout(layout.lq, layout.lk, block_q, block_k, kinds, mask_index, masks)
     band = find_band(kinds, mask_index, masks, layout.lq, layout.lk, block_q, block_k)
     if band is not None:
         masks = np.zeros((0, block_q, block_k), bool)
     return Plan(
-        lq=layout.lq,
-        lk=layout.lk,
-        block_q=block_q,
-        block_k=block_k,
-        kinds=kinds,
-        mask_index=mask_index,
+        layout=layout,
         rows=_blocks(kinds, mask_index),
         cols=_blocks(kinds.T, mask_index.T),
         masks=masks,

@@ -1,11 +1,12 @@
 """Exact attention over the tiles a :class:`BlockLayout` lists: the XLA path of flash attention.
 
-Rabe & Staats, "Self-attention Does Not Need O(n^2) Memory" (2021), survey T2 4.4; Dao et al.,
+Rabe & Staats, "Self-attention Does Not Need O(n^2) Memory" (2021); Dao et al.,
 "FlashAttention" (2022). Scores are never held beyond one ``block_q x block_k`` tile: a
 ``lax.scan`` walks the layout's compacted list of non-empty tiles, keeping a running maximum,
 normaliser and output accumulator per query row (the online softmax). The backward pass is a
 ``jax.custom_vjp`` that recomputes each tile from the saved log-sum-exp instead of storing the
-probabilities, so forward plus backward memory is linear in the sequence length and the work
+probabilities (``_vjp.lse_vjp``; the tile math is ``_tiles``'s, shared with the Pallas
+kernels), so forward plus backward memory is linear in the sequence length and the work
 is proportional to the number of non-empty tiles (causal does about half, a band much less).
 
 Why a flat scan over tiles rather than "map over query blocks, scan over key blocks": rows of
@@ -18,7 +19,6 @@ Full tiles and partial tiles run in two scans so full tiles carry no in-tile mas
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Any, Callable
 
 import jax
@@ -28,29 +28,24 @@ import numpy as np
 from . import _tiles
 from ._tiles import STATS_DTYPE
 from ._layout import BlockLayout
+from ._vjp import lse_vjp
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
-class _Static:
-    """Everything static about one call (hashed by identity)."""
+class _Static(_tiles.TileConfig):
+    """Everything static about one call (hashed by identity): the shared tile configuration
+    (scale, which dynamic masks are present) plus this back end's own fields."""
 
     layout: BlockLayout
-    scale: float
     dropout_rate: float
     bias_fn: Callable[..., Any] | None  # see _convert_bias
     bias_is_array: bool
-    # Which optional dynamic inputs are present.
-    has_kv_mask: bool
-    has_segments: bool
+
+    __eq__ = object.__eq__
+    __hash__ = object.__hash__
 
 
-def _pad_to(x, length, axis=0, value=0):
-    pad = length - x.shape[axis]
-    if pad == 0:
-        return x
-    widths = [(0, 0)] * x.ndim
-    widths[axis] = (0, pad)
-    return jnp.pad(x, widths, constant_values=value)
+_pad_to = _tiles.pad_to
 
 
 class _Tile:
@@ -123,8 +118,8 @@ def _forward(st: _Static, q, k, v, bias, dyn):
     bq = lay.block_q
     lq_p = lay.num_q_blocks * bq
     acc = jnp.zeros((lq_p, v.shape[1]), STATS_DTYPE)
-    m = jnp.full((lq_p,), -jnp.inf, STATS_DTYPE)
-    l = jnp.zeros((lq_p,), STATS_DTYPE)
+    m = jnp.full((lq_p, 1), -jnp.inf, STATS_DTYPE)
+    l = jnp.zeros((lq_p, 1), STATS_DTYPE)
 
     for group, with_mask in zip(_tile_groups(lay), (False, True)):
         if len(group[0]) == 0:
@@ -135,21 +130,18 @@ def _forward(st: _Static, q, k, v, bias, dyn):
             qi, kj, mi = xs
             t = _Tile(st, q, k, dyn, bias, qi, kj, mi, with_mask)
             v_t = jax.lax.dynamic_slice_in_dim(v, t.k0, lay.block_k)
-            m_old = jax.lax.dynamic_slice_in_dim(m, t.q0, bq)
-            l_old = jax.lax.dynamic_slice_in_dim(l, t.q0, bq)
-            a_old = jax.lax.dynamic_slice_in_dim(acc, t.q0, bq)
-            m_new = jnp.maximum(m_old, t.s.max(axis=-1))
-            m_safe = _tiles.safe_max(m_new)
-            p = jnp.exp(t.s - m_safe[:, None])
-            alpha = jnp.exp(m_old - m_safe)
-            l_new = alpha * l_old + p.sum(axis=-1)
-            pv = jnp.einsum(
-                "qk,kd->qd",
-                t.dropped(p, st.dropout_rate).astype(v.dtype),
-                v_t,
-                preferred_element_type=STATS_DTYPE,
+            m_new, l_new, a_new = _tiles.online_step(
+                t.s,
+                jax.lax.dynamic_slice_in_dim(m, t.q0, bq),
+                jax.lax.dynamic_slice_in_dim(l, t.q0, bq),
+                jax.lax.dynamic_slice_in_dim(acc, t.q0, bq),
+                lambda p: jnp.einsum(
+                    "qk,kd->qd",
+                    t.dropped(p, st.dropout_rate).astype(v.dtype),
+                    v_t,
+                    preferred_element_type=STATS_DTYPE,
+                ),
             )
-            a_new = alpha[:, None] * a_old + pv
             acc = jax.lax.dynamic_update_slice_in_dim(acc, a_new, t.q0, 0)
             m = jax.lax.dynamic_update_slice_in_dim(m, m_new, t.q0, 0)
             l = jax.lax.dynamic_update_slice_in_dim(l, l_new, t.q0, 0)
@@ -157,7 +149,8 @@ def _forward(st: _Static, q, k, v, bias, dyn):
 
         (acc, m, l), _ = jax.lax.scan(body, (acc, m, l), tuple(map(jnp.asarray, group)))
 
-    return _tiles.normalise(acc, l), _tiles.log_sum_exp(m, l)
+    out, lse = _tiles.finish(m, l, acc)
+    return out, lse[:, 0]
 
 
 # Tiles of at least this many scores are computed transposed in the backward pass (see
@@ -181,12 +174,7 @@ def _backward(st: _Static, q, k, v, bias, dyn, out, lse, d_out, d_lse):
     lay = st.layout
     bq, bk = lay.block_q, lay.block_k
     tr = bq * bk >= _TRANSPOSE_FROM
-    # d lse_i / d s_ij = p_ij, so a cotangent on the log-sum-exp enters every ds_ij as
-    # p_ij * d_lse_i: the same place as -delta_i in the softmax backward.
-    delta = jnp.sum(d_out.astype(STATS_DTYPE) * out.astype(STATS_DTYPE), axis=-1)
-    delta = delta - d_lse.astype(STATS_DTYPE)
-    # A row that saw no key has lse = -inf; +inf makes every exp(s - lse) of it zero.
-    lse = jnp.where(jnp.isneginf(lse), jnp.inf, lse)
+    lse, delta = _tiles.backward_stats(out, lse, d_out, d_lse)
     q_in, k_T, d_out_T = (q.T, k.T, d_out.T) if tr else (q, None, None)
     if tr:
         kv_mask, q_seg, kv_seg, seed, masks, bias_data = dyn
@@ -220,14 +208,14 @@ def _backward(st: _Static, q, k, v, bias, dyn, out, lse, d_out, d_lse):
             do_t = jax.lax.dynamic_slice_in_dim(d_out, t.q0, bq)
             lse_t = jax.lax.dynamic_slice_in_dim(lse, t.q0, bq)
             delta_t = jax.lax.dynamic_slice_in_dim(delta, t.q0, bq)
-            p = jnp.exp(t.s - per_query(lse_t))
+            p = _tiles.tile_probs(t.s, per_query(lse_t))
             p_drop = t.dropped(p, st.dropout_rate).astype(do_t.dtype)
             if tr:
                 do_T = jax.lax.dynamic_slice_in_dim(d_out_T, t.q0, bq, axis=1)
                 dv_t, dp = mm("kq,qd->kd", p_drop, do_t), mm("kd,dq->kq", v_t, do_T)
             else:
                 dv_t, dp = mm("qk,qd->kd", p_drop, do_t), mm("qd,kd->qk", do_t, v_t)
-            ds = p * (t.dropped(dp, st.dropout_rate) - per_query(delta_t))
+            ds = _tiles.score_grad(p, t.dropped(dp, st.dropout_rate), per_query(delta_t))
             ds_c = ds.astype(q.dtype)
             if tr:
                 k_T_t = jax.lax.dynamic_slice_in_dim(k_T, t.k0, bk, axis=1)
@@ -263,29 +251,7 @@ def _backward(st: _Static, q, k, v, bias, dyn, out, lse, d_out, d_lse):
     return dq, dk, dv, d_bias
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _attend(st, q, k, v, bias, dyn):
-    return _forward(st, q, k, v, bias, dyn)
-
-
-def _attend_fwd(st, q, k, v, bias, dyn):
-    out, lse = _forward(st, q, k, v, bias, dyn)
-    return (out, lse), (q, k, v, bias, dyn, out, lse)
-
-
-def _attend_bwd(st, res, cotangents):
-    q, k, v, bias, dyn, out, lse = res
-    d_out, d_lse = cotangents
-    dq, dk, dv, d_bias = _backward(st, q, k, v, bias, dyn, out, lse, d_out, d_lse)
-    if st.bias_is_array:
-        d_bias = d_bias.astype(bias.dtype)
-    else:
-        d_bias = jax.tree_util.tree_map(lambda g, c: g.astype(c.dtype), d_bias, bias)
-    d_dyn = jax.tree_util.tree_map(lambda _: None, dyn)
-    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), d_bias, d_dyn
-
-
-_attend.defvjp(_attend_fwd, _attend_bwd)
+_attend = lse_vjp(_forward, _backward)
 
 
 def _convert_bias(bias, block_q: int, block_k: int):

@@ -1,11 +1,13 @@
 """Ring attention: exact softmax attention with the sequence split over a mesh axis.
 
 Liu, Zaharia, Abbeel, "Ring Attention with Blockwise Transformers for Near-Infinite Context"
-(2023); the blockwise online softmax is flash attention's (survey T2 4.4, Rabe & Staats). Each
+(2023); the blockwise online softmax is flash attention's (Dao et al., 2022; Rabe & Staats,
+2021). Each
 device of the ``sequence`` axis keeps its query shard and passes its key/value shard around
 the ring with ``lax.ppermute``; after n steps every query has met every key. Each step is one
 :func:`~xformers_jax.attention.flash_attention` call returning ``(out, lse)``; partial results
-are merged with the log-sum-exp weights ``exp(lse_b - lse)``, so no device ever holds more
+are merged with the log-sum-exp weights ``exp(lse_b - lse)`` (the kernel layer's
+``merge_by_lse``), so no device ever holds more
 than its own ``[L/n, L/n]`` tiles, and memory per device is ``O(L/n)``.
 
 Causal load balancing (the zig-zag layout of Brandon et al., "Striped Attention" and the
@@ -33,6 +35,7 @@ from jax.sharding import PartitionSpec as P
 
 from ..attention import _contract as C, flash_attention
 from ..kernels._tiled import attend_layout_backward
+from ..kernels._tiles import merge_by_lse, pad_to
 from ..attention._exact import DEFAULT_BLOCK_K, DEFAULT_BLOCK_Q, _block
 from ..attention.patterns import Causal, Full
 from ._axes import SEQUENCE
@@ -53,7 +56,7 @@ class _Ring:
 
 
 def _pad(x, length, value=0):
-    return jnp.pad(x, [(0, length - x.shape[0])] + [(0, 0)] * (x.ndim - 1), constant_values=value)
+    return pad_to(x, length, 0, value)
 
 
 def _flash(r: _Ring, q, k, v, mask, causal):
@@ -124,17 +127,11 @@ def _pass_on(r: _Ring, *xs):
     return tuple(lax.ppermute(x, r.axis, ring) for x in xs)
 
 
-def _merge(o, lse, o_b, lse_b):
-    new = jnp.logaddexp(lse, lse_b)
-    safe = jnp.where(jnp.isneginf(new), 0.0, new)
-    return o * jnp.exp(lse - safe)[:, None] + o_b * jnp.exp(lse_b - safe)[:, None], new
-
-
 def _ring_forward(r: _Ring, q, k, v, mask):
     def step(carry, s):
         o, lse, k, v, mask = carry
         o_b, lse_b = _block_forward(r, _case(r, s), q, k, v, mask)
-        o, lse = _merge(o, lse, o_b, lse_b)
+        o, lse = merge_by_lse(o, lse, o_b, lse_b)
         k, v, mask = _pass_on(r, k, v, mask)
         return (o, lse, k, v, mask), None
 

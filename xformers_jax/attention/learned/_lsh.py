@@ -15,7 +15,8 @@ import jax
 import jax.numpy as jnp
 
 from .. import _contract as C
-from ._sorted_chunks import chunk_attention, combine_by_lse, permute, sort_by_code
+from ...kernels._tiles import merge_all_by_lse
+from ._sorted_chunks import chunk_attention, permute, sort_by_code
 
 # Reformer masks a token's own key with a large finite penalty rather than -inf: it then
 # attends to itself only when nothing else is visible (in any round, after combination).
@@ -159,5 +160,5 @@ def lsh_attention(
         )
         outs.append(permute(out_s, inverse, perm))
         lses.append(permute(lse_s, inverse, perm))
-    out = combine_by_lse(jnp.stack(outs), jnp.stack(lses))
+    out, _ = merge_all_by_lse(outs, lses)
     return out[:length].astype(x.q.dtype)

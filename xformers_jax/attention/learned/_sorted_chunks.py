@@ -2,10 +2,11 @@
 
 Positions are sorted by an integer code (bucket or cluster first, then position), the sorted
 sequence is cut into contiguous chunks, and each chunk of queries attends to its own chunk and
-the previous one (Reformer, Kitaev et al. 2020; survey T1 3.2.10). Scores live only in
+the previous one (Reformer, Kitaev et al. 2020). Scores live only in
 ``[num_chunks, chunk, 2 * chunk]`` tiles, so memory is O(L * chunk). The caller supplies the
 pair mask and score corrections from per-position metadata, so the same code serves every
-hashing or clustering rule.
+hashing or clustering rule. Partial results (LSH's hash rounds) are merged by their
+log-sum-exps with the kernel layer's ``merge_all_by_lse``.
 """
 
 from __future__ import annotations
@@ -90,18 +91,6 @@ def chunk_attention(q_s, k_s, v_s, score_fn, *, chunk: int, scale: float):
     acc = jnp.einsum("nck,nkd->ncd", p.astype(v_s.dtype), vc, preferred_element_type=STATS_DTYPE)
     out = _tiles.normalise(acc, l)
     return out.reshape(n * chunk, -1), _tiles.log_sum_exp(m, l).reshape(n * chunk)
-
-
-def combine_by_lse(outs, lses):
-    """Merges partial softmax attentions ``outs [R, L, Dv]`` with log-sum-exps ``lses [R, L]``.
-
-    The result is the softmax attention over the union of the parts' keys (each part weighted
-    by its share of the total normaliser). Rows no part saw give zeros.
-    """
-    m = jax.lax.stop_gradient(_tiles.safe_max(jnp.max(lses, axis=0)))
-    w = jnp.exp(lses - m[None])
-    total = w.sum(axis=0)
-    return _tiles.normalise(jnp.einsum("rl,rld->ld", w, outs), total)
 
 
 def pack_bits(member):

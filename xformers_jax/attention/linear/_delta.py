@@ -26,7 +26,7 @@ from jax.scipy.linalg import solve_triangular
 from .. import _contract as C
 from ._feature_maps import resolve_feature_map
 from ._linear import _guard, check_implementation, check_per_position
-from ._scan import _pad_to
+from ...kernels._tiles import pad_to
 
 
 def _features(fm, x, arrays, root_scale, eps):
@@ -51,7 +51,7 @@ def _chunked(fq, fk, v, beta, chunk_size):
     length, dv = v.shape
     c = min(chunk_size, length)
     n = -(-length // c)
-    fq, fk, v, beta = (_pad_to(x, n * c) for x in (fq, fk, v, beta))
+    fq, fk, v, beta = (pad_to(x, n * c) for x in (fq, fk, v, beta))
     fq, fk, v = (x.reshape(n, c, x.shape[-1]) for x in (fq, fk, v))
     beta = beta.reshape(n, c, 1)
     eye = jnp.eye(c, dtype=fk.dtype)

@@ -27,6 +27,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from ...kernels._tiles import pad_to
+
 
 def _scan_states(fk, v, ld, dout):
     """Recomputes the states forwards, emitting ``S_t dout_t`` (= dL/dfq_t) for each t."""
@@ -93,10 +95,6 @@ def _recurrent_bwd(res, dout):
 causal_recurrent.defvjp(_recurrent_fwd, _recurrent_bwd)
 
 
-def _pad_to(x, length):
-    return jnp.pad(x, [(0, length - x.shape[0])] + [(0, 0)] * (x.ndim - 1))
-
-
 @functools.partial(jax.checkpoint, prevent_cse=False)
 def _intra_chunk(fq, fk, v, b):
     """Within-chunk outputs: ``sum_{j<=t} exp(b_t - b_j) (fq_t . fk_j) v_j`` per chunk."""
@@ -155,7 +153,7 @@ def causal_chunked(fq, fk, v, ld, chunk_size: int, group_positions: int = GROUP_
     per_group = max(1, min(n, group_positions // c))
     groups = -(-n // per_group)
     n = groups * per_group
-    fq, fk, v, ld = (_pad_to(x, n * c) for x in (fq, fk, v, ld))
+    fq, fk, v, ld = (pad_to(x, n * c) for x in (fq, fk, v, ld))
     fq, fk, v = (x.reshape(groups, per_group, c, x.shape[-1]) for x in (fq, fk, v))
     b = jnp.cumsum(ld.reshape(groups, per_group, c), axis=2)  # within-chunk, <= 0
     s0 = jnp.zeros((fk.shape[-1], v.shape[-1]), jnp.result_type(fk, v))

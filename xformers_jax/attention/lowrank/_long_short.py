@@ -1,7 +1,7 @@
 """Long-Short Transformer: a sliding window plus a dynamic low-rank projection, one softmax.
 
-Zhu et al., "Long-Short Transformer: Efficient Transformers for Language and Vision" (2021);
-survey T2 Table 1. Long range: ``P = softmax_length(K W_p)`` (``[L, r]``) projects keys and
+Zhu et al., "Long-Short Transformer: Efficient Transformers for Language and Vision" (2021).
+Long range: ``P = softmax_length(K W_p)`` (``[L, r]``) projects keys and
 values to ``r`` slots, ``P^T K`` and ``P^T V``; short range: a sliding window. Each query takes
 one softmax over its window and the slots, computed as two exact attentions
 (:func:`flash_attention`) merged by their log-sum-exps.
@@ -23,14 +23,6 @@ def init_long_short_projection(key, dk: int, rank: int, *, dtype=jnp.float32):
     dk = C.check_positive_int("init_long_short_projection", "dk", dk)
     rank = C.check_positive_int("init_long_short_projection", "rank", rank)
     return (dk ** -0.5 * jax.random.normal(key, (dk, rank))).astype(dtype)
-
-
-def _merge(o1, lse1, o2, lse2):
-    """One softmax over the union of two disjoint key sets, from each set's output and lse."""
-    m = _tiles.safe_max(jnp.maximum(lse1, lse2))
-    w1, w2 = jnp.exp(lse1 - m), jnp.exp(lse2 - m)
-    out = w1[:, None] * o1.astype(C.STATS_DTYPE) + w2[:, None] * o2.astype(C.STATS_DTYPE)
-    return _tiles.normalise(out, w1 + w2)
 
 
 def _project(k, v, w_p, real, segment):
@@ -107,4 +99,6 @@ def long_short_attention(q, k, v, w_p, *, window: int, causal: bool = False,
         bias = lambda i, j: jnp.where(j // r < i // segment, 0.0, -jnp.inf)
     far, lse_far = flash_attention(x.q.astype(C.STATS_DTYPE), pk, pv, kv_mask=valid, bias=bias,
                                    scale=scale, return_lse=True)
-    return _merge(local, lse_local, far, lse_far).astype(x.q.dtype)
+    # One softmax over the union of the two disjoint key sets.
+    out, _ = _tiles.merge_by_lse(local, lse_local, far, lse_far)
+    return out.astype(x.q.dtype)

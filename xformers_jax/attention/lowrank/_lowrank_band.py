@@ -1,7 +1,7 @@
 """Low-rank attention with a band branch (low-rank and locality constrained self-attention).
 
 Guo, Qiu, Xue, Zhang, "Low-Rank and Locality Constrained Self-Attention for Sequence Modeling"
-(IEEE/ACM TASLP 2019); survey L 4.4.1 (Lin et al.). The attention matrix is treated as a matrix
+(IEEE/ACM TASLP 2019). The attention matrix is treated as a matrix
 decomposition into two modules: a *low-rank* attention whose queries and keys live in a small
 ``r``-dimensional space (``D_k = r`` bounds the rank of its score matrix, the low-rank inductive
 bias), capturing long-range, non-local interactions; and a *band* attention (query i sees
@@ -89,6 +89,4 @@ def lowrank_band_attention(q, k, v, w_q, w_k, gate, *, window: int, causal: bool
     # A branch that saw no key returned zeros; its weight moves to the other branch.
     w_far = jnp.where(jnp.isneginf(lse_far), 0.0, 1.0 - g)
     w_band = jnp.where(jnp.isneginf(lse_band), 0.0, g)
-    out = (w_far[:, None] * far.astype(C.STATS_DTYPE)
-           + w_band[:, None] * band.astype(C.STATS_DTYPE))
-    return _tiles.normalise(out, w_far + w_band).astype(x.q.dtype)
+    return _tiles.merge_weighted((far, band), (w_far, w_band)).astype(x.q.dtype)
