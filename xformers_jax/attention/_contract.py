@@ -103,6 +103,13 @@ def check_kv_mask(name: str, kv_mask, lk: int):
     return kv_mask
 
 
+def check_qkv_mask(name: str, q, k, v, kv_mask):
+    """:func:`check_qkv` and :func:`check_kv_mask` together, the prologue of most variants:
+    returns ``(QKV, kv_mask or None)``."""
+    x = check_qkv(name, q, k, v)
+    return x, check_kv_mask(name, kv_mask, x.lk)
+
+
 def check_segment_ids(name: str, segment_ids, lq: int, lk: int):
     """Checks packed-sequence ids; returns ``(q_segment_ids, kv_segment_ids)`` or ``None``.
 

@@ -41,8 +41,8 @@ class Kind:
       time, memory: complexity in the sequence length ``L`` (and the kind's own sizes).
       causal: whether ``causal=True`` is supported.
       decoding: ``"kv"`` (a growing key/value cache), ``"window"`` (a ring buffer of the last
-        keys), ``"recurrent"`` (a fixed-size state) or None (cannot decode).
-      bias: whether additive score biases (ALiBi, T5, ...) are supported.
+        keys), ``"recurrent"`` (a fixed-size state) or None (cannot decode; the default).
+      bias: whether additive score biases (ALiBi, T5, ...) are supported (default no).
       fixed_length: whether its parameters are sized by the maximum length (sequences up to
         ``max_len`` only; Linformer's projections, the Synthesizer's dense logits, ...).
       test_hyperparameters: what the kind needs at the tiny test size (``L = max_len = 16``,
@@ -56,9 +56,9 @@ class Kind:
     time: str
     memory: str
     causal: bool
-    decoding: str | None
-    bias: bool
-    fixed_length: bool
+    decoding: str | None = None
+    bias: bool = False
+    fixed_length: bool = False
     test_hyperparameters: Any = ()
 
     def __post_init__(self):

@@ -75,8 +75,6 @@ def adaptive_span_attention(
       kv_mask: ``bool[Lk]``, True for real keys.
       scale: score scale, ``1/sqrt(Dk)`` by default.
       block_size: tile size of the block-sparse band (default: fits the band).
-      key: unused (the method is deterministic); accepted as the attention
-        contract's keyword.
 
     Returns:
       ``[Lq, Dv]`` in q's dtype.

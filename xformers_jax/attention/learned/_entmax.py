@@ -224,15 +224,12 @@ def entmax_attention(
       kv_mask: ``bool[Lk]``, True for real keys.
       scale: score scale, ``1/sqrt(Dk)`` by default.
       n_iter: bisection steps (array or non-special alpha).
-      key: unused (the method is deterministic); accepted as the attention
-        contract's keyword.
 
     Returns:
       ``[Lq, Dv]`` in q's dtype.
     """
     name = "entmax_attention"
-    x = C.check_qkv(name, q, k, v)
-    kv_mask = C.check_kv_mask(name, kv_mask, x.lk)
+    x, kv_mask = C.check_qkv_mask(name, q, k, v, kv_mask)
     scale = C.resolve_scale(x.dk, scale)
     if isinstance(alpha, (int, float)) and alpha < 1:
         raise ValueError(f"{name}: alpha must be >= 1 but got {alpha}")

@@ -93,15 +93,12 @@ def lsh_attention(
       causal: query i sees keys j <= i only.
       kv_mask: ``bool[L]``, True for real tokens.
       scale: score scale, ``1/sqrt(Dk)`` by default.
-      key: unused (the method is deterministic); accepted as the attention
-        contract's keyword.
 
     Returns:
       ``[L, Dv]`` in q's dtype.
     """
     name = "lsh_attention"
-    x = C.check_qkv(name, q, k, v)
-    kv_mask = C.check_kv_mask(name, kv_mask, x.lk)
+    x, kv_mask = C.check_qkv_mask(name, q, k, v, kv_mask)
     rotations, chunk = _check(name, x, rotations, chunk_size)
     scale = C.resolve_scale(x.dk, scale)
     length = x.lq

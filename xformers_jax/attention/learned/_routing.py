@@ -126,15 +126,12 @@ def routing_attention(
       kv_mask: ``bool[Lk]``, True for real keys.
       scale: score scale, ``1/sqrt(Dk)`` by default.
       decay: the EMA factor lambda of Eq 8-9.
-      key: unused (the method is deterministic); accepted as the attention
-        contract's keyword.
 
     Returns:
       ``(out [Lq, Dv] in q's dtype, RoutingAux(state, commitment_loss))``.
     """
     name = "routing_attention"
-    x = C.check_qkv(name, q, k, v)
-    kv_mask = C.check_kv_mask(name, kv_mask, x.lk)
+    x, kv_mask = C.check_qkv_mask(name, q, k, v, kv_mask)
     window = C.check_positive_int(name, "window", window)
     scale = C.resolve_scale(x.dk, scale)
     if not 0.0 <= float(decay) <= 1.0:

@@ -307,8 +307,7 @@ def sinkhorn_attention(
       ``[L, Dv]`` in q's dtype.
     """
     name = "sinkhorn_attention"
-    x = C.check_qkv(name, q, k, v)
-    kv_mask = C.check_kv_mask(name, kv_mask, x.lk)
+    x, kv_mask = C.check_qkv_mask(name, q, k, v, kv_mask)
     b = C.check_positive_int(name, "block_size", block_size)
     scale = C.resolve_scale(x.dk, scale)
     C.check_same_length(name, x, "query block i pairs with key block i, so Lq must equal Lk")

@@ -37,15 +37,12 @@ def topk_attention(
       causal: query i sees keys j <= i only.
       kv_mask: ``bool[Lk]``, True for real keys.
       scale: score scale, ``1/sqrt(Dk)`` by default.
-      key: unused (the method is deterministic); accepted as the attention
-        contract's keyword.
 
     Returns:
       ``[Lq, Dv]`` in q's dtype.
     """
     name = "topk_attention"
-    x = C.check_qkv(name, q, k, v)
-    kv_mask = C.check_kv_mask(name, kv_mask, x.lk)
+    x, kv_mask = C.check_qkv_mask(name, q, k, v, kv_mask)
     top_k = C.check_positive_int(name, "top_k", top_k)
     scale = C.resolve_scale(x.dk, scale)
     s = jnp.einsum("qd,kd->qk", x.q, x.k, preferred_element_type=C.STATS_DTYPE) * scale

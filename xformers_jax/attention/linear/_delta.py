@@ -104,8 +104,6 @@ def delta_rule_attention(
       implementation: ``"chunked"`` (triangular solve per chunk, scan over chunks) or
         ``"recurrent"`` (per-step scan).
       chunk_size: positions per chunk.
-      key: unused (the method is deterministic); accepted as the attention
-        contract's keyword.
 
     Returns:
       ``[L, Dv]`` in q's dtype.

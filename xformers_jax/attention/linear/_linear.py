@@ -86,8 +86,7 @@ def _guard(den, positive: bool, eps: float):
 
 
 def _prepare(name, q, k, v, arrays, feature_map, causal, kv_mask, scale, gate_logits, log_decay):
-    x = C.check_qkv(name, q, k, v)
-    kv_mask = C.check_kv_mask(name, kv_mask, x.lk)
+    x, kv_mask = C.check_qkv_mask(name, q, k, v, kv_mask)
     fm = resolve_feature_map(name, feature_map, arrays)
     if causal:
         C.check_same_length(name, x, "causal=True needs Lq == Lk")
@@ -174,8 +173,6 @@ def linear_attention(
         (per-step scan with a two-scan custom VJP). Both compute the same function.
       chunk_size: positions per chunk for ``"chunked"``.
       eps: smallest denominator magnitude for feature maps that can be negative.
-      key: unused (the method is deterministic); accepted as the attention
-        contract's keyword.
 
     Returns:
       ``[Lq, Dv]`` in q's dtype (computed in float32).
@@ -222,8 +219,6 @@ def performer_attention(
         when you want fresh features).
       kernel: ``"softmax"`` or ``"relu"``.
       causal, kv_mask, scale, implementation, chunk_size: as in :func:`linear_attention`.
-      key: unused (the method is deterministic); accepted as the attention
-        contract's keyword.
 
     Returns:
       ``[Lq, Dv]`` in q's dtype.

@@ -56,8 +56,7 @@ def _checked(name, q, k, v, causal, kv_mask, q_mask, num_clusters, bits, iterati
             name, "a cluster's centroid averages queries from every position, so it shares "
             "one attention distribution between past and future queries"
         )
-    x = C.check_qkv(name, q, k, v)
-    kv_mask = C.check_kv_mask(name, kv_mask, x.lk)
+    x, kv_mask = C.check_qkv_mask(name, q, k, v, kv_mask)
     if q_mask is not None:
         q_mask = C.check_kv_mask(name + " (q_mask)", q_mask, x.lq)
     n = C.check_positive_int(name, "num_clusters", num_clusters)

@@ -52,8 +52,6 @@ def linformer_attention(q, k, v, e, f=None, *, causal: bool = False, kv_mask=Non
       causal: unsupported; raises ``NotImplementedError``.
       kv_mask: ``bool[Lk]``, True for real keys.
       scale: score scale, ``1/sqrt(Dk)`` by default.
-      key: unused (the method is deterministic); accepted as the attention
-        contract's keyword.
 
     Returns:
       ``[Lq, Dv]`` in q's dtype.
@@ -64,8 +62,7 @@ def linformer_attention(q, k, v, e, f=None, *, causal: bool = False, kv_mask=Non
             name, "the length projections E and F mix every position, future ones included, "
             "into each projected key and value"
         )
-    x = C.check_qkv(name, q, k, v)
-    kv_mask = C.check_kv_mask(name, kv_mask, x.lk)
+    x, kv_mask = C.check_qkv_mask(name, q, k, v, kv_mask)
     e = jnp.asarray(e)
     f = e if f is None else jnp.asarray(f)
     if e.ndim != 2 or f.shape != e.shape:

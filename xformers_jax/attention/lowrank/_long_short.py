@@ -64,15 +64,12 @@ def long_short_attention(q, k, v, w_p, *, window: int, causal: bool = False,
       segment_size: tokens per projected segment (causal form only).
       kv_mask: ``bool[L]``, True for real tokens; padding is left out of the projection.
       scale: score scale, ``1/sqrt(Dk)`` by default.
-      key: unused (the method is deterministic); accepted as the attention
-        contract's keyword.
 
     Returns:
       ``[L, Dv]`` in q's dtype.
     """
     name = "long_short_attention"
-    x = C.check_qkv(name, q, k, v)
-    kv_mask = C.check_kv_mask(name, kv_mask, x.lk)
+    x, kv_mask = C.check_qkv_mask(name, q, k, v, kv_mask)
     C.check_same_length(name, x, "needs self-attention (Lq == Lk)")
     w_p = jnp.asarray(w_p)
     if w_p.ndim != 2 or w_p.shape[0] != x.dk:

@@ -57,15 +57,12 @@ def lowrank_band_attention(q, k, v, w_q, w_k, gate, *, window: int, causal: bool
       kv_mask: ``bool[Lk]``, True for real keys.
       scale: band score scale, ``1/sqrt(Dk)`` by default.
       lowrank_scale: low-rank score scale, ``1/sqrt(r)`` by default.
-      key: unused (the method is deterministic); accepted as the attention
-        contract's keyword.
 
     Returns:
       ``[Lq, Dv]`` in q's dtype.
     """
     name = "lowrank_band_attention"
-    x = C.check_qkv(name, q, k, v)
-    kv_mask = C.check_kv_mask(name, kv_mask, x.lk)
+    x, kv_mask = C.check_qkv_mask(name, q, k, v, kv_mask)
     w_q, w_k, gate = jnp.asarray(w_q), jnp.asarray(w_k), jnp.asarray(gate)
     if w_q.ndim != 2 or w_q.shape[0] != x.dk or w_k.shape != w_q.shape:
         raise ValueError(

@@ -93,15 +93,12 @@ def luna_attention(q, k, v, p, *, causal: bool = False, kv_mask=None, scale: flo
       scale: score scale, ``1/sqrt(Dk)`` by default (both steps).
       return_packed: also return the packed values ``[l, Dv]`` (over the whole sequence).
       chunk_size: positions per step of the causal form (memory ``chunk^2 l + chunk l D``).
-      key: unused (the method is deterministic); accepted as the attention
-        contract's keyword.
 
     Returns:
       ``[Lq, Dv]`` in q's dtype, or ``(out, packed [l, Dv])``.
     """
     name = "luna_attention"
-    x = C.check_qkv(name, q, k, v)
-    kv_mask = C.check_kv_mask(name, kv_mask, x.lk)
+    x, kv_mask = C.check_qkv_mask(name, q, k, v, kv_mask)
     p = jnp.asarray(p)
     if p.ndim != 2 or p.shape[1] != x.dk:
         raise ValueError(

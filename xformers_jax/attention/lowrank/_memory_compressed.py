@@ -53,15 +53,12 @@ def memory_compressed_attention(q, k, v, wk, wv, *, block_size: int, causal: boo
       kv_mask: ``bool[L]``; masked keys are zeroed before compression, and a slot of padding
         only is masked out.
       scale: score scale, ``1/sqrt(Dk)`` by default.
-      key: unused (the method is deterministic); accepted as the attention
-        contract's keyword.
 
     Returns:
       ``[L, Dv]`` in q's dtype.
     """
     name = "memory_compressed_attention"
-    x = C.check_qkv(name, q, k, v)
-    kv_mask = C.check_kv_mask(name, kv_mask, x.lk)
+    x, kv_mask = C.check_qkv_mask(name, q, k, v, kv_mask)
     C.check_same_length(name, x, "local blocks need self-attention (Lq == Lk)")
     wk, wv = jnp.asarray(wk), jnp.asarray(wv)
     if (wk.ndim != 3 or wv.ndim != 3 or wk.shape[0] != wv.shape[0]

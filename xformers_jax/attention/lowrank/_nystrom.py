@@ -96,8 +96,6 @@ def nystrom_attention(q, k, v, conv_weight=None, *, num_landmarks: int, causal: 
         padding mask here for padded self-attention). Their outputs are still computed.
       scale: score scale, ``1/sqrt(Dk)`` by default.
       pinv_iterations: iterations of the pseudo-inverse (6 in the paper).
-      key: unused (the method is deterministic); accepted as the attention
-        contract's keyword.
 
     Returns:
       ``[Lq, Dv]`` in q's dtype.
@@ -108,8 +106,7 @@ def nystrom_attention(q, k, v, conv_weight=None, *, num_landmarks: int, causal: 
             name, "each landmark is a mean over a segment of the whole sequence, so every "
             "output depends on future tokens"
         )
-    x = C.check_qkv(name, q, k, v)
-    kv_mask = C.check_kv_mask(name, kv_mask, x.lk)
+    x, kv_mask = C.check_qkv_mask(name, q, k, v, kv_mask)
     if q_mask is not None:
         q_mask = C.check_kv_mask(name + " (q_mask)", q_mask, x.lq)
     m = C.check_positive_int(name, "num_landmarks", num_landmarks)

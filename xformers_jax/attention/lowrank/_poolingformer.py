@@ -58,8 +58,6 @@ def poolingformer_attention(q, k, v, q2=None, *, window: int, pool_size: int,
       causal: unsupported; raises ``NotImplementedError``.
       kv_mask: ``bool[L]``, True for real tokens; pooling skips padding.
       scale: score scale, ``1/sqrt(Dk)`` by default.
-      key: unused (the method is deterministic); accepted as the attention
-        contract's keyword.
 
     Returns:
       ``[L, Dv]`` in q's dtype.
@@ -70,8 +68,7 @@ def poolingformer_attention(q, k, v, q2=None, *, window: int, pool_size: int,
             name, "its sliding window and pooled memory both look ahead, and a pooled slot "
             "mixes a window of tokens"
         )
-    x = C.check_qkv(name, q, k, v)
-    kv_mask = C.check_kv_mask(name, kv_mask, x.lk)
+    x, kv_mask = C.check_qkv_mask(name, q, k, v, kv_mask)
     C.check_same_length(name, x, "needs self-attention (Lq == Lk)")
     q2 = x.q if q2 is None else jnp.asarray(q2)
     if q2.shape != x.q.shape:

@@ -49,8 +49,7 @@ def probsparse_attention(q, k, v, *, key, factor: float = 5.0, causal: bool = Fa
             name, "the top-u query selection ranks each query against later queries, whose "
             "sparsity measures read later keys, so whether a query attends depends on the future"
         )
-    x = C.check_qkv(name, q, k, v)
-    kv_mask = C.check_kv_mask(name, kv_mask, x.lk)
+    x, kv_mask = C.check_qkv_mask(name, q, k, v, kv_mask)
     if key is None:
         raise ValueError(f"{name}: needs an explicit PRNG `key` for its sample of keys")
     if not factor > 0:

@@ -112,15 +112,12 @@ def synthesizer_attention(q, k, v, params: dict, weights: dict | None = None, *,
       causal: query i sees keys ``j <= i`` only.
       kv_mask: ``bool[Lk]``, True for real keys.
       scale: scale of the dot-product form, ``1/sqrt(Dk)`` by default.
-      key: unused (the method is deterministic); accepted as the attention
-        contract's keyword.
 
     Returns:
       ``[Lq, Dv]`` in q's dtype.
     """
     name = "synthesizer_attention"
-    x = C.check_qkv(name, q, k, v)
-    kv_mask = C.check_kv_mask(name, kv_mask, x.lk)
+    x, kv_mask = C.check_qkv_mask(name, q, k, v, kv_mask)
     if not params:
         raise ValueError(f"{name}: params must name at least one form of {KINDS}")
     weights = {} if weights is None else dict(weights)

@@ -92,8 +92,7 @@ def funnel_attention(q, k, v, *, stride: int = 2, causal: bool = False, kv_mask=
     if causal:
         C.causal_unsupported(name, "a pooled query averages a window that includes later "
                              "positions")
-    x = C.check_qkv(name, q, k, v)
-    kv_mask = C.check_kv_mask(name, kv_mask, x.lk)
+    x, kv_mask = C.check_qkv_mask(name, q, k, v, kv_mask)
     pooled = funnel_pool(x.q, stride, mask=q_mask)
     if q_mask is not None:
         pooled = pooled[0]

@@ -51,8 +51,6 @@ def axial_attention(q, k, v, *, shape, axis: int, causal: bool = False, kv_mask=
       axis: the axis to attend along.
       causal, kv_mask (``bool[L]``), scale, block_q, block_k, implementation: as in
         :func:`flash_attention`, per line.
-      key: unused (the method is deterministic); accepted as the attention
-        contract's keyword.
 
     Returns:
       ``[L, Dv]``.

@@ -69,8 +69,6 @@ def etc_attention(q, k, v, q_global, k_global, v_global, *, radius: int,
       radius: l2l window radius.
       kv_mask: ``bool[L]``; global_kv_mask: ``bool[G]``.
       causal: unsupported (global tokens summarise the whole input).
-      key: unused (the method is deterministic); accepted as the attention
-        contract's keyword.
 
     Returns:
       ``(out [L, Dv], out_global [G, Dv])``.
@@ -128,8 +126,6 @@ def longformer_attention(q, k, v, q_global, k_global, v_global, *, window: int,
       global_tokens: positions with global attention (e.g. ``(0,)`` for [CLS]).
       causal: decoding order (every row sees only keys ``j <= i``).
       kv_mask: ``bool[L]``.
-      key: unused (the method is deterministic); accepted as the attention
-        contract's keyword.
 
     Returns:
       ``[L, Dv]``.

@@ -26,8 +26,6 @@ def per_head_block_sparse_attention(q, k, v, heads: PerHead, *, causal: bool = F
       heads: a :class:`~xformers_jax.attention.patterns.PerHead` with ``H`` patterns.
       causal, kv_mask (``bool[Lk]``), scale, block_q, block_k, implementation: as in
         :func:`block_sparse_attention`.
-      key: unused (the method is deterministic); accepted as the attention
-        contract's keyword.
 
     Returns:
       ``[Lq, H, Dv]``.
