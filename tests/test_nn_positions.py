@@ -89,6 +89,30 @@ def test_shaw_clipping():
                                   [2, 1, 0, 0, 0, 0])
 
 
+@pytest.mark.parametrize("make", [
+    lambda: nn.ALiBi(H),
+    lambda: nn.T5Bias(H, key=KEY),
+    lambda: nn.ShawRelative(DK, 3, key=KEY),
+    lambda: nn.DeBERTaRelative(H, DK, 3, key=KEY),
+    lambda: nn.TransformerXLRelative(H, DK, 64, key=KEY),
+    lambda: nn.TUPE(H, DK, 64, key=KEY),
+])
+def test_grouped_kv_heads_bias_equals_repeated_heads(make):
+    """A kv head shared by a group of query heads gives each of them the bias it would get
+    from its own copy of that kv head (the bias path takes k without copying it)."""
+    q, k = _qk()
+    scheme = make()
+    shared = k[:, :, :1]
+    grouped = scheme.bias(q, shared, _pos(), _pos(), 1.0 / np.sqrt(DK))
+    copied = scheme.bias(q, jnp.repeat(shared, H, axis=2), _pos(), _pos(), 1.0 / np.sqrt(DK))
+    for head in range(H):
+        dense = [jax.tree_util.tree_map(lambda a, h=head: a[0, h], b)(
+            jnp.arange(L)[:, None], jnp.arange(L)[None, :]) for b in (grouped, copied)]
+        assert_close(dense[0], dense[1], EXACT)
+    with pytest.raises(ValueError, match="not a multiple"):
+        scheme.bias(q, jnp.concatenate([k, k[:, :, :1]], axis=2), _pos(), _pos(), 1.0)
+
+
 @pytest.mark.parametrize("position", [
     nn.RotaryPositions(), nn.ALiBi(4), nn.T5Bias(4, key=KEY), nn.ShawRelative(8, 3, key=KEY),
     nn.DeBERTaRelative(4, 8, 3, key=KEY), nn.TransformerXLRelative(4, 8, 32, key=KEY),

@@ -128,9 +128,7 @@ class MultiHeadAttention(eqx.Module):
     def _bias(self, q, k, q_pos, k_pos):
         if not isinstance(self.position, BiasScheme):
             return None
-        groups = self.num_heads // self.num_kv_heads
-        return self.position.bias(q, jnp.repeat(k, groups, axis=2), q_pos, k_pos,
-                                  1.0 / math.sqrt(self.head_dim))
+        return self.position.bias(q, k, q_pos, k_pos, 1.0 / math.sqrt(self.head_dim))
 
     def _out(self, o):
         b, lq = o.shape[:2]

@@ -192,18 +192,28 @@ class BiasScheme(PositionScheme):
     and k). Subclasses give the per-head arrays, the per-sequence arrays and the tile score."""
 
     def bias(self, q, k, q_pos, k_pos, scale):
-        """q: ``[B, Lq, H, Dk]``, k: ``[B, Lk, H, Dk]`` (kv heads already repeated),
-        positions int ``[B, L]``. Returns a bias pytree with leaves ``[B, H, ...]``."""
-        per_head = self.per_head_arrays()
+        """q: ``[B, Lq, H, Dk]``, k: ``[B, Lk, Hkv, Dk]`` with ``H`` a multiple of ``Hkv`` (each
+        kv head serves its group of ``H / Hkv`` query heads, without copies), positions int
+        ``[B, L]``. Returns a bias pytree with leaves ``[B, H, ...]``."""
+        b, h, hkv = q.shape[0], q.shape[2], k.shape[2]
+        if h % hkv:
+            raise ValueError(f"{type(self).__name__}.bias: {h} query heads are not a multiple "
+                             f"of {hkv} key/value heads (q {q.shape}, k {k.shape})")
+        groups = h // hkv
+        per_head = jax.tree_util.tree_map(lambda a: a.reshape(hkv, groups, *a.shape[1:]),
+                                          self.per_head_arrays())
+        q = q.reshape(*q.shape[:2], hkv, groups, q.shape[-1])
         stripped = eqx.filter(self, eqx.is_array, inverse=True)
 
         def one(q1, k1, qp, kp, head):
             arrays = self.arrays(q1, k1, qp, kp, head, scale)
             return _Bias(qp.astype(jnp.int32), kp.astype(jnp.int32), arrays, stripped)
 
-        f = jax.vmap(one, in_axes=(1, 1, None, None, 0))  # heads
+        f = jax.vmap(one, in_axes=(1, None, None, None, 0))  # query heads of one group
+        f = jax.vmap(f, in_axes=(1, 1, None, None, 0))  # kv heads
         f = jax.vmap(f, in_axes=(0, 0, 0, 0, None))  # batch
-        return f(q, k, q_pos, k_pos, per_head)
+        out = f(q, k, q_pos, k_pos, per_head)
+        return jax.tree_util.tree_map(lambda a: a.reshape(b, h, *a.shape[3:]), out)
 
     @abc.abstractmethod
     def per_head_arrays(self):
