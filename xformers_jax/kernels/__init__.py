@@ -9,19 +9,17 @@ build on it.
   matrix are computed (patterns produce them).
 - ``attend_layout``: the XLA tiled online-softmax kernel over a layout, with a custom VJP that
   recomputes tiles in the backward pass (Dao et al., 2022, "FlashAttention").
-- ``register``/``kernels_for``/``choose``: the ``implementation=None | "xla" | "pallas"``
-  dispatch.
+- ``register``/``kernels_for``: the ``implementation=None | "xla" | "pallas"`` dispatch's
+  kernel registry (``_dispatch.choose`` picks one for a call).
 - The tile math every tiled kernel (XLA and Pallas) runs: ``online_step``/``finish`` (the
-  online softmax, Milakov & Gimelshein, 2018), ``backward_stats``/``tile_probs``/
-  ``score_grad`` (the recomputing backward), ``lse_vjp`` (the custom VJP that saves ``out``
-  and ``lse``), ``TileConfig`` (their shared static fields) and ``pad_to``.
+  online softmax, Milakov & Gimelshein, 2018) and ``lse_vjp`` (the custom VJP that saves
+  ``out`` and ``lse`` and recomputes tiles); the recomputing backward's pieces, the static
+  ``TileConfig`` and ``pad_to`` are in ``_tiles`` for kernel authors.
 - ``merge_by_lse``/``merge_all_by_lse``: one softmax attention from partial attentions over
   disjoint key sets and their log-sum-exps (flash and ring attention's blockwise merge, Liu
-  et al., 2023); ``merge_weighted`` mixes normalised outputs with given weights.
+  et al., 2023).
 """
 
-from ._dispatch import IMPLEMENTATIONS as IMPLEMENTATIONS
-from ._dispatch import choose as choose
 from ._dispatch import kernels_for as kernels_for
 from ._dispatch import register as register
 from ._layout import EMPTY as EMPTY
@@ -31,14 +29,8 @@ from ._layout import BlockLayout as BlockLayout
 from ._tiled import attend_layout as attend_layout
 from ._tiled import attend_layout_backward as attend_layout_backward
 from ._tiles import STATS_DTYPE as STATS_DTYPE
-from ._tiles import TileConfig as TileConfig
-from ._tiles import backward_stats as backward_stats
 from ._tiles import finish as finish
 from ._tiles import merge_all_by_lse as merge_all_by_lse
 from ._tiles import merge_by_lse as merge_by_lse
-from ._tiles import merge_weighted as merge_weighted
 from ._tiles import online_step as online_step
-from ._tiles import pad_to as pad_to
-from ._tiles import score_grad as score_grad
-from ._tiles import tile_probs as tile_probs
 from ._vjp import lse_vjp as lse_vjp
