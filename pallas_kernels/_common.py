@@ -99,9 +99,10 @@ def _forward(static, q, k, v, extra, dyn):
 
 def _backward(static, q, k, v, extra, dyn, out, lse, d_out, d_lse):
     backend, cfg, plan = static
-    # The log-sum-exp is treated as a statistic here: its cotangent ``d_lse`` is ignored.
+    # A cotangent on the log-sum-exp (callers that merge partial attentions by it, such as
+    # Long-Short or ring attention) enters delta, as in the XLA path.
     d_out = d_out.astype(q.dtype)
-    lse, delta = _tiles.backward_stats(out, lse, d_out)
+    lse, delta = _tiles.backward_stats(out, lse, d_out, d_lse)
     dq, dk, dv = backend.backward(cfg, plan, q, k, v, dyn, lse, delta, d_out)
     return dq, dk, dv, extra
 

@@ -144,7 +144,7 @@ def _inputs(lq, lk, d, dtype, batch=None):
     return q, k, v, w
 
 
-def _value_and_grads(fn, layout, q, k, v, w, kv_mask, segments, batched):
+def _value_and_grads(fn, layout, q, k, v, w, kv_mask, segments, batched, lse_weight=None):
     def loss(q, k, v):
         def one(q, k, v, kv_mask, segments):
             out, lse = fn(q, k, v, layout, kv_mask=kv_mask, segments=segments, bias=None,
@@ -155,7 +155,10 @@ def _value_and_grads(fn, layout, q, k, v, w, kv_mask, segments, batched):
             out, lse = jax.vmap(one)(q, k, v, kv_mask, segments)
         else:
             out, lse = one(q, k, v, kv_mask, segments)
-        return jnp.sum(out.astype(jnp.float32) * w), (out, lse)
+        value = jnp.sum(out.astype(jnp.float32) * w)
+        if lse_weight is not None:
+            value = value + jnp.sum(jnp.where(jnp.isfinite(lse), lse * lse_weight, 0.0))
+        return value, (out, lse)
 
     (_, (out, lse)), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(
         q, k, v)
@@ -204,6 +207,22 @@ def test_kernel_matches_xla_path(backend, case):
     for g, r in zip(got[2], want[2]):
         assert g.dtype == dtype
         assert_close(g, r, EXACT_GRAD, dtype)
+
+
+def test_gradient_through_the_log_sum_exp_matches_xla_path():
+    """Callers that merge partial attentions by their log-sum-exp (Long-Short, ring attention)
+    differentiate through it: the kernel's backward must take the lse cotangent."""
+    layout = P.Causal().layout(75, 75, 64, 64)
+    q, k, v, w = _inputs(75, 75, 32, jnp.float32)
+    u = jax.random.normal(jax.random.PRNGKey(7), (75,))
+    kv_mask = jnp.arange(75) < 64
+    got = _value_and_grads(GPU, layout, q, k, v, w, kv_mask, None, False, lse_weight=u)
+    want = _value_and_grads(attend_layout, layout, q, k, v, w, kv_mask, None, False,
+                            lse_weight=u)
+    without = _value_and_grads(attend_layout, layout, q, k, v, w, kv_mask, None, False)
+    assert not np.allclose(np.asarray(want[2][0]), np.asarray(without[2][0]))
+    for g, r in zip(got[2], want[2]):
+        assert_close(g, r, EXACT_GRAD, jnp.float32)
 
 
 def test_query_that_sees_nothing_gives_zero_and_finite_grads():
