@@ -1,7 +1,7 @@
 """Writes CATALOGUE.md, the table of every registered attention kind, from the metadata each
 attention family declares beside its functions (``xformers_jax/attention/**/_kinds.py``).
 
-  python -m experiments.catalogue [--out=CATALOGUE.md]
+  python -m experiments.catalogue [--catalogue_out=CATALOGUE.md]
 
 ``tests/test_nn_registry.py`` checks that the committed file is what this writes now.
 """
@@ -13,7 +13,7 @@ from absl import app, flags
 import xformers_jax.nn as nn
 from xformers_jax.attention._kind import FAMILIES
 
-_OUT = flags.DEFINE_string("out", "CATALOGUE.md", "Where to write the catalogue.")
+_OUT = flags.DEFINE_string("catalogue_out", "CATALOGUE.md", "Where to write the catalogue.")
 
 _HEADER = """# Attention kinds
 
