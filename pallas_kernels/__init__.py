@@ -10,7 +10,6 @@ layer.
 
 from __future__ import annotations
 
-from xformers_jax.kernels._dispatch import _REGISTRY as _REGISTRY  # the registry itself
 from xformers_jax.kernels._dispatch import kernels_for as kernels_for
 from xformers_jax.kernels._dispatch import register as register
 

@@ -89,8 +89,6 @@ class Config(_tiles.TileConfig):
     extra: tuple = ()
 
 
-_pad = _tiles.pad_to
-
 
 def _forward(static, q, k, v, extra, dyn):
     backend, cfg, plan = static
@@ -165,13 +163,14 @@ class PallasAttention:
         lq_p, lk_p = plan.nq * plan.block_q, plan.nk * plan.block_k
         dk_p = self.backend.head_dim(q.shape[1])
         dv_p = self.backend.head_dim(v.shape[1])
-        q_p = _pad(_pad(q, lq_p, 0), dk_p, 1)
-        k_p = _pad(_pad(k, lk_p, 0), dk_p, 1)
-        v_p = _pad(_pad(v.astype(q.dtype), lk_p, 0), dv_p, 1)
-        kv_valid = None if kv_mask is None else _pad(kv_mask.astype(jnp.int32), lk_p, 0)
+        q_p = _tiles.pad_to(_tiles.pad_to(q, lq_p, 0), dk_p, 1)
+        k_p = _tiles.pad_to(_tiles.pad_to(k, lk_p, 0), dk_p, 1)
+        v_p = _tiles.pad_to(_tiles.pad_to(v.astype(q.dtype), lk_p, 0), dv_p, 1)
+        kv_valid = None if kv_mask is None else _tiles.pad_to(kv_mask.astype(jnp.int32), lk_p, 0)
         segs = None
         if segments is not None:
-            segs = (_pad(segments[0], lq_p, 0, -1), _pad(segments[1], lk_p, 0, -2))
+            segs = (_tiles.pad_to(segments[0], lq_p, 0, -1),
+                    _tiles.pad_to(segments[1], lk_p, 0, -2))
         cfg = Config(
             scale=float(scale), block_q=self.block_q, block_k=self.block_k,
             has_kv_mask=kv_mask is not None, has_segments=segments is not None,

@@ -42,13 +42,16 @@ def test_rope_scores_depend_only_on_relative_position():
     assert not np.allclose(scores(0), jnp.einsum("bqhd,bkhd->bhqk", q, k), atol=1e-3)
 
 
-@pytest.mark.parametrize("make", [
+RELATIVE_BIASES = [
     lambda: nn.ALiBi(H),
     lambda: nn.T5Bias(H, key=KEY),
     lambda: nn.ShawRelative(DK, 3, key=KEY),
     lambda: nn.DeBERTaRelative(H, DK, 3, key=KEY),
     lambda: nn.TransformerXLRelative(H, DK, 64, key=KEY),
-])
+]
+
+
+@pytest.mark.parametrize("make", RELATIVE_BIASES)
 def test_relative_biases_are_shift_invariant(make):
     q, k = _qk()
     scheme = make()
@@ -89,14 +92,7 @@ def test_shaw_clipping():
                                   [2, 1, 0, 0, 0, 0])
 
 
-@pytest.mark.parametrize("make", [
-    lambda: nn.ALiBi(H),
-    lambda: nn.T5Bias(H, key=KEY),
-    lambda: nn.ShawRelative(DK, 3, key=KEY),
-    lambda: nn.DeBERTaRelative(H, DK, 3, key=KEY),
-    lambda: nn.TransformerXLRelative(H, DK, 64, key=KEY),
-    lambda: nn.TUPE(H, DK, 64, key=KEY),
-])
+@pytest.mark.parametrize("make", RELATIVE_BIASES + [lambda: nn.TUPE(H, DK, 64, key=KEY)])
 def test_grouped_kv_heads_bias_equals_repeated_heads(make):
     """A kv head shared by a group of query heads gives each of them the bias it would get
     from its own copy of that kv head (the bias path takes k without copying it)."""

@@ -20,7 +20,7 @@ from pallas_kernels._common import PallasAttention
 from tests.tolerances import EXACT, EXACT_GRAD, assert_close
 from xformers_jax.attention import block_sparse_attention, flash_attention
 from xformers_jax.attention import patterns as P
-from xformers_jax.kernels import _planner
+from xformers_jax.kernels import _dispatch, _planner
 from xformers_jax.kernels._tiled import attend_layout
 from xformers_jax.attention.patterns._base import EMPTY, FULL, PARTIAL
 
@@ -260,7 +260,7 @@ def test_registered_and_reasons_on_cpu():
 
 
 def test_dispatch_runs_a_registered_kernel(monkeypatch):
-    monkeypatch.setitem(pallas_kernels._REGISTRY, "block_sparse_attention", [GPU])
+    monkeypatch.setitem(_dispatch._REGISTRY, "block_sparse_attention", [GPU])
     q, k, v, _ = _inputs(64, 64, 16, jnp.float32)
     pattern = P.Local(8, 8) | Global(4)
     seen = []

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import _tiles
-from ._tiles import STATS_DTYPE
+from ._tiles import STATS_DTYPE, pad_to
 from ._layout import BlockLayout
 from ._vjp import lse_vjp
 
@@ -43,9 +43,6 @@ class _Static(_tiles.TileConfig):
 
     __eq__ = object.__eq__
     __hash__ = object.__hash__
-
-
-_pad_to = _tiles.pad_to
 
 
 class _Tile:
@@ -281,16 +278,16 @@ def _prepare(q, k, v, layout, *, kv_mask, segments, bias, scale, dropout_rate, k
     """Pads checked inputs to whole tiles and gathers the static and dynamic kernel inputs."""
     lq_p = layout.num_q_blocks * layout.block_q
     lk_p = layout.num_k_blocks * layout.block_k
-    padded = (_pad_to(q, lq_p), _pad_to(k, lk_p), _pad_to(v, lk_p))
-    kv_mask_p = _pad_to(kv_mask, lk_p, value=False) if kv_mask is not None else jnp.zeros((0,), bool)
+    padded = (pad_to(q, lq_p), pad_to(k, lk_p), pad_to(v, lk_p))
+    kv_mask_p = pad_to(kv_mask, lk_p, value=False) if kv_mask is not None else jnp.zeros((0,), bool)
     if segments is not None:
-        q_seg, kv_seg = _pad_to(segments[0], lq_p, value=-1), _pad_to(segments[1], lk_p, value=-2)
+        q_seg, kv_seg = pad_to(segments[0], lq_p, value=-1), pad_to(segments[1], lk_p, value=-2)
     else:
         q_seg = kv_seg = jnp.zeros((0,), jnp.int32)
     seed = _tiles.dropout_seed(key) if dropout_rate > 0.0 else jnp.zeros((2,), jnp.uint32)
     bias_fn, bias_arg, bias_data, bias_is_array = None, (), (), False
     if bias is not None and not callable(bias):
-        bias_arg, bias_is_array = _pad_to(_pad_to(bias, lq_p, 0), lk_p, 1), True
+        bias_arg, bias_is_array = pad_to(pad_to(bias, lq_p, 0), lk_p, 1), True
     elif bias is not None:
         bias_fn, bias_arg, bias_data = _convert_bias(bias, layout.block_q, layout.block_k)
     st = _Static(
@@ -333,10 +330,10 @@ def attend_layout_backward(q, k, v, layout: BlockLayout, out, lse, d_out, *, kv_
         q, k, v, layout, kv_mask=kv_mask, segments=segments, bias=None, scale=scale,
         dropout_rate=0.0, key=None)
     lq_p = q_p.shape[0]
-    lse_p = _pad_to(lse.astype(STATS_DTYPE), lq_p, value=-jnp.inf)
+    lse_p = pad_to(lse.astype(STATS_DTYPE), lq_p, value=-jnp.inf)
     d_lse_p = (jnp.zeros((lq_p,), STATS_DTYPE) if d_lse is None
-               else _pad_to(d_lse.astype(STATS_DTYPE), lq_p))
-    dq, dk, dv, _ = _backward(st, q_p, k_p, v_p, (), dyn, _pad_to(out, lq_p), lse_p,
-                              _pad_to(d_out, lq_p), d_lse_p)
+               else pad_to(d_lse.astype(STATS_DTYPE), lq_p))
+    dq, dk, dv, _ = _backward(st, q_p, k_p, v_p, (), dyn, pad_to(out, lq_p), lse_p,
+                              pad_to(d_out, lq_p), d_lse_p)
     lq, lk = q.shape[0], k.shape[0]
     return dq[:lq], dk[:lk], dv[:lk]

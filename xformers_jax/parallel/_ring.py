@@ -55,10 +55,6 @@ class _Ring:
     block_k: int | None
 
 
-def _pad(x, length, value=0):
-    return pad_to(x, length, 0, value)
-
-
 def _flash(r: _Ring, q, k, v, mask, causal):
     out, lse = flash_attention(
         q, k, v, causal=causal, kv_mask=mask, scale=r.scale, block_q=r.block_q,
@@ -98,7 +94,7 @@ def _block_forward(r: _Ring, case, q, k, v, mask):
 
     def later():
         o, lse = _flash(r, q[c:], k, v, mask, False)
-        return _pad(o[::-1], 2 * c)[::-1], _pad(lse[::-1], 2 * c, -jnp.inf)[::-1]
+        return pad_to(o[::-1], 2 * c)[::-1], pad_to(lse[::-1], 2 * c, value=-jnp.inf)[::-1]
 
     return lax.switch(case, (diagonal, earlier, later))
 
@@ -113,11 +109,11 @@ def _block_backward(r: _Ring, case, q, k, v, mask, out, lse, d_out):
         if not r.causal:
             return _flash_grads(r, q, k, v, mask, out, lse, d_out, False)
         dq, dk, dv = _flash_grads(r, q, k[:c], v[:c], mask[:c], out, lse, d_out, False)
-        return dq, _pad(dk, 2 * c), _pad(dv, 2 * c)
+        return dq, pad_to(dk, 2 * c), pad_to(dv, 2 * c)
 
     def later():
         dq, dk, dv = _flash_grads(r, q[c:], k, v, mask, out[c:], lse[c:], d_out[c:], False)
-        return _pad(dq[::-1], 2 * c)[::-1], dk, dv
+        return pad_to(dq[::-1], 2 * c)[::-1], dk, dv
 
     return lax.switch(case, (diagonal, earlier, later))
 
@@ -232,7 +228,8 @@ def ring_attention(
     chunks = 2 * n if causal else n
     lq_p, lk_p = (-(-length // chunks) * chunks for length in (x.lq, x.lk))
     mask = jnp.ones((x.lk,), bool) if kv_mask is None else kv_mask
-    q_, k_, v_, mask = _pad(x.q, lq_p), _pad(x.k, lk_p), _pad(x.v, lk_p), _pad(mask, lk_p, False)
+    q_, k_, v_ = pad_to(x.q, lq_p), pad_to(x.k, lk_p), pad_to(x.v, lk_p)
+    mask = pad_to(mask, lk_p, value=False)
     if causal:
         perm = zigzag_order(lq_p, n)
         q_, k_, v_, mask = q_[perm], k_[perm], v_[perm], mask[perm]
