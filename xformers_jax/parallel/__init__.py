@@ -7,6 +7,8 @@ active mesh every sharding call is a no-op.
 """
 
 from . import _axes as axes
+from ._checkpoint import checkpoint_contents as checkpoint_contents
+from ._checkpoint import convert_index_checkpoint as convert_index_checkpoint
 from ._checkpoint import restore_checkpoint as restore_checkpoint
 from ._checkpoint import save_checkpoint as save_checkpoint
 from ._linear_sp import sequence_parallel_linear_attention as sequence_parallel_linear_attention

@@ -2,25 +2,44 @@
 
 Two ``CheckpointManager``s under ``workdir``: ``checkpoints/`` keeps the last ``keep`` steps
 (resume picks the latest), ``best/`` keeps the one with the best validation metric (the final
-test evaluation reads it). Each checkpoint holds the state's arrays and the iterator's
-``{"epoch", "position", "seed"}`` as JSON. Saves are asynchronous; ``wait`` finishes them.
+test evaluation reads it). Each step directory ``<step>/`` holds two items:
+
+- ``state/``: the train state's arrays keyed by tree path (``step``, ``model/...``,
+  ``opt_state/0/mu/...``, ``key``), the format of :func:`xformers_jax.parallel.save_checkpoint`
+  and by the same code (``parallel._checkpoint``): restoring checks the stored paths, shapes and
+  dtypes against the template first and names the first difference; ``parallel.
+  checkpoint_contents`` lists it and ``parallel.restore_checkpoint(..., prefix="model")`` reads
+  a part of it. Index-keyed checkpoints of earlier versions fail with a pointer to
+  ``parallel.convert_index_checkpoint`` (which converts a whole ``workdir``).
+- ``data/``: the iterator's ``{"epoch", "position", "seed"}`` as JSON.
+
+Saves are asynchronous; ``wait`` finishes them.
 """
 
 from __future__ import annotations
 
 import os
 
-import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
+from ..parallel._checkpoint import _fill, _path_tree, _restore_target
 
-def _arrays(state):
-    arrays, static = eqx.partition(state, eqx.is_array)
-    leaves, treedef = jax.tree.flatten(arrays)
-    return leaves, treedef, static
+
+def _copy(leaf):
+    # The next jitted step donates the state's buffers while the asynchronous save may still
+    # be writing. On the host when this process holds the whole array; arrays sharded across
+    # processes are copied on their devices, each process writing its shards.
+    if getattr(leaf, "is_fully_addressable", True):
+        return np.array(leaf, copy=True)
+    return jnp.copy(leaf)
+
+
+def _handlers():
+    # Registered up front so that item_metadata can read a step's tree before any restore.
+    return dict(state=ocp.StandardCheckpointHandler(), data=ocp.JsonCheckpointHandler())
 
 
 class Checkpointer:
@@ -38,24 +57,18 @@ class Checkpointer:
             raise ValueError(f"best_mode must be 'max' or 'min', got {best_mode!r}")
         workdir = os.path.abspath(workdir)
         self.latest = ocp.CheckpointManager(
-            os.path.join(workdir, "checkpoints"),
+            os.path.join(workdir, "checkpoints"), item_handlers=_handlers(),
             options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True))
         self.best_metric = best_metric
         self.best = ocp.CheckpointManager(
-            os.path.join(workdir, "best"),
+            os.path.join(workdir, "best"), item_handlers=_handlers(),
             options=ocp.CheckpointManagerOptions(
                 max_to_keep=1, create=True, best_fn=lambda m: m[best_metric],
                 best_mode=best_mode))
 
     @staticmethod
     def _args(state, data_state):
-        leaves, _, _ = _arrays(state)
-        # Copies: the next jitted step donates the state's buffers while the asynchronous save
-        # may still be writing. On the host when this process holds the whole array; arrays
-        # sharded across processes are copied on their devices, each process writing its
-        # shards.
-        tree = {str(i): np.array(leaf, copy=True) if leaf.is_fully_addressable
-                else jnp.copy(leaf) for i, leaf in enumerate(leaves)}
+        tree = jax.tree.map(_copy, _path_tree(state))
         return ocp.args.Composite(state=ocp.args.StandardSave(tree),
                                   data=ocp.args.JsonSave(dict(data_state)))
 
@@ -69,16 +82,15 @@ class Checkpointer:
                        metrics={self.best_metric: float(metrics[self.best_metric])}, force=True)
 
     def _restore(self, manager, step, template, shardings):
-        leaves, treedef, static = _arrays(template)
-        targets = ([None] * len(leaves) if shardings is None else jax.tree.leaves(
-            shardings, is_leaf=lambda s: isinstance(s, jax.sharding.Sharding)))
-        # Orbax reads each target shard's slice, whatever mesh wrote the checkpoint.
-        abstract = {str(i): jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=s)
-                    for i, (x, s) in enumerate(zip(leaves, targets, strict=True))}
+        # The stored tree's paths, shapes and dtypes are checked against the template before
+        # any array is read; orbax then reads each target shard's slice, whatever mesh wrote
+        # the checkpoint.
+        stored = manager.item_metadata(step)["state"].tree
+        where = os.path.join(str(manager.directory), str(step), "state")
+        target = _restore_target(template, stored, shardings, where)
         restored = manager.restore(step, args=ocp.args.Composite(
-            state=ocp.args.StandardRestore(abstract), data=ocp.args.JsonRestore()))
-        arrays = [restored["state"][str(i)] for i in range(len(leaves))]
-        return eqx.combine(jax.tree.unflatten(treedef, arrays), static), dict(restored["data"])
+            state=ocp.args.StandardRestore(target), data=ocp.args.JsonRestore()))
+        return _fill(template, restored["state"]), dict(restored["data"])
 
     def latest_step(self) -> int | None:
         return self.latest.latest_step()
@@ -86,9 +98,12 @@ class Checkpointer:
     def restore_latest(self, template, shardings=None):
         """``(state, data_state)`` from the latest checkpoint, or None when there is none.
 
-        ``template`` is a state of the same structure (e.g. a freshly initialised one);
-        ``shardings`` (a ``NamedSharding`` per array of it, e.g. ``ShardingPlan.state``)
-        places the restored arrays, on any mesh (default: one device).
+        ``template`` is a state of the same structure (e.g. a freshly initialised one, or
+        ``jax.eval_shape`` of one); arrays are matched by tree path, and a template whose
+        paths, shapes or dtypes differ from the checkpoint's raises ``ValueError`` naming the
+        first difference before anything is read. ``shardings`` (a ``NamedSharding`` per
+        array of it, e.g. ``ShardingPlan.state``, or one for all) places the restored arrays,
+        on any mesh (default: one local device).
         """
         step = self.latest.latest_step()
         return None if step is None else self._restore(self.latest, step, template, shardings)
