@@ -13,10 +13,11 @@ PACKAGES = ("xformers_jax", "pallas_kernels")
 
 # Lowest first. A module may import modules of its own layer or of a lower one.
 LAYERS = (
+    ("xformers_jax.axes",),
     ("xformers_jax.kernels",),
     ("pallas_kernels",),
     ("xformers_jax.attention",),
-    ("xformers_jax._sharding_hooks", "xformers_jax.data"),
+    ("xformers_jax.data",),
     ("xformers_jax.nn",),
     ("xformers_jax.parallel",),
     ("xformers_jax.train", "xformers_jax.viz", "xformers_jax"),

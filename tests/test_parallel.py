@@ -18,6 +18,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from tests.tolerances import EXACT_GRAD, assert_close
 from xformers_jax import parallel as par
 from xformers_jax.attention import flash_attention, linear_attention, multihead
+from xformers_jax.attention._ring import zigzag_order
 
 B, L, E, H, K, M = 8, 32, 16, 8, 4, 32
 A = par.axes
@@ -26,12 +27,12 @@ A = par.axes
 # ---------------------------------------------------------------------------- the toy model
 
 class Layer(eqx.Module):
-    wq: jax.Array
-    wk: jax.Array
-    wv: jax.Array
-    wo: jax.Array
-    w1: jax.Array
-    w2: jax.Array
+    wq: jax.Array = A.param(A.EMBED, A.HEADS, A.KV)
+    wk: jax.Array = A.param(A.EMBED, A.HEADS, A.KV)
+    wv: jax.Array = A.param(A.EMBED, A.HEADS, A.KV)
+    wo: jax.Array = A.param(A.HEADS, A.KV, A.EMBED)
+    w1: jax.Array = A.param(A.EMBED, A.MLP)
+    w2: jax.Array = A.param(A.MLP, A.EMBED)
 
     def __init__(self, key):
         ks = jax.random.split(key, 6)
@@ -60,12 +61,6 @@ class Model(eqx.Module):
         return x
 
 
-PATTERNS = (
-    (r"w[qkv]$", (A.EMBED, A.HEADS, A.KV)),
-    (r"wo$", (A.HEADS, A.KV, A.EMBED)),
-    (r"w1$", (A.EMBED, A.MLP)),
-    (r"w2$", (A.MLP, A.EMBED)),
-)
 OPT = optax.adam(1e-2)
 
 
@@ -88,7 +83,7 @@ def _step(model, opt_state, x, y):
 def _sharded_step(st, mesh):
     """The train step jitted with in/out shardings from the strategy's rules."""
     model, x, _ = _data(jax.random.PRNGKey(0))
-    p_sh = par.param_shardings(model, PATTERNS, st.param_rules, mesh)
+    p_sh = par.param_shardings(model, st.param_rules, mesh)
     o_sh = par.optimizer_shardings(OPT, OPT.init(model), p_sh, mesh)
     b_sh = par.logical_sharding((A.BATCH, A.LENGTH, A.EMBED), st.compute_rules, mesh, x.shape)
     rep = NamedSharding(mesh, P())
@@ -235,10 +230,10 @@ def test_ring_attention_multihead_and_no_mesh(key):
 
 
 def test_zigzag_order():
-    perm = np.asarray(par._ring.zigzag_order(8, 2))
+    perm = np.asarray(zigzag_order(8, 2))
     np.testing.assert_array_equal(perm, [0, 1, 6, 7, 2, 3, 4, 5])
     with pytest.raises(ValueError, match="not divisible by 2n"):
-        par._ring.zigzag_order(10, 4)
+        zigzag_order(10, 4)
 
 
 # ------------------------------------------------ sequence-parallel causal linear attention
@@ -282,13 +277,37 @@ def test_rules_resolution():
         par.logical_to_spec((A.HEADS,), two, mesh, shape=(4, 4))
 
 
-def test_param_annotation_by_path():
+class _Renamed(eqx.Module):
+    """``Layer``'s query projection under another attribute name, declared alike."""
+
+    query_projection: jax.Array = A.param(A.EMBED, A.HEADS, A.KV)
+    other: jax.Array  # undeclared: replicated
+
+
+def test_parameters_declare_their_axes_where_they_are_defined():
     model, _, _ = _data(jax.random.PRNGKey(0))
-    names = par.param_logical_names(model, PATTERNS)
+    names = A.declared_axes(model)
     assert tuple(names.layers[1].wo) == (A.HEADS, A.KV, A.EMBED)
     assert par.path_string(jax.tree_util.tree_flatten_with_path(model)[0][0][0]) == "layers/0/wq"
-    with pytest.raises(ValueError, match="gives 2 names"):
-        par.param_logical_names(model, ((r"wq$", (A.EMBED, A.HEADS)),))
+    # The sharding follows the declaration, not the attribute's name or path.
+    mesh = par.make_mesh({"fsdp": 4, "tensor": 2})
+    wq = model.layers[0].wq
+    renamed = _Renamed(wq, jnp.ones((E, M)))
+    got = par.param_shardings(renamed, par.DEFAULT_PARAM_RULES, mesh)
+    want = par.param_shardings(model, par.DEFAULT_PARAM_RULES, mesh).layers[0].wq
+    assert got.query_projection == want
+    assert want.spec == P("fsdp", "tensor", None)
+    assert got.other.spec == P(None, None)
+    # A layer stack's leading axis is named `layers` (never split).
+    stacked = jax.tree_util.tree_map(lambda x: jnp.stack([x, x]), renamed)
+    assert tuple(A.declared_axes(stacked).query_projection) == (A.LAYERS, A.EMBED, A.HEADS,
+                                                                A.KV)
+    assert par.param_shardings(stacked, par.DEFAULT_PARAM_RULES, mesh).query_projection.spec \
+        == P(None, "fsdp", "tensor", None)
+    with pytest.raises(ValueError, match="declares 3 axes"):
+        A.declared_axes(_Renamed(jnp.ones((E, H)), jnp.ones((E, M))))
+    with pytest.raises(ValueError, match="unknown logical axes"):
+        A.param("embedding")
 
 
 def test_no_mesh_is_a_no_op_and_mesh_errors():

@@ -17,6 +17,7 @@ from tests.tolerances import EXACT_GRAD, assert_close
 from xformers_jax import data, parallel, train
 
 MESH = {"data": 2, "fsdp": 2, "tensor": 2}
+SEQUENCE_MESH = {"strategy": "fsdp+sequence", "sequence": 4}  # fsdp=2 x sequence=4: ring attention
 OTHER_MESH = {"fsdp": 4, "tensor": 2}
 
 
@@ -39,7 +40,7 @@ def _losses(workdir):
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("runs")
     out = {}
-    for name, mesh in (("one", {"data": 1}), ("sharded", MESH)):
+    for name, mesh in (("one", {"data": 1}), ("sharded", MESH), ("sequence", SEQUENCE_MESH)):
         out[name] = (train.train_and_evaluate(_config(mesh), str(root / name)),
                      str(root / name))
     return out
@@ -51,6 +52,13 @@ def test_sharded_run_follows_the_one_device_loss_curve(runs):
     # Same math, different reduction order: within the gradient tolerance after 4 updates.
     assert_close(np.array(_losses(sharded_dir)), np.array(_losses(one_dir)), EXACT_GRAD)
     assert_close(sharded["test_loss"], one["test_loss"], EXACT_GRAD)
+
+
+def test_fsdp_sequence_run_follows_the_one_device_loss_curve(runs):
+    (one, one_dir), (seq, seq_dir) = runs["one"], runs["sequence"]
+    assert seq["step"] == 4
+    assert_close(np.array(_losses(seq_dir)), np.array(_losses(one_dir)), EXACT_GRAD)
+    assert_close(seq["test_loss"], one["test_loss"], EXACT_GRAD)
 
 
 def _state_and_plan(config):

@@ -20,7 +20,7 @@ ATTENTION_NAMES = {
     "dpfp_features", "elu_features", "entmax15", "entmax_alpha", "entmax_attention",
     "entmax_bisect", "etc_attention", "favor_positive_features", "favor_trig_features",
     "flash_attention", "funnel_attention", "funnel_pool", "funnel_upsample",
-    "hyperbolic_features", "improved_clustered_attention", "init_dam_logits",
+    "halo_local_attention", "hyperbolic_features", "improved_clustered_attention", "init_dam_logits",
     "init_linformer_projections", "init_long_short_projection", "init_lowrank_band",
     "init_lsh_rotations", "init_luna_sequence", "init_memory_compression", "init_nystrom_conv",
     "init_random_projection", "init_rfa_projection", "init_routing_state",
@@ -30,7 +30,8 @@ ATTENTION_NAMES = {
     "luna_attention", "memory_compressed_attention", "multihead", "nystrom_attention",
     "pattern_tile", "patterns", "per_head_block_sparse_attention", "performer_attention",
     "poolingformer_attention", "probsparse_attention", "relu_features", "rfa_features",
-    "routing_attention", "sinkhorn_attention", "sparsemax", "synthesizer_attention",
+    "ring_attention", "routing_attention", "sequence_parallel_linear_attention",
+    "sinkhorn_attention", "sparsemax", "synthesizer_attention",
     "token_learner", "topk_attention",
 }
 PATTERN_NAMES = {

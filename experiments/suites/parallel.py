@@ -30,16 +30,22 @@ _LAST_QUICK = {"value": False}
 
 
 def _model(embed: int, layers: int = 4):
+    import equinox as eqx
     import jax
+
+    from xformers_jax import axes as X
+
+    class Block(eqx.Module):  # parameters declare their logical axes (xformers_jax.axes)
+        wq: jax.Array = X.param(X.EMBED, X.HEADS)
+        wo: jax.Array = X.param(X.HEADS, X.EMBED)
+        w1: jax.Array = X.param(X.EMBED, X.MLP)
+        w2: jax.Array = X.param(X.MLP, X.EMBED)
 
     keys = jax.random.split(jax.random.PRNGKey(0), 4 * layers)
     n = lambda k, s: jax.random.normal(k, s) / s[0] ** 0.5  # noqa: E731
-    return [dict(wq=n(keys[4 * i], (embed, embed)), wo=n(keys[4 * i + 1], (embed, embed)),
-                 w1=n(keys[4 * i + 2], (embed, 4 * embed)), w2=n(keys[4 * i + 3], (4 * embed, embed)))
+    return [Block(n(keys[4 * i], (embed, embed)), n(keys[4 * i + 1], (embed, embed)),
+                  n(keys[4 * i + 2], (embed, 4 * embed)), n(keys[4 * i + 3], (4 * embed, embed)))
             for i in range(layers)]
-
-
-_PATTERNS = ((r"wq|wo", ("embed", "heads")), (r"w1", ("embed", "mlp")), (r"w2", ("mlp", "embed")))
 
 
 def build(variant: str, L: int = 0, embed: int = 0):
@@ -54,7 +60,7 @@ def build(variant: str, L: int = 0, embed: int = 0):
 
         def loss(params, x):
             for p in params:
-                x = x + jax.nn.gelu(x @ p["wq"] @ p["wo"] @ p["w1"]) @ p["w2"]
+                x = x + jax.nn.gelu(x @ p.wq @ p.wo @ p.w1) @ p.w2
             return jnp.mean(x ** 2)
 
         return Workload(loss, (params, x))
@@ -84,7 +90,7 @@ def measure_memory(quick: bool) -> dict:
     out = {}
     params = _model(32 if quick else 256)
     mesh = par.make_mesh({"fsdp": 8})
-    shard = par.param_shardings(params, _PATTERNS, par.DEFAULT_PARAM_RULES, mesh)
+    shard = par.param_shardings(params, par.DEFAULT_PARAM_RULES, mesh)
     opt = optax.adam(1e-3)
     sharded = jax.device_put(params, shard)
     state = jax.device_put(opt.init(params), par.optimizer_shardings(opt, opt.init(params), shard, mesh))

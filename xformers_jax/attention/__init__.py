@@ -11,6 +11,8 @@ from ._exact import block_sparse_attention as block_sparse_attention
 from ._exact import flash_attention as flash_attention
 from ._exact import pattern_tile as pattern_tile
 from ._multihead import multihead as multihead
+from ._halo import halo_local_attention as halo_local_attention
+from ._ring import ring_attention as ring_attention
 from .sparse import axial_attention as axial_attention
 from .sparse import axial_shift as axial_shift
 from .sparse import etc_attention as etc_attention
@@ -33,6 +35,8 @@ from .linear import LinearAttentionState as LinearAttentionState
 from .linear import performer_attention as performer_attention
 from .linear import relu_features as relu_features
 from .linear import rfa_features as rfa_features
+from .linear import (
+    sequence_parallel_linear_attention as sequence_parallel_linear_attention)
 from .lowrank import clustered_attention as clustered_attention
 from .lowrank import funnel_attention as funnel_attention
 from .lowrank import funnel_pool as funnel_pool

@@ -6,6 +6,7 @@ in :mod:`._registry`); every model accepts it through ``block=dict(spec=...)``.
 """
 
 from ._attention import MultiHeadAttention as MultiHeadAttention
+from ._attention import check_sequence_parallel as check_sequence_parallel
 from ._attention import redraw_random_features as redraw_random_features
 from ._blocks import TransformerBlock as TransformerBlock
 from ._cache import KVCache as KVCache
@@ -49,6 +50,7 @@ from ._variants import routing_commitment_loss as routing_commitment_loss
 from ._registry import AttentionSpec as AttentionSpec
 from ._registry import KVDecoding as KVDecoding
 from ._registry import RecurrentDecoding as RecurrentDecoding
+from ._registry import SequenceParallel as SequenceParallel
 from ._registry import Variant as Variant
 from ._registry import WindowDecoding as WindowDecoding
 from ._registry import get_variant as get_variant

@@ -16,7 +16,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from .. import attention as A
-from .._sharding_hooks import constrain
+from .. import axes as X
+from ..axes import constrain
 from ._cache import KVCache, RecurrentCache
 from ._positions import BiasScheme, InputScheme, PositionScheme, QKScheme
 from ._registry import AttentionSpec, KVDecoding, RecurrentDecoding, WindowDecoding, get_variant
@@ -26,9 +27,7 @@ def _dense_init(key, fan_in, fan_out):
     return jax.random.normal(key, (fan_in, fan_out)) / math.sqrt(fan_in)
 
 
-# Logical axis names (xformers_jax.parallel.axes) of the activations, for sharding.
-_HEADS = ("batch", "length", "heads", "kv")
-_EMBED = ("batch", "length", "embed")
+_HEADS, _EMBED = X.HEADS_LAYOUT, X.TOKENS  # activation layouts (xformers_jax.axes)
 
 
 def _positions(batch, length, offset=0):
@@ -51,10 +50,10 @@ class MultiHeadAttention(eqx.Module):
       key: PRNG key for the parameters.
     """
 
-    wq: jax.Array
-    wk: jax.Array
-    wv: jax.Array
-    wo: jax.Array
+    wq: jax.Array = X.param(X.EMBED, X.HEADS)
+    wk: jax.Array = X.param(X.EMBED, X.HEADS)
+    wv: jax.Array = X.param(X.EMBED, X.HEADS)
+    wo: jax.Array = X.param(X.HEADS, X.EMBED)
     variant_params: object
     position: PositionScheme | None
     state_index: eqx.nn.StateIndex | None
@@ -130,16 +129,35 @@ class MultiHeadAttention(eqx.Module):
             return None
         return self.position.bias(q, k, q_pos, k_pos, 1.0 / math.sqrt(self.head_dim))
 
+    def sequence_problem(self) -> str | None:
+        """Why this layer cannot run with its sequence split over devices, or None."""
+        if isinstance(self.position, BiasScheme):
+            return (f"{type(self.position).__name__} adds a score bias, which the "
+                    "sequence-parallel forms do not take; use RotaryPositions or an input "
+                    "position scheme")
+        return self.variant.sequence_problem(self.spec.hyperparameters, causal=self.causal)
+
+    def _attend(self, causal):
+        """The variant's attend, or its sequence-parallel form when the active mesh splits the
+        sequence (``xformers_jax.axes.sequence_shards``)."""
+        shards = X.sequence_shards()
+        if shards > 1 and isinstance(self.position, BiasScheme):
+            raise NotImplementedError(f"MultiHeadAttention: {self.sequence_problem()}")
+        return self.variant.attend_for(shards, self.spec.hyperparameters, causal=causal)
+
     def _out(self, o):
         b, lq = o.shape[:2]
         o = constrain(o, _HEADS)
         return constrain(o.reshape(b, lq, -1) @ self.wo.astype(o.dtype), _EMBED)
 
-    def __call__(self, x, context=None, *, kv_mask=None, positions=None, key=None, state=None,
-                 inference=False):
+    def __call__(self, x, context=None, *, kv_mask=None, q_mask=None, positions=None, key=None,
+                 state=None, inference=False):
         """x: ``[B, Lq, dim]``; context: ``[B, Lk, kv_dim]`` for cross attention (None for
-        self attention); kv_mask: ``bool[B, Lk]``; positions: int ``[B, Lq]`` (default
-        ``0..Lq-1``); key: randomness for the variant. Returns ``[B, Lq, dim]``.
+        self attention); kv_mask: ``bool[B, Lk]``; q_mask: ``bool[B, Lq]``, the real queries
+        (default: ``kv_mask`` in self-attention, none padded in cross attention); positions:
+        int ``[B, Lq]`` (default ``0..Lq-1``); key: randomness for the variant. Returns
+        ``[B, Lq, dim]``, zero at padded queries: padding changes no real output (the
+        attention contract, :mod:`xformers_jax.attention._contract`).
 
         A variant with state (routing attention: ``state_index`` is set) needs the
         ``eqx.nn.State`` from ``eqx.nn.make_with_state`` and returns ``(out, state)``; with
@@ -158,19 +176,25 @@ class MultiHeadAttention(eqx.Module):
             extra.update(state=state.get(self.state_index), inference=inference)
         q, k, v = self._project(x, context)
         b, lq = x.shape[:2]
+        q_mask = kv_mask if q_mask is None and context is None else q_mask
+        if q_mask is not None and q_mask.shape != (b, lq):
+            raise ValueError(f"MultiHeadAttention: q_mask must be bool[B, Lq] = [{b}, {lq}] but "
+                             f"has shape {q_mask.shape}")
         q_pos = _positions(b, lq) if positions is None else positions
         k_pos = q_pos if context is None else _positions(b, k.shape[1])
         if isinstance(self.position, QKScheme):
             q, k = self.position.rotate(q, q_pos), self.position.rotate(k, k_pos)
         causal = self.causal and context is None
-        o = self.variant.attend(
-            q, k, v, self.variant_params, causal=causal, kv_mask=kv_mask,
+        o = self._attend(causal)(
+            q, k, v, self.variant_params, causal=causal, kv_mask=kv_mask, q_mask=q_mask,
             bias=self._bias(q, k, q_pos, k_pos), key=key, **extra,
             **self.variant.call_hyperparameters(self.spec.hyperparameters),
         )
+        o, value = (o, None) if self.state_index is None else o
+        if q_mask is not None:
+            o = jnp.where(q_mask[:, :, None, None], o, jnp.zeros((), o.dtype))
         if self.state_index is None:
             return self._out(o)
-        o, value = o
         return self._out(o), state.set(self.state_index, value)
 
     # -- decoding ------------------------------------------------------------------------------
@@ -245,3 +269,20 @@ def redraw_random_features(model, key):
 
     return jax.tree_util.tree_map(redraw, model,
                                   is_leaf=lambda x: isinstance(x, MultiHeadAttention))
+
+
+def check_sequence_parallel(model, shards: int) -> None:
+    """Raises ``ValueError`` unless every attention layer of ``model`` can run with its
+    sequence split over ``shards`` devices (the ``sequence`` strategy), naming each kind (and
+    reason) that cannot. Models call the sequence-parallel forms by themselves when the active
+    mesh splits the sequence; this check lets a trainer fail when the model is built, not at
+    the first step."""
+    if shards == 1:
+        return
+    layers = [m for m in jax.tree_util.tree_leaves(
+        model, is_leaf=lambda x: isinstance(x, MultiHeadAttention))
+        if isinstance(m, MultiHeadAttention)]
+    problems = sorted({p for p in (m.sequence_problem() for m in layers) if p is not None})
+    if problems:
+        raise ValueError(f"this model cannot run with its sequence split over {shards} "
+                         "devices: " + "; ".join(problems))

@@ -19,7 +19,8 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 
-from .._sharding_hooks import constrain
+from .. import axes as X
+from ..axes import constrain
 from ._attention import MultiHeadAttention
 from ._ffn import FeedForward
 from ._norms import StatefulNorm, make_norm
@@ -27,7 +28,7 @@ from ._positions import PositionScheme
 from ._registry import AttentionSpec
 
 PLACEMENTS = ("pre", "post", "rezero", "none")
-_EMBED = ("batch", "length", "embed")  # logical axis names (xformers_jax.parallel.axes)
+_EMBED = X.TOKENS
 
 
 class TransformerBlock(eqx.Module):
@@ -97,7 +98,7 @@ class TransformerBlock(eqx.Module):
         """The residual branch functions ``x -> f(x)`` in order (without norms)."""
         fs = [lambda h: self.attn(h, kv_mask=kv_mask, positions=positions, key=key)]
         if self.cross is not None:
-            fs.append(lambda h: self.cross(h, context, kv_mask=context_mask))
+            fs.append(lambda h: self.cross(h, context, kv_mask=context_mask, q_mask=kv_mask))
         fs.append(self.ffn)
         return fs
 

@@ -10,7 +10,8 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 
-from .._sharding_hooks import constrain
+from .. import axes as X
+from ..axes import constrain
 
 ACTIVATIONS = {
     "relu": jax.nn.relu,
@@ -32,11 +33,11 @@ class FeedForward(eqx.Module):
         (same result; peak activation memory proportional to the chunk).
     """
 
-    w1: jax.Array
-    w_gate: jax.Array | None
-    w2: jax.Array
-    b1: jax.Array
-    b2: jax.Array
+    w1: jax.Array = X.param(X.EMBED, X.MLP)
+    w_gate: jax.Array | None = X.param(X.EMBED, X.MLP)
+    w2: jax.Array = X.param(X.MLP, X.EMBED)
+    b1: jax.Array = X.param(X.MLP)
+    b2: jax.Array = X.param(X.EMBED)
     activation: str = eqx.field(static=True)
     chunk_size: int | None = eqx.field(static=True)
 
@@ -57,7 +58,7 @@ class FeedForward(eqx.Module):
         h = ACTIVATIONS[self.activation](x @ self.w1.astype(x.dtype) + self.b1.astype(x.dtype))
         if self.w_gate is not None:
             h = h * (x @ self.w_gate.astype(x.dtype))
-        h = constrain(h, ("batch", "length", "mlp"))
+        h = constrain(h, X.HIDDEN)
         return h @ self.w2.astype(x.dtype) + self.b2.astype(x.dtype)
 
     def __call__(self, x):

@@ -18,7 +18,8 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 
-from .._sharding_hooks import constrain
+from .. import axes as X
+from ..axes import constrain
 from ._blocks import TransformerBlock
 from ._norms import LayerNorm
 from ._positions import ConvPositions, InputScheme, SinusoidalPositions
@@ -29,9 +30,9 @@ class Embedder(eqx.Module):
     """Token ids (a table) or continuous features (a linear map) to ``[B, L, dim]``, plus an
     input position scheme and an optional learned CLS token prepended to the sequence."""
 
-    table: jax.Array | None
-    proj: jax.Array | None
-    cls: jax.Array | None
+    table: jax.Array | None = X.param(X.VOCAB, X.EMBED)
+    proj: jax.Array | None = X.param(None, X.EMBED)
+    cls: jax.Array | None = X.param(X.EMBED)
     positions: InputScheme
 
     def __init__(self, dim: int, *, vocab_size: int | None = None,
@@ -70,7 +71,7 @@ class Embedder(eqx.Module):
                 mask = jnp.concatenate([jnp.ones((b, 1), bool), mask], axis=1)
         positions = jnp.broadcast_to(jnp.arange(x.shape[1]) + offset, x.shape[:2])
         x = self.positions.embed(x, positions, mask=mask, causal=causal)
-        return constrain(x, ("batch", "length", "embed")), mask
+        return constrain(x, X.TOKENS), mask
 
 
 def _stack(dim, num_layers, num_heads, hidden, *, causal, cross, max_len, block, stack, key):
@@ -129,7 +130,7 @@ class EncoderClassifier(eqx.Module):
     """Encoder + CLS or mean pooling + a linear classifier (LRA ListOps, Text, Image, ...)."""
 
     encoder: Encoder
-    head: jax.Array
+    head: jax.Array = X.param(X.EMBED, None)
     pooling: str = eqx.field(static=True)
 
     def __init__(self, num_classes, dim, num_layers, num_heads, hidden, *, pooling="cls",
@@ -184,7 +185,7 @@ class CausalLM(eqx.Module):
     embed: Embedder
     layers: LayerStack
     final_norm: LayerNorm | None
-    head: jax.Array
+    head: jax.Array = X.param(X.EMBED, X.VOCAB)
 
     def __init__(self, vocab_size, dim, num_layers, num_heads, hidden, *, positions=None,
                  max_len=512, block=None, stack=None, key):
@@ -201,7 +202,7 @@ class CausalLM(eqx.Module):
         x, _ = self.embed(tokens, mask=mask, causal=True)
         h, new = _run(self.layers, x, state, kv_mask=mask, key=key, inference=inference)
         h = _finish(self.final_norm, h)
-        logits = constrain(h @ self.head.astype(h.dtype), ("batch", "length", "vocab"))
+        logits = constrain(h @ self.head.astype(h.dtype), X.LOGITS)
         return logits if state is None else (logits, new)
 
     def init_cache(self, batch: int, max_len: int, dtype=jnp.float32):
@@ -268,7 +269,7 @@ class EncoderDecoder(eqx.Module):
     embed: Embedder
     decoder: LayerStack
     final_norm: LayerNorm | None
-    head: jax.Array
+    head: jax.Array = X.param(X.EMBED, X.VOCAB)
 
     def __init__(self, target_vocab, dim, num_layers, num_heads, hidden, *, vocab_size=None,
                  input_dim=None, positions=None, max_len=512, block=None, stack=None, key):

@@ -26,6 +26,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 
+from .. import axes as X
 from ..attention.patterns import Pattern
 from ..attention.patterns._basic import _kinds, _tile_ranges
 from ._attention import MultiHeadAttention
@@ -108,7 +109,7 @@ class PerceiverEncoder(eqx.Module):
         default). max_len: the longest input, for kinds with length-sized parameters.
     """
 
-    latents: jax.Array
+    latents: jax.Array = X.param(None, X.EMBED)
     cross: _Block
     layers: tuple[_Block, ...]
 

@@ -32,6 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .. import axes as X
 from ..attention._contract import STATS_DTYPE
 
 
@@ -86,7 +87,7 @@ class LearnedPositions(InputScheme):
     """A learned table of ``max_len`` absolute embeddings (Gehring et al., 2017; Devlin et al.,
     2019); not inductive."""
 
-    table: jax.Array
+    table: jax.Array = X.param(None, X.EMBED)
 
     def __init__(self, max_len: int, dim: int, *, key):
         self.table = 0.02 * jax.random.normal(key, (max_len, dim))

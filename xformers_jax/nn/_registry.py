@@ -101,15 +101,33 @@ Decoding = KVDecoding | WindowDecoding | RecurrentDecoding
 
 @final
 @dataclasses.dataclass(frozen=True)
+class SequenceParallel:
+    """How a kind runs with its sequence split over the active mesh's ``sequence`` axis.
+
+    ``attend`` has :class:`Variant`'s ``attend`` signature and computes the same function with
+    ``length`` sharded (ring attention, the halo exchange, the sequence-parallel scan: each
+    lives with its family in :mod:`xformers_jax.attention`). ``check(hp, causal)`` returns
+    None when these hyperparameters can run sharded, or the reason they cannot (a string).
+    """
+
+    attend: Callable
+    check: Callable[[Mapping, bool], str | None] = lambda hp, causal: None
+
+
+@final
+@dataclasses.dataclass(frozen=True)
 class Variant:
     """How :class:`MultiHeadAttention` runs one kind of attention.
 
     Attributes:
       name: the ``kind`` a spec uses.
       attend: ``attend(q [B,Lq,H,Dk], k [B,Lk,Hkv,Dk], v [B,Lk,Hkv,Dv], params, *, causal,
-        kv_mask [B,Lk] | None, bias, key, **hp) -> [B,Lq,H,Dv]``; ``bias`` is a pytree callable
-        whose leaves lead with ``[B, H]`` (see :mod:`._positions`) or None. It never sees the
-        ``init_only`` hyperparameters.
+        kv_mask [B,Lk] | None, bias, key, q_mask [B,Lq] | None = None, **hp) -> [B,Lq,H,Dv]``;
+        ``bias`` is a pytree callable whose leaves lead with ``[B, H]`` (see
+        :mod:`._positions`) or None. ``q_mask`` marks the real queries (the padding mask in
+        self-attention): a kind that computes statistics over queries must keep the others
+        out of them (the contract, :mod:`xformers_jax.attention._contract`); the module zeros
+        their outputs. It never sees the ``init_only`` hyperparameters.
       init: ``init(key, hp, *, num_heads, head_dim, max_len) -> pytree | None``: the variant's
         own trainable arrays (e.g. Linformer's projections); it sees every hyperparameter.
       causal: whether ``causal=True`` is supported (otherwise the module raises).
@@ -125,6 +143,9 @@ class Variant:
         the variant's non-gradient state (an ``eqx.nn.StateIndex`` of the module). ``attend``
         then also receives ``state`` (the current value) and ``inference`` and returns
         ``(out, new_state)``.
+      sequence: a :class:`SequenceParallel` when the kind can run with ``length`` split over
+        devices (the ``sequence`` strategy), else None (a model that needs it raises when it
+        is built for such a mesh).
       metadata: the kind's :class:`~xformers_jax.attention._kind.Kind` record (paper,
         complexity, test hyperparameters), or None for a variant registered outside the
         library.
@@ -140,6 +161,7 @@ class Variant:
     init_only: frozenset = frozenset()
     takes_input: bool = False
     state: Callable | None = None
+    sequence: SequenceParallel | None = None
     metadata: Kind | None = None
 
     def __init_subclass__(cls, **kwargs):
@@ -168,6 +190,26 @@ class Variant:
             raise ValueError(f"Variant {kind.name!r}: decoding {mode!r} but its Kind record "
                              f"declares {kind.decoding!r}")
         return v
+
+    def sequence_problem(self, hp: Mapping, *, causal: bool) -> str | None:
+        """Why this kind with ``hp`` cannot run with its sequence split, or None if it can."""
+        if self.sequence is None:
+            return (f"attention kind {self.name!r} has no sequence-parallel form (kinds that "
+                    "have one: " + ", ".join(
+                        n for n, v in sorted(_REGISTRY.items()) if v.sequence) + ")")
+        reason = self.sequence.check(hp, causal)
+        return None if reason is None else f"attention kind {self.name!r}: {reason}"
+
+    def attend_for(self, sequence_shards: int, hp: Mapping, *, causal: bool) -> Callable:
+        """``attend``, or the sequence-parallel form when the active mesh splits the sequence
+        (``sequence_shards > 1``); raises ``NotImplementedError`` when the kind cannot."""
+        if sequence_shards == 1:
+            return self.attend
+        problem = self.sequence_problem(hp, causal=causal)
+        if problem is not None:
+            raise NotImplementedError(f"{problem}; the active mesh splits the sequence over "
+                                      f"{sequence_shards} devices")
+        return self.sequence.attend
 
     def call_hyperparameters(self, hp: Mapping) -> dict:
         """``hp`` without the ``init_only`` names: what ``attend`` and decoding receive."""
@@ -211,19 +253,25 @@ def registered_variants() -> tuple[str, ...]:
     return tuple(sorted(_REGISTRY))
 
 
-def lifted(fn: Callable, arg_axes=(), kwarg_axes=None, *, unpack: bool = False) -> Callable:
+def lifted(fn: Callable, arg_axes=(), kwarg_axes=None, *, unpack: bool = False,
+           takes_q_mask: bool = False) -> Callable:
     """An ``attend`` for a one-head function of the contract, lifted with ``multihead``.
 
     ``params`` (if not None) is passed as one extra positional argument laid out per
     ``arg_axes`` (with ``unpack=True``, a tuple of them); a bias pytree is mapped over
     ``[batch, heads]``. Grouped-query heads are multihead's: no key/value head is copied.
+    ``takes_q_mask``: ``fn`` computes statistics over queries and takes the contract's
+    ``q_mask`` (split over the batch); other functions compute each query's output from that
+    query alone, so a padded query cannot reach a real output and ``q_mask`` is not passed.
     """
     kw_axes = {"bias": "batch_heads", **(kwarg_axes or {})}
 
-    def attend(q, k, v, params, *, causal, kv_mask, bias, key, **hp):
+    def attend(q, k, v, params, *, causal, kv_mask, bias, key, q_mask=None, **hp):
         extra = () if params is None else tuple(params) if unpack else (params,)
         axes = tuple(arg_axes) * len(extra) if unpack else tuple(arg_axes)[: len(extra)]
         kw = {} if bias is None else {"bias": bias}
+        if takes_q_mask:
+            kw["q_mask"] = q_mask
         f = A.multihead(fn, arg_axes=axes, kwarg_axes=kw_axes)
         return f(q, k, v, *extra, causal=causal, kv_mask=kv_mask, key=key, **kw, **hp)
 

@@ -13,10 +13,8 @@ from typing import Mapping, Sequence
 import jax
 from jax.sharding import AxisType, Mesh
 
-from .. import _sharding_hooks
-from ._active import _ACTIVE, Active
-from ._axes import MESH_AXES
-from ._rules import DEFAULT_COMPUTE_RULES, DEFAULT_PARAM_RULES, constrain
+from ..axes import MESH_AXES, Active, activated
+from ._rules import DEFAULT_COMPUTE_RULES, DEFAULT_PARAM_RULES
 
 
 def resolve_mesh_shape(sizes: Mapping[str, int] | None, num_devices: int) -> dict[str, int]:
@@ -74,20 +72,20 @@ def make_mesh(sizes: Mapping[str, int] | None = None, devices: Sequence | None =
 
 @contextlib.contextmanager
 def use_mesh(mesh: Mesh, compute_rules=None, param_rules=None):
-    """Activates ``mesh`` and the logical->mesh rules for :func:`constrain` and friends.
+    """Activates ``mesh`` and the logical->mesh rules (``xformers_jax.axes.activated``): the
+    models' :func:`~xformers_jax.axes.constrain` calls and sequence-parallel attention read them.
 
     Rules default to ``DEFAULT_COMPUTE_RULES`` / ``DEFAULT_PARAM_RULES``. Sharding calls read
     the active mesh while a function is traced, so open the block around the ``jax.jit`` call
     that traces it.
     """
-    token = _ACTIVE.set(Active(
+    rules = Active(
         mesh,
         tuple(DEFAULT_COMPUTE_RULES if compute_rules is None else compute_rules),
         tuple(DEFAULT_PARAM_RULES if param_rules is None else param_rules),
-    ))
-    try:
-        # The models (xformers_jax.nn, a lower layer) annotate activations through this hook.
-        with _sharding_hooks.installed(constrain):
-            yield mesh
-    finally:
-        _ACTIVE.reset(token)
+    )
+    # jax.set_mesh too: JAX's trace caches key on its mesh context, so a function jitted
+    # outside this block is traced again inside it (our context variable alone would let a
+    # cached one-device trace run here without any sharding or sequence parallelism).
+    with jax.set_mesh(mesh), activated(rules):
+        yield mesh

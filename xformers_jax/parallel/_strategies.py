@@ -23,7 +23,7 @@ from typing import Mapping, NamedTuple
 
 import jax
 
-from . import _axes as A
+from .. import axes as A
 from ._mesh import make_mesh, resolve_mesh_shape
 from ._rules import DEFAULT_COMPUTE_RULES, DEFAULT_PARAM_RULES
 

@@ -2,7 +2,6 @@
 metrics (JSONL, TensorBoard, a progress bar), dynamic loss scaling, tasks and the loop behind ``experiments/train.py``."""
 
 from ._checkpoint import Checkpointer as Checkpointer
-from ._config import DATA_SCHEMAS as DATA_SCHEMAS
 from ._config import PRECISIONS as PRECISIONS
 from ._config import base_config as base_config
 from ._config import validate_config as validate_config
@@ -15,7 +14,6 @@ from ._metrics import read_jsonl as read_jsonl
 from ._optim import make_optimizer as make_optimizer
 from ._optim import make_schedule as make_schedule
 from ._progress import ProgressBar as ProgressBar
-from ._sharding import MODEL_PARAM_PATTERNS as MODEL_PARAM_PATTERNS
 from ._sharding import ShardingPlan as ShardingPlan
 from ._sharding import make_sharding_plan as make_sharding_plan
 from ._sharding import resolve_mesh as resolve_mesh
@@ -23,8 +21,11 @@ from ._state import TrainState as TrainState
 from ._state import create_train_state as create_train_state
 from ._step import make_eval_step as make_eval_step
 from ._step import make_train_step as make_train_step
+from ._tasks import TASKS as TASKS
 from ._tasks import Task as Task
+from ._tasks import TaskSpec as TaskSpec
 from ._tasks import build_model as build_model
 from ._tasks import make_loss_fn as make_loss_fn
 from ._tasks import make_metrics_fn as make_metrics_fn
 from ._tasks import make_task as make_task
+from ._tasks import register_task as register_task

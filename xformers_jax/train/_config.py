@@ -13,31 +13,19 @@ from __future__ import annotations
 import ml_collections
 
 from ._optim import SCHEDULES
+from ._tasks import get_task
 
-# Per task: the data keys and their defaults.
-DATA_SCHEMAS = {
-    "listops": dict(num_train=96_000, num_eval=2_000, num_test=2_000, min_length=500,
-                    max_length=2000, max_depth=10, max_args=10),
-    "pathfinder": dict(num_train=160_000, num_eval=20_000, num_test=20_000, size=32,
-                       difficulty="hard"),
-    "text": dict(source="stdlib", data_dir="", seq_len=4000, num_train=25_000,
-                 num_eval=2_500, num_test=2_500),
-    "retrieval": dict(data_dir="", seq_len=4000),
-    "image": dict(data_dir=""),
-    # num_eval / num_test bound the evaluation windows (0: the whole split).
-    "lm": dict(source="stdlib", data_dir="", seq_len=512, num_eval=256, num_test=512),
-}
 POOLINGS = ("cls", "mean")
 PRECISIONS = ("float32", "bfloat16", "float16")
 
 
 def base_config(task: str) -> ml_collections.ConfigDict:
-    """Every key the trainer reads, with defaults, for ``task`` (a key of ``DATA_SCHEMAS``)."""
-    if task not in DATA_SCHEMAS:
-        raise ValueError(f"task must be one of {sorted(DATA_SCHEMAS)}, got {task!r}")
+    """Every key the trainer reads, with defaults, for ``task`` (a name in ``TASKS``, whose
+    spec gives the data keys)."""
+    schema = get_task(task).data
     c = ml_collections.ConfigDict()
     c.seed = 0
-    c.data = ml_collections.ConfigDict(dict(task=task, **DATA_SCHEMAS[task]))
+    c.data = ml_collections.ConfigDict(dict(task=task, **schema))
     c.model = ml_collections.ConfigDict(dict(
         dim=512, num_layers=4, num_heads=8, hidden=1024, pooling="cls",
         attention=ml_collections.ConfigDict(dict(kind="dot_product"))))
@@ -49,9 +37,9 @@ def base_config(task: str) -> ml_collections.ConfigDict:
     c.precision = "float32"
     c.loss_scale = ml_collections.ConfigDict(dict(init_scale=2.0 ** 15, growth_interval=2000))
     # Mesh axis sizes (-1 fills; {"strategy": "data+tensor", "tensor": 2} names a strategy)
-    # and the sharding rules / parameter patterns (empty: the defaults). See _sharding.py.
+    # and the sharding rules (empty: the defaults). See _sharding.py.
     c.mesh = ml_collections.ConfigDict({"data": -1})
-    c.sharding = ml_collections.ConfigDict(dict(param_rules=(), compute_rules=(), params=()))
+    c.sharding = ml_collections.ConfigDict(dict(param_rules=(), compute_rules=()))
     c.batch_size = 32
     c.num_microbatches = 1
     c.num_train_steps = 10_000

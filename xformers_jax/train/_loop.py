@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl import logging
 
+from .. import axes as X
 from .. import nn
 from ..data import DataIterator
 from ._checkpoint import Checkpointer
@@ -17,7 +18,7 @@ from ._loss_scale import DynamicLossScale
 from ._metrics import MetricWriter
 from ._optim import make_optimizer, make_schedule
 from ._progress import ProgressBar, format_duration
-from ._sharding import make_sharding_plan
+from ._sharding import make_sharding_plan, resolve_mesh
 from ._state import create_train_state
 from ._step import make_eval_step, make_train_step
 from ._tasks import build_model, make_loss_fn, make_metrics_fn, make_task
@@ -49,7 +50,8 @@ def _precision(config):
 def _majority_accuracy(task) -> float | None:
     """Test accuracy of always answering the most common training label (the baseline a
     classifier must beat); None for language models and lazily read splits."""
-    if task.lm or not all(hasattr(s, "arrays") for s in (task.train, task.test)):
+    if not task.spec.classification or not all(
+            hasattr(s, "arrays") for s in (task.train, task.test)):
         return None
     majority = np.bincount(task.train.arrays["targets"]).argmax()
     return float(np.mean(task.test.arrays["targets"] == majority))
@@ -87,7 +89,8 @@ def train_and_evaluate(config, workdir: str, *, on_step=None) -> dict:
     validate_config(config)
     task = make_task(config.data, config.seed)
     init_key, state_key = jax.random.split(jax.random.PRNGKey(config.seed))
-    model = build_model(config.model, task, init_key)
+    shards = resolve_mesh(config.mesh).get(X.SEQUENCE, 1)
+    model = build_model(config.model, task, init_key, sequence_shards=shards)
     o = config.optim
     schedule = make_schedule(o.schedule, learning_rate=o.learning_rate,
                              warmup_steps=o.warmup_steps, total_steps=config.num_train_steps)
@@ -96,23 +99,21 @@ def train_and_evaluate(config, workdir: str, *, on_step=None) -> dict:
     policy, loss_scale = _precision(config)
     state = create_train_state(model, optimizer, state_key, loss_scale=loss_scale)
     plan = make_sharding_plan(config, state, optimizer)
-    shards = 1 if plan is None else plan.batch_shards
-    if config.batch_size % shards:
-        raise ValueError(f"batch_size={config.batch_size} is not divisible by the {shards} "
-                         "batch shards of the mesh")
+    if config.batch_size % plan.batch_shards:
+        raise ValueError(f"batch_size={config.batch_size} is not divisible by the "
+                         f"{plan.batch_shards} batch shards of the mesh")
     # config.batch_size is the global batch: each process reads its share.
     train_iter = DataIterator(task.train, batch_size=config.batch_size // jax.process_count(),
                               seed=config.seed, process_index=jax.process_index(),
                               process_count=jax.process_count())
     checkpointer = Checkpointer(workdir, keep=config.keep_checkpoints)
-    restored = checkpointer.restore_latest(state, None if plan is None else plan.state)
+    restored = checkpointer.restore_latest(state, plan.state)
     if restored is not None:
         state, data_state = restored
         train_iter.set_state(data_state)
         logging.info("resumed from step %d", int(state.step))
-    elif plan is not None:
+    else:
         state = plan.place_state(state)
-    place_batch = (lambda batch: batch) if plan is None else plan.place_batch
     train_step = make_train_step(make_loss_fn(task, policy), optimizer,
                                  num_microbatches=config.num_microbatches, loss_scale=loss_scale,
                                  sharding=plan)
@@ -127,7 +128,7 @@ def train_and_evaluate(config, workdir: str, *, on_step=None) -> dict:
     validation = {}
     try:
         while step < total:
-            state, metrics = train_step(state, place_batch(next(train_iter)))
+            state, metrics = train_step(state, plan.place_batch(next(train_iter)))
             step += 1
             if step % config.log_every == 0 or step == total:
                 rate = bar.rate()
@@ -155,7 +156,7 @@ def train_and_evaluate(config, workdir: str, *, on_step=None) -> dict:
                 checkpointer.save(step, state, train_iter.get_state(), force=True)
                 return {"preempted": True, "step": step}
         checkpointer.wait()
-        best = checkpointer.restore_best(state, None if plan is None else plan.state)
+        best = checkpointer.restore_best(state, plan.state)
         best_state = state if best is None else best[0]
         test = evaluate(eval_step, best_state.model, task.test, config.batch_size)
         writer.write(step, {f"test_{k}": v for k, v in test.items()})

@@ -1,14 +1,14 @@
 """The trainer's mesh and shardings, from ``config.mesh`` and ``config.sharding``.
 
 ``config.mesh`` gives the mesh axis sizes (``{"data": -1}``, the default, is data parallelism
-over every device: ``-1`` fills) or a strategy (``{"strategy": "data+tensor", "tensor": 2}``,
-see ``parallel.strategy``). ``config.sharding`` holds the ordered logical->mesh rules for
-parameters and for compute (empty: ``parallel.DEFAULT_*_RULES``) and extra ``(regex, names)``
-parameter patterns tried before :data:`MODEL_PARAM_PATTERNS` (big_vision / MaxText style).
-Parameters and Adam's moments get their parameter's sharding (FSDP shards both), the rest of
-the train state is replicated, batches are split on their leading axis, and the step is a
-``jax.jit`` with these in/out shardings traced inside ``parallel.use_mesh`` so the models'
-activation annotations (``nn`` calls ``constrain``) apply.
+over every device: ``-1`` fills) or a strategy (``{"strategy": "fsdp+sequence"}``, see
+``parallel.strategy``). ``config.sharding`` holds the ordered logical->mesh rules for
+parameters and for compute (empty: ``parallel.DEFAULT_*_RULES``). Parameters get the shardings
+their fields declare (``xformers_jax.axes.param``) and Adam's moments their parameter's (FSDP
+shards both); the rest of the train state is replicated, batches are split on their leading
+axis, and the step is a ``jax.jit`` with these in/out shardings traced inside
+``parallel.use_mesh`` so the models' activation annotations and sequence-parallel attention
+apply. One device is an ordinary plan (a one-device mesh): there is one path.
 """
 
 from __future__ import annotations
@@ -23,28 +23,8 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from .. import parallel
-from ..parallel import axes as A
+from .. import axes as A
 from ._state import TrainState
-
-# Arrays of a LayerStack's blocks carry a leading layer axis, which is never split.
-_STACKED = r"(?:^|/)(?:layers|decoder)/layers/(?:.*/)?"
-_BLOCK = (
-    (r"(?:attn|cross)/w[qkv]$", (A.EMBED, A.HEADS)),
-    (r"(?:attn|cross)/wo$", (A.HEADS, A.EMBED)),
-    (r"ffn/w(?:1|_gate)$", (A.EMBED, A.MLP)),
-    (r"ffn/w2$", (A.MLP, A.EMBED)),
-    (r"ffn/b1$", (A.MLP,)),
-)
-MODEL_PARAM_PATTERNS = (
-    *((_STACKED + regex, (None, *names)) for regex, names in _BLOCK),
-    *_BLOCK,
-    (r"(?:^|/)embed/table$", (A.VOCAB, A.EMBED)),
-    (r"(?:^|/)embed/proj$", (None, A.EMBED)),
-    (r"^head$", (A.EMBED, A.VOCAB)),
-)
-"""``(regex, logical names)`` for the parameters of ``xformers_jax.nn``'s models (paths as
-``parallel.path_string`` writes them); parameters no pattern matches are replicated."""
-
 
 def resolve_mesh(mesh_config) -> dict[str, int]:
     """Mesh axis sizes for ``config.mesh`` over this run's devices.
@@ -78,6 +58,11 @@ class ShardingPlan(NamedTuple):
         axes = () if spec is None else (spec,) if isinstance(spec, str) else spec
         return math.prod(self.mesh.shape[a] for a in axes)
 
+    @property
+    def sequence_shards(self) -> int:
+        """How many pieces the ``sequence`` mesh axis splits each sequence into."""
+        return self.mesh.shape.get(A.SEQUENCE, 1)
+
     def context(self):
         """``parallel.use_mesh`` with this plan's mesh and rules (open it around tracing)."""
         return parallel.use_mesh(self.mesh, self.compute_rules, self.param_rules)
@@ -92,21 +77,16 @@ class ShardingPlan(NamedTuple):
             lambda x: jax.make_array_from_process_local_data(self.batch, np.asarray(x)), batch)
 
 
-def make_sharding_plan(config, state: TrainState, optimizer) -> ShardingPlan | None:
-    """The plan for ``config.mesh`` / ``config.sharding``; None on a one-device mesh (the
-    state and batches then stay where they are, as without any mesh)."""
+def make_sharding_plan(config, state: TrainState, optimizer) -> ShardingPlan:
+    """The plan for ``config.mesh`` / ``config.sharding`` (a one-device mesh included)."""
     shape = resolve_mesh(config.mesh)
-    num = math.prod(shape.values())
-    if num == 1:
-        return None
-    mesh = parallel.make_mesh(shape, jax.devices()[:num])
+    mesh = parallel.make_mesh(shape, jax.devices()[:math.prod(shape.values())])
     s = config.sharding
     param_rules = tuple(s.param_rules) or parallel.DEFAULT_PARAM_RULES
     compute_rules = tuple(s.compute_rules) or parallel.DEFAULT_COMPUTE_RULES
-    patterns = (*tuple(s.params), *MODEL_PARAM_PATTERNS)
     replicated = NamedSharding(mesh, P())
-    model = parallel.param_shardings(state.model, patterns, param_rules, mesh)
-    trained = parallel.param_shardings(eqx.filter(state.model, eqx.is_inexact_array), patterns,
+    model = parallel.param_shardings(state.model, param_rules, mesh)
+    trained = parallel.param_shardings(eqx.filter(state.model, eqx.is_inexact_array),
                                        param_rules, mesh)
     opt = parallel.optimizer_shardings(optimizer, state.opt_state, trained, mesh)
     shardings = TrainState(

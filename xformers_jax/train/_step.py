@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from typing import Callable
 
 import equinox as eqx
@@ -39,8 +40,9 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, *,
     float32; a step with non-finite gradients changes neither the model nor the optimizer
     state (only the scale and the key). Metrics are the loss function's plus ``loss`` and
     ``grad_norm`` (and ``loss_scale``, ``skipped`` with loss scaling).
-    With ``sharding`` (a ``ShardingPlan``) the step is a ``jax.jit`` with the plan's state and
-    batch shardings in and out (metrics replicated), traced inside the plan's mesh context.
+    With ``sharding`` (a ``ShardingPlan``, as the trainer always gives) the jit has the plan's
+    state and batch shardings in and out (metrics replicated) and is traced inside the plan's
+    mesh context.
     """
     def scaled_loss(model, batch, key, scale):
         loss, metrics = loss_fn(model, batch, key)
@@ -92,40 +94,37 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, *,
         return TrainState(step=state.step + 1, model=model, opt_state=opt_state,
                           key=key, loss_scale=new_scale), metrics
 
-    if sharding is None:
-        # filter_jit's donate="all-except-first" keeps argument 0: put the batch first so
-        # that the state's buffers are the ones donated (the step's output reuses them).
-        jitted = eqx.filter_jit(lambda batch, state: step(state, batch),
-                                donate="all-except-first")
-        return lambda state, batch: jitted(batch, state)
-
     def on_arrays(arrays, static, batch):
         new, metrics = step(eqx.combine(arrays, static), batch)
         return eqx.filter(new, eqx.is_array), metrics
 
-    replicated = NamedSharding(sharding.mesh, PartitionSpec())
-    sharded = jax.jit(on_arrays, static_argnums=1, donate_argnums=0,
-                      in_shardings=(sharding.state, sharding.batch),
-                      out_shardings=(sharding.state, replicated))
+    # One path: a plan adds its shardings and mesh context; without one (a caller's own loop)
+    # the same jit runs where the arrays are. The old state's buffers are donated.
+    shardings = {} if sharding is None else dict(
+        in_shardings=(sharding.state, sharding.batch),
+        out_shardings=(sharding.state, NamedSharding(sharding.mesh, PartitionSpec())))
+    jitted = jax.jit(on_arrays, static_argnums=1, donate_argnums=0, **shardings)
 
     def run(state, batch):
         arrays, static = eqx.partition(state, eqx.is_array)
-        with sharding.context():
-            new, metrics = sharded(arrays, static, batch)
+        with _context(sharding):
+            new, metrics = jitted(arrays, static, batch)
         return eqx.combine(new, static), metrics
 
     return run
+
+
+def _context(sharding):
+    return contextlib.nullcontext() if sharding is None else sharding.context()
 
 
 def make_eval_step(metrics_fn: Callable, sharding=None):
     """``eval_step(model, batch) -> {name: sum over the batch}`` (jitted, no randomness),
     traced inside ``sharding.context()`` when a ``ShardingPlan`` is given."""
     jitted = eqx.filter_jit(metrics_fn)
-    if sharding is None:
-        return jitted
 
     def run(model, batch):
-        with sharding.context():
+        with _context(sharding):
             return jitted(model, batch)
 
     return run

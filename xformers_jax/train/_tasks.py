@@ -1,14 +1,18 @@
-"""Tasks: the data splits, the model and the loss / metrics the trainer uses for a config.
+"""Tasks: one registry (:data:`TASKS`) of what the trainer needs per task.
 
-Classification tasks (LRA ListOps, Text, Image, Pathfinder / Path-X) train
-``nn.EncoderClassifier``; Retrieval trains ``nn.DualEncoder`` on document pairs; byte-level
-language modelling (``lm``) trains ``nn.CausalLM`` on next-byte prediction. Token id 0 is
-padding for text-like inputs; pixel inputs (Image, Pathfinder) have no padding (0 is black).
+Each :class:`TaskSpec` declares its data keys, how its splits are made, its model and how the
+model's logits are computed; the config schema (``_config.base_config``), the trainer and the
+loss read only the registry. Classification tasks (LRA ListOps, Text, Image, Pathfinder /
+Path-X) train ``nn.EncoderClassifier``; Retrieval trains ``nn.DualEncoder`` on document pairs;
+byte-level language modelling (``lm``) trains ``nn.CausalLM`` on next-byte prediction. Token id
+0 is padding for text-like inputs; pixel inputs (Image, Pathfinder) have no padding (0 is
+black). A new task is one ``register_task`` call.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Callable, Mapping
 
 import equinox as eqx
 import jax
@@ -21,7 +25,7 @@ from .. import nn
 
 @dataclasses.dataclass(frozen=True)
 class Task:
-    """The splits and the facts about inputs a model needs."""
+    """The splits and the facts about inputs a model needs, made by a :class:`TaskSpec`."""
 
     train: object
     validation: object
@@ -30,8 +34,50 @@ class Task:
     num_classes: int
     seq_len: int
     padded: bool
-    pair: bool = False
-    lm: bool = False
+    spec: "TaskSpec | None" = None
+
+
+@dataclasses.dataclass(frozen=True)
+class TaskSpec:
+    """What the trainer knows about one task: its data keys, how to make its splits, which
+    model it trains and how that model's logits are computed.
+
+    Attributes:
+      name: the ``data.task`` a config names.
+      data: the task's data keys and their defaults (``base_config`` copies them into
+        ``config.data``; an unknown or missing key is an error).
+      make: ``make(data_config, seed) -> Task`` (the splits; ``spec`` is filled in).
+      model: ``model(model_config, task, key) -> eqx.Module``.
+      logits: ``logits(model, batch, task, key) -> [..., num_classes]`` float logits whose
+        leading axes match ``batch["targets"]``; the loss is the mean softmax cross-entropy
+        over them (examples, or tokens for language modelling).
+      classification: one label per example (the trainer reports the majority-class
+        baseline beside the test accuracy).
+    """
+
+    name: str
+    data: Mapping
+    make: Callable
+    model: Callable
+    logits: Callable
+    classification: bool = True
+
+
+TASKS: dict[str, TaskSpec] = {}
+
+
+def register_task(spec: TaskSpec, *, replace: bool = False) -> TaskSpec:
+    """Adds a task to the registry (``replace=True`` to replace one of the same name)."""
+    if spec.name in TASKS and not replace:
+        raise ValueError(f"task {spec.name!r} is already registered; pass replace=True")
+    TASKS[spec.name] = spec
+    return spec
+
+
+def get_task(name: str) -> TaskSpec:
+    if name not in TASKS:
+        raise ValueError(f"task must be one of {sorted(TASKS)}, got {name!r}")
+    return TASKS[name]
 
 
 class _Spaced:
@@ -50,90 +96,148 @@ class _Spaced:
 
 
 def make_task(data_config, seed: int) -> Task:
-    """The task named by ``data_config.task`` (see ``DATA_SCHEMAS``); splits use seeds
-    derived from ``seed`` so that they never share an example index stream."""
-    c, name = data_config, data_config.task
-    if name == "listops":
-        split = lambda n, s: D.materialize(D.ListOps(  # noqa: E731
-            n, seed=s, min_length=c.min_length, max_length=c.max_length,
-            max_depth=c.max_depth, max_args=c.max_args))
-        return Task(split(c.num_train, 3 * seed), split(c.num_eval, 3 * seed + 1),
-                    split(c.num_test, 3 * seed + 2), vocab_size=D.LISTOPS_VOCAB_SIZE,
-                    num_classes=10, seq_len=c.max_length, padded=True)
-    if name == "pathfinder":
-        split = lambda n, s: D.materialize(  # noqa: E731
-            D.Pathfinder(n, seed=s, size=c.size, difficulty=c.difficulty))
-        return Task(split(c.num_train, 3 * seed), split(c.num_eval, 3 * seed + 1),
-                    split(c.num_test, 3 * seed + 2), vocab_size=256, num_classes=2,
-                    seq_len=c.size * c.size, padded=False)
-    if name == "text":
-        if c.source == "imdb":
-            train = D.load_imdb(c.data_dir, "train", seq_len=c.seq_len)
-            test = D.load_imdb(c.data_dir, "test", seq_len=c.seq_len)
-            validation = test  # LRA's Text task has no separate validation split
-        elif c.source == "stdlib":
-            split = lambda s, n, k: D.StdlibBytesClassification(  # noqa: E731
-                s, seq_len=c.seq_len, num_examples=n, seed=3 * seed + k)
-            train, validation, test = (split("train", c.num_train, 0),
-                                       split("validation", c.num_eval, 1),
-                                       split("test", c.num_test, 2))
-        else:
-            raise ValueError(f"data.source must be 'stdlib' or 'imdb', got {c.source!r}")
-        return Task(train, validation, test, vocab_size=D.BYTE_VOCAB_SIZE, num_classes=2,
-                    seq_len=c.seq_len, padded=True)
-    if name == "retrieval":
-        splits = [D.load_aan(c.data_dir, s, seq_len=c.seq_len)
-                  for s in ("train", "validation", "test")]
-        return Task(*splits, vocab_size=D.BYTE_VOCAB_SIZE, num_classes=2, seq_len=c.seq_len,
-                    padded=True, pair=True)
-    if name == "image":
-        splits = [D.load_cifar10(c.data_dir, s) for s in ("train", "validation", "test")]
-        return Task(*splits, vocab_size=256, num_classes=10, seq_len=1024, padded=False)
-    if name == "lm":
-        if c.source == "stdlib":
-            train, validation, test = (D.stdlib_bytes_lm(s, seq_len=c.seq_len)
-                                       for s in ("train", "validation", "test"))
-        elif c.source == "enwik8":
-            train, validation, test = (D.load_enwik8(c.data_dir, s, seq_len=c.seq_len)
-                                       for s in ("train", "validation", "test"))
-        else:
-            raise ValueError(f"data.source must be 'stdlib' or 'enwik8', got {c.source!r}")
-        return Task(train, _Spaced(validation, c.num_eval), _Spaced(test, c.num_test),
-                    vocab_size=D.BYTE_VOCAB_SIZE, num_classes=D.BYTE_VOCAB_SIZE,
-                    seq_len=c.seq_len, padded=False, lm=True)
-    raise ValueError(f"unknown task {name!r}")
+    """The task named by ``data_config.task`` (see ``TASKS``); splits use seeds derived from
+    ``seed`` so that they never share an example index stream."""
+    spec = get_task(data_config.task)
+    return dataclasses.replace(spec.make(data_config, seed), spec=spec)
 
 
-def build_model(model_config, task: Task, key: jax.Array) -> eqx.Module:
-    """``nn.EncoderClassifier`` (or ``nn.DualEncoder`` for pairs) with the configured attention
-    from the ``nn`` registry."""
-    m = model_config
-    spec = nn.AttentionSpec.from_config(m.attention.to_dict())
-    if task.lm:
-        return nn.CausalLM(task.vocab_size, m.dim, m.num_layers, m.num_heads, m.hidden,
-                           max_len=task.seq_len, block=dict(spec=spec), key=key)
-    cls = nn.DualEncoder if task.pair else nn.EncoderClassifier
+def build_model(model_config, task: Task, key: jax.Array, *,
+                sequence_shards: int = 1) -> eqx.Module:
+    """The task's model with the configured attention from the ``nn`` registry.
+
+    With ``sequence_shards > 1`` (the ``sequence`` strategy) every attention layer must be able
+    to run with its sequence split over devices; a kind that cannot raises here, at build time,
+    naming the kind (``nn.check_sequence_parallel``).
+    """
+    model = task.spec.model(model_config, task, key)
+    if sequence_shards > 1:
+        nn.check_sequence_parallel(model, sequence_shards)
+    return model
+
+
+# -- the tasks ----------------------------------------------------------------------------------
+
+def _three(split, c, seed):
+    return (split(c.num_train, 3 * seed), split(c.num_eval, 3 * seed + 1),
+            split(c.num_test, 3 * seed + 2))
+
+
+def _make_listops(c, seed):
+    split = lambda n, s: D.materialize(D.ListOps(  # noqa: E731
+        n, seed=s, min_length=c.min_length, max_length=c.max_length,
+        max_depth=c.max_depth, max_args=c.max_args))
+    return Task(*_three(split, c, seed), vocab_size=D.LISTOPS_VOCAB_SIZE, num_classes=10,
+                seq_len=c.max_length, padded=True)
+
+
+def _make_pathfinder(c, seed):
+    split = lambda n, s: D.materialize(  # noqa: E731
+        D.Pathfinder(n, seed=s, size=c.size, difficulty=c.difficulty))
+    return Task(*_three(split, c, seed), vocab_size=256, num_classes=2,
+                seq_len=c.size * c.size, padded=False)
+
+
+def _make_text(c, seed):
+    if c.source == "imdb":
+        train = D.load_imdb(c.data_dir, "train", seq_len=c.seq_len)
+        test = D.load_imdb(c.data_dir, "test", seq_len=c.seq_len)
+        validation = test  # LRA's Text task has no separate validation split
+    elif c.source == "stdlib":
+        split = lambda s, n, k: D.StdlibBytesClassification(  # noqa: E731
+            s, seq_len=c.seq_len, num_examples=n, seed=3 * seed + k)
+        train, validation, test = (split("train", c.num_train, 0),
+                                   split("validation", c.num_eval, 1),
+                                   split("test", c.num_test, 2))
+    else:
+        raise ValueError(f"data.source must be 'stdlib' or 'imdb', got {c.source!r}")
+    return Task(train, validation, test, vocab_size=D.BYTE_VOCAB_SIZE, num_classes=2,
+                seq_len=c.seq_len, padded=True)
+
+
+def _make_retrieval(c, seed):
+    splits = [D.load_aan(c.data_dir, s, seq_len=c.seq_len)
+              for s in ("train", "validation", "test")]
+    return Task(*splits, vocab_size=D.BYTE_VOCAB_SIZE, num_classes=2, seq_len=c.seq_len,
+                padded=True)
+
+
+def _make_image(c, seed):
+    splits = [D.load_cifar10(c.data_dir, s) for s in ("train", "validation", "test")]
+    return Task(*splits, vocab_size=256, num_classes=10, seq_len=1024, padded=False)
+
+
+def _make_lm(c, seed):
+    if c.source == "stdlib":
+        train, validation, test = (D.stdlib_bytes_lm(s, seq_len=c.seq_len)
+                                   for s in ("train", "validation", "test"))
+    elif c.source == "enwik8":
+        train, validation, test = (D.load_enwik8(c.data_dir, s, seq_len=c.seq_len)
+                                   for s in ("train", "validation", "test"))
+    else:
+        raise ValueError(f"data.source must be 'stdlib' or 'enwik8', got {c.source!r}")
+    return Task(train, _Spaced(validation, c.num_eval), _Spaced(test, c.num_test),
+                vocab_size=D.BYTE_VOCAB_SIZE, num_classes=D.BYTE_VOCAB_SIZE,
+                seq_len=c.seq_len, padded=False)
+
+
+def _spec(m):
+    return nn.AttentionSpec.from_config(m.attention.to_dict())
+
+
+def _classifier(m, task, key, cls=None):
     # Exactly the attended length (CLS pooling prepends one token): Sinkhorn's sort net and
     # Linformer's projections are sized by it.
     max_len = task.seq_len + (m.pooling == "cls")
-    return cls(task.num_classes, m.dim, m.num_layers, m.num_heads, m.hidden, pooling=m.pooling,
-               vocab_size=task.vocab_size, max_len=max_len, block=dict(spec=spec), key=key)
+    return (cls or nn.EncoderClassifier)(
+        task.num_classes, m.dim, m.num_layers, m.num_heads, m.hidden, pooling=m.pooling,
+        vocab_size=task.vocab_size, max_len=max_len, block=dict(spec=_spec(m)), key=key)
 
 
-def _logits(model, batch, task: Task, key):
-    if task.lm:
-        return model(batch["inputs"], key=key)
-    if task.pair:
-        a, b = batch["inputs1"], batch["inputs2"]
-        return model(a, b, mask_a=a != 0, mask_b=b != 0, key=key)
+def _dual_encoder(m, task, key):
+    return _classifier(m, task, key, nn.DualEncoder)
+
+
+def _causal_lm(m, task, key):
+    return nn.CausalLM(task.vocab_size, m.dim, m.num_layers, m.num_heads, m.hidden,
+                       max_len=task.seq_len, block=dict(spec=_spec(m)), key=key)
+
+
+def _classify_logits(model, batch, task, key):
     x = batch["inputs"]
     return model(x, mask=(x != 0) if task.padded else None, key=key)
 
 
+def _pair_logits(model, batch, task, key):
+    a, b = batch["inputs1"], batch["inputs2"]
+    return model(a, b, mask_a=a != 0, mask_b=b != 0, key=key)
+
+
+def _lm_logits(model, batch, task, key):
+    return model(batch["inputs"], key=key)
+
+
+_LRA = dict(model=_classifier, logits=_classify_logits)
+for _task in (
+    TaskSpec("listops", dict(num_train=96_000, num_eval=2_000, num_test=2_000, min_length=500,
+                             max_length=2000, max_depth=10, max_args=10), _make_listops, **_LRA),
+    TaskSpec("pathfinder", dict(num_train=160_000, num_eval=20_000, num_test=20_000, size=32,
+                                difficulty="hard"), _make_pathfinder, **_LRA),
+    TaskSpec("text", dict(source="stdlib", data_dir="", seq_len=4000, num_train=25_000,
+                          num_eval=2_500, num_test=2_500), _make_text, **_LRA),
+    TaskSpec("retrieval", dict(data_dir="", seq_len=4000), _make_retrieval, _dual_encoder,
+             _pair_logits),
+    TaskSpec("image", dict(data_dir=""), _make_image, **_LRA),
+    # num_eval / num_test bound the evaluation windows (0: the whole split).
+    TaskSpec("lm", dict(source="stdlib", data_dir="", seq_len=512, num_eval=256, num_test=512),
+             _make_lm, _causal_lm, _lm_logits, classification=False),
+):
+    register_task(_task)
+
+
 def _policy_logits(model, batch, task: Task, key, policy):
-    if policy is None:
-        return _logits(model, batch, task, key).astype(jnp.float32)
-    return policy(lambda m: _logits(m, batch, task, key), model).astype(jnp.float32)
+    logits = lambda m: task.spec.logits(m, batch, task, key)  # noqa: E731
+    return (logits(model) if policy is None else policy(logits, model)).astype(jnp.float32)
 
 
 def make_loss_fn(task: Task, policy: nn.Policy | None = None):

@@ -21,3 +21,5 @@ from ._linear import linear_attention as linear_attention
 from ._linear import linear_attention_init_state as linear_attention_init_state
 from ._linear import linear_attention_step as linear_attention_step
 from ._linear import performer_attention as performer_attention
+from ._sequence_parallel import (
+    sequence_parallel_linear_attention as sequence_parallel_linear_attention)

@@ -17,7 +17,8 @@ import jax.numpy as jnp
 
 from ... import attention as A
 from ...attention.linear._kinds import KINDS
-from .._registry import RecurrentDecoding, Variant, lifted, register_variant
+from ...attention.linear._feature_maps import FEATURE_MAPS
+from .._registry import RecurrentDecoding, SequenceParallel, Variant, lifted, register_variant
 
 _KIND = {k.name: k for k in KINDS}
 _LINEAR_HP = frozenset({"implementation", "chunk_size"})
@@ -60,9 +61,29 @@ def _linear_step(state, q, k, v, params, *, feature_map="elu", **hp):
     return _grouped_step(step, state, q, k, v)
 
 
+def _sequence_parallel(q, k, v, *arrays, causal=False, kv_mask=None, key=None,
+                       feature_map="elu", implementation="chunked", chunk_size=64):
+    return A.sequence_parallel_linear_attention(
+        q, k, v, *arrays, feature_map=feature_map, causal=causal, kv_mask=kv_mask,
+        chunk_size=chunk_size)
+
+
+def _log_space_causal(feature_map):
+    def check(hp, causal):
+        name = feature_map(hp)
+        if causal and isinstance(name, str) and FEATURE_MAPS[name].log_space:
+            return (f"feature map {name!r} stabilises keys by a running maximum over the "
+                    "whole prefix, which the per-shard prefix states do not carry; use a "
+                    "non-exponential map (elu, relu, dpfp, favor_trig, rfa)")
+        return None
+    return check
+
+
 register_variant(Variant.from_kind(
     _KIND["linear"], lifted(A.linear_attention), hyperparameters=_LINEAR_HP | {"feature_map"},
     decoding=RecurrentDecoding(_linear_init_state, _linear_step),
+    sequence=SequenceParallel(lifted(_sequence_parallel),
+                              _log_space_causal(lambda hp: hp.get("feature_map", "elu"))),
 ))
 
 
@@ -78,6 +99,11 @@ def _performer_init(key, hp, *, num_heads, head_dim, max_len):
 
 def _performer(q, k, v, projection, **kw):
     return A.performer_attention(q, k, v, jax.lax.stop_gradient(projection), **kw)
+
+
+def _performer_sequence_parallel(q, k, v, projection, *, kernel="softmax", **kw):
+    return _sequence_parallel(q, k, v, jax.lax.stop_gradient(projection),
+                              feature_map=_PERFORMER_MAPS[kernel], **kw)
 
 
 def _performer_init_state(batch, heads, dk, dv, projection, *, kernel="softmax", **hp):
@@ -100,6 +126,9 @@ register_variant(Variant.from_kind(
     _KIND["performer"], lifted(_performer, (None,)), init=_performer_init,
     hyperparameters=_LINEAR_HP | {"num_features", "kernel"}, init_only={"num_features"},
     decoding=RecurrentDecoding(_performer_init_state, _performer_step),
+    sequence=SequenceParallel(
+        lifted(_performer_sequence_parallel, (None,)),
+        _log_space_causal(lambda hp: _PERFORMER_MAPS[hp.get("kernel", "softmax")])),
 ))
 
 
@@ -119,7 +148,8 @@ def _beta_logits(k, params):
     return logits.reshape(*logits.shape[:-2], heads) + params["b"]
 
 
-def _delta(q, k, v, params, *, causal, kv_mask, bias, key, feature_map="dpfp", **kw):
+def _delta(q, k, v, params, *, causal, kv_mask, bias, key, feature_map="dpfp", q_mask=None,
+           **kw):
     beta = jnp.moveaxis(_beta_logits(k, params), 1, 2)  # [B, H, L]
     f = A.multihead(functools.partial(A.delta_rule_attention, feature_map=feature_map, **kw),
                     arg_axes=("batch_heads",))

@@ -33,13 +33,12 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from ..attention import _contract as C, flash_attention
+from .. import axes as X
 from ..kernels._tiled import attend_layout_backward
 from ..kernels._tiles import merge_by_lse, pad_to
-from ..attention._exact import DEFAULT_BLOCK_K, DEFAULT_BLOCK_Q, _block
-from ..attention.patterns import Causal, Full
-from ._axes import SEQUENCE
-from ._active import active
+from . import _contract as C
+from ._exact import DEFAULT_BLOCK_K, DEFAULT_BLOCK_Q, _block, flash_attention
+from .patterns import Causal, Full
 
 _NAME = "ring_attention"
 _DIAGONAL, _EARLIER, _LATER = 0, 1, 2
@@ -72,24 +71,25 @@ def _flash_grads(r: _Ring, q, k, v, mask, out, lse, d_out, causal):
     return attend_layout_backward(q, k, v, layout, out, lse, d_out, kv_mask=mask, scale=r.scale)
 
 
-def _case(r: _Ring, s):
-    """Which part of the block from ``s`` steps back in the ring this device's queries see."""
+def _case(r: _Ring, s, idx=None):
+    """Which part of the block from ``s`` steps back in the ring device ``idx`` (default: this
+    device) sees: its own (diagonal), an earlier device's or a later device's."""
     if not r.causal:
         return jnp.int32(_EARLIER)  # non-causal: everything, as one full block
-    idx = lax.axis_index(r.axis)
+    idx = lax.axis_index(r.axis) if idx is None else idx
     src = (idx - s) % r.n
     return jnp.where(src == idx, _DIAGONAL, jnp.where(src < idx, _EARLIER, _LATER))
 
 
 def _block_forward(r: _Ring, case, q, k, v, mask):
+    if not r.causal:  # every block is seen whole (shards need not split in two halves)
+        return _flash(r, q, k, v, mask, False)
     c = q.shape[0] // 2
 
     def diagonal():
         return _flash(r, q, k, v, mask, True)
 
     def earlier():
-        if not r.causal:
-            return _flash(r, q, k, v, mask, False)
         return _flash(r, q, k[:c], v[:c], mask[:c], False)
 
     def later():
@@ -100,14 +100,14 @@ def _block_forward(r: _Ring, case, q, k, v, mask):
 
 
 def _block_backward(r: _Ring, case, q, k, v, mask, out, lse, d_out):
+    if not r.causal:
+        return _flash_grads(r, q, k, v, mask, out, lse, d_out, False)
     c = q.shape[0] // 2
 
     def diagonal():
         return _flash_grads(r, q, k, v, mask, out, lse, d_out, True)
 
     def earlier():
-        if not r.causal:
-            return _flash_grads(r, q, k, v, mask, out, lse, d_out, False)
         dq, dk, dv = _flash_grads(r, q, k[:c], v[:c], mask[:c], out, lse, d_out, False)
         return dq, pad_to(dk, 2 * c), pad_to(dv, 2 * c)
 
@@ -189,7 +189,7 @@ def ring_attention(
     kv_mask=None,
     scale: float | None = None,
     mesh=None,
-    axis_name: str = SEQUENCE,
+    axis_name: str = X.SEQUENCE,
     block_q: int | None = None,
     block_k: int | None = None,
 ):
@@ -219,8 +219,8 @@ def ring_attention(
     scale = C.resolve_scale(x.dk, scale)
     if causal and x.lq != x.lk:
         raise ValueError(f"{_NAME}: causal=True needs Lq == Lk but got q{x.q.shape}, k{x.k.shape}")
-    if mesh is None and active() is not None:
-        mesh = active().mesh
+    if mesh is None and X.active() is not None:
+        mesh = X.active().mesh
     n = 1 if mesh is None else dict(mesh.shape).get(axis_name, 1)
     if n == 1:
         return flash_attention(x.q, x.k, x.v, causal=causal, kv_mask=kv_mask, scale=scale,
