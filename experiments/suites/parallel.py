@@ -118,7 +118,52 @@ def measure_memory(quick: bool) -> dict:
     out["exact_fwd_bytes"] = peak(exact, q1, k1, v1)
     out["ring_fwdbwd_bytes"] = peak(grad(ring), q, k, v)
     out["exact_fwdbwd_bytes"] = peak(grad(exact), q1, k1, v1)
+    out.update(measure_lm_step(4096 if quick else 65536))
     return out
+
+
+def measure_lm_step(L: int, repeats: int = 2) -> dict:
+    """A causal LM's train step (loss and gradients) at ``L`` tokens: per-device compiled
+    memory under ``sequence=8`` (every attention layer runs as zig-zag ring attention) against
+    the same step compiled for one device, and the sharded step's time."""
+    import time
+
+    import equinox as eqx
+    import jax
+    import jax.numpy as jnp
+
+    from xformers_jax import nn
+    from xformers_jax import parallel as par
+
+    model = nn.CausalLM(256, 64, 2, 2, 128, max_len=L, block=dict(spec=nn.AttentionSpec("flash")),
+                        key=jax.random.PRNGKey(0))
+    params, static = eqx.partition(model, eqx.is_inexact_array)
+    tokens = jax.random.randint(jax.random.PRNGKey(1), (1, L + 1), 0, 256)
+
+    def loss(p, x):
+        logits = eqx.combine(p, static)(x[:, :-1])
+        return jnp.mean(jax.nn.logsumexp(logits, -1) - jnp.take_along_axis(
+            logits, x[:, 1:, None], -1)[..., 0])
+
+    step = jax.value_and_grad(loss)
+    one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+
+    def total(compiled):
+        m = compiled.memory_analysis()
+        return m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
+
+    single = jax.jit(step).lower(jax.device_put(params, one), jax.device_put(tokens, one)).compile()
+    mesh = par.strategy("sequence", {"sequence": 8}).mesh()
+    with par.use_mesh(mesh):
+        placed = jax.device_put(params, par.param_shardings(params, par.DEFAULT_PARAM_RULES, mesh))
+        sharded = jax.jit(step).lower(placed, tokens).compile()
+        jax.block_until_ready(sharded(placed, tokens))
+        start = time.perf_counter()
+        for _ in range(repeats):
+            jax.block_until_ready(sharded(placed, tokens))
+        seconds = (time.perf_counter() - start) / repeats
+    return {"lm_L": L, "lm_sequence_bytes": total(sharded), "lm_single_bytes": total(single),
+            "lm_sequence_step_s": seconds}
 
 
 def _figures(quick: bool) -> dict | None:
@@ -143,6 +188,12 @@ def checks(r: Results):
                     f.get("ring_fwd_bytes"), f.get("exact_fwd_bytes"), at_most=0.2, fmt="{:.3f}"),
         ratio_check(f"same, forward+backward (L={L})", f.get("ring_fwdbwd_bytes"),
                     f.get("exact_fwdbwd_bytes"), at_most=0.2, fmt="{:.3f}"),
+        ratio_check(f"causal LM train step (2 layers, flash attention), {f.get('lm_L', '?')} "
+                    "tokens, sequence=8: per-device compiled memory / the one-device step's "
+                    f"(the 8-device step took {f.get('lm_sequence_step_s', float('nan')):.1f} s "
+                    "on the simulated devices)",
+                    f.get("lm_sequence_bytes"), f.get("lm_single_bytes"), at_most=0.2,
+                    fmt="{:.3f}"),
     ]
 
 

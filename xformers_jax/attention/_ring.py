@@ -137,19 +137,7 @@ def _ring_forward(r: _Ring, q, k, v, mask):
     return o.astype(q.dtype), lse
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _ring(r: _Ring, q, k, v, mask):
-    return _ring_forward(r, q, k, v, mask)[0]
-
-
-def _ring_fwd(r, q, k, v, mask):
-    out, lse = _ring_forward(r, q, k, v, mask)
-    return out, (q, k, v, mask, out, lse)
-
-
-def _ring_bwd(r, res, d_out):
-    q, k, v, mask, out, lse = res
-
+def _ring_backward(r: _Ring, q, k, v, mask, out, lse, d_out):
     def step(carry, s):
         dq, k, v, mask, dk, dv = carry
         dq_b, dk_b, dv_b = _block_backward(r, _case(r, s), q, k, v, mask, out, lse, d_out)
@@ -160,10 +148,58 @@ def _ring_bwd(r, res, d_out):
     zeros = lambda x: jnp.zeros(x.shape, C.STATS_DTYPE)  # noqa: E731
     init = (zeros(q), k, v, mask, zeros(k), zeros(v))
     (dq, _, _, _, dk, dv), _ = lax.scan(step, init, jnp.arange(r.n))
-    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
 
 
-_ring.defvjp(_ring_fwd, _ring_bwd)
+def _local_forward(r: _Ring, q, k, v, mask):
+    """One device's part of the forward, on contiguous shards: under causal, reorder to the
+    zig-zag layout, run the ring, and return the output in contiguous order (the log-sum-exp
+    stays in the zig-zag order the backward reads it in)."""
+    if r.causal:
+        q, k, v, mask = (_to_zigzag(r.axis, r.n, a) for a in (q, k, v, mask))
+    out, lse = _ring_forward(r, q, k, v, mask)
+    return (_from_zigzag(r.axis, r.n, out) if r.causal else out), lse
+
+
+def _local_backward(r: _Ring, q, k, v, mask, out, lse, d_out):
+    if r.causal:
+        q, k, v, mask, out, d_out = (_to_zigzag(r.axis, r.n, a)
+                                     for a in (q, k, v, mask, out, d_out))
+    grads = _ring_backward(r, q, k, v, mask, out, lse, d_out)
+    return tuple(_from_zigzag(r.axis, r.n, g) for g in grads) if r.causal else grads
+
+
+def _sharded(r: _Ring, mesh, fn, num_in: int, num_out: int):
+    spec = P(r.axis)
+    # jit: a shard_map over some of the mesh axes cannot run eagerly.
+    return jax.jit(jax.shard_map(
+        functools.partial(fn, r), mesh=mesh, in_specs=(spec,) * num_in,
+        out_specs=(spec,) * num_out, axis_names=frozenset({r.axis}), check_vma=False))
+
+
+# The custom VJP wraps the two shard_maps (one for the forward ring, one for the backward ring),
+# built once per ring and mesh. Differentiating it inside a lax.scan still keeps each ring
+# step's tiles (measured in JAX 0.10: memory quadratic in the length), so layer stacks unroll
+# under a sequence split (nn._stack).
+@functools.lru_cache(maxsize=64)
+def _ring_fn(r: _Ring, mesh):
+    forward = _sharded(r, mesh, _local_forward, 4, 2)
+    backward = _sharded(r, mesh, _local_backward, 7, 3)
+
+    @jax.custom_vjp
+    def ring(q, k, v, mask):
+        return forward(q, k, v, mask)[0]
+
+    def fwd(q, k, v, mask):
+        out, lse = forward(q, k, v, mask)
+        return out, (q, k, v, mask, out, lse)
+
+    def bwd(res, d_out):
+        dq, dk, dv = backward(*res, d_out)
+        return dq, dk, dv, None
+
+    ring.defvjp(fwd, bwd)
+    return ring
 
 
 def zigzag_order(length: int, n: int):
@@ -178,6 +214,35 @@ def zigzag_order(length: int, n: int):
     c = length // (2 * n)
     chunks = [j for i in range(n) for j in (i, 2 * n - 1 - i)]
     return jnp.concatenate([jnp.arange(j * c, (j + 1) * c) for j in chunks])
+
+
+def _owner(j: int, n: int) -> int:
+    """The device that holds chunk ``j`` of ``2n`` in the zig-zag layout."""
+    return j if j < n else 2 * n - 1 - j
+
+
+def _to_zigzag(axis: str, n: int, x):
+    """A contiguous shard (chunks ``2i, 2i+1`` on device i) -> the zig-zag shard (chunks ``i,
+    2n-1-i``), by two ``ppermute``s: every device sends each half to its owner, and each owner
+    receives one chunk from each (which one comes first depends on its parity)."""
+    c = x.shape[0] // 2
+    first = lax.ppermute(x[:c], axis, [(i, _owner(2 * i, n)) for i in range(n)])
+    second = lax.ppermute(x[c:], axis, [(i, _owner(2 * i + 1, n)) for i in range(n)])
+    # Device d gets chunk d from `first` when d is even (else from `second`).
+    even = lax.axis_index(axis) % 2 == 0
+    return jnp.where(even, jnp.concatenate([first, second]), jnp.concatenate([second, first]))
+
+
+def _from_zigzag(axis: str, n: int, x):
+    """The inverse of :func:`_to_zigzag`."""
+    c = x.shape[0] // 2
+    even = lax.axis_index(axis) % 2 == 0
+    # Device d holds chunks d and 2n-1-d; the even-numbered one goes back as a first half.
+    for_first = jnp.where(even, x[:c], x[c:])
+    for_second = jnp.where(even, x[c:], x[:c])
+    first = lax.ppermute(for_first, axis, [(_owner(2 * i, n), i) for i in range(n)])
+    second = lax.ppermute(for_second, axis, [(_owner(2 * i + 1, n), i) for i in range(n)])
+    return jnp.concatenate([first, second])
 
 
 def ring_attention(
@@ -230,16 +295,8 @@ def ring_attention(
     mask = jnp.ones((x.lk,), bool) if kv_mask is None else kv_mask
     q_, k_, v_ = pad_to(x.q, lq_p), pad_to(x.k, lk_p), pad_to(x.v, lk_p)
     mask = pad_to(mask, lk_p, value=False)
-    if causal:
-        perm = zigzag_order(lq_p, n)
-        q_, k_, v_, mask = q_[perm], k_[perm], v_[perm], mask[perm]
     r = _Ring(axis_name, n, bool(causal), float(scale), block_q, block_k)
-    spec = P(axis_name)
-    # jit: a shard_map over some of the mesh axes cannot run eagerly.
-    out = jax.jit(jax.shard_map(
-        functools.partial(_ring, r), mesh=mesh, in_specs=(spec,) * 4, out_specs=spec,
-        axis_names=frozenset({axis_name}), check_vma=False,
-    ))(q_, k_, v_, mask)
-    if causal:
-        out = out[jnp.argsort(perm)]
+    # Shards stay contiguous outside (the layout the model's activations have); under causal
+    # they are reordered to the zig-zag layout between neighbours inside the shard_map.
+    out = _ring_fn(r, mesh)(q_, k_, v_, mask)
     return out[: x.lq]

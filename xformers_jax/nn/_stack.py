@@ -23,6 +23,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 
+from .. import axes as X
 from ._positions import sinusoid
 
 REMAT = ("none", "dots_saveable", "full")
@@ -122,7 +123,11 @@ class LayerStack(eqx.Module):
         # Every layer's state on a leading layer axis (see the class docstring).
         layer_states = None if state is None else state.substate(self.layers)
         xs = (dynamic, steps, keys, layer_states)
-        if self.scan:
+        # Under a sequence split the layers are unrolled: differentiating a lax.scan whose body
+        # holds the ring's shard_map kept every ring step's score tiles as residuals (measured:
+        # per-device memory quadratic in the length), while the unrolled stack keeps only the
+        # ring's own residuals.
+        if self.scan and X.sequence_shards() == 1:
             x, new = jax.lax.scan(step, x, xs)
         else:
             news = []
