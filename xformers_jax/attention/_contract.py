@@ -7,6 +7,28 @@ and one head::
                   **static_hyperparameters)
     # q: [Lq, Dk]  k: [Lk, Dk]  v: [Lk, Dv]  ->  out: [Lq, Dv]
 
+Padding. ``kv_mask: bool[Lk]`` is True for real keys, ``q_mask: bool[Lq]`` True for real
+queries. The rule every variant keeps, and users rely on: padding content and padding amount
+change no output at a real position and no gradient reaching a real token's parameters.
+
+- Masked keys have no influence on any output or gradient (every variant honours ``kv_mask``).
+- Masked queries take part in no statistic that a real query's output depends on. Most
+  variants compute each query's output from that query alone (softmax, kernelized, sparse and
+  learned-sparsity attention), so a padded query cannot reach a real output and they need no
+  ``q_mask``. Variants that compute statistics over the queries (the clusters of clustered
+  attention, Nystromformer's query landmarks, ProbSparse's top-u selection, routing's k-means
+  update, Funnel's pooled queries) take ``q_mask`` (:func:`check_q_mask`): masked queries are
+  left out of those statistics, the statistics are computed over the real positions alone
+  (sizes, samples and random draws depend on the number of real tokens and their order, not
+  on the padded length), and masked queries' own outputs are zeros (:func:`zero_masked_rows`).
+- ``q_mask`` defaults to ``kv_mask`` when ``Lq == Lk``: in self-attention q and k are the same
+  padded sequence. For cross attention between sequences of equal length, pass ``q_mask``
+  explicitly (all True when the queries are not padded).
+- Modules resolve the masks once (:class:`xformers_jax.nn.MultiHeadAttention`: ``q_mask`` is
+  the padding mask in self-attention, given explicitly for cross attention) and pass both to
+  every variant's ``attend``; :func:`~xformers_jax.attention.multihead` splits both over the
+  batch.
+
 The helpers here are what each variant calls first, so that every family checks its input the
 same way and says the same thing when the input is wrong. Static problems raise ``ValueError``
 at trace time with the shapes in the message; data-dependent checks use ``eqx.error_if``.
@@ -101,6 +123,58 @@ def check_kv_mask(name: str, kv_mask, lk: int):
             f"{name}: kv_mask must have shape (Lk,) = ({lk},) but got {_shape(kv_mask)}"
         )
     return kv_mask
+
+
+def check_q_mask(name: str, q_mask, kv_mask, lq: int, lk: int):
+    """Checks ``q_mask: bool[Lq]`` (True for real queries) and resolves its default.
+
+    Returns ``q_mask`` as a jax array; when it is None, ``kv_mask`` if ``Lq == Lk`` (padded
+    self-attention: the same positions are padded on both sides), else None (no query is
+    padded). Call it after :func:`check_kv_mask`.
+    """
+    if q_mask is None:
+        return kv_mask if lq == lk else None
+    q_mask = jnp.asarray(q_mask)
+    if q_mask.dtype != jnp.bool_:
+        raise ValueError(
+            f"{name}: q_mask must be boolean (True marks real queries) but has dtype "
+            f"{q_mask.dtype} and shape {_shape(q_mask)}; convert it with `mask > 0` or "
+            "`mask.astype(bool)`"
+        )
+    if q_mask.shape != (lq,):
+        raise ValueError(
+            f"{name}: q_mask must have shape (Lq,) = ({lq},) but got {_shape(q_mask)}"
+        )
+    return q_mask
+
+
+def zero_masked_rows(out, q_mask):
+    """``out [Lq, ...]`` with the rows of masked queries set to zero (``q_mask`` None: as is)."""
+    if q_mask is None:
+        return out
+    return jnp.where(q_mask.reshape(q_mask.shape + (1,) * (out.ndim - q_mask.ndim)), out,
+                     jnp.zeros((), out.dtype))
+
+
+def rank_keys(key, n: int):
+    """``n`` PRNG keys, the i-th drawn for the i-th real position: ``fold_in(key, i)``.
+
+    Variants that sample over positions index their draws by a position's rank among the real
+    positions (``jnp.cumsum(mask) - 1``), never by the padded length, so the same real tokens
+    draw the same numbers however much padding follows or precedes them (a draw of shape
+    ``[L]`` would change with ``L``).
+    """
+    return jax.vmap(lambda i: jax.random.fold_in(key, i))(jnp.arange(n, dtype=jnp.uint32))
+
+
+def real_positions(mask, length: int):
+    """``(order int32[L], count int32)``: the positions of the real entries of
+    ``mask bool[L]`` in order, then the padded ones, and how many are real (``mask`` None:
+    every position)."""
+    if mask is None:
+        return jnp.arange(length, dtype=jnp.int32), jnp.asarray(length, jnp.int32)
+    order = jnp.argsort(~mask, stable=True).astype(jnp.int32)
+    return order, jnp.sum(mask, dtype=jnp.int32)
 
 
 def check_qkv_mask(name: str, q, k, v, kv_mask):

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 _AXES = (None, "batch", "heads", "batch_heads")
 
 # Keyword arguments of the contract whose layout is known.
-_DEFAULT_KWARG_AXES = {"kv_mask": "batch", "segment_ids": "batch"}
+_DEFAULT_KWARG_AXES = {"kv_mask": "batch", "q_mask": "batch", "segment_ids": "batch"}
 
 
 def _take0(x, axis: int):
@@ -56,8 +56,9 @@ def multihead(
     (grouped-query attention; ``Hkv == 1`` is multi-query attention): each group of
     ``H // Hkv`` query heads shares one key/value head, without copying it.
 
-    Other arguments are passed through. ``kv_mask: [B, Lk]`` and ``segment_ids: [B, L]`` (or a
-    pair) are split over the batch; a ``key`` is split so every batch element and head draws
+    Other arguments are passed through. ``kv_mask: [B, Lk]``, ``q_mask: [B, Lq]`` (for
+    variants that take it, see :mod:`._contract`) and ``segment_ids: [B, L]`` (or a pair) are
+    split over the batch; a ``key`` is split so every batch element and head draws
     its own randomness. Extra positional arguments are shared unless ``arg_axes`` says
     otherwise; keyword arguments likewise through ``kwarg_axes`` (a callable bias that is a
     pytree, e.g. an ``eqx.Module`` with per-head slopes, can be mapped over ``"heads"``).
@@ -70,7 +71,7 @@ def multihead(
       arg_axes: layout of each extra positional argument: ``None`` (shared), ``"batch"``,
         ``"heads"`` or ``"batch_heads"`` (leading axes of the argument).
       kwarg_axes: the same for keyword arguments; merged over the defaults
-        ``{"kv_mask": "batch", "segment_ids": "batch"}``.
+        ``{"kv_mask": "batch", "q_mask": "batch", "segment_ids": "batch"}``.
 
     Example:
       >>> import jax, jax.numpy as jnp

@@ -90,6 +90,7 @@ def routing_attention(
     window: int,
     causal: bool = False,
     kv_mask=None,
+    q_mask=None,
     scale: float | None = None,
     decay: float = 0.999,
     key=None,
@@ -113,10 +114,11 @@ def routing_attention(
     and attends to the cached tokens of that cluster (the last ``window`` of them), which is
     exactly the causal rule above, so training and decoding agree.
 
-    The state update (Eq 8-10) uses the real (``kv_mask``) queries and keys; when ``Lq == Lk``
-    the mask also marks the real queries. Under :func:`multihead` the returned state has
-    leading ``[batch, heads]`` axes: average over the batch (the update is linear in the
-    batch statistics) to get the next state.
+    The state update (Eq 8-10) and the commitment loss use the real queries (``q_mask``) and
+    keys (``kv_mask``) only, and a cluster's ``window`` queries and keys are chosen among the
+    real ones, so padding moves no centroid and takes no slot. Under :func:`multihead` the
+    returned state has leading ``[batch, heads]`` axes: average over the batch (the update is
+    linear in the batch statistics) to get the next state.
 
     Args:
       q: ``[Lq, Dk]``. k: ``[Lk, Dk]``. v: ``[Lk, Dv]``.
@@ -124,6 +126,8 @@ def routing_attention(
       window: queries/keys per cluster (non-causal) or keys per query (causal).
       causal: query i sees keys j <= i only (needs ``Lq == Lk``).
       kv_mask: ``bool[Lk]``, True for real keys.
+      q_mask: ``bool[Lq]``, True for real queries (default: ``kv_mask`` when ``Lq == Lk``);
+        masked queries' outputs are zeros.
       scale: score scale, ``1/sqrt(Dk)`` by default.
       decay: the EMA factor lambda of Eq 8-9.
 
@@ -143,8 +147,9 @@ def routing_attention(
             f"{tuple(sums.shape)} and {tuple(counts.shape)}"
         )
     state = RoutingState(sums, counts)
+    q_mask = C.check_q_mask(name, q_mask, kv_mask, x.lq, x.lk)
     k_real = jnp.ones((x.lk,), bool) if kv_mask is None else kv_mask
-    q_real = k_real if (kv_mask is not None and x.lq == x.lk) else jnp.ones((x.lq,), bool)
+    q_real = jnp.ones((x.lq,), bool) if q_mask is None else q_mask
     q_unit, k_unit = _unit(x.q), _unit(x.k)
     new_state, loss = kmeans_update(state, q_unit, k_unit, q_real, k_real, decay)
     mu = jax.lax.stop_gradient(centroids(state))
@@ -158,7 +163,7 @@ def routing_attention(
                 f"k{tuple(x.k.shape)}"
             )
         out = _balanced(x, mu, q_unit, k_unit, q_real, k_real, window, scale)
-    return out.astype(x.q.dtype), RoutingAux(new_state, loss)
+    return C.zero_masked_rows(out.astype(x.q.dtype), q_mask), RoutingAux(new_state, loss)
 
 
 def _balanced(x, mu, q_unit, k_unit, q_real, k_real, window, scale):

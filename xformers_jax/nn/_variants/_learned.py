@@ -76,10 +76,10 @@ def _routing_state(key, hp, *, num_heads, head_dim):
 
 
 def _routing(q, k, v, params, *, causal, kv_mask, bias, key, state, inference, window,
-             num_clusters=None, decay=0.999):
+             num_clusters=None, decay=0.999, q_mask=None):
     f = A.multihead(functools.partial(A.routing_attention, window=window, decay=decay),
                     arg_axes=("heads",))
-    out, aux = f(q, k, v, state.state, causal=causal, kv_mask=kv_mask)
+    out, aux = f(q, k, v, state.state, causal=causal, kv_mask=kv_mask, q_mask=q_mask)
     # The EMA update is linear in the batch statistics: average the per-example updates.
     new = jax.tree_util.tree_map(lambda a: a.mean(0), aux.state)
     new = state.state if inference else new

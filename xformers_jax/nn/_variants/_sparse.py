@@ -19,6 +19,9 @@ Longformer's and ETC's global projections see the block input, so they run in se
 only, and a ``"qk"`` position scheme (RoPE) rotates the ordinary projections, not the global
 ones. None of these kinds decodes with a cache.
 
+Padding: each query's output here depends on that query alone (its pattern, axis or global
+role is fixed by position), so the adapters take ``q_mask`` and need nothing from it.
+
 Grouped-query heads: every call goes through ``multihead``, whose query-head groups share
 their key/value head without copying it. Where heads differ in a static setting (a pattern or
 an axis), each set of heads runs as its own ``multihead`` call (:func:`_head_sets`).
@@ -94,7 +97,7 @@ def _per_head_init(key, hp, *, num_heads, head_dim, max_len):
 
 
 def _per_head(q, k, v, params, *, causal, kv_mask, bias, key, heads=None, stride=None,
-              kind="strided", c=1, **kw):
+              kind="strided", c=1, q_mask=None, **kw):
     # The heads sharing a pattern run together, as in per_head_block_sparse_attention.
     hp = {"stride": stride, "kind": kind, "c": c} if heads is None else {"heads": heads}
     heads = _check_heads("per_head_block_sparse", hp, q.shape[2], _sparse_transformer_heads(hp))
@@ -125,7 +128,8 @@ def _axial_init(key, hp, *, num_heads, head_dim, max_len):
     return None
 
 
-def _axial(q, k, v, params, *, causal, kv_mask, bias, key, shape, axis=None, **kw):
+def _axial(q, k, v, params, *, causal, kv_mask, bias, key, shape, axis=None, q_mask=None,
+           **kw):
     axes = [axis] if axis is not None else sorted({h % len(shape) for h in range(q.shape[2])})
     sets = [list(range(q.shape[2])) if axis is not None else
             [h for h in range(q.shape[2]) if h % len(shape) == a] for a in axes]
@@ -160,7 +164,7 @@ def _project(inputs, params, heads):
 
 
 def _longformer(q, k, v, params, *, causal, kv_mask, bias, key, inputs, window,
-                global_tokens, dilation=1, **kw):
+                global_tokens, dilation=1, q_mask=None, **kw):
     f = A.multihead(functools.partial(A.longformer_attention, window=window, dilation=dilation,
                                       global_tokens=global_tokens, **kw),
                     arg_axes=("batch_heads",) * 3)
@@ -173,7 +177,8 @@ register_variant(Variant.from_kind(
 ))
 
 
-def _etc(q, k, v, params, *, causal, kv_mask, bias, key, inputs, num_global, radius, **kw):
+def _etc(q, k, v, params, *, causal, kv_mask, bias, key, inputs, num_global, radius,
+         q_mask=None, **kw):
     g, length = num_global, q.shape[1]
     if not 0 < g < length:
         raise ValueError(f"attention kind 'etc': num_global={g} must be in [1, {length}) for a "
