@@ -140,8 +140,10 @@ probsparse = jax.jit(probsparse_attention, static_argnames=("factor", "causal"))
 def test_probsparse_all_queries_active_is_full_attention():
     q, k, v = _qkv()
     mask = jnp.arange(L) < 20
-    assert_close(probsparse(q, k, v, key=_KEY, factor=50.0, kv_mask=mask),
-                 dot_product_attention(q, k, v, kv_mask=mask))
+    out = probsparse(q, k, v, key=_KEY, factor=50.0, kv_mask=mask)
+    # The padding mask also marks the padded queries (self-attention): their rows are zero.
+    assert_close(out[:20], dot_product_attention(q, k, v, kv_mask=mask)[:20])
+    assert not np.any(np.asarray(out[20:]))
 
 
 def test_probsparse_error_falls_with_factor():
@@ -159,8 +161,11 @@ def test_probsparse_lazy_queries_get_mean_of_real_values():
     mask = jnp.arange(L) < 17
     out = probsparse(q, k, v, key=_KEY, factor=1.0, kv_mask=mask)
     mean = v[:17].mean(0)
-    lazy = np.all(np.isclose(out, mean, atol=1e-6), axis=1)
-    assert lazy.sum() == L - int(np.ceil(np.log(L)))
+    lazy = np.all(np.isclose(out[:17], mean, atol=1e-6), axis=1)
+    # u = ceil(ln 17) of the 17 real queries attend (the count is the real tokens', not L's);
+    # the padded queries' rows are zero.
+    assert lazy.sum() == 17 - int(np.ceil(np.log(17)))
+    assert not np.any(np.asarray(out[17:]))
 
 
 def test_probsparse_padding_grads_bf16_and_errors():

@@ -58,7 +58,14 @@ def test_funnel_attention_pools_queries_only():
     q, k, v = _x(0), _x(1), _x(2)
     mask = jnp.arange(L) < 10
     out = funnel_attention(q, k, v, stride=3, kv_mask=mask)
-    assert_close(out, dot_product_attention(funnel_pool(q, 3), k, v, kv_mask=mask))
+    # The padding mask also marks the padded queries (self-attention): they are left out of
+    # the pooled queries, and the window of padding only (the last) gives zeros.
+    pooled, valid = funnel_pool(q, 3, mask=mask)
+    assert_close(out[:4], dot_product_attention(pooled, k, v, kv_mask=mask)[:4])
+    assert not np.any(np.asarray(out[4])) and not bool(valid[4])
+    every = jnp.ones((L,), bool)  # no query padded: every query pooled
+    assert_close(funnel_attention(q, k, v, stride=3, kv_mask=mask, q_mask=every),
+                 dot_product_attention(funnel_pool(q, 3), k, v, kv_mask=mask))
     assert funnel_attention(q, k, v, stride=1).shape == (L, D)
     assert_close(funnel_attention(q, k, v, stride=1), dot_product_attention(q, k, v))
     out_b = funnel_attention(*(x.astype(jnp.bfloat16) for x in (q, k, v)))

@@ -20,17 +20,24 @@ def cluster_queries(q, num_clusters: int, *, key, bits: int, iterations: int, q_
     """Hamming k-means on LSH codes of ``q [Lq, Dk]``.
 
     Returns ``(assignment int32[Lq], centroids [C, Dk] float32)``: centroids are the means of
-    their (unmasked) members in the original space; an empty cluster has a zero centroid.
-    Centroids start at ``C`` distinct queries drawn from ``key``.
+    their real (``q_mask``) members in the original space; an empty cluster has a zero
+    centroid. Centroids start at ``C`` distinct real queries drawn uniformly from ``key``: one
+    uniform number per real query, indexed by its rank among the real queries
+    (:func:`~xformers_jax.attention._contract.rank_keys`), and the ``C`` smallest win, so the
+    clusters of a padded sequence are those of its real queries alone, whatever the padding.
+    With fewer real queries than clusters, the extra clusters start as copies of the first
+    (argmin then gives them no member until they move).
     """
     lq, dk = q.shape
     k_planes, k_init = jax.random.split(key)
     planes = jax.random.normal(k_planes, (dk, bits), C.STATS_DTYPE)
     code = (q.astype(C.STATS_DTYPE) @ planes > 0).astype(C.STATS_DTYPE)
-    weight = jnp.ones((lq,), C.STATS_DTYPE) if q_mask is None else q_mask.astype(C.STATS_DTYPE)
-    start = jax.random.choice(k_init, lq, (num_clusters,), replace=False,
-                              p=weight / jnp.sum(weight))
-    centre = code[start]
+    real = jnp.ones((lq,), bool) if q_mask is None else q_mask
+    weight = real.astype(C.STATS_DTYPE)
+    draws = jax.vmap(jax.random.uniform)(C.rank_keys(k_init, lq))
+    rank = jnp.maximum(jnp.cumsum(real) - 1, 0)
+    start = jax.lax.top_k(-jnp.where(real, draws[rank], jnp.inf), num_clusters)[1]
+    centre = jnp.where(real[start][:, None], code[start], code[start[0]])
 
     def assign(centre):
         hamming = code @ (1.0 - centre).T + (1.0 - code) @ centre.T
@@ -57,8 +64,7 @@ def _checked(name, q, k, v, causal, kv_mask, q_mask, num_clusters, bits, iterati
             "one attention distribution between past and future queries"
         )
     x, kv_mask = C.check_qkv_mask(name, q, k, v, kv_mask)
-    if q_mask is not None:
-        q_mask = C.check_kv_mask(name + " (q_mask)", q_mask, x.lq)
+    q_mask = C.check_q_mask(name, q_mask, kv_mask, x.lq, x.lk)
     n = C.check_positive_int(name, "num_clusters", num_clusters)
     if n > x.lq:
         raise ValueError(
@@ -88,8 +94,8 @@ def clustered_attention(q, k, v, *, num_clusters: int, key, bits: int = 32,
       iterations: Lloyd iterations of the Hamming k-means.
       causal: unsupported; raises ``NotImplementedError``.
       kv_mask: ``bool[Lk]``, True for real keys.
-      q_mask: ``bool[Lq]``; masked queries do not shape the centroids (pass the padding mask
-        in padded self-attention). Their outputs are still computed.
+      q_mask: ``bool[Lq]``, True for real queries (default: ``kv_mask`` when ``Lq == Lk``);
+        masked queries shape no centroid and their outputs are zeros.
       scale: score scale, ``1/sqrt(Dk)`` by default.
 
     Returns:
@@ -101,7 +107,7 @@ def clustered_attention(q, k, v, *, num_clusters: int, key, bits: int = 32,
     cluster, centroids = cluster_queries(x.q, num_clusters, key=key, bits=bits,
                                          iterations=iterations, q_mask=q_mask)
     out = dot_product_attention(centroids, x.k, x.v, kv_mask=kv_mask, scale=scale)
-    return out[cluster].astype(x.q.dtype)
+    return C.zero_masked_rows(out[cluster].astype(x.q.dtype), q_mask)
 
 
 def improved_clustered_attention(q, k, v, *, num_clusters: int, topk: int, key, bits: int = 32,
@@ -134,4 +140,5 @@ def improved_clustered_attention(q, k, v, *, num_clusters: int, topk: int, key, 
                                      scale=scale)[0]
 
     exact = jax.vmap(one)(x.q, cluster).astype(C.STATS_DTYPE)
-    return (mass[cluster][:, None] * exact + rest_out[cluster]).astype(x.q.dtype)
+    out = (mass[cluster][:, None] * exact + rest_out[cluster]).astype(x.q.dtype)
+    return C.zero_masked_rows(out, q_mask)

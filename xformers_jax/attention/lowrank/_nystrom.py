@@ -92,8 +92,8 @@ def nystrom_attention(q, k, v, conv_weight=None, *, num_landmarks: int, causal: 
       num_landmarks: ``m``.
       causal: unsupported; raises ``NotImplementedError``.
       kv_mask: ``bool[Lk]``; masked keys are left out of the landmarks and the attention.
-      q_mask: ``bool[Lq]``; masked queries are left out of the query landmarks (pass the
-        padding mask here for padded self-attention). Their outputs are still computed.
+      q_mask: ``bool[Lq]``, True for real queries (default: ``kv_mask`` when ``Lq == Lk``);
+        masked queries are left out of the query landmarks and their outputs are zeros.
       scale: score scale, ``1/sqrt(Dk)`` by default.
       pinv_iterations: iterations of the pseudo-inverse (6 in the paper).
 
@@ -107,8 +107,7 @@ def nystrom_attention(q, k, v, conv_weight=None, *, num_landmarks: int, causal: 
             "output depends on future tokens"
         )
     x, kv_mask = C.check_qkv_mask(name, q, k, v, kv_mask)
-    if q_mask is not None:
-        q_mask = C.check_kv_mask(name + " (q_mask)", q_mask, x.lq)
+    q_mask = C.check_q_mask(name, q_mask, kv_mask, x.lq, x.lk)
     m = C.check_positive_int(name, "num_landmarks", num_landmarks)
     iterations = C.check_positive_int(name, "pinv_iterations", pinv_iterations)
     if conv_weight is not None:
@@ -140,4 +139,4 @@ def nystrom_attention(q, k, v, conv_weight=None, *, num_landmarks: int, causal: 
     if conv_weight is not None:
         masked_v = v32 if kv_mask is None else jnp.where(kv_mask[:, None], v32, 0.0)
         out = out + depthwise_conv_skip(masked_v, conv_weight)
-    return out.astype(x.q.dtype)
+    return C.zero_masked_rows(out.astype(x.q.dtype), q_mask)

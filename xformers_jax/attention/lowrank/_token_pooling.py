@@ -85,15 +85,20 @@ def funnel_attention(q, k, v, *, stride: int = 2, causal: bool = False, kv_mask=
 
     ``softmax(pool(Q) K^T * scale) V`` (:func:`dot_product_attention`), giving
     ``[ceil(Lq / stride), Dv]``: the sequence is shortened ``stride`` times while every key
-    still contributes. ``q_mask`` keeps padding out of the pooled queries. ``key`` is unused
-    (the method is deterministic); it is accepted as the attention contract's keyword.
+    still contributes. ``q_mask`` (``bool[Lq]``, default ``kv_mask`` when ``Lq == Lk``) keeps
+    padding out of the pooled queries, and a pooled row of padding only is zero (the pooled
+    mask is :func:`funnel_pool`'s). ``key`` is unused (the method is deterministic); it is
+    accepted as the attention contract's keyword.
     """
     name = "funnel_attention"
     if causal:
         C.causal_unsupported(name, "a pooled query averages a window that includes later "
                              "positions")
     x, kv_mask = C.check_qkv_mask(name, q, k, v, kv_mask)
-    pooled = funnel_pool(x.q, stride, mask=q_mask)
-    if q_mask is not None:
-        pooled = pooled[0]
-    return dot_product_attention(pooled, x.k, x.v, kv_mask=kv_mask, scale=scale)
+    q_mask = C.check_q_mask(name, q_mask, kv_mask, x.lq, x.lk)
+    if q_mask is None:
+        return dot_product_attention(funnel_pool(x.q, stride), x.k, x.v, kv_mask=kv_mask,
+                                     scale=scale)
+    pooled, pooled_mask = funnel_pool(x.q, stride, mask=q_mask)
+    out = dot_product_attention(pooled, x.k, x.v, kv_mask=kv_mask, scale=scale)
+    return C.zero_masked_rows(out, pooled_mask)

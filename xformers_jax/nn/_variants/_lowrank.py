@@ -22,10 +22,24 @@ def _register(name, attend, **fields):
 
 
 def _seeded(fn):
-    """Clustered attention hashes with random planes: without a key, a fixed seed."""
-    def call(q, k, v, *, seed=0, key=None, **kw):
-        return fn(q, k, v, key=jax.random.key(seed) if key is None else key, **kw)
-    return call
+    """The ``attend`` of a kind that draws from a key (clustered attention's hyperplanes,
+    ProbSparse's key sample) and computes statistics over queries (so it takes ``q_mask``).
+
+    Given a ``key`` (training), every example and head draws its own, as dropout does. Without
+    one (evaluation), each head draws from a fixed key of ``seed`` shared by the whole batch,
+    so an example's output does not depend on the batch it comes in or on its row there.
+    """
+    per_example = lifted(fn, takes_q_mask=True)
+    per_head = lifted(lambda q, k, v, head_key, **kw: fn(q, k, v, key=head_key, **kw),
+                      ("heads",), takes_q_mask=True)
+
+    def attend(q, k, v, params, *, key, seed=0, **kw):
+        if key is not None:
+            return per_example(q, k, v, params, key=key, **kw)
+        heads = jax.random.split(jax.random.key(seed), q.shape[2])
+        return per_head(q, k, v, heads, key=None, **kw)
+
+    return attend
 
 
 _register(
@@ -35,7 +49,7 @@ _register(
     hyperparameters={"proj_len"}, init_only={"proj_len"},
 )
 _register(
-    "nystrom", lifted(A.nystrom_attention, (None,)),
+    "nystrom", lifted(A.nystrom_attention, (None,), takes_q_mask=True),
     init=lambda key, hp, **s: A.init_nystrom_conv(key, hp.get("kernel_size", 33)),
     hyperparameters={"num_landmarks", "kernel_size", "pinv_iterations"},
     init_only={"kernel_size"},
@@ -48,8 +62,8 @@ _register(
 )
 
 _CLUSTER_HP = frozenset({"num_clusters", "bits", "iterations", "seed"})
-_register("clustered", lifted(_seeded(A.clustered_attention)), hyperparameters=_CLUSTER_HP)
-_register("improved_clustered", lifted(_seeded(A.improved_clustered_attention)),
+_register("clustered", _seeded(A.clustered_attention), hyperparameters=_CLUSTER_HP)
+_register("improved_clustered", _seeded(A.improved_clustered_attention),
           hyperparameters=_CLUSTER_HP | {"topk"})
 
 _register(
@@ -79,7 +93,7 @@ _register(
 )
 _register("poolingformer", lifted(A.poolingformer_attention),
           hyperparameters={"window", "pool_size", "second_window", "pool"})
-_register("probsparse", lifted(_seeded(A.probsparse_attention)),
+_register("probsparse", _seeded(A.probsparse_attention),
           hyperparameters={"factor", "seed"})
 
 
