@@ -4,7 +4,7 @@ Every attention variant in :mod:`xformers_jax.attention` is a pure function over
 and one head::
 
     out = variant(q, k, v, *variant_arrays, causal=False, kv_mask=None, scale=None, key=None,
-                  **static_hyperparameters)
+                  **static_hyperparameters)        # and q_mask=None, see below
     # q: [Lq, Dk]  k: [Lk, Dk]  v: [Lk, Dv]  ->  out: [Lq, Dv]
 
 Padding. ``kv_mask: bool[Lk]`` is True for real keys, ``q_mask: bool[Lq]`` True for real
@@ -12,6 +12,10 @@ queries. The rule every variant keeps, and users rely on: padding content and pa
 change no output at a real position and no gradient reaching a real token's parameters.
 
 - Masked keys have no influence on any output or gradient (every variant honours ``kv_mask``).
+  Variants that pool, bucket, sort or normalise over key positions do so over the real keys:
+  padding is zeroed before pooling and a slot of padding only is masked (Linformer, Luna's
+  pack, memory-compressed and Poolingformer memories, Sinkhorn's block sums), or it goes to a
+  bucket or cluster of its own after every real token (LSH, causal routing).
 - Masked queries take part in no statistic that a real query's output depends on. Most
   variants compute each query's output from that query alone (softmax, kernelized, sparse and
   learned-sparsity attention), so a padded query cannot reach a real output and they need no
@@ -21,13 +25,16 @@ change no output at a real position and no gradient reaching a real token's para
   left out of those statistics, the statistics are computed over the real positions alone
   (sizes, samples and random draws depend on the number of real tokens and their order, not
   on the padded length), and masked queries' own outputs are zeros (:func:`zero_masked_rows`).
+- Padding amount means padding after the real tokens, as the models' ``mask`` has it (with
+  absolute positions, padding before them moves their positions, and so position-windowed
+  pools); the same real tokens padded to any length give the same real outputs.
 - ``q_mask`` defaults to ``kv_mask`` when ``Lq == Lk``: in self-attention q and k are the same
   padded sequence. For cross attention between sequences of equal length, pass ``q_mask``
   explicitly (all True when the queries are not padded).
 - Modules resolve the masks once (:class:`xformers_jax.nn.MultiHeadAttention`: ``q_mask`` is
   the padding mask in self-attention, given explicitly for cross attention) and pass both to
   every variant's ``attend``; :func:`~xformers_jax.attention.multihead` splits both over the
-  batch.
+  batch. ``tests/test_padding.py`` checks the rule for every registered kind.
 
 The helpers here are what each variant calls first, so that every family checks its input the
 same way and says the same thing when the input is wrong. Static problems raise ``ValueError``
