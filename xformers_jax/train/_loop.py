@@ -21,7 +21,7 @@ from ._progress import ProgressBar, format_duration
 from ._sharding import make_sharding_plan, resolve_mesh
 from ._state import create_train_state
 from ._step import make_eval_step, make_train_step
-from ._tasks import build_model, make_loss_fn, make_metrics_fn, make_task
+from ._tasks import build_model, make_loss_fn, make_metrics_fn, make_task, spec_of
 
 
 def evaluate(eval_step, model, source, batch_size: int) -> dict[str, float]:
@@ -50,7 +50,7 @@ def _precision(config):
 def _majority_accuracy(task) -> float | None:
     """Test accuracy of always answering the most common training label (the baseline a
     classifier must beat); None for language models and lazily read splits."""
-    if not task.spec.classification or not all(
+    if not spec_of(task).classification or not all(
             hasattr(s, "arrays") for s in (task.train, task.test)):
         return None
     majority = np.bincount(task.train.arrays["targets"]).argmax()

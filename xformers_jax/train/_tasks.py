@@ -25,7 +25,11 @@ from .. import nn
 
 @dataclasses.dataclass(frozen=True)
 class Task:
-    """The splits and the facts about inputs a model needs, made by a :class:`TaskSpec`."""
+    """The splits and the facts about inputs a model needs, made by a :class:`TaskSpec`.
+
+    ``spec`` is the spec that made it; a ``Task`` built by hand (``spec=None``) trains an
+    encoder classifier on ``batch["inputs"]`` (id 0 is padding when ``padded``).
+    """
 
     train: object
     validation: object
@@ -110,7 +114,7 @@ def build_model(model_config, task: Task, key: jax.Array, *,
     to run with its sequence split over devices; a kind that cannot raises here, at build time,
     naming the kind (``nn.check_sequence_parallel``).
     """
-    model = task.spec.model(model_config, task, key)
+    model = spec_of(task).model(model_config, task, key)
     if sequence_shards > 1:
         nn.check_sequence_parallel(model, sequence_shards)
     return model
@@ -218,6 +222,7 @@ def _lm_logits(model, batch, task, key):
 
 
 _LRA = dict(model=_classifier, logits=_classify_logits)
+_CLASSIFIER = TaskSpec("classifier", {}, None, **_LRA)
 for _task in (
     TaskSpec("listops", dict(num_train=96_000, num_eval=2_000, num_test=2_000, min_length=500,
                              max_length=2000, max_depth=10, max_args=10), _make_listops, **_LRA),
@@ -235,8 +240,13 @@ for _task in (
     register_task(_task)
 
 
+def spec_of(task: Task) -> TaskSpec:
+    """The task's spec: the one that made it, or the classifier spec for a hand-built task."""
+    return task.spec or _CLASSIFIER
+
+
 def _policy_logits(model, batch, task: Task, key, policy):
-    logits = lambda m: task.spec.logits(m, batch, task, key)  # noqa: E731
+    logits = lambda m: spec_of(task).logits(m, batch, task, key)  # noqa: E731
     return (logits(model) if policy is None else policy(logits, model)).astype(jnp.float32)
 
 
