@@ -1,5 +1,6 @@
 """Shared fixtures. Tests see 8 simulated CPU devices (for the sharding tests)."""
 
+import gc
 import os
 
 # Must happen before JAX initialises its backends.
@@ -21,3 +22,14 @@ settings.load_profile("ci")
 def key():
     """A fixed PRNG key; tests split it for what they need."""
     return jax.random.PRNGKey(0)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _free_compiled_programs():
+    """Drops JAX's compiled programs after each test module: the suite compiles hundreds of
+    models in one process, and programs are not shared across modules, so keeping them only
+    grows the process (a fresh-clone run of the whole suite once crashed in XLA's compiler
+    near its end)."""
+    yield
+    jax.clear_caches()
+    gc.collect()
