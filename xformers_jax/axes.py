@@ -228,10 +228,17 @@ def activated(value: Active):
         _ACTIVE.reset(token)
 
 
+def mesh_for(axis: str, mesh: Mesh | None = None) -> tuple[Mesh | None, int]:
+    """``(mesh, size of axis)``: the given mesh or else the active one (``(None, 1)`` without
+    either). The sequence-parallel attention functions resolve their mesh with this."""
+    if mesh is None and active() is not None:
+        mesh = active().mesh
+    return mesh, 1 if mesh is None else dict(mesh.shape).get(axis, 1)
+
+
 def mesh_axis_size(axis: str) -> int:
     """The size of mesh axis ``axis`` in the active mesh (1 without one)."""
-    ctx = active()
-    return 1 if ctx is None else dict(ctx.mesh.shape).get(axis, 1)
+    return mesh_for(axis)[1]
 
 
 def sequence_shards() -> int:

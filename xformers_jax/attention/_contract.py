@@ -114,22 +114,26 @@ def check_token(name: str, q, k, v) -> QKV:
     return check_qkv(name, q[None], k[None], v[None])
 
 
+def _check_mask(name: str, arg: str, mask, length: int, what: str, size: str):
+    mask = jnp.asarray(mask)
+    if mask.dtype != jnp.bool_:
+        raise ValueError(
+            f"{name}: {arg} must be boolean (True marks real {what}) but has dtype "
+            f"{mask.dtype} and shape {_shape(mask)}; convert it with `mask > 0` or "
+            "`mask.astype(bool)`"
+        )
+    if mask.shape != (length,):
+        raise ValueError(
+            f"{name}: {arg} must have shape ({size},) = ({length},) but got {_shape(mask)}"
+        )
+    return mask
+
+
 def check_kv_mask(name: str, kv_mask, lk: int):
     """Checks ``kv_mask: bool[Lk]`` (True for real tokens). Returns it as a jax array or None."""
     if kv_mask is None:
         return None
-    kv_mask = jnp.asarray(kv_mask)
-    if kv_mask.dtype != jnp.bool_:
-        raise ValueError(
-            f"{name}: kv_mask must be boolean (True marks real tokens) but has dtype "
-            f"{kv_mask.dtype} and shape {_shape(kv_mask)}; convert it with `mask > 0` or "
-            "`mask.astype(bool)`"
-        )
-    if kv_mask.shape != (lk,):
-        raise ValueError(
-            f"{name}: kv_mask must have shape (Lk,) = ({lk},) but got {_shape(kv_mask)}"
-        )
-    return kv_mask
+    return _check_mask(name, "kv_mask", kv_mask, lk, "tokens", "Lk")
 
 
 def check_q_mask(name: str, q_mask, kv_mask, lq: int, lk: int):
@@ -141,18 +145,7 @@ def check_q_mask(name: str, q_mask, kv_mask, lq: int, lk: int):
     """
     if q_mask is None:
         return kv_mask if lq == lk else None
-    q_mask = jnp.asarray(q_mask)
-    if q_mask.dtype != jnp.bool_:
-        raise ValueError(
-            f"{name}: q_mask must be boolean (True marks real queries) but has dtype "
-            f"{q_mask.dtype} and shape {_shape(q_mask)}; convert it with `mask > 0` or "
-            "`mask.astype(bool)`"
-        )
-    if q_mask.shape != (lq,):
-        raise ValueError(
-            f"{name}: q_mask must have shape (Lq,) = ({lq},) but got {_shape(q_mask)}"
-        )
-    return q_mask
+    return _check_mask(name, "q_mask", q_mask, lq, "queries", "Lq")
 
 
 def zero_masked_rows(out, q_mask):

@@ -95,9 +95,7 @@ def halo_local_attention(
     pattern = Local(left, 0 if causal else right)  # checks the sizes
     left, right = pattern.left, pattern.right
     scale = C.resolve_scale(x.dk, scale)
-    if mesh is None and X.active() is not None:
-        mesh = X.active().mesh
-    n = 1 if mesh is None else dict(mesh.shape).get(axis_name, 1)
+    mesh, n = X.mesh_for(axis_name, mesh)
     if n == 1:
         return block_sparse_attention(x.q, x.k, x.v, pattern, causal=causal,
                                       kv_mask=kv_mask, scale=scale, block_q=block_q,

@@ -284,9 +284,7 @@ def ring_attention(
     scale = C.resolve_scale(x.dk, scale)
     if causal and x.lq != x.lk:
         raise ValueError(f"{_NAME}: causal=True needs Lq == Lk but got q{x.q.shape}, k{x.k.shape}")
-    if mesh is None and X.active() is not None:
-        mesh = X.active().mesh
-    n = 1 if mesh is None else dict(mesh.shape).get(axis_name, 1)
+    mesh, n = X.mesh_for(axis_name, mesh)
     if n == 1:
         return flash_attention(x.q, x.k, x.v, causal=causal, kv_mask=kv_mask, scale=scale,
                                block_q=block_q, block_k=block_k)

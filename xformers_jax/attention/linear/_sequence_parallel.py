@@ -91,9 +91,7 @@ def sequence_parallel_linear_attention(
         whose key stabiliser is a running maximum over the whole prefix.
     """
     check_implementation(_NAME, "chunked", chunk_size)
-    if mesh is None and X.active() is not None:
-        mesh = X.active().mesh
-    n = 1 if mesh is None else dict(mesh.shape).get(axis_name, 1)
+    mesh, n = X.mesh_for(axis_name, mesh)
     kwargs = dict(feature_map=feature_map, kv_mask=kv_mask, scale=scale, gate_logits=gate_logits,
                   log_decay=log_decay, chunk_size=chunk_size, eps=eps)
     if n == 1:
