@@ -1,0 +1,306 @@
+"""Routers, router losses, capacity and dropless dispatch, the grouped matmul and product-key
+memory of ``xformers_jax.experts``, against small numpy references written from the papers."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from tests.tolerances import EXACT, EXACT_GRAD, assert_close
+from xformers_jax import experts as M
+
+T, D, H, E = 12, 8, 16, 4
+_jit = functools.partial(jax.jit, compiler_options={"xla_backend_optimization_level": 0})
+
+
+def _setup(seed=0, gated=False):
+    k = jax.random.split(jax.random.key(seed), 3)
+    x = jax.random.normal(k[0], (T, D))
+    wr = jax.random.normal(k[1], (D, E))
+    w = M.init_expert_weights(k[2], E, D, H, gated=gated)
+    return x, wr, w
+
+
+def _np_topk(logits, k, renorm):
+    p = np.exp(logits - logits.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    idx = np.argsort(-p, axis=-1, kind="stable")[:, :k]
+    g = np.take_along_axis(p, idx, -1)
+    if k > 1 and renorm:
+        g = g / g.sum(-1, keepdims=True)
+    return p, idx, g
+
+
+@pytest.mark.parametrize("k,renorm", [(1, True), (2, True), (2, False)])
+def test_top_k_route_matches_numpy(k, renorm):
+    x, wr, _ = _setup()
+    logits = M.router_logits(x, wr)
+    r = M.top_k_route(logits, k, renormalize=renorm)
+    p, idx, g = _np_topk(np.asarray(logits), k, renorm)
+    np.testing.assert_array_equal(np.asarray(r.experts), idx)
+    assert_close(r.gates, g)
+    assert_close(r.probs, p)
+    if k == 2 and renorm:
+        assert_close(r.gates.sum(-1), np.ones(T))
+
+
+def test_gshard_random_second_and_jitter():
+    x, wr, _ = _setup()
+    logits = M.router_logits(x, wr)
+    r = M.top_k_route(logits, 2, second_policy="random", key=jax.random.key(1))
+    kept2 = np.asarray(r.gates[:, 1]) > 0
+    assert 0 < kept2.sum() < T  # some second choices skipped, some kept
+    u = np.asarray(jax.random.uniform(jax.random.key(1), (T, 1)))[:, 0]
+    full = M.top_k_route(logits, 2)
+    np.testing.assert_array_equal(kept2, u < np.minimum(1, 2 * np.asarray(full.gates[:, 1])))
+    # Without a key (inference) every slot is kept; jitter changes logits only with a key.
+    assert (np.asarray(M.top_k_route(logits, 2, second_policy="random").gates) > 0).all()
+    assert_close(M.router_logits(x, wr, jitter=0.1), logits)
+    j = M.router_logits(x, wr, jitter=0.1, key=jax.random.key(2))
+    assert not np.allclose(j, logits)
+    ratio = np.asarray(j) / np.asarray(logits)
+    assert np.isfinite(ratio).all()
+
+
+def _np_slots(experts, gates, mask, e, cf, priority):
+    t, k = experts.shape
+    c = int(np.ceil(cf * (mask.sum() if mask is not None else t) * k / e))
+    order = ([(j, i) for j in range(k) for i in range(t)] if priority == "choice"
+             else [(i, j) for i in range(t) for j in range(k)])
+    count = np.zeros(e, int)
+    kept = np.zeros((t, k), bool)
+    for a, b in order:
+        i, j = (b, a) if priority == "choice" else (a, b)
+        if gates[i, j] == 0 or (mask is not None and not mask[i]):
+            continue
+        if count[experts[i, j]] < c:
+            kept[i, j] = True
+        count[experts[i, j]] += 1
+    return kept, c
+
+
+@pytest.mark.parametrize("priority", ["choice", "token"])
+@pytest.mark.parametrize("cf", [0.5, 1.0])
+def test_capacity_slots_match_numpy(priority, cf):
+    x, wr, _ = _setup(1)
+    r = M.top_k_route(M.router_logits(x, wr), 2)
+    mask = np.arange(T) < 10
+    pos, kept, c_static = M.capacity_slots(r, E, cf, priority=priority, mask=jnp.asarray(mask))
+    want, c = _np_slots(np.asarray(r.experts), np.asarray(r.gates), mask, E, cf, priority)
+    np.testing.assert_array_equal(np.asarray(kept), want)
+    assert c == int(np.ceil(cf * 10 * 2 / E)) and c_static == int(np.ceil(cf * T * 2 / E))
+    assert want.sum() < 2 * 10  # something is dropped at these capacities
+
+
+def test_losses_match_numpy_and_perfect_balance():
+    x, wr, _ = _setup(2)
+    logits = M.router_logits(x, wr)
+    r = M.top_k_route(logits, 2)
+    p, idx, _ = _np_topk(np.asarray(logits), 2, True)
+    f = np.stack([(idx == i).sum() / T for i in range(E)])
+    assert_close(M.load_balancing_loss(r.probs, r.experts), E * (f * p.mean(0)).sum())
+    lse = np.log(np.exp(np.asarray(logits, np.float64)).sum(-1))
+    assert_close(M.router_z_loss(logits), (lse ** 2).mean())
+    # Perfect balance: uniform probabilities, each expert chosen k/E of the time -> k.
+    for k in (1, 2):
+        experts = (np.arange(T)[:, None] + np.arange(k)[None]) % E
+        uniform = jnp.full((T, E), 1.0 / E)
+        assert_close(M.load_balancing_loss(uniform, jnp.asarray(experts)), float(k))
+    # Padding is excluded: the padded rows' content changes nothing.
+    mask = jnp.arange(T) < 8
+    junk = r.probs.at[8:].set(0.9)
+    assert_close(M.load_balancing_loss(junk, r.experts, mask=mask),
+                 M.load_balancing_loss(r.probs, r.experts, mask=mask))
+    load = M.expert_load(r.experts, E)
+    assert_close(load, f / 2)
+
+
+@_jit
+def _all_modes(x, wr, w, cf):
+    del cf
+    r = M.top_k_route(M.router_logits(x, wr), 2)
+    ref = M.moe_reference(x, r, w)
+    dl = M.moe_dropless(x, r, w)
+    dd = M.moe_dropless(x, r, w, backend="dense")
+    cap, kept = M.moe_capacity(x, r, w, capacity_factor=1.0)
+    ref_kept = M.moe_reference(x, r, w, kept=kept)
+    big, kept_big = M.moe_capacity(x, r, w, capacity_factor=float(E))
+    return ref, dl, dd, cap, ref_kept, big, kept_big, kept
+
+
+@pytest.mark.parametrize("gated", [False, True])
+def test_dispatch_modes_equal_reference(gated):
+    x, wr, w = _setup(3, gated)
+    ref, dl, dd, cap, ref_kept, big, kept_big, kept = _all_modes(x, wr, w, 1.0)
+    assert_close(dl, ref)
+    assert_close(dd, ref)
+    assert_close(cap, ref_kept)
+    assert not np.asarray(kept).all()  # capacity 1.0 drops something here
+    assert np.asarray(kept_big).all()  # a large capacity drops nothing and equals dropless
+    assert_close(big, dl)
+
+
+def _loss(mode, x, wr, w):
+    r = M.top_k_route(M.router_logits(x, wr), 2)
+    if mode == "ref":
+        y = M.moe_reference(x, r, w, kept=M.capacity_slots(r, E, 1.0)[1])
+    elif mode == "ref_all":
+        y = M.moe_reference(x, r, w)
+    elif mode == "capacity":
+        y = M.moe_capacity(x, r, w, capacity_factor=1.0)[0]
+    else:
+        y = M.moe_dropless(x, r, w)
+    return (jnp.sin(y) * jnp.arange(D)).sum()
+
+
+@_jit
+def _grads(x, wr, w):
+    g = lambda m: jax.grad(functools.partial(_loss, m), argnums=(0, 1, 2))(x, wr, w)  # noqa
+    return g("ref"), g("capacity"), g("ref_all"), g("dropless")
+
+
+def test_dispatch_gradients_equal_reference():
+    x, wr, w = _setup(4)
+    ref, cap, ref_all, dl = _grads(x, wr, w)
+    for a, b in ((cap, ref), (dl, ref_all)):
+        for ga, gb in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+            assert_close(ga, gb, EXACT_GRAD)
+    assert float(jnp.abs(dl[1]).sum()) > 0  # the router gets a gradient through the gates
+
+
+def test_grouped_matmul_backends_agree_and_zero_tail():
+    k = jax.random.split(jax.random.key(5), 2)
+    x = jax.random.normal(k[0], (10, 6))
+    w = jax.random.normal(k[1], (3, 6, 5))
+    sizes = jnp.array([3, 0, 4], jnp.int32)  # rows 7..9 belong to no group
+    a = M.grouped_matmul(x, w, sizes)
+    b = M.grouped_matmul(x, w, sizes, backend="dense")
+    want = np.concatenate([np.asarray(x[:3] @ w[0]), np.asarray(x[3:7] @ w[2]), np.zeros((3, 5))])
+    assert_close(a, want)
+    assert_close(b, want)
+    with pytest.raises(ValueError, match="backend"):
+        M.grouped_matmul(x, w, sizes, backend="nope")
+    with pytest.raises(ValueError, match=r"w \[G, k, n\]"):
+        M.grouped_matmul(x, w[:, :4], sizes)
+
+
+def test_padding_changes_no_real_output():
+    x, wr, w = _setup(6)
+    mask = jnp.arange(T) < 9
+    junk = x.at[9:].set(100.0)
+
+    def run(x, mode):
+        r = M.top_k_route(M.router_logits(x, wr), 2, mask=mask)
+        return M.moe_ffn(x, r, w, mode=mode, capacity_factor=1.0, mask=mask)[0]
+
+    for mode in M._dispatch.MODES:
+        assert_close(run(x, mode)[:9], run(junk, mode)[:9])
+        # The padded amount: the same 9 real tokens with fewer padded rows.
+        r = M.top_k_route(M.router_logits(x[:10], wr), 2, mask=mask[:10])
+        short = M.moe_ffn(x[:10], r, w, mode=mode, capacity_factor=1.0, mask=mask[:10])[0]
+        assert_close(short[:9], run(x, mode)[:9])
+
+
+def test_token_priority_is_causal():
+    x, wr, w = _setup(7)
+
+    def run(x):
+        r = M.top_k_route(M.router_logits(x, wr), 2)
+        return M.moe_capacity(x, r, w, capacity_factor=0.75, priority="token")[0]
+
+    changed = x.at[6].set(-x[6] * 3)
+    a, b = run(x), run(changed)
+    assert_close(a[:6], b[:6])
+    assert not np.allclose(a[6:], b[6:])
+
+
+def test_expert_choice_matches_numpy():
+    x, wr, w = _setup(8)
+    logits = M.router_logits(x, wr)
+    ec = M.expert_choice_route(logits, 2.0)
+    p = np.asarray(jax.nn.softmax(logits))
+    c = M.expert_choice_capacity(T, E, 2.0)
+    assert c == 6 and ec.tokens.shape == (E, c)
+    want = np.zeros((T, D))
+    for e in range(E):
+        top = np.argsort(-p[:, e], kind="stable")[:c]
+        np.testing.assert_array_equal(np.sort(np.asarray(ec.tokens[e])), np.sort(top))
+        for t in top:
+            h = np.asarray(jax.nn.gelu(x[t] @ w.w1[e]))
+            want[t] += p[t, e] * (h @ np.asarray(w.w2[e]))
+    assert_close(M.expert_choice_ffn(x, ec, w), want)
+    mask = jnp.arange(T) < 8
+    ecm = M.expert_choice_route(logits, 2.0, mask=mask)
+    sel = np.asarray(ecm.tokens)[np.asarray(ecm.gates) > 0]
+    assert (sel < 8).all() and (np.asarray(ecm.gates) > 0).sum(1).max() == 4  # ceil(2*8/4)
+
+
+def test_hash_and_prototype_routes():
+    table = M.balanced_hash_table(256, 6, seed=3)
+    counts = np.bincount(table, minlength=6)
+    assert counts.max() - counts.min() <= 1
+    ids = jnp.array([0, 5, 255, 5])
+    r = M.hash_route(ids, table, 6)
+    np.testing.assert_array_equal(np.asarray(r.experts[:, 0]), table[[0, 5, 255, 5]])
+    assert_close(r.gates, np.ones((4, 1)))
+    x, wr, _ = _setup(9)
+    logits = M.router_logits(x, wr)
+    pr = M.prototype_route(logits, 2)
+    lg = np.asarray(logits).reshape(T, 2, 2)
+    pg = np.exp(lg) / np.exp(lg).sum(-1, keepdims=True)
+    np.testing.assert_array_equal(np.asarray(pr.experts), pg.argmax(-1) + [0, 2])
+    assert_close(pr.gates, pg.max(-1))
+    assert_close(pr.probs.sum(-1), np.ones(T))
+
+
+def test_bf16_and_bad_inputs():
+    x, wr, w = _setup(10)
+    xb = x.astype(jnp.bfloat16)
+    r = M.top_k_route(M.router_logits(xb, wr), 2)
+    assert r.probs.dtype == jnp.float32
+    y = M.moe_dropless(xb, r, w)
+    assert y.dtype == jnp.bfloat16
+    assert_close(y, M.moe_reference(x, r, w), EXACT, dtype=jnp.bfloat16)
+    with pytest.raises(ValueError, match=r"k must be in \[1, 4\]"):
+        M.top_k_route(r.logits, 5)
+    with pytest.raises(ValueError, match=r"\[tokens, dim\]"):
+        M.moe_dropless(x[None], r, w)
+    with pytest.raises(ValueError, match="mode"):
+        M.moe_ffn(x, r, w, mode="sideways")
+    with pytest.raises(ValueError, match="priority"):
+        M.capacity_slots(r, E, 1.0, priority="random")
+    with pytest.raises(ValueError, match="groups"):
+        M.prototype_route(r.logits, 3)
+
+
+def _pkm_setup(n=6, heads=2, dk=8, dv=5, t=7):
+    k = jax.random.split(jax.random.key(11), 4)
+    return (jax.random.normal(k[0], (t, heads, dk)), jax.random.normal(k[1], (heads, n, dk // 2)),
+            jax.random.normal(k[2], (heads, n, dk // 2)), jax.random.normal(k[3], (n * n, dv)))
+
+
+def test_product_keys_equal_brute_force():
+    q, k1, k2, v = _pkm_setup()
+    kk = 3
+    n = k1.shape[1]
+    full_keys = np.concatenate([np.repeat(np.asarray(k1), n, 1), np.tile(np.asarray(k2), (1, n, 1))],
+                               -1)  # [H, n^2, dk]: slot i*n+j has key [K1_i, K2_j]
+    scores = np.einsum("thd,hnd->thn", np.asarray(q), full_keys)
+    top = np.argsort(-scores, -1, kind="stable")[..., :kk]
+    s, slots = M.product_key_topk(q, k1, k2, kk)
+    np.testing.assert_array_equal(np.sort(np.asarray(slots), -1), np.sort(top, -1))
+    assert_close(s, np.take_along_axis(scores, top, -1))
+    sv = np.take_along_axis(scores, top, -1)
+    wts = np.exp(sv - sv.max(-1, keepdims=True))
+    wts /= wts.sum(-1, keepdims=True)
+    want = np.einsum("thk,thkv->tv", wts, np.asarray(v)[top])
+    assert_close(M.product_key_lookup(q, k1, k2, v, kk), want)
+    # The value table's gradient touches only the selected rows.
+    gv = jax.grad(lambda v: M.product_key_lookup(q, k1, k2, v, kk).sum())(v)
+    touched = np.flatnonzero(np.abs(np.asarray(gv)).sum(-1))
+    np.testing.assert_array_equal(touched, np.unique(top))
+    assert len(touched) < v.shape[0]
+    with pytest.raises(ValueError, match=r"values must be \[n\^2 = 36"):
+        M.product_key_lookup(q, k1, k2, v[:30], kk)

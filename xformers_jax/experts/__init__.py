@@ -1,0 +1,35 @@
+"""Sparse models as pure functions: routers, auxiliary losses, capacity and dropless dispatch
+(the grouped matmul backend switch) and product-key memory lookup. The Equinox layers over
+them are in ``xformers_jax.nn`` (``MoEFeedForward``, ``ProductKeyMemory``, ...); expert
+parallelism is in ``xformers_jax.parallel``.
+"""
+
+from ._dispatch import ACTIVATIONS as ACTIVATIONS
+from ._dispatch import ExpertWeights as ExpertWeights
+from ._dispatch import capacity as capacity
+from ._dispatch import capacity_slots as capacity_slots
+from ._dispatch import expert_choice_ffn as expert_choice_ffn
+from ._dispatch import init_expert_weights as init_expert_weights
+from ._dispatch import moe_capacity as moe_capacity
+from ._dispatch import moe_dropless as moe_dropless
+from ._dispatch import moe_ffn as moe_ffn
+from ._dispatch import moe_reference as moe_reference
+from ._grouped import grouped_matmul as grouped_matmul
+from ._grouped import grouped_matmul_backends as grouped_matmul_backends
+from ._grouped import register_grouped_matmul as register_grouped_matmul
+from ._losses import LOAD_BALANCING_COEF as LOAD_BALANCING_COEF
+from ._losses import Z_LOSS_COEF as Z_LOSS_COEF
+from ._losses import expert_load as expert_load
+from ._losses import load_balancing_loss as load_balancing_loss
+from ._losses import router_z_loss as router_z_loss
+from ._product_keys import product_key_lookup as product_key_lookup
+from ._product_keys import product_key_topk as product_key_topk
+from ._routers import ExpertChoice as ExpertChoice
+from ._routers import Routing as Routing
+from ._routers import balanced_hash_table as balanced_hash_table
+from ._routers import expert_choice_capacity as expert_choice_capacity
+from ._routers import expert_choice_route as expert_choice_route
+from ._routers import hash_route as hash_route
+from ._routers import prototype_route as prototype_route
+from ._routers import router_logits as router_logits
+from ._routers import top_k_route as top_k_route

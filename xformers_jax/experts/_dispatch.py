@@ -1,0 +1,195 @@
+"""Expert MLPs and the two dispatch modes of token-choice routing, plus expert choice.
+
+Experts are MLPs ``act(x W1[e]) W2[e]`` (gated: ``act(x W1[e]) * (x Wg[e])``; Shazeer, 2020)
+with weights stacked on a leading expert axis (:class:`ExpertWeights`).
+
+**Capacity dispatch** (Lepikhin et al., 2020, GShard; Fedus et al., 2021, Switch): each expert
+has a buffer of ``C = ceil(capacity_factor * T * k / E)`` slots, ``T`` the number of REAL
+tokens (so the padded amount changes nothing; the static buffer is sized with all ``T``).
+Assignments claim slots in priority order and those past ``C`` are dropped (their share goes
+through the residual: the layer adds 0 for them, gates are not renormalised):
+
+* ``priority="choice"`` (default, GShard/Switch): every token's first choice before any
+  token's second choice, tokens in order within a choice. A token's second choice then depends
+  on LATER tokens' first choices, so this is not causal-safe for k > 1.
+* ``priority="token"``: token by token in order, each token's choices in slot order; a token's
+  fate depends only on earlier tokens (causal-safe; with k = 1 both orders agree).
+
+Padded tokens and slots with gate 0 (GShard's randomly skipped second choice) claim no slot.
+
+**Dropless dispatch** (Gale et al., 2022, "MegaBlocks"): the ``T * k`` assignments are sorted by
+expert and every expert's rows go through one grouped matmul (:mod:`._grouped`, XLA's
+``ragged_dot`` by default); no capacity, nothing dropped, causal-safe.
+
+Both equal :func:`moe_reference`, which runs each token through its chosen experts with its
+gates (and, for capacity dispatch, the ``kept`` mask).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from ._grouped import grouped_matmul
+from ._routers import ExpertChoice, Routing
+
+ACTIVATIONS = {"relu": jax.nn.relu, "gelu": jax.nn.gelu, "swish": jax.nn.swish}
+PRIORITIES = ("choice", "token")
+MODES = ("capacity", "dropless")
+
+
+class ExpertWeights(NamedTuple):
+    """``w1 [E, d, h]``, ``w2 [E, h, d]``, optional ``w_gate [E, d, h]`` (gated MLP)."""
+
+    w1: jax.Array
+    w2: jax.Array
+    w_gate: jax.Array | None = None
+
+
+def init_expert_weights(key, num_experts: int, dim: int, hidden: int, *, gated: bool = False,
+                        dtype=jnp.float32) -> ExpertWeights:
+    k1, k2, k3 = jax.random.split(key, 3)
+    w1 = jax.random.normal(k1, (num_experts, dim, hidden), dtype) / math.sqrt(dim)
+    w2 = jax.random.normal(k2, (num_experts, hidden, dim), dtype) / math.sqrt(hidden)
+    wg = jax.random.normal(k3, (num_experts, dim, hidden), dtype) / math.sqrt(dim) if gated \
+        else None
+    return ExpertWeights(w1, w2, wg)
+
+
+def _check(x, weights: ExpertWeights, activation: str):
+    if x.ndim != 2:
+        raise ValueError(f"MoE dispatch: x must be [tokens, dim], got {x.shape}")
+    if weights.w1.ndim != 3 or weights.w1.shape[1] != x.shape[1]:
+        raise ValueError(f"MoE dispatch: w1 must be [experts, {x.shape[1]}, hidden], got "
+                         f"{weights.w1.shape}")
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"MoE dispatch: activation must be one of {tuple(ACTIVATIONS)}, got "
+                         f"{activation!r}")
+
+
+def _mlp(x, w1, w2, wg, activation, matmul):
+    h = ACTIVATIONS[activation](matmul(x, w1))
+    if wg is not None:
+        h = h * matmul(x, wg)
+    return matmul(h, w2)
+
+
+def moe_reference(x, routing: Routing, weights: ExpertWeights, *, activation: str = "gelu",
+                  kept=None):
+    """Per token: ``y_t = sum_j gates[t, j] * kept[t, j] * MLP_{experts[t, j]}(x_t)``.
+    ``x [T, d]`` -> ``[T, d]`` (the specification; gathers every chosen expert's weights)."""
+    _check(x, weights, activation)
+    gates = routing.gates if kept is None else routing.gates * kept
+
+    def one(xt, es, gs):
+        def slot(e, g):
+            wg = None if weights.w_gate is None else weights.w_gate[e].astype(xt.dtype)
+            y = _mlp(xt[None], weights.w1[e].astype(xt.dtype), weights.w2[e].astype(xt.dtype),
+                     wg, activation, jnp.matmul)[0]
+            return g.astype(xt.dtype) * y
+        return jax.vmap(slot)(es, gs).sum(0)
+
+    return jax.vmap(one)(x, routing.experts, gates)
+
+
+def capacity(num_tokens, num_experts: int, k: int, capacity_factor: float):
+    """``C = ceil(capacity_factor * num_tokens * k / num_experts)`` (an int for an int
+    ``num_tokens``, an int32 array for a traced count)."""
+    if isinstance(num_tokens, int):
+        return max(1, math.ceil(capacity_factor * num_tokens * k / num_experts))
+    c = jnp.ceil(capacity_factor * num_tokens.astype(jnp.float32) * k / num_experts)
+    return jnp.maximum(c, 1).astype(jnp.int32)
+
+
+def capacity_slots(routing: Routing, num_experts: int, capacity_factor: float, *,
+                   priority: str = "choice", mask=None):
+    """Slot of every assignment in its expert's buffer and whether it is kept:
+    ``(position int32[T, k], kept bool[T, k], C_static)`` (see the module docstring)."""
+    if priority not in PRIORITIES:
+        raise ValueError(f"capacity dispatch: priority must be one of {PRIORITIES}, got "
+                         f"{priority!r}")
+    t, k = routing.experts.shape
+    active = routing.gates != 0
+    if mask is not None:
+        active = active & mask[:, None]
+    c_static = capacity(t, num_experts, k, capacity_factor)
+    c_dyn = c_static if mask is None else capacity(mask.sum(), num_experts, k, capacity_factor)
+    ex, act = routing.experts, active
+    if priority == "choice":  # slot-major order
+        ex, act = ex.T, act.T
+    onehot = jax.nn.one_hot(ex.reshape(-1), num_experts, dtype=jnp.int32) * act.reshape(-1, 1)
+    pos = (jnp.cumsum(onehot, axis=0) - 1) * onehot
+    pos = pos.sum(-1).reshape(ex.shape)
+    if priority == "choice":
+        pos = pos.T
+    kept = active & (pos < c_dyn)
+    return pos.astype(jnp.int32), kept, c_static
+
+
+def moe_capacity(x, routing: Routing, weights: ExpertWeights, *, capacity_factor: float = 1.25,
+                 priority: str = "choice", activation: str = "gelu", mask=None):
+    """Capacity dispatch: ``x [T, d]`` -> ``(y [T, d], kept bool[T, k])``."""
+    _check(x, weights, activation)
+    t, d = x.shape
+    e = weights.w1.shape[0]
+    pos, kept, c = capacity_slots(routing, e, capacity_factor, priority=priority, mask=mask)
+    slot = jnp.where(kept, routing.experts * c + pos, e * c)  # trash row e * c
+    buf = jnp.zeros((e * c + 1, d), x.dtype).at[slot.reshape(-1)].add(
+        jnp.repeat(x, routing.experts.shape[1], axis=0))
+    buf = buf[:-1].reshape(e, c, d)
+    batched = lambda a, w: jnp.einsum("ecd,edh->ech", a, w.astype(a.dtype))  # noqa: E731
+    out = _mlp(buf, weights.w1, weights.w2, weights.w_gate, activation, batched)
+    out = jnp.concatenate([out.reshape(e * c, d), jnp.zeros((1, d), out.dtype)])
+    gates = (routing.gates * kept).astype(x.dtype)
+    y = (out[slot] * gates[..., None]).sum(1)
+    return y, kept
+
+
+def moe_dropless(x, routing: Routing, weights: ExpertWeights, *, activation: str = "gelu",
+                 backend: str | None = None, mask=None):
+    """Dropless dispatch through one grouped matmul: ``x [T, d]`` -> ``y [T, d]``."""
+    _check(x, weights, activation)
+    t, d = x.shape
+    e = weights.w1.shape[0]
+    k = routing.experts.shape[1]
+    active = routing.gates != 0
+    if mask is not None:
+        active = active & mask[:, None]
+    key = jnp.where(active, routing.experts, e).reshape(-1)  # inactive rows sort last
+    order = jnp.argsort(key, stable=True)
+    tokens = jnp.repeat(jnp.arange(t), k)[order]
+    sizes = jnp.bincount(key, length=e + 1)[:e].astype(jnp.int32)
+    gm = lambda a, w: grouped_matmul(a, w.astype(a.dtype), sizes, backend=backend)  # noqa
+    out = _mlp(x[tokens], weights.w1, weights.w2, weights.w_gate, activation, gm)
+    gates = (routing.gates * active).reshape(-1)[order].astype(x.dtype)
+    return jnp.zeros((t, d), x.dtype).at[tokens].add(out * gates[:, None])
+
+
+def moe_ffn(x, routing: Routing, weights: ExpertWeights, *, mode: str = "dropless",
+            capacity_factor: float = 1.25, priority: str = "choice", activation: str = "gelu",
+            backend: str | None = None, mask=None):
+    """One function, two modes: ``(y [T, d], kept bool[T, k])``; dropless keeps every active
+    assignment."""
+    if mode == "capacity":
+        return moe_capacity(x, routing, weights, capacity_factor=capacity_factor,
+                            priority=priority, activation=activation, mask=mask)
+    if mode == "dropless":
+        y = moe_dropless(x, routing, weights, activation=activation, backend=backend, mask=mask)
+        kept = routing.gates != 0
+        return y, kept if mask is None else kept & mask[:, None]
+    raise ValueError(f"moe_ffn: mode must be one of {MODES}, got {mode!r}")
+
+
+def expert_choice_ffn(x, choice: ExpertChoice, weights: ExpertWeights, *,
+                      activation: str = "gelu"):
+    """Expert-choice dispatch: ``y_t = sum_{(e, s): tokens[e, s] = t} gates[e, s] *
+    MLP_e(x_t)``. ``x [T, d]`` -> ``[T, d]``."""
+    _check(x, weights, activation)
+    buf = x[choice.tokens]  # [E, c, d]
+    batched = lambda a, w: jnp.einsum("ecd,edh->ech", a, w.astype(a.dtype))  # noqa: E731
+    out = _mlp(buf, weights.w1, weights.w2, weights.w_gate, activation, batched)
+    out = out * choice.gates[..., None].astype(x.dtype)
+    return jnp.zeros_like(x).at[choice.tokens.reshape(-1)].add(out.reshape(-1, x.shape[1]))
