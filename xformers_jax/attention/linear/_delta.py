@@ -11,6 +11,15 @@ with ``beta_t = sigmoid(beta_logits_t)`` and sum-normalised features ``phi(x) / 
 linear transformers with the delta rule") writes a chunk's updates as ``S_0 + K^T U'`` where the
 pseudo-values solve the unit lower-triangular system
 ``(I + tril(diag(beta) K K^T, -1)) U' = diag(beta) (V - K S_0)``.
+
+The gated delta rule (Yang, Kautz and Hatamizadeh 2025, "Gated Delta Networks: Improving
+Mamba2 with Delta Rule") decays the memory before each write, ``S_t = a_t (I - beta_t k_t
+k_t^T) S_{t-1} + beta_t k_t v_t^T`` with ``a_t = exp(ld_t)``. Within a chunk with cumulative
+log-decays ``b`` (``gamma_t = exp(b_t)``) the state is ``gamma_t S_0 + sum_{j<=t}
+exp(b_t - b_j) k_j u_j^T`` where ``(I + tril(diag(beta) (Gamma * K K^T), -1)) U =
+diag(beta) V - diag(beta gamma) K S_0`` and ``Gamma_tj = exp(b_t - b_j)``; ``ld = 0`` is the
+plain delta rule. :func:`gated_delta_recurrent` and :func:`gated_delta_chunked` are the two
+forms (both used by ``delta_rule_attention`` and by the Gated DeltaNet mixer).
 """
 
 from __future__ import annotations
@@ -37,38 +46,77 @@ def _features(fm, x, arrays, root_scale, eps):
     return phi / _guard(jnp.sum(phi, axis=-1, keepdims=True), fm.positive, eps)
 
 
-def _recurrent(fq, fk, v, beta):
+def gated_delta_step(s, fq_t, fk_t, v_t, beta_t, ld_t=0.0):
+    """One step of the (gated) delta rule: ``S_t = a_t S_{t-1} + beta_t k_t (v_t - a_t
+    S_{t-1}^T k_t)^T``, ``out_t = fq_t S_t`` with ``a_t = exp(ld_t)``.
+
+    Args:
+      s: ``[M, E]``. fq_t, fk_t: ``[M]``. v_t: ``[E]``. beta_t, ld_t: scalars.
+
+    Returns:
+      ``(out_t [E], S_t)``.
+    """
+    s = jnp.exp(ld_t) * s
+    s = s + (beta_t * fk_t)[:, None] * (v_t - fk_t @ s)[None, :]
+    return fq_t @ s, s
+
+
+def gated_delta_recurrent(fq, fk, v, beta, ld=None):
+    """The (gated) delta rule by a per-step scan.
+
+    Args:
+      fq, fk: ``[L, M]``. v: ``[L, E]``. beta: ``[L]`` write strengths in ``[0, 1]``.
+      ld: ``[L]`` log-decays ``<= 0`` (None: no decay, the delta rule).
+
+    Returns:
+      ``[L, E]``.
+    """
+    ld = jnp.zeros_like(beta) if ld is None else ld
+
     def step(s, x):
-        q_t, k_t, v_t, b_t = x
-        s = s + (b_t * k_t)[:, None] * (v_t - k_t @ s)[None, :]
-        return s, q_t @ s
+        return gated_delta_step(s, *x)[::-1]
 
-    init = jnp.zeros((fk.shape[1], v.shape[1]), fk.dtype)
-    return lax.scan(step, init, (fq, fk, v, beta))[1]
+    init = jnp.zeros((fk.shape[1], v.shape[1]), jnp.result_type(fk, v))
+    return lax.scan(step, init, (fq, fk, v, beta, ld))[1]
 
 
-def _chunked(fq, fk, v, beta, chunk_size):
+def gated_delta_chunked(fq, fk, v, beta, ld=None, chunk_size: int = 64):
+    """The same recurrence as :func:`gated_delta_recurrent`, chunkwise: a unit lower-triangular
+    solve per chunk (the WY form, see the module docstring) and a scan over chunks.
+
+    Args: as :func:`gated_delta_recurrent`; chunk_size: positions per chunk (padding writes
+    nothing and does not decay). Returns ``[L, E]``.
+    """
     length, dv = v.shape
+    ld = jnp.zeros_like(beta) if ld is None else ld
     c = min(chunk_size, length)
     n = -(-length // c)
-    fq, fk, v, beta = (pad_to(x, n * c) for x in (fq, fk, v, beta))
+    fq, fk, v, beta, ld = (pad_to(x, n * c) for x in (fq, fk, v, beta, ld))
     fq, fk, v = (x.reshape(n, c, x.shape[-1]) for x in (fq, fk, v))
     beta = beta.reshape(n, c, 1)
+    b = jnp.cumsum(ld.reshape(n, c), axis=1)  # within-chunk cumulative log-decays, <= 0
+    causal = jnp.tril(jnp.ones((c, c), bool))
+    # exp(b_t - b_j) for j <= t only: the inner where keeps exp off the positive differences.
+    diff = b[:, :, None] - b[:, None, :]
+    gamma = jnp.where(causal, jnp.exp(jnp.where(causal, diff, 0.0)), 0.0)
     eye = jnp.eye(c, dtype=fk.dtype)
-    system = eye + jnp.tril(beta * jnp.einsum("ncm,ndm->ncd", fk, fk), -1)
-    uw = solve_triangular(system, jnp.concatenate([beta * v, beta * fk], -1), lower=True,
-                          unit_diagonal=True)
+    system = eye + jnp.tril(beta * gamma * jnp.einsum("ncm,ndm->ncd", fk, fk), -1)
+    uw = solve_triangular(system, jnp.concatenate(
+        [beta * v, beta * jnp.exp(b)[..., None] * fk], -1), lower=True, unit_diagonal=True)
     u, w = uw[..., :dv], uw[..., dv:]
-    scores = jnp.tril(jnp.einsum("ncm,ndm->ncd", fq, fk))
+    scores = gamma * jnp.einsum("ncm,ndm->ncd", fq, fk)
+    qg = fq * jnp.exp(b)[..., None]
+    kg = fk * jnp.exp(b[:, -1:] - b)[..., None]
+    total = jnp.exp(b[:, -1])
 
     @functools.partial(jax.checkpoint, prevent_cse=False)
     def chunk(s, x):
-        q_n, k_n, u_n, w_n, p_n = x
+        q_n, k_n, u_n, w_n, p_n, t_n = x
         pseudo = u_n - w_n @ s
-        return s + k_n.T @ pseudo, q_n @ s + p_n @ pseudo
+        return t_n * s + k_n.T @ pseudo, q_n @ s + p_n @ pseudo
 
-    init = jnp.zeros((fk.shape[-1], dv), fk.dtype)
-    out = lax.scan(chunk, init, (fq, fk, u, w, scores))[1]
+    init = jnp.zeros((fk.shape[-1], dv), jnp.result_type(fk, v))
+    out = lax.scan(chunk, init, (qg, kg, u, w, scores, total))[1]
     return out.reshape(n * c, dv)[:length]
 
 
@@ -130,9 +178,9 @@ def delta_rule_attention(
         fk = jnp.where(kv_mask[:, None], fk, 0.0)
         vf = jnp.where(kv_mask[:, None], vf, 0.0)
     if implementation == "chunked":
-        out = _chunked(fq, fk, vf, beta, chunk_size)
+        out = gated_delta_chunked(fq, fk, vf, beta, chunk_size=chunk_size)
     else:
-        out = _recurrent(fq, fk, vf, beta)
+        out = gated_delta_recurrent(fq, fk, vf, beta)
     return out.astype(x.q.dtype)
 
 

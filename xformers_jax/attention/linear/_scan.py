@@ -5,15 +5,22 @@ stabiliser) reduces to one decayed prefix sum (survey L 4.2 Eq 16, L 4.2.2, T1 3
 
     S_t = exp(ld_t) S_{t-1} + fk_t v_t^T        out_t = fq_t S_t
 
-with ``fq, fk: [L, M]``, ``v: [L, E]`` and log-decays ``ld: [L] <= 0`` (0 means no decay). The
-normaliser is the same sum with a column of ones appended to ``v``, so it shares the scan.
+with ``fq, fk: [L, M]``, ``v: [L, E]`` and log-decays ``ld <= 0`` (0 means no decay): ``[L]``,
+one decay per step, or ``[L, M]``, one per step and key feature (``S_t = diag(exp(ld_t)) S_{t-1}
++ ...``; the data-dependent gates of GLA, Yang et al. 2024). The normaliser is the same sum with
+a column of ones appended to ``v``, so it shares the scan. The gated linear recurrences of
+:mod:`xformers_jax.mixers` (RetNet, GLA, Mamba-2's SSD) are this recurrence with their own
+``fq, fk, v, ld``.
 
 - :func:`causal_recurrent`: a ``lax.scan`` over positions with an ``[M, E]`` state. Its custom
   VJP is two scans (recompute the states forwards, accumulate the state cotangent backwards);
   no state is ever recovered by subtracting, so there is no drift over long sequences.
 - :func:`causal_chunked`: chunks of ``c`` positions; a masked ``c x c`` matmul inside a chunk
   and the state carried across chunks by a scan, so memory is ``O(L (M + E) + (L/c) M E)``.
-  The intra-chunk part is rematerialised in the backward pass.
+  The intra-chunk part is rematerialised in the backward pass. With per-feature decays the
+  intra-chunk scores are ``sum_m fq_tm fk_jm exp(b_tm - b_jm)``: a ``[c, c, M]`` product.
+- :func:`causal_parallel`: the whole sequence as one chunk (quadratic; RetNet's parallel form).
+- :func:`causal_step`: one step of the recurrence, for O(1) decoding.
 
 Decays are applied as differences of within-chunk cumulative log-decays, which are <= 0 for
 every pair that is used, so nothing overflows however strong the decay.
@@ -30,12 +37,31 @@ from jax import lax
 from ...kernels._tiles import pad_to
 
 
+def _decay(ld_t):
+    """``exp(ld_t)`` shaped to scale an ``[M, E]`` state: a scalar, or ``[M, 1]``."""
+    d = jnp.exp(ld_t)
+    return d if d.ndim == 0 else d[:, None]
+
+
+def causal_step(s, fq_t, fk_t, v_t, ld_t):
+    """One step ``S_t = exp(ld_t) S_{t-1} + fk_t v_t^T``, ``out_t = fq_t S_t``.
+
+    Args:
+      s: ``[M, E]`` state. fq_t, fk_t: ``[M]``. v_t: ``[E]``. ld_t: scalar or ``[M]``.
+
+    Returns:
+      ``(out_t [E], S_t)``.
+    """
+    s = _decay(ld_t) * s + fk_t[:, None] * v_t[None, :]
+    return fq_t @ s, s
+
+
 def _scan_states(fk, v, ld, dout):
     """Recomputes the states forwards, emitting ``S_t dout_t`` (= dL/dfq_t) for each t."""
 
     def step(s, x):
         k_t, v_t, ld_t, do_t = x
-        s = jnp.exp(ld_t) * s + k_t[:, None] * v_t[None, :]
+        s = _decay(ld_t) * s + k_t[:, None] * v_t[None, :]
         return s, s @ do_t
 
     init = jnp.zeros((fk.shape[1], v.shape[1]), fk.dtype)
@@ -50,7 +76,8 @@ def causal_recurrent(fq, fk, v, ld):
       fq: ``[L, M]`` query features.
       fk: ``[L, M]`` key features.
       v: ``[L, E]`` values.
-      ld: ``[L]`` log-decays (``<= 0``), applied to the state before position t is added.
+      ld: ``[L]`` or ``[L, M]`` log-decays (``<= 0``), applied to the state (or to its rows,
+        one per key feature) before position t is added.
 
     Returns:
       ``[L, E]``.
@@ -58,8 +85,7 @@ def causal_recurrent(fq, fk, v, ld):
 
     def step(s, x):
         q_t, k_t, v_t, ld_t = x
-        s = jnp.exp(ld_t) * s + k_t[:, None] * v_t[None, :]
-        return s, q_t @ s
+        return causal_step(s, q_t, k_t, v_t, ld_t)[::-1]
 
     init = jnp.zeros((fk.shape[1], v.shape[1]), fk.dtype)
     return lax.scan(step, init, (fq, fk, v, ld))[1]
@@ -75,20 +101,23 @@ def _recurrent_bwd(res, dout):
     dfq = _scan_states(fk, v, ld, dout)
 
     # Scan 2 (backwards): G_t = dL/dS_t = fq_t dout_t^T + exp(ld_{t+1}) G_{t+1}.
-    ld_next = jnp.concatenate([ld[1:], jnp.zeros((1,), ld.dtype)])
+    ld_next = jnp.concatenate([ld[1:], jnp.zeros_like(ld[:1])])
 
     def back(g, x):
         q_t, do_t, ld_n, k_t, v_t = x
-        g = jnp.exp(ld_n) * g + q_t[:, None] * do_t[None, :]
+        g = _decay(ld_n) * g + q_t[:, None] * do_t[None, :]
         return g, (g @ v_t, k_t @ g)
 
     init = jnp.zeros((fq.shape[1], dout.shape[1]), fq.dtype)
     dfk, dv = lax.scan(back, init, (fq, dout, ld_next, fk, v), reverse=True)[1]
     # out_i = sum_{j<=i} exp(C_i - C_j) (fq_i . fk_j) v_j with C = cumsum(ld): C enters as a
     # rescaling of fq_i by exp(C_i) and of fk_j by exp(-C_j), so dL/dC_t = fq_t.dfq_t -
-    # fk_t.dfk_t, and dL/dld_s is the sum of dL/dC_t over t >= s.
-    dc = jnp.sum(fq * dfq, -1) - jnp.sum(fk * dfk, -1)
-    dld = jnp.cumsum(dc[::-1])[::-1]
+    # fk_t.dfk_t, and dL/dld_s is the sum of dL/dC_t over t >= s (per feature for [L, M]
+    # decays, where C_t rescales feature m of fq_t and fk_t alone).
+    dc = fq * dfq - fk * dfk
+    if ld.ndim == 1:
+        dc = jnp.sum(dc, -1)
+    dld = jnp.cumsum(dc[::-1], axis=0)[::-1]
     return dfq, dfk, dv, dld
 
 
@@ -97,14 +126,20 @@ causal_recurrent.defvjp(_recurrent_fwd, _recurrent_bwd)
 
 @functools.partial(jax.checkpoint, prevent_cse=False)
 def _intra_chunk(fq, fk, v, b):
-    """Within-chunk outputs: ``sum_{j<=t} exp(b_t - b_j) (fq_t . fk_j) v_j`` per chunk."""
+    """Within-chunk outputs: ``sum_{j<=t} exp(b_t - b_j) (fq_t . fk_j) v_j`` per chunk
+    (``b: [n, c]``), or ``sum_{j<=t} sum_m fq_tm fk_jm exp(b_tm - b_jm) v_j`` (``b: [n, c, M]``)."""
     c = fq.shape[1]
     causal = jnp.tril(jnp.ones((c, c), bool))
+    if b.ndim == 3:
+        causal = causal[..., None]
     diff = b[:, :, None] - b[:, None, :]
     # The inner where keeps exp off the (positive) differences above the diagonal, whose
     # overflow would turn the masked-out gradient into NaN.
     decay = jnp.where(causal, jnp.exp(jnp.where(causal, diff, 0.0)), 0.0)
-    scores = jnp.einsum("ncm,ndm->ncd", fq, fk) * decay
+    if b.ndim == 3:
+        scores = jnp.einsum("ncm,ndm,ncdm->ncd", fq, fk, decay)
+    else:
+        scores = jnp.einsum("ncm,ndm->ncd", fq, fk) * decay
     return jnp.einsum("ncd,nde->nce", scores, v)
 
 
@@ -118,15 +153,17 @@ GROUP_POSITIONS = 2048
 def _chunks(fq, fk, v, b, s0):
     """Chunkwise form over ``n`` chunks starting from the state ``s0``: (out, final state)."""
     total = b[:, -1]
+    # Per-step decays broadcast over the features; per-feature ones already have that axis.
+    feat = (lambda a: a[..., None]) if b.ndim == 2 else (lambda a: a)
     # Each chunk's addition to the state at its end, then the states at chunk starts.
-    kv = jnp.einsum("ncm,nce->nme", fk * jnp.exp(total[:, None] - b)[..., None], v)
+    kv = jnp.einsum("ncm,nce->nme", fk * feat(jnp.exp(total[:, None] - b)), v)
 
     def carry(s, x):
         total_n, kv_n = x
-        return jnp.exp(total_n) * s + kv_n, s
+        return _decay(total_n) * s + kv_n, s
 
     s_end, starts = lax.scan(carry, s0, (total, kv))
-    inter = jnp.einsum("ncm,nme->nce", fq * jnp.exp(b)[..., None], starts)
+    inter = jnp.einsum("ncm,nme->nce", fq * feat(jnp.exp(b)), starts)
     return inter + _intra_chunk(fq, fk, v, b), s_end
 
 
@@ -140,7 +177,8 @@ def causal_chunked(fq, fk, v, ld, chunk_size: int, group_positions: int = GROUP_
     linear in L on CPUs.
 
     Args:
-      fq: ``[L, M]``, fk: ``[L, M]``, v: ``[L, E]``, ld: ``[L]`` as in :func:`causal_recurrent`.
+      fq: ``[L, M]``, fk: ``[L, M]``, v: ``[L, E]``, ld: ``[L]`` or ``[L, M]`` as in
+        :func:`causal_recurrent`.
       chunk_size: positions per chunk (padded internally; padding adds nothing to the state).
       group_positions: positions per group (rounded to whole chunks).
 
@@ -155,7 +193,7 @@ def causal_chunked(fq, fk, v, ld, chunk_size: int, group_positions: int = GROUP_
     n = groups * per_group
     fq, fk, v, ld = (pad_to(x, n * c) for x in (fq, fk, v, ld))
     fq, fk, v = (x.reshape(groups, per_group, c, x.shape[-1]) for x in (fq, fk, v))
-    b = jnp.cumsum(ld.reshape(groups, per_group, c), axis=2)  # within-chunk, <= 0
+    b = jnp.cumsum(ld.reshape(groups, per_group, c, *ld.shape[1:]), axis=2)  # within-chunk
     s0 = jnp.zeros((fk.shape[-1], v.shape[-1]), jnp.result_type(fk, v))
 
     @functools.partial(jax.checkpoint, prevent_cse=False)
@@ -168,3 +206,15 @@ def causal_chunked(fq, fk, v, ld, chunk_size: int, group_positions: int = GROUP_
     else:
         out = lax.scan(group, s0, (fq, fk, v, b))[1]
     return out.reshape(n * c, -1)[:length]
+
+
+def causal_parallel(fq, fk, v, ld):
+    """The same recurrence in its parallel (quadratic) form: one chunk of length ``L``,
+    ``out = (fq fk^T * D) v`` with ``D_tj = exp(sum_{j<s<=t} ld_s)`` for ``j <= t`` (RetNet's
+    parallel retention, Sun et al. 2023, when ``ld`` is a constant ``log gamma``).
+
+    Args and returns: as :func:`causal_recurrent`. Time ``O(L^2 M)``, memory ``O(L^2)``
+    (``O(L^2 M)`` with per-feature decays).
+    """
+    b = jnp.cumsum(ld, axis=0)
+    return _intra_chunk(fq[None], fk[None], v[None], b[None])[0]
