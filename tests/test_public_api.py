@@ -33,6 +33,14 @@ ATTENTION_NAMES = {
     "ring_attention", "routing_attention", "sequence_parallel_linear_attention",
     "sinkhorn_attention", "sparsemax", "synthesizer_attention",
     "token_learner", "topk_attention",
+    # Attention with priors and multi-head variants.
+    "AverageGate", "AverageState", "Disagreement", "attention_weights", "average_attention",
+    "average_attention_init_state", "average_attention_step", "collaborative_attention",
+    "collaborative_mixing_from_heads", "disagreement", "distance_prior_attention",
+    "gaussian_prior_attention", "hardcoded_gaussian_attention", "init_average_gate",
+    "init_gaussian_window", "init_predictive_conv", "lazy_attention", "multiscale_attention",
+    "multiscale_patterns", "predict_gaussian_window", "predictive_attention", "predictive_conv",
+    "realformer_attention", "realformer_flash_attention", "talking_heads_attention",
 }
 PATTERN_NAMES = {
     "BPTree", "BigBird", "BlockBERT", "BlockLayout", "BlockLocal", "Cascade", "Causal", "Dilated",
@@ -40,7 +48,7 @@ PATTERN_NAMES = {
     "KeyPadding", "Local", "LogSparse", "Longformer", "PARTIAL", "Pattern", "PerHead", "Random",
     "Segments", "Star", "Strided", "Union",
 }
-FAMILIES = ("sparse", "linear", "lowrank", "learned")
+FAMILIES = ("sparse", "linear", "lowrank", "learned", "priors")
 
 
 def _public(module):

@@ -14,7 +14,7 @@ from typing import Any, Callable, Mapping
 
 # The decoding modes a kind can declare (``None``: it cannot decode step by step).
 DECODING = ("kv", "window", "recurrent")
-FAMILIES = ("exact", "sparse", "linear", "lowrank", "learned")
+FAMILIES = ("exact", "sparse", "linear", "lowrank", "learned", "priors", "mixers")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,7 +91,7 @@ class Kind:
 
 
 _FAMILY_MODULES = ("._kinds", ".sparse._kinds", ".linear._kinds", ".lowrank._kinds",
-                   ".learned._kinds")
+                   ".learned._kinds", ".priors._kinds")
 
 
 def all_kinds() -> tuple[Kind, ...]:

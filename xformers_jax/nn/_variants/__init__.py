@@ -10,6 +10,7 @@ from . import _exact as _exact
 from . import _learned as _learned
 from . import _linear as _linear
 from . import _lowrank as _lowrank
+from . import _priors as _priors
 from . import _sparse as _sparse
 from ._learned import RoutingCentroids as RoutingCentroids
 from ._learned import routing_commitment_loss as routing_commitment_loss
