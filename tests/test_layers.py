@@ -16,7 +16,7 @@ LAYERS = (
     ("xformers_jax.axes",),
     ("xformers_jax.kernels",),
     ("pallas_kernels",),
-    ("xformers_jax.attention", "xformers_jax.experts"),
+    ("xformers_jax.attention", "xformers_jax.experts", "xformers_jax.mixers"),
     ("xformers_jax.data",),
     ("xformers_jax.nn",),
     ("xformers_jax.parallel",),

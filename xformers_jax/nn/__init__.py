@@ -47,6 +47,14 @@ from ._precision import Policy as Policy
 from . import _variants  # noqa: F401  (registers every attention family)
 from ._variants import RoutingCentroids as RoutingCentroids
 from ._variants import routing_commitment_loss as routing_commitment_loss
+from ._mixer import MixerModule as MixerModule
+from ._mixer import MixerSpec as MixerSpec
+from ._mixer import MixerVariant as MixerVariant
+from ._mixer import SSM_PARAMETERS as SSM_PARAMETERS
+from ._mixer import get_mixer as get_mixer
+from ._mixer import register_mixer as register_mixer
+from ._mixer import registered_mixers as registered_mixers
+from ._mixer import ssm_parameters as ssm_parameters
 from ._registry import AttentionSpec as AttentionSpec
 from ._registry import KVDecoding as KVDecoding
 from ._registry import RecurrentDecoding as RecurrentDecoding

@@ -23,6 +23,7 @@ from .. import axes as X
 from ..axes import constrain
 from ._attention import MultiHeadAttention
 from ._ffn import FeedForward
+from ._mixer import MixerSpec, make_mixer
 from ._norms import StatefulNorm, make_norm
 from ._positions import PositionScheme
 from ._registry import AttentionSpec
@@ -40,6 +41,9 @@ class TransformerBlock(eqx.Module):
       norm: ``"layer"``, ``"rms"``, ``"scaled_l2"``, ``"ada"`` or ``"power"``.
       activation, chunk_size: of the :class:`FeedForward`. num_kv_heads: GQA/MQA.
       position: a ``"qk"`` or ``"bias"`` position scheme for self attention.
+      mixer: a :class:`~xformers_jax.nn.MixerSpec` (S4D, Mamba, RetNet, FNet, gMLP, ...; see
+        :mod:`xformers_jax.mixers`): the token mixer replaces the self-attention sublayer
+        (``spec``, ``num_kv_heads`` and ``position`` then do not apply; ``attn`` holds it).
       key: PRNG key.
     """
 
@@ -55,14 +59,20 @@ class TransformerBlock(eqx.Module):
                  cross: bool = False, placement: str = "pre", norm: str = "layer",
                  activation: str = "gelu", chunk_size: int | None = None,
                  num_kv_heads: int | None = None, position: PositionScheme | None = None,
-                 max_len: int = 512, key):
+                 max_len: int = 512, mixer: MixerSpec | None = None, key):
         if placement not in PLACEMENTS:
             raise ValueError(f"TransformerBlock: placement must be one of {PLACEMENTS}, got "
                              f"{placement!r}")
         ka, kc, kf = jax.random.split(key, 3)
-        self.attn = MultiHeadAttention(dim, num_heads, spec=spec, causal=causal,
-                                       num_kv_heads=num_kv_heads, position=position,
-                                       max_len=max_len, key=ka)
+        if mixer is not None:
+            if spec != AttentionSpec() or position is not None or num_kv_heads is not None:
+                raise ValueError("TransformerBlock: a mixer replaces the self-attention "
+                                 "sublayer; do not also give spec, position or num_kv_heads")
+            self.attn = make_mixer(mixer, dim, num_heads, causal=causal, max_len=max_len, key=ka)
+        else:
+            self.attn = MultiHeadAttention(dim, num_heads, spec=spec, causal=causal,
+                                           num_kv_heads=num_kv_heads, position=position,
+                                           max_len=max_len, key=ka)
         self.cross = MultiHeadAttention(dim, num_heads, key=kc) if cross else None
         self.ffn = FeedForward(dim, hidden, activation, chunk_size=chunk_size, key=kf)
         n = 3 if cross else 2

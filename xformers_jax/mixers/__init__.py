@@ -1,0 +1,26 @@
+"""Token mixers that are not attention: gated linear recurrences on the one chunked causal
+scan (RetNet, GLA, Mamba-2's SSD, Gated DeltaNet), diagonal state space models (S4D, S5,
+Mamba's selective scan) and the MLP / Fourier / pooling / lambda mixers. One-sequence
+functions; the Equinox modules and the mixer registry are in :mod:`xformers_jax.nn`
+(``MixerSpec``), the metadata in ``_kinds.KINDS``.
+"""
+
+from ._mixing import fourier_mixing as fourier_mixing
+from ._mixing import lambda_mixing as lambda_mixing
+from ._mixing import pool_mixing as pool_mixing
+from ._mixing import spatial_gating as spatial_gating
+from ._mixing import token_mixing_mlp as token_mixing_mlp
+from ._recurrences import gated_delta as gated_delta
+from ._recurrences import gla as gla
+from ._recurrences import linear_recurrence as linear_recurrence
+from ._recurrences import retention as retention
+from ._recurrences import ssd as ssd
+from ._ssm import causal_convolve as causal_convolve
+from ._ssm import s4d as s4d
+from ._ssm import s4d_kernel as s4d_kernel
+from ._ssm import s4d_step as s4d_step
+from ._ssm import s5 as s5
+from ._ssm import s5_step as s5_step
+from ._ssm import selective_scan as selective_scan
+from ._ssm import selective_step as selective_step
+from ._ssm import zoh as zoh

@@ -1,0 +1,77 @@
+"""Metadata of the token mixers (the attention families' :class:`Kind` record, family
+``"mixers"``). ``decoding="recurrent"``: an O(1) state per step; None: cannot decode.
+``fixed_length``: weights sized by ``max_len``. ``causal``: a causal form exists."""
+
+from __future__ import annotations
+
+from ..attention._kind import Kind, Paper
+from ._mixing import (fourier_mixing, lambda_mixing, pool_mixing, spatial_gating,
+                      token_mixing_mlp)
+from ._recurrences import gated_delta, gla, retention, ssd
+from ._ssm import s4d, s5, selective_scan
+
+_CHUNK = {"chunk_size": 8}
+
+KINDS = (
+    Kind("retnet", retention, "mixers",
+         Paper("Sun et al.", 2023, "Retentive Network: A Successor to Transformer for Large "
+               "Language Models"),
+         time="O(L c D + L D^2)", memory="O(L D + (L/c) D^2)", causal=True,
+         decoding="recurrent", test_hyperparameters=_CHUNK),
+    Kind("gla", gla, "mixers",
+         Paper("Yang et al.", 2024, "Gated Linear Attention Transformers with "
+               "Hardware-Efficient Training"),
+         time="O(L c D_k + L D^2)", memory="O(L D + (L/c) D^2 + c^2 D_k)", causal=True,
+         decoding="recurrent", test_hyperparameters=_CHUNK),
+    Kind("mamba2", ssd, "mixers",
+         Paper("Dao and Gu", 2024, "Transformers are SSMs: Generalized Models and Efficient "
+               "Algorithms Through Structured State Space Duality"),
+         time="O(L c N + L N P)", memory="O(L D + (L/c) N D)", causal=True,
+         decoding="recurrent", test_hyperparameters={**_CHUNK, "state_size": 8}),
+    Kind("mamba", selective_scan, "mixers",
+         Paper("Gu and Dao", 2023, "Mamba: Linear-Time Sequence Modeling with Selective State "
+               "Spaces"),
+         time="O(L D N)", memory="O(L D + G D N)", causal=True, decoding="recurrent",
+         test_hyperparameters={"state_size": 4}),
+    Kind("gated_deltanet", gated_delta, "mixers",
+         Paper("Yang, Kautz and Hatamizadeh", 2025, "Gated Delta Networks: Improving Mamba2 "
+               "with Delta Rule"),
+         time="O(L c D + L D^2)", memory="O(L D + (L/c) D^2)", causal=True,
+         decoding="recurrent", test_hyperparameters=_CHUNK),
+    Kind("s4d", s4d, "mixers",
+         Paper("Gu, Gupta, Goel and Re", 2022, "On the Parameterization and Initialization of "
+               "Diagonal State Space Models"),
+         time="O(H N L + H L log L)", memory="O(H N L)", causal=True, decoding="recurrent",
+         test_hyperparameters={"state_size": 8}),
+    Kind("s5", s5, "mixers",
+         Paper("Smith, Warrington and Linderman", 2023, "Simplified State Space Layers for "
+               "Sequence Modeling"),
+         time="O(L P H)", memory="O(L P)", causal=True, decoding="recurrent",
+         test_hyperparameters={"state_size": 8}),
+    Kind("mlp_mixer", token_mixing_mlp, "mixers",
+         Paper("Tolstikhin et al.", 2021, "MLP-Mixer: An all-MLP Architecture for Vision"),
+         time="O(L T D)", memory="O(L D + T L)", causal=False, fixed_length=True,
+         test_hyperparameters={"token_hidden": 8}),
+    Kind("gmlp", spatial_gating, "mixers",
+         Paper("Liu, Dai, So and Le", 2021, "Pay Attention to MLPs"),
+         time="O(L^2 E)", memory="O(L^2 + L E)", causal=True, fixed_length=True,
+         test_hyperparameters={"expansion": 2}),
+    Kind("amlp", spatial_gating, "mixers",
+         Paper("Liu, Dai, So and Le", 2021, "Pay Attention to MLPs (aMLP: gMLP with a tiny "
+               "single-head attention)"),
+         time="O(L^2 (E + d_attn))", memory="O(L^2 + L E)", causal=True, fixed_length=True,
+         test_hyperparameters={"expansion": 2, "attention_dim": 8}),
+    Kind("fnet", fourier_mixing, "mixers",
+         Paper("Lee-Thorp, Ainslie, Eckstein and Ontanon", 2022, "FNet: Mixing Tokens with "
+               "Fourier Transforms"),
+         time="O(L D log(L D))", memory="O(L D)", causal=False, fixed_length=True),
+    Kind("poolformer", pool_mixing, "mixers",
+         Paper("Yu et al.", 2022, "MetaFormer Is Actually What You Need for Vision"),
+         time="O(L D p)", memory="O(L D)", causal=False,
+         test_hyperparameters={"pool_size": 3}),
+    Kind("lambda", lambda_mixing, "mixers",
+         Paper("Bello", 2021, "LambdaNetworks: Modeling Long-Range Interactions Without "
+               "Attention"),
+         time="O(L^2 K V) global, O(L r K V) local", memory="O(L^2 K) global", causal=False,
+         fixed_length=True, test_hyperparameters={"key_dim": 4}),
+)

@@ -1,0 +1,250 @@
+"""Diagonal state space models: S4D (convolution kernel), S5 (MIMO, associative scan) and
+Mamba's selective scan.
+
+- S4D (Gu, Gupta, Goel and Re 2022, "On the Parameterization and Initialization of Diagonal
+  State Space Models"): per channel, ``x'(t) = A x(t) + B u(t)``, ``y = C x + D u`` with
+  diagonal complex ``A`` (N/2 conjugate pairs), discretised by zero-order hold,
+  ``dA = exp(dt A)``, ``dB = (dA - 1) / A * B``. The output is a causal convolution with the
+  Vandermonde kernel ``K_l = 2 Re(sum_n C_n dB_n dA_n^l)``, computed by FFT for training, or
+  the recurrence ``x_t = dA x_{t-1} + dB u_t``, ``y_t = 2 Re(C x_t)`` for decoding.
+- S5 (Smith, Warrington and Linderman 2023, "Simplified State Space Layers for Sequence
+  Modeling"): one multi-input multi-output diagonal system ``x_t = dLambda x_{t-1} + dB u_t``,
+  ``y_t = Re(C x_t) + D u_t`` over all channels, computed by ``jax.lax.associative_scan``.
+- Mamba (Gu and Dao 2023, "Mamba: Linear-Time Sequence Modeling with Selective State Spaces",
+  Algorithm 2): per channel ``d`` and state ``n``, ``h_t = exp(dt_td A_dn) h_{t-1} + dt_td
+  B_tn x_td``, ``y_td = sum_n C_tn h_tdn`` with input-dependent ``dt, B, C``, by an associative
+  scan over groups of positions.
+
+Bidirectional forms (for classification) add a second system run from the end
+(``reverse=True`` runs one system backwards). ``kv_mask`` makes padded positions neither
+write nor decay, so padding content and amount change no real output.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from ..kernels._tiles import pad_to
+
+SSM_FORMS = ("fft", "recurrent")
+SCAN_FORMS = ("associative", "sequential")
+
+
+def _check_form(name, implementation, forms):
+    if implementation not in forms:
+        raise ValueError(f"{name}: implementation must be one of {forms}, got "
+                         f"{implementation!r}")
+
+
+def _masked_input(name, u, kv_mask):
+    if kv_mask is None:
+        return u
+    if kv_mask.shape != u.shape[:1]:
+        raise ValueError(f"{name}: kv_mask must be bool[{u.shape[0]}], got shape "
+                         f"{kv_mask.shape}")
+    return jnp.where(kv_mask[:, None], u, 0)
+
+
+def zoh(dt, a, b):
+    """Zero-order hold: ``(exp(dt a), (exp(dt a) - 1) / a * b)`` (elementwise, complex ok)."""
+    da = jnp.exp(dt * a)
+    return da, (da - 1) / a * b
+
+
+def s4d_kernel(dt, a, b, c, length: int):
+    """The S4D convolution kernel ``K[h, l] = 2 Re(sum_n C_hn dB_hn dA_hn^l)``.
+
+    Args:
+      dt: ``[H]`` step sizes. a: ``[H, N]`` complex (``Re a < 0``). b, c: ``[H, N]`` complex.
+      length: ``L``.
+
+    Returns:
+      ``[H, L]`` float32 (the Vandermonde product, ``O(H N L)``).
+    """
+    da, db = zoh(dt[:, None], a, b)
+    powers = jnp.exp(dt[:, None, None] * a[..., None] * jnp.arange(length))  # [H, N, L]
+    return 2 * jnp.einsum("hn,hnl->hl", c * db, powers).real
+
+
+def causal_convolve(u, kernel):
+    """``y[t, h] = sum_{s <= t} kernel[h, t - s] u[s, h]`` by FFT (zero-padded to ``2L``, so
+    the convolution is linear, not circular). u: ``[L, H]``; kernel: ``[H, L]``."""
+    length = u.shape[0]
+    n = 2 * length
+    uf = jnp.fft.rfft(u.astype(jnp.float32), n=n, axis=0)
+    kf = jnp.fft.rfft(kernel.T, n=n, axis=0)
+    return jnp.fft.irfft(uf * kf, n=n, axis=0)[:length]
+
+
+def s4d(u, dt, a, b, c, d, *, c_reverse=None, kv_mask=None, implementation: str = "fft"):
+    """S4D over one sequence: ``y = K * u + D u`` (plus ``flip(K' * flip(u))`` when
+    ``c_reverse`` gives the backward system's output matrix: the bidirectional form).
+
+    Args:
+      u: ``[L, H]``. dt: ``[H]``. a, b, c: ``[H, N]`` complex. d: ``[H]``.
+      c_reverse: ``[H, N]`` complex or None (causal).
+      kv_mask: ``bool[L]`` or None: padded inputs are zeroed.
+      implementation: ``"fft"`` (kernel and FFT convolution) or ``"recurrent"`` (a scan over
+        positions with a complex ``[H, N]`` state).
+
+    Returns:
+      ``[L, H]`` float32.
+    """
+    name = "s4d"
+    _check_form(name, implementation, SSM_FORMS)
+    if u.ndim != 2 or a.shape != (u.shape[1], a.shape[-1]) or dt.shape != u.shape[1:]:
+        raise ValueError(f"s4d: u must be [L, H] with dt [H] and a, b, c [H, N], got u "
+                         f"{u.shape}, dt {dt.shape}, a {a.shape}")
+    u = _masked_input(name, u, kv_mask).astype(jnp.float32)
+
+    def one_way(u, c):
+        if implementation == "fft":
+            return causal_convolve(u, s4d_kernel(dt, a, b, c, u.shape[0]))
+        da, db = zoh(dt[:, None], a, b)
+
+        def step(x, u_t):
+            x = da * x + db * u_t[:, None]
+            return x, 2 * jnp.sum(c * x, -1).real
+
+        return lax.scan(step, jnp.zeros(a.shape, jnp.complex64), u)[1]
+
+    y = one_way(u, c)
+    if c_reverse is not None:
+        y = y + one_way(u[::-1], c_reverse)[::-1]
+    return y + d * u
+
+
+def s4d_step(x, u_t, dt, a, b, c, d):
+    """One decoding step of causal S4D: state ``x [H, N]`` complex, ``u_t [H]`` -> ``(y_t [H],
+    x)``."""
+    da, db = zoh(dt[:, None], a, b)
+    x = da * x + db * u_t[:, None].astype(jnp.float32)
+    return 2 * jnp.sum(c * x, -1).real + d * u_t, x
+
+
+def _linear_scan(a, bx, implementation, reverse=False):
+    """``x_t = a_t x_{t-1} + bx_t`` along axis 0 (associative scan or a sequential loop)."""
+    if implementation == "associative":
+        def combine(left, right):
+            a1, b1 = left
+            a2, b2 = right
+            return a1 * a2, a2 * b1 + b2
+
+        return lax.associative_scan(combine, (a, bx), reverse=reverse)[1]
+
+    def step(x, inputs):
+        a_t, b_t = inputs
+        x = a_t * x + b_t
+        return x, x
+
+    return lax.scan(step, jnp.zeros_like(bx[0]), (a, bx), reverse=reverse)[1]
+
+
+def s5(u, lam, dt, b, c, d, *, c_reverse=None, kv_mask=None,
+       implementation: str = "associative"):
+    """S5 over one sequence: ``x_t = dLambda x_{t-1} + dB u_t``, ``y_t = Re(C x_t) + D u_t``.
+
+    Args:
+      u: ``[L, H]``. lam: ``[P]`` complex (``Re < 0``). dt: ``[P]``. b: ``[P, H]`` complex.
+      c: ``[H, P]`` complex. d: ``[H]``. c_reverse: ``[H, P]`` or None: adds
+        ``Re(C' x'_t)`` of the same system run backwards (bidirectional S5).
+      kv_mask: ``bool[L]``: padded steps neither write nor decay.
+      implementation: ``"associative"`` (``lax.associative_scan``) or ``"sequential"``.
+
+    Returns:
+      ``[L, H]`` float32.
+    """
+    name = "s5"
+    _check_form(name, implementation, SCAN_FORMS)
+    if u.ndim != 2 or b.shape != (lam.shape[0], u.shape[1]) or c.shape != b.shape[::-1]:
+        raise ValueError(f"s5: u must be [L, H] with lam [P], b [P, H], c [H, P]; got u "
+                         f"{u.shape}, lam {lam.shape}, b {b.shape}, c {c.shape}")
+    u = _masked_input(name, u, kv_mask).astype(jnp.float32)
+    da, db = zoh(dt, lam, b.T)  # [P], [H, P]
+    bu = u.astype(jnp.complex64) @ db  # [L, P]
+    a = jnp.broadcast_to(da, bu.shape)
+    if kv_mask is not None:
+        a = jnp.where(kv_mask[:, None], a, 1)
+    y = (_linear_scan(a, bu, implementation) @ c.T).real
+    if c_reverse is not None:
+        y = y + (_linear_scan(a, bu, implementation, reverse=True) @ c_reverse.T).real
+    return y + d * u
+
+
+def s5_step(x, u_t, lam, dt, b, c, d):
+    """One decoding step of causal S5: state ``x [P]`` complex, ``u_t [H]``."""
+    da, db = zoh(dt, lam, b.T)
+    x = da * x + u_t.astype(jnp.complex64) @ db
+    return (c @ x).real + d * u_t, x
+
+
+# Positions per group of the selective scan: each group's [G, D, N] scan elements are built,
+# scanned and contracted with C inside one rematerialised step, so memory is O(L D + (L/G) D N
+# + G D N) rather than O(L D N).
+SELECTIVE_GROUP = 1024
+
+
+def selective_scan(x, delta, a, b, c, *, kv_mask=None, implementation: str = "associative",
+                   group_positions: int = SELECTIVE_GROUP, reverse: bool = False):
+    """Mamba's selective scan of one sequence (Gu and Dao 2023, Algorithm 2, without ``D x``).
+
+    Args:
+      x: ``[L, D]``. delta: ``[L, D]`` step sizes ``> 0``. a: ``[D, N]`` (``< 0``).
+      b, c: ``[L, N]``. kv_mask: ``bool[L]``: padded steps neither write nor decay.
+      implementation: ``"associative"`` (``lax.associative_scan`` within groups of
+        ``group_positions``, a scan carrying the state across groups) or ``"sequential"``
+        (a loop over positions: the reference).
+      reverse: run from the last position to the first (the bidirectional form's second
+        direction).
+
+    Returns:
+      ``[L, D]`` float32.
+    """
+    name = "selective_scan"
+    _check_form(name, implementation, SCAN_FORMS)
+    length, dim = x.shape
+    if delta.shape != x.shape or a.shape[0] != dim or b.shape != (length, a.shape[1]) or \
+            c.shape != b.shape:
+        raise ValueError(f"selective_scan: need x, delta [L, D], a [D, N], b, c [L, N]; got x "
+                         f"{x.shape}, delta {delta.shape}, a {a.shape}, b {b.shape}, c {c.shape}")
+    x, delta, b, c = (t.astype(jnp.float32) for t in (x, delta, b, c))
+    if kv_mask is not None:
+        x = _masked_input(name, x, kv_mask)
+        delta = jnp.where(kv_mask[:, None], delta, 0)  # exp(0 A) = 1: no decay, no write
+    if reverse:
+        x, delta, b, c = (t[::-1] for t in (x, delta, b, c))
+    if implementation == "sequential":
+        def step(h, inputs):
+            x_t, d_t, b_t, c_t = inputs
+            h = jnp.exp(d_t[:, None] * a) * h + (d_t * x_t)[:, None] * b_t[None, :]
+            return h, h @ c_t
+
+        y = lax.scan(step, jnp.zeros(a.shape, jnp.float32), (x, delta, b, c))[1]
+        return y[::-1] if reverse else y
+
+    g = min(group_positions, length)
+    n = -(-length // g)
+    x, delta, b, c = (pad_to(t, n * g).reshape(n, g, -1) for t in (x, delta, b, c))
+
+    @functools.partial(jax.checkpoint, prevent_cse=False)
+    def group(h0, inputs):
+        x_g, d_g, b_g, c_g = inputs
+        da = jnp.exp(d_g[..., None] * a)  # [G, D, N]
+        bx = (d_g * x_g)[..., None] * b_g[:, None, :]
+        bx = bx.at[0].add(da[0] * h0)
+        h = _linear_scan(da, bx, "associative")
+        return h[-1], jnp.einsum("gdn,gn->gd", h, c_g)
+
+    y = lax.scan(group, jnp.zeros(a.shape, jnp.float32), (x, delta, b, c))[1]
+    y = y.reshape(n * g, dim)[:length]
+    return y[::-1] if reverse else y
+
+
+def selective_step(h, x_t, delta_t, a, b_t, c_t):
+    """One decoding step of the selective scan: ``h [D, N]`` -> ``(y_t [D], h)``."""
+    h = jnp.exp(delta_t[:, None] * a) * h + (delta_t * x_t)[:, None] * b_t[None, :]
+    return h @ c_t, h

@@ -1,0 +1,469 @@
+"""Modules of the gated linear recurrences: RetNet, GLA, Mamba-2, Mamba, Gated DeltaNet.
+
+Each projects ``x [B, L, dim]`` to its per-head arrays, runs the one-sequence function of
+:mod:`xformers_jax.mixers` (vmapped over batch and heads), and decodes with an O(1) state per
+head through the same recurrence's step. Without ``causal`` the recurrence also runs from the
+last position (the bidirectional form; sum of the two directions).
+
+Simplifications, stated: RetNet omits xPos (rotary positions can be added on the embeddings);
+GLA and Gated DeltaNet omit the short convolutions before q/k/v; Mamba and Mamba-2 keep theirs
+(width 4, depthwise, causal), run forwards in the bidirectional form too.
+"""
+
+from __future__ import annotations
+
+import math
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+
+from ... import mixers as M
+from ...attention.linear._delta import gated_delta_step
+from ...attention.linear._scan import causal_step
+from ...mixers._ssm import selective_step
+from ._registry import (MixerModule, both_ways, check_mask, dense, log_uniform, recurrent_cache,
+                        zero_padded)
+
+_RECURRENT_HP = frozenset({"chunk_size", "implementation"})
+
+
+def _heads(x, num_heads):
+    b, length, _ = x.shape
+    return x.reshape(b, length, num_heads, -1)
+
+
+def _per_head(fn, causal, arrays, shared=(), kv_mask=None):
+    """``fn(*one_head_arrays, *shared_arrays, kv_mask)`` vmapped over batch (axis 0) and heads
+    (axis 2 of the ``[B, L, H, ...]`` ``arrays``; the ``[B, L, ...]`` ``shared`` arrays are
+    the same for every head)."""
+    def one(*a_and_m):
+        *a, m = a_and_m
+        return both_ways(fn, a, m, causal)
+
+    n, k = len(arrays), len(shared)
+    head_axes = (1,) * n + (None,) * (k + 1)
+    batch_axes = (0,) * (n + k) + (None if kv_mask is None else 0,)
+    f = jax.vmap(jax.vmap(one, in_axes=head_axes, out_axes=1), in_axes=batch_axes)
+    return f(*arrays, *shared, kv_mask)
+
+
+def _head_norm(o, eps=1e-5):
+    """Per-head normalisation without parameters (RetNet's GroupNorm over each head)."""
+    o = o.astype(jnp.float32)
+    mu = o.mean(-1, keepdims=True)
+    return (o - mu) * jax.lax.rsqrt(((o - mu) ** 2).mean(-1, keepdims=True) + eps)
+
+
+def _rms(o, scale=None, eps=1e-6):
+    o = o.astype(jnp.float32)
+    o = o * jax.lax.rsqrt((o * o).mean(-1, keepdims=True) + eps)
+    return o if scale is None else o * scale
+
+
+class RetNet(MixerModule):
+    """Multi-scale retention (Sun et al. 2023): ``gamma_h = 1 - 2^(-5 - h)`` per head,
+    GroupNorm per head, swish output gate. Hyperparameters: ``chunk_size``,
+    ``implementation`` (``"chunked"``, ``"parallel"``, ``"recurrent"``)."""
+
+    wq: jax.Array
+    wk: jax.Array
+    wv: jax.Array
+    wg: jax.Array
+    wo: jax.Array
+    num_heads: int = eqx.field(static=True)
+    causal: bool = eqx.field(static=True)
+    chunk_size: int = eqx.field(static=True)
+    implementation: str = eqx.field(static=True)
+
+    def __init__(self, dim, num_heads, *, causal, max_len, key, chunk_size=64,
+                 implementation="chunked"):
+        if dim % num_heads:
+            raise ValueError(f"RetNet: dim={dim} is not divisible by num_heads={num_heads}")
+        ks = jax.random.split(key, 5)
+        self.wq, self.wk, self.wv, self.wg, self.wo = (dense(k, dim, dim) for k in ks)
+        self.num_heads, self.causal = num_heads, causal
+        self.chunk_size, self.implementation = chunk_size, implementation
+
+    @property
+    def log_gamma(self):
+        return jnp.log1p(-2.0 ** (-5.0 - jnp.arange(self.num_heads, dtype=jnp.float32)))
+
+    def _project(self, x):
+        dt = x.dtype
+        hd = x.shape[-1] // self.num_heads
+        q = _heads(x @ self.wq.astype(dt), self.num_heads)
+        k = _heads(x @ self.wk.astype(dt), self.num_heads) / math.sqrt(hd)
+        v = _heads(x @ self.wv.astype(dt), self.num_heads)
+        return q, k, v
+
+    def _out(self, x, o):
+        o = _head_norm(o).reshape(x.shape).astype(x.dtype)
+        return (jax.nn.silu(x @ self.wg.astype(x.dtype)) * o) @ self.wo.astype(x.dtype)
+
+    def __call__(self, x, *, kv_mask=None, positions=None, key=None):
+        check_mask("RetNet", x, kv_mask)
+        q, k, v = self._project(x)
+        lg = jnp.broadcast_to(self.log_gamma, x.shape[:1] + (self.num_heads,))
+        fn = lambda q, k, v, g, m: M.retention(  # noqa: E731
+            q, k, v, g, kv_mask=m, implementation=self.implementation, chunk_size=self.chunk_size)
+        o = _per_head(fn, self.causal, (q, k, v, lg[:, None]), kv_mask=kv_mask)
+        return zero_padded(self._out(x, o), kv_mask)
+
+    def init_cache(self, batch, max_len, dtype=jnp.float32):
+        hd = self.wq.shape[1] // self.num_heads
+        return recurrent_cache(jnp.zeros((batch, self.num_heads, hd, hd), jnp.float32))
+
+    def decode(self, x, cache):
+        q, k, v = (a[:, 0].astype(jnp.float32) for a in self._project(x))
+        step = jax.vmap(jax.vmap(causal_step, in_axes=(0, 0, 0, 0, 0)), in_axes=(0, 0, 0, 0, None))
+        o, s = step(cache.state, q, k, v, self.log_gamma)
+        return self._out(x, o[:, None]), type(cache)(s, cache.index + 1)
+
+
+class GLA(MixerModule):
+    """Gated linear attention (Yang et al. 2024): keys of width ``head_dim / 2``, low-rank
+    data-dependent gates ``alpha = sigmoid(x W1 W2 + b)^(1/16)``, a swish output gate and
+    per-head RMS normalisation. Hyperparameters: ``chunk_size``, ``implementation``."""
+
+    wq: jax.Array
+    wk: jax.Array
+    wv: jax.Array
+    wa1: jax.Array
+    wa2: jax.Array
+    ba: jax.Array
+    wr: jax.Array
+    wo: jax.Array
+    num_heads: int = eqx.field(static=True)
+    causal: bool = eqx.field(static=True)
+    chunk_size: int = eqx.field(static=True)
+    implementation: str = eqx.field(static=True)
+
+    TEMPERATURE = 16.0
+    GATE_RANK = 16
+
+    def __init__(self, dim, num_heads, *, causal, max_len, key, chunk_size=64,
+                 implementation="chunked"):
+        if dim % (2 * num_heads):
+            raise ValueError(f"GLA: dim={dim} must be divisible by 2 * num_heads={num_heads}")
+        ks = jax.random.split(key, 7)
+        dk = dim // 2
+        self.wq, self.wk = dense(ks[0], dim, dk), dense(ks[1], dim, dk)
+        self.wv, self.wr, self.wo = dense(ks[2], dim, dim), dense(ks[3], dim, dim), dense(
+            ks[4], dim, dim)
+        self.wa1 = dense(ks[5], dim, self.GATE_RANK)
+        self.wa2 = dense(ks[6], self.GATE_RANK, dk)
+        self.ba = jnp.zeros((dk,))
+        self.num_heads, self.causal = num_heads, causal
+        self.chunk_size, self.implementation = chunk_size, implementation
+
+    def _project(self, x):
+        dt, h = x.dtype, self.num_heads
+        dk = self.wq.shape[1] // h
+        q = _heads(x @ self.wq.astype(dt), h)
+        k = _heads(x @ self.wk.astype(dt), h) / math.sqrt(dk)
+        v = _heads(x @ self.wv.astype(dt), h)
+        logits = (x @ self.wa1.astype(dt)) @ self.wa2.astype(dt) + self.ba.astype(dt)
+        ld = jax.nn.log_sigmoid(logits.astype(jnp.float32)) / self.TEMPERATURE
+        return q, k, v, _heads(ld, h)
+
+    def _out(self, x, o):
+        o = _rms(o).reshape(x.shape).astype(x.dtype)
+        return (jax.nn.silu(x @ self.wr.astype(x.dtype)) * o) @ self.wo.astype(x.dtype)
+
+    def __call__(self, x, *, kv_mask=None, positions=None, key=None):
+        check_mask("GLA", x, kv_mask)
+        fn = lambda q, k, v, g, m: M.gla(  # noqa: E731
+            q, k, v, g, kv_mask=m, implementation=self.implementation, chunk_size=self.chunk_size)
+        o = _per_head(fn, self.causal, self._project(x), kv_mask=kv_mask)
+        return zero_padded(self._out(x, o), kv_mask)
+
+    def init_cache(self, batch, max_len, dtype=jnp.float32):
+        h = self.num_heads
+        dk, dv = self.wq.shape[1] // h, self.wv.shape[1] // h
+        return recurrent_cache(jnp.zeros((batch, h, dk, dv), jnp.float32))
+
+    def decode(self, x, cache):
+        q, k, v, ld = (a[:, 0].astype(jnp.float32) for a in self._project(x))
+        o, s = jax.vmap(jax.vmap(causal_step))(cache.state, q, k, v, ld)
+        return self._out(x, o[:, None]), type(cache)(s, cache.index + 1)
+
+
+def _conv_init(key, width, channels):
+    return jax.random.uniform(key, (width, channels), minval=-1, maxval=1) / math.sqrt(width)
+
+
+def _causal_conv(x, w, b):
+    """Depthwise causal convolution ``y_t = sum_i w_i x_{t - W + 1 + i} + b``; x ``[B, L, C]``."""
+    width = w.shape[0]
+    xp = jnp.pad(x, ((0, 0), (width - 1, 0), (0, 0)))
+    length = x.shape[1]
+    return sum(xp[:, i: i + length] * w[i].astype(x.dtype) for i in range(width)) + b.astype(
+        x.dtype)
+
+
+def _conv_step(buffer, x_t, w, b):
+    """One step of :func:`_causal_conv`: ``buffer [B, W-1, C]`` holds the last inputs."""
+    window = jnp.concatenate([buffer, x_t[:, None].astype(buffer.dtype)], axis=1)
+    y = jnp.einsum("bwc,wc->bc", window, w.astype(buffer.dtype)) + b.astype(buffer.dtype)
+    return y, window[:, 1:]
+
+
+def _dt_bias(key, shape, dt_min, dt_max):
+    # softplus^-1 of log-uniform step sizes (Gu and Dao 2023, the dt initialisation).
+    dt = jnp.exp(log_uniform(key, shape, dt_min, dt_max))
+    return dt + jnp.log(-jnp.expm1(-dt))
+
+
+class Mamba2(MixerModule):
+    """Mamba-2 (Dao and Gu 2024): in-projection to ``z, x, B, C, dt``, a short causal
+    convolution on ``x, B, C``, SSD with a scalar decay ``exp(dt a_h)`` per head, ``D`` skip,
+    gated RMS norm ``norm(y * silu(z))``, out-projection. Hyperparameters: ``state_size``
+    (N), ``expand``, ``conv_width``, ``dt_min``, ``dt_max``, ``chunk_size``,
+    ``implementation``."""
+
+    w_in: jax.Array
+    conv_w: jax.Array
+    conv_b: jax.Array
+    a_log: jax.Array
+    dt_bias: jax.Array
+    skip: jax.Array
+    norm_scale: jax.Array
+    w_out: jax.Array
+    num_heads: int = eqx.field(static=True)
+    state_size: int = eqx.field(static=True)
+    causal: bool = eqx.field(static=True)
+    chunk_size: int = eqx.field(static=True)
+    implementation: str = eqx.field(static=True)
+
+    def __init__(self, dim, num_heads, *, causal, max_len, key, state_size=64, expand=2,
+                 conv_width=4, dt_min=1e-3, dt_max=1e-1, chunk_size=64,
+                 implementation="chunked"):
+        inner = expand * dim
+        if inner % num_heads:
+            raise ValueError(f"Mamba2: expand * dim = {inner} is not divisible by "
+                             f"num_heads={num_heads}")
+        ks = jax.random.split(key, 5)
+        n = state_size
+        self.w_in = dense(ks[0], dim, 2 * inner + 2 * n + num_heads)
+        self.conv_w = _conv_init(ks[1], conv_width, inner + 2 * n)
+        self.conv_b = jnp.zeros((inner + 2 * n,))
+        self.a_log = jnp.log(jax.random.uniform(ks[2], (num_heads,), minval=1, maxval=16))
+        self.dt_bias = _dt_bias(ks[3], (num_heads,), dt_min, dt_max)
+        self.skip = jnp.ones((num_heads,))
+        self.norm_scale = jnp.ones((inner,))
+        self.w_out = dense(ks[4], inner, dim)
+        self.num_heads, self.state_size, self.causal = num_heads, n, causal
+        self.chunk_size, self.implementation = chunk_size, implementation
+
+    def _split(self, x):
+        inner = self.norm_scale.shape[0]
+        zxbcdt = x @ self.w_in.astype(x.dtype)
+        return (zxbcdt[..., :inner], zxbcdt[..., inner: 2 * inner + 2 * self.state_size],
+                zxbcdt[..., 2 * inner + 2 * self.state_size:])
+
+    def _heads_of(self, xbc, dt_raw):
+        inner, n = self.norm_scale.shape[0], self.state_size
+        xbc = jax.nn.silu(xbc)
+        xs, b, c = xbc[..., :inner], xbc[..., inner: inner + n], xbc[..., inner + n:]
+        dt = jax.nn.softplus(dt_raw.astype(jnp.float32) + self.dt_bias)
+        return _heads(xs, self.num_heads), b, c, dt
+
+    def _out(self, x, y, xs, z):
+        y = y + self.skip[:, None] * xs.astype(jnp.float32)
+        y = y.reshape(*x.shape[:-1], -1) * jax.nn.silu(z.astype(jnp.float32))
+        return (_rms(y, self.norm_scale)).astype(x.dtype) @ self.w_out.astype(x.dtype)
+
+    def __call__(self, x, *, kv_mask=None, positions=None, key=None):
+        check_mask("Mamba2", x, kv_mask)
+        z, xbc, dt_raw = self._split(x)
+        if kv_mask is not None:  # padded inputs reach no real position through the conv
+            xbc = jnp.where(kv_mask[..., None], xbc, 0)
+        xs, b, c, dt = self._heads_of(_causal_conv(xbc, self.conv_w, self.conv_b), dt_raw)
+        a = -jnp.exp(self.a_log)
+        fn = lambda xs, dt, a, b, c, m: M.ssd(  # noqa: E731
+            xs, dt[:, 0], a[0], b, c, kv_mask=m, implementation=self.implementation,
+            chunk_size=self.chunk_size)
+        a_b = jnp.broadcast_to(a, x.shape[:1] + a.shape)[:, None]
+        y = _per_head(fn, self.causal, (xs, dt[..., None], a_b), (b, c), kv_mask=kv_mask)
+        return zero_padded(self._out(x, y, xs, z), kv_mask)
+
+    def init_cache(self, batch, max_len, dtype=jnp.float32):
+        inner = self.norm_scale.shape[0]
+        p = inner // self.num_heads
+        return recurrent_cache((
+            jnp.zeros((batch, self.num_heads, self.state_size, p), jnp.float32),
+            jnp.zeros((batch, self.conv_w.shape[0] - 1, self.conv_w.shape[1]), jnp.float32)))
+
+    def decode(self, x, cache):
+        ssm, buf = cache.state
+        z, xbc, dt_raw = self._split(x)
+        xbc_t, buf = _conv_step(buf, xbc[:, 0], self.conv_w, self.conv_b)
+        xs, b, c, dt = self._heads_of(xbc_t[:, None], dt_raw)
+        xs, b, c, dt = xs[:, 0].astype(jnp.float32), b[:, 0], c[:, 0], dt[:, 0]
+        a = -jnp.exp(self.a_log)
+
+        def head(s, x_h, dt_h, a_h, b_, c_):
+            return causal_step(s, c_, b_ * dt_h, x_h, dt_h * a_h)
+
+        step = jax.vmap(jax.vmap(head, in_axes=(0, 0, 0, 0, None, None)),
+                        in_axes=(0, 0, 0, None, 0, 0))
+        y, ssm = step(ssm, xs, dt, a, b.astype(jnp.float32), c.astype(jnp.float32))
+        return self._out(x, y[:, None], xs[:, None], z), type(cache)((ssm, buf), cache.index + 1)
+
+
+class Mamba(MixerModule):
+    """Mamba (Gu and Dao 2023): in-projection to ``x, z``, short causal convolution, SiLU,
+    input-dependent ``dt`` (rank ``ceil(dim / 16)``), ``B``, ``C``, the selective scan with
+    ``A = -exp(a_log)`` (S4D-real init ``A_n = -(n + 1)``), ``D`` skip, ``y * silu(z)``,
+    out-projection. Hyperparameters: ``state_size``, ``expand``, ``conv_width``, ``dt_min``,
+    ``dt_max``, ``implementation`` (``"associative"`` or ``"sequential"``)."""
+
+    w_in: jax.Array
+    conv_w: jax.Array
+    conv_b: jax.Array
+    w_x: jax.Array
+    w_dt: jax.Array
+    dt_bias: jax.Array
+    a_log: jax.Array
+    skip: jax.Array
+    w_out: jax.Array
+    causal: bool = eqx.field(static=True)
+    implementation: str = eqx.field(static=True)
+
+    def __init__(self, dim, num_heads, *, causal, max_len, key, state_size=16, expand=2,
+                 conv_width=4, dt_min=1e-3, dt_max=1e-1, implementation="associative"):
+        inner, rank = expand * dim, -(-dim // 16)
+        ks = jax.random.split(key, 6)
+        self.w_in = dense(ks[0], dim, 2 * inner)
+        self.conv_w = _conv_init(ks[1], conv_width, inner)
+        self.conv_b = jnp.zeros((inner,))
+        self.w_x = dense(ks[2], inner, rank + 2 * state_size)
+        self.w_dt = dense(ks[3], rank, inner) * rank ** -0.5
+        self.dt_bias = _dt_bias(ks[4], (inner,), dt_min, dt_max)
+        self.a_log = jnp.log(jnp.broadcast_to(jnp.arange(1, state_size + 1, dtype=jnp.float32),
+                                              (inner, state_size)))
+        self.skip = jnp.ones((inner,))
+        self.w_out = dense(ks[5], inner, dim)
+        self.causal, self.implementation = causal, implementation
+
+    def _ssm_inputs(self, xc):
+        rank = self.w_dt.shape[0]
+        n = self.a_log.shape[1]
+        proj = xc @ self.w_x.astype(xc.dtype)
+        dt = jax.nn.softplus((proj[..., :rank] @ self.w_dt.astype(xc.dtype)).astype(
+            jnp.float32) + self.dt_bias)
+        return dt, proj[..., rank: rank + n], proj[..., rank + n:]
+
+    def _out(self, x, y, xc, z):
+        y = (y + self.skip * xc.astype(jnp.float32)) * jax.nn.silu(z.astype(jnp.float32))
+        return y.astype(x.dtype) @ self.w_out.astype(x.dtype)
+
+    def __call__(self, x, *, kv_mask=None, positions=None, key=None):
+        check_mask("Mamba", x, kv_mask)
+        inner = self.skip.shape[0]
+        xz = x @ self.w_in.astype(x.dtype)
+        xs, z = xz[..., :inner], xz[..., inner:]
+        if kv_mask is not None:
+            xs = jnp.where(kv_mask[..., None], xs, 0)
+        xc = jax.nn.silu(_causal_conv(xs, self.conv_w, self.conv_b))
+        dt, b, c = self._ssm_inputs(xc)
+        a = -jnp.exp(self.a_log)
+
+        def one(xc, dt, b, c, m):
+            run = lambda rev: M.selective_scan(  # noqa: E731
+                xc, dt, a, b, c, kv_mask=m, implementation=self.implementation, reverse=rev)
+            return run(False) if self.causal else run(False) + run(True)
+
+        y = jax.vmap(one, in_axes=(0, 0, 0, 0, None if kv_mask is None else 0))(
+            xc, dt, b, c, kv_mask)
+        return zero_padded(self._out(x, y, xc, z), kv_mask)
+
+    def init_cache(self, batch, max_len, dtype=jnp.float32):
+        return recurrent_cache((jnp.zeros((batch, *self.a_log.shape), jnp.float32),
+                                jnp.zeros((batch, self.conv_w.shape[0] - 1, self.conv_w.shape[1]),
+                                          jnp.float32)))
+
+    def decode(self, x, cache):
+        h, buf = cache.state
+        inner = self.skip.shape[0]
+        xz = x[:, 0] @ self.w_in.astype(x.dtype)
+        xs, z = xz[..., :inner], xz[..., inner:]
+        xc_t, buf = _conv_step(buf, xs, self.conv_w, self.conv_b)
+        xc = jax.nn.silu(xc_t)
+        dt, b, c = self._ssm_inputs(xc)
+        a = -jnp.exp(self.a_log)
+        y, h = jax.vmap(selective_step, in_axes=(0, 0, 0, None, 0, 0))(
+            h, xc.astype(jnp.float32), dt, a, b.astype(jnp.float32), c.astype(jnp.float32))
+        return self._out(x, y[:, None], xc[:, None], z[:, None]), type(cache)((h, buf),
+                                                                            cache.index + 1)
+
+
+class GatedDeltaNet(MixerModule):
+    """Gated DeltaNet (Yang, Kautz and Hatamizadeh 2025): SiLU then L2-normalised q, k per
+    head, ``beta = sigmoid(x W_beta)``, Mamba-2's decay ``log a = -exp(a_log) softplus(x W_a +
+    dt_bias)``, the gated delta rule, per-head RMS norm, swish output gate. Hyperparameters:
+    ``chunk_size``, ``implementation`` (``"chunked"``, ``"recurrent"``, ``"parallel"``),
+    ``dt_min``, ``dt_max``."""
+
+    wq: jax.Array
+    wk: jax.Array
+    wv: jax.Array
+    w_beta: jax.Array
+    w_a: jax.Array
+    a_log: jax.Array
+    dt_bias: jax.Array
+    wg: jax.Array
+    wo: jax.Array
+    num_heads: int = eqx.field(static=True)
+    causal: bool = eqx.field(static=True)
+    chunk_size: int = eqx.field(static=True)
+    implementation: str = eqx.field(static=True)
+
+    def __init__(self, dim, num_heads, *, causal, max_len, key, chunk_size=64,
+                 implementation="chunked", dt_min=1e-3, dt_max=1e-1):
+        if dim % num_heads:
+            raise ValueError(f"GatedDeltaNet: dim={dim} is not divisible by "
+                             f"num_heads={num_heads}")
+        ks = jax.random.split(key, 8)
+        self.wq, self.wk, self.wv, self.wg, self.wo = (dense(k, dim, dim) for k in ks[:5])
+        self.w_beta = dense(ks[5], dim, num_heads)
+        self.w_a = dense(ks[6], dim, num_heads)
+        self.a_log = jnp.log(jax.random.uniform(ks[7], (num_heads,), minval=1, maxval=16))
+        self.dt_bias = _dt_bias(jax.random.fold_in(key, 1), (num_heads,), dt_min, dt_max)
+        self.num_heads, self.causal = num_heads, causal
+        self.chunk_size, self.implementation = chunk_size, implementation
+
+    def _project(self, x):
+        dt, h = x.dtype, self.num_heads
+        l2 = lambda a: a * jax.lax.rsqrt(jnp.sum(a * a, -1, keepdims=True) + 1e-6)  # noqa: E731
+        q = l2(jax.nn.silu(_heads(x @ self.wq.astype(dt), h)).astype(jnp.float32))
+        k = l2(jax.nn.silu(_heads(x @ self.wk.astype(dt), h)).astype(jnp.float32))
+        v = _heads(x @ self.wv.astype(dt), h)
+        beta = jax.nn.sigmoid((x @ self.w_beta.astype(dt)).astype(jnp.float32))
+        ld = -jnp.exp(self.a_log) * jax.nn.softplus(
+            (x @ self.w_a.astype(dt)).astype(jnp.float32) + self.dt_bias)
+        return q, k, v, beta, ld
+
+    def _out(self, x, o):
+        o = _rms(o).reshape(x.shape).astype(x.dtype)
+        return (jax.nn.silu(x @ self.wg.astype(x.dtype)) * o) @ self.wo.astype(x.dtype)
+
+    def __call__(self, x, *, kv_mask=None, positions=None, key=None):
+        check_mask("GatedDeltaNet", x, kv_mask)
+        q, k, v, beta, ld = self._project(x)
+        fn = lambda q, k, v, beta, ld, m: M.gated_delta(  # noqa: E731
+            q, k, v, beta[:, 0], ld[:, 0], kv_mask=m, implementation=self.implementation,
+            chunk_size=self.chunk_size)
+        o = _per_head(fn, self.causal, (q, k, v, beta[..., None], ld[..., None]),
+                      kv_mask=kv_mask)
+        return zero_padded(self._out(x, o), kv_mask)
+
+    def init_cache(self, batch, max_len, dtype=jnp.float32):
+        hd = self.wq.shape[1] // self.num_heads
+        return recurrent_cache(jnp.zeros((batch, self.num_heads, hd, hd), jnp.float32))
+
+    def decode(self, x, cache):
+        q, k, v, beta, ld = (a[:, 0].astype(jnp.float32) for a in self._project(x))
+        o, s = jax.vmap(jax.vmap(gated_delta_step))(cache.state, q, k, v, beta, ld)
+        return self._out(x, o[:, None]), type(cache)(s, cache.index + 1)
