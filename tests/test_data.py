@@ -1,5 +1,6 @@
 """xformers_jax.data: generators correct and seeded, loaders on fixtures, iterators resumable."""
 
+import json
 import os
 import pickle
 
@@ -307,6 +308,9 @@ def test_iterator_deterministic_and_reshuffles_per_epoch():
     epoch0, epoch1 = np.concatenate(first[:5]), np.concatenate(first[5:])
     assert sorted(epoch0) == list(range(20)) == sorted(epoch1)
     assert not np.array_equal(epoch0, epoch1)
+    other = data.DataIterator(_ids(20), batch_size=4, seed=2)  # seeds 1, 2: unrelated orders
+    others = np.concatenate([next(other)["targets"] for _ in range(10)])
+    assert not np.array_equal(others[:20], epoch0) and not np.array_equal(others[:20], epoch1)
 
 
 def test_iterator_shards_disjoint_and_covering():
@@ -314,13 +318,18 @@ def test_iterator_shards_disjoint_and_covering():
     seen = []
     for p in range(3):
         it = data.DataIterator(source, batch_size=7, seed=4, process_index=p, process_count=3,
-                               num_epochs=1)
-        seen.append(np.concatenate([b["targets"] for b in it]))
-    assert all(len(s) == 7 for s in seen)
-    union = np.concatenate(seen)
-    assert len(set(union.tolist())) == 21  # disjoint; 23 // 3 * 3 covered
-    full = data.DataIterator(source, batch_size=21, seed=4, num_epochs=1)
-    assert set(union.tolist()) == set(full.indices_of_epoch(0)[:21].tolist())
+                               num_epochs=2)
+        seen.append([next(it)["targets"] for _ in range(2)])  # one batch per epoch
+        with pytest.raises(StopIteration):
+            next(it)
+    for epoch in (0, 1):
+        shares = [s[epoch] for s in seen]
+        assert all(len(s) == 7 for s in shares)
+        union = np.concatenate(shares)
+        assert len(set(union.tolist())) == 21  # disjoint; 23 // 3 * 3 covered
+    # Each process's share is a Grain ShardOptions slice of the same global permutation.
+    whole = data.batches(source, batch_size=23, seed=4)[0]["targets"]
+    assert set(np.concatenate([s[0] for s in seen]).tolist()) == set(whole[:21].tolist())
 
 
 def test_iterator_state_round_trip_across_epochs():
@@ -328,11 +337,13 @@ def test_iterator_state_round_trip_across_epochs():
     for _ in range(4):  # into the second epoch (3 batches per epoch)
         next(it)
     state = it.get_state()
-    assert state == {"epoch": 1, "position": 3, "seed": 2}
+    assert json.loads(json.dumps(state)) == state  # what the checkpoint stores
     expected = [next(it)["targets"] for _ in range(5)]
-    resumed = data.DataIterator(_ids(10), batch_size=3, seed=0)
+    resumed = data.DataIterator(_ids(10), batch_size=3, seed=2)
     resumed.set_state(dict(state))
     assert all(np.array_equal(x, next(resumed)["targets"]) for x in expected)
+    with pytest.raises(ValueError, match="before the Grain pipeline"):
+        resumed.set_state({"epoch": 1, "position": 3, "seed": 2})
 
 
 def test_iterator_epochs_remainder_and_errors():

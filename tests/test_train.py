@@ -2,7 +2,6 @@
 
 import os
 import signal
-import struct
 
 import jax
 import jax.numpy as jnp
@@ -54,6 +53,7 @@ class _Crash(Exception):
 
 def test_resume_after_sigterm_and_crash_matches_uninterrupted_run(tmp_path):
     config = _tiny_config()
+    config.log_every = 2  # the SIGTERM at step 3 stops in the middle of a logging interval
     straight = train.train_and_evaluate(config, str(tmp_path / "a"))
 
     resumed_dir = str(tmp_path / "b")
@@ -75,6 +75,9 @@ def test_resume_after_sigterm_and_crash_matches_uninterrupted_run(tmp_path):
 
     assert resumed == straight
     assert _rows(resumed_dir) == _rows(str(tmp_path / "a"))
+    # TensorBoard reads, after the restarts' purges, what the JSONL's last rows say.
+    for workdir in (str(tmp_path / "a"), resumed_dir):
+        assert _tensorboard_scalars(workdir) == _jsonl_scalars(workdir)
     (state_a, data_a), (state_b, data_b) = (_final_state(config, str(tmp_path / d))
                                             for d in ("a", "b"))
     assert data_a == data_b and int(state_b.step) == 8
@@ -165,34 +168,54 @@ def test_config_validation():
         locked.new_key = 1
 
 
-def _read_tfrecords(path):
-    records = []
-    with open(path, "rb") as fh:
-        blob = fh.read()
-    i = 0
-    while i < len(blob):
-        (length,) = struct.unpack("<Q", blob[i:i + 8])
-        (length_crc,) = struct.unpack("<I", blob[i + 8:i + 12])
-        payload = blob[i + 12:i + 12 + length]
-        (payload_crc,) = struct.unpack("<I", blob[i + 12 + length:i + 16 + length])
-        assert length_crc == train._metrics.masked_crc32c(blob[i:i + 8])
-        assert payload_crc == train._metrics.masked_crc32c(payload)
-        records.append(payload)
-        i += 16 + length
-    return records
+def _tensorboard_scalars(workdir):
+    # TensorBoard's own reader (its event accumulator, as the TensorBoard server reads runs):
+    # {(step, tag): value} after it has applied the restarts' purges.
+    from tensorboard.backend.event_processing import event_accumulator
+
+    acc = event_accumulator.EventAccumulator(workdir, size_guidance={"scalars": 0})
+    acc.Reload()
+    return {(e.step, tag): e.value for tag in acc.Tags()["scalars"] for e in acc.Scalars(tag)}
 
 
-def test_metric_writer_jsonl_and_tfevents(tmp_path):
-    assert train._metrics.crc32c(b"123456789") == 0xE3069283  # the CRC-32C check value
+def _jsonl_scalars(workdir):
+    # The last value per (step, tag), as float32 (TensorBoard stores float32 scalars).
+    out = {}
+    for row in train.read_jsonl(os.path.join(workdir, "metrics.jsonl")):
+        out |= {(row["step"], k): np.float32(v) for k, v in row.items() if k != "step"}
+    return out
+
+
+def test_metric_writer_events_read_back_by_tensorboard(tmp_path):
     writer = train.MetricWriter(str(tmp_path))
     writer.write(3, {"loss": jnp.float32(0.5), "accuracy": np.float64(0.25)})
+    writer.write(4, {"loss": 0.1})
     writer.close()
-    assert train.read_jsonl(writer.jsonl_path) == [{"step": 3, "loss": 0.5, "accuracy": 0.25}]
-    records = _read_tfrecords(writer.events_path)
-    assert len(records) == 2 and b"brain.Event:2" in records[0]
-    summary = records[1]
-    assert b"loss" in summary and struct.pack("<f", 0.5) in summary
-    assert struct.pack("<f", 0.25) in summary
+    assert train.read_jsonl(writer.jsonl_path) == [{"step": 3, "loss": 0.5, "accuracy": 0.25},
+                                                   {"step": 4, "loss": 0.1}]
+    assert os.path.dirname(writer.events_path) == str(tmp_path)
+    assert _tensorboard_scalars(str(tmp_path)) == _jsonl_scalars(str(tmp_path)) == {
+        (3, "loss"): 0.5, (3, "accuracy"): 0.25, (4, "loss"): np.float32(0.1)}
+    # A restart at step 4 (same second, same process: a new file) hides the old step 4.
+    again = train.MetricWriter(str(tmp_path), purge_step=4)
+    again.write(4, {"loss": 0.2})
+    again.close()
+    assert again.events_path != writer.events_path
+    assert _tensorboard_scalars(str(tmp_path)) == _jsonl_scalars(str(tmp_path)) == {
+        (3, "loss"): 0.5, (3, "accuracy"): 0.25, (4, "loss"): np.float32(0.2)}
+
+
+def test_interval_mean_and_its_state():
+    interval, resumed = train.IntervalMean(), train.IntervalMean()
+    for loss in (1.0, 2.0):
+        interval.add({"loss": jnp.float32(loss), "accuracy": np.float32(loss / 4)})
+    resumed.set_state(interval.get_state())
+    for it in (interval, resumed):
+        it.add({"loss": jnp.float32(6.0), "accuracy": np.float32(0.0)})
+    assert interval.mean() == resumed.mean() == {"loss": 3.0, "accuracy": 0.25}
+    interval.add({"loss": jnp.float32(5.0)})
+    assert interval.mean() == {"loss": 5.0}  # a new interval after each mean
+    assert interval.mean() == {}
 
 
 def test_metric_writer_disabled_writes_nothing(tmp_path):

@@ -1,7 +1,8 @@
 """Task generators, loaders and iterators: offline, seeded, sharded, checkpointable.
 
-Sources are indexable (``len``, ``source[i] -> dict of numpy arrays``); ``DataIterator``
-shuffles, shards by process and batches them, and its state dict resumes exactly.
+Sources are Grain random-access data sources (``len``, ``source[i] -> dict of numpy
+arrays``); ``batches`` makes the Grain pipeline that shuffles, shards by process and batches
+them, and ``DataIterator`` iterates it with a state dict that resumes exactly.
 """
 
 from ._bytes import BYTE_VOCAB_SIZE as BYTE_VOCAB_SIZE
@@ -11,6 +12,7 @@ from ._bytes import encode_bytes as encode_bytes
 from ._bytes import stdlib_bytes_lm as stdlib_bytes_lm
 from ._iterators import ArraySource as ArraySource
 from ._iterators import DataIterator as DataIterator
+from ._iterators import batches as batches
 from ._iterators import materialize as materialize
 from ._listops import ListOps as ListOps
 from ._listops import VOCAB as LISTOPS_VOCAB

@@ -1,18 +1,22 @@
-"""Deterministic, sharded, checkpointable batch iterators over indexable sources.
+"""Deterministic, process-sharded, checkpointable batches: a Grain pipeline over a source.
 
-A source is anything with ``len(source)`` and ``source[i] -> dict[str, np.ndarray]`` whose
-example ``i`` is a pure function of ``i`` (the generators here derive each example's rng from
-``(seed, i)``). The iterator shuffles indices per epoch with a seeded permutation, gives each
-process a disjoint, equally long slice of it (multi-host: ``jax.process_index()`` and
-``jax.process_count()``), and stacks examples into batches. Its whole position is
-``{"epoch", "position", "seed"}``, a small dict that orbax saves next to the train state, so a
-restarted run reads exactly the batches it would have read.
+A source is a Grain random-access data source: ``len(source)`` and ``source[i] ->
+dict[str, np.ndarray]`` whose example ``i`` is a pure function of ``i`` (the generators here
+derive each example's rng from ``(seed, i)``; the loaders hold arrays). :func:`batches` builds
+the pipeline as Grain transformations (``grain.MapDataset``): a global shuffle per epoch,
+this process's disjoint share of it (``grain.sharding.ShardOptions``), batches, repeated
+epochs. :class:`DataIterator` iterates it; its state is Grain's iterator state (a small dict)
+which the trainer stores in the run's orbax checkpoint through Grain's own checkpoint handler,
+so a restarted run reads exactly the batches it would have read. Worker processes
+(``worker_count``, Grain's ``mp_prefetch``) are optional; the default reads in one
+background thread.
 """
 
 from __future__ import annotations
 
 from typing import Any, Iterator
 
+import grain
 import numpy as np
 
 
@@ -38,6 +42,38 @@ def materialize(source) -> ArraySource:
     return ArraySource({k: np.stack([e[k] for e in examples]) for k in examples[0]})
 
 
+def _shuffle_seed(seed: int) -> int:
+    # Grain reshuffles epoch e with seed + e, so nearby user seeds would replay each other's
+    # orders one epoch apart; a hashed 32-bit seed keeps seeds s and s + 1 unrelated.
+    return int(np.random.SeedSequence(seed).generate_state(1)[0])
+
+
+def batches(source, *, batch_size: int, seed: int = 0, shuffle: bool = True,
+            shard_options: grain.sharding.ShardOptions | None = None,
+            num_epochs: int | None = None, drop_remainder: bool = True) -> grain.MapDataset:
+    """The batches of ``source`` as a Grain ``MapDataset``: ``{name: array[batch_size, ...]}``.
+
+    Per epoch: a global permutation of all examples (seeded, different each epoch), then this
+    process's share, every ``shard_count``-th example from ``shard_index``: the processes'
+    shares are disjoint, and with ``shard_options.drop_remainder`` (as the trainer sets it)
+    equally long, so all hosts run the same number of steps. Batches do not cross epochs
+    (``drop_remainder`` drops each epoch's last partial batch). ``num_epochs=None`` repeats
+    forever.
+    """
+    shard = shard_options or grain.sharding.NoSharding()
+    n = len(source)
+    usable = n // shard.shard_count * shard.shard_count if shard.drop_remainder else n
+    per_process = len(range(shard.shard_index, usable, shard.shard_count))
+    if batch_size < 1 or (drop_remainder and per_process < batch_size):
+        raise ValueError(f"batch_size={batch_size} does not fit {per_process} examples "
+                         f"per process ({n} over {shard.shard_count} processes)")
+    ds = grain.MapDataset.source(source)
+    if shuffle:
+        ds = ds.shuffle(seed=_shuffle_seed(seed))
+    ds = ds[shard.shard_index:usable:shard.shard_count]
+    return ds.batch(batch_size, drop_remainder=drop_remainder).repeat(num_epochs)
+
+
 class DataIterator:
     """Batches ``{name: array[batch_size, ...]}`` from ``source``, forever or ``num_epochs``.
 
@@ -45,61 +81,50 @@ class DataIterator:
       source: ``len`` and ``__getitem__`` returning a dict of numpy arrays.
       batch_size: examples per batch on THIS process (the per-host batch).
       seed: shuffling seed; ``shuffle=False`` keeps index order (evaluation).
-      process_index, process_count: this process's slice; every process gets
-        ``len(source) // process_count`` examples per epoch, the remainder is dropped so all
-        hosts run the same number of steps.
+      process_index, process_count: this process's share (Grain ``ShardOptions`` with
+        ``drop_remainder=True``): every process gets ``len(source) // process_count``
+        examples per epoch, the remainder is dropped so all hosts run the same number of steps.
       num_epochs: None repeats forever; otherwise StopIteration after that many epochs.
       drop_remainder: drop the last partial batch of each epoch (True for training).
+      worker_count: Grain worker processes producing batches (0: none, the batches are
+        read by one background thread of this process). The iterator state records the
+        workers, so a run resumes with the same ``worker_count``.
+      prefetch: batches read ahead of the consumer.
     """
 
     def __init__(self, source, *, batch_size: int, seed: int = 0, shuffle: bool = True,
                  process_index: int = 0, process_count: int = 1,
-                 num_epochs: int | None = None, drop_remainder: bool = True):
+                 num_epochs: int | None = None, drop_remainder: bool = True,
+                 worker_count: int = 0, prefetch: int = 2):
         if not 0 <= process_index < process_count:
             raise ValueError(f"need 0 <= process_index < process_count, got "
                              f"{process_index}, {process_count}")
-        self.per_process = len(source) // process_count
-        if batch_size < 1 or (drop_remainder and self.per_process < batch_size):
-            raise ValueError(f"batch_size={batch_size} does not fit {self.per_process} examples "
-                             f"per process ({len(source)} over {process_count} processes)")
-        self.source, self.batch_size = source, batch_size
-        self.shuffle, self.num_epochs, self.drop_remainder = shuffle, num_epochs, drop_remainder
-        self.process_index, self.process_count = process_index, process_count
-        self.epoch, self.position, self.seed = 0, 0, seed
-        self._order_epoch, self._order = None, None
+        self.shard_options = grain.sharding.ShardOptions(process_index, process_count,
+                                                         drop_remainder=True)
+        self.dataset = batches(source, batch_size=batch_size, seed=seed, shuffle=shuffle,
+                               shard_options=self.shard_options, num_epochs=num_epochs,
+                               drop_remainder=drop_remainder)
+        read = grain.ReadOptions(num_threads=1 if prefetch else 0,
+                                 prefetch_buffer_size=prefetch)
+        pipeline = self.dataset.to_iter_dataset(read)
+        if worker_count:
+            pipeline = pipeline.mp_prefetch(
+                grain.MultiprocessingOptions(num_workers=worker_count))
+        self.iterator = iter(pipeline)
 
-    def indices_of_epoch(self, epoch: int) -> np.ndarray:
-        """This process's example indices for ``epoch``, in reading order."""
-        n = len(self.source)
-        order = (np.random.default_rng([self.seed, epoch]).permutation(n) if self.shuffle
-                 else np.arange(n))
-        usable = self.per_process * self.process_count
-        return order[:usable][self.process_index :: self.process_count]
-
-    def get_state(self) -> dict[str, int]:
-        """The position: ``{"epoch", "position" (examples read this epoch), "seed"}``."""
-        return {"epoch": int(self.epoch), "position": int(self.position),
-                "seed": int(self.seed)}
+    def get_state(self) -> dict[str, Any]:
+        """Grain's iterator state (a JSON-serialisable dict)."""
+        return self.iterator.get_state()
 
     def set_state(self, state: dict[str, Any]) -> None:
         """Restores a position from ``get_state``; the next batch is the one that followed."""
-        self.epoch, self.position = int(state["epoch"]), int(state["position"])
-        self.seed = int(state["seed"])
+        if set(state) == {"epoch", "position", "seed"}:
+            raise ValueError(f"{state} is the position of the iterator before the Grain "
+                             f"pipeline, whose batches differ: it cannot resume them")
+        self.iterator.set_state(state)
 
     def __iter__(self) -> Iterator[dict[str, np.ndarray]]:
         return self
 
     def __next__(self) -> dict[str, np.ndarray]:
-        while True:
-            if self.num_epochs is not None and self.epoch >= self.num_epochs:
-                raise StopIteration
-            if self._order_epoch != self.epoch:
-                self._order, self._order_epoch = self.indices_of_epoch(self.epoch), self.epoch
-            remaining = self.per_process - self.position
-            if remaining >= self.batch_size or (remaining > 0 and not self.drop_remainder):
-                break
-            self.epoch, self.position = self.epoch + 1, 0
-        take = self._order[self.position : self.position + self.batch_size]
-        self.position += len(take)
-        examples = [self.source[int(i)] for i in take]
-        return {k: np.stack([e[k] for e in examples]) for k in examples[0]}
+        return next(self.iterator)

@@ -9,6 +9,7 @@ from ._loop import evaluate as evaluate
 from ._loop import train_and_evaluate as train_and_evaluate
 from ._loss_scale import DynamicLossScale as DynamicLossScale
 from ._loss_scale import LossScaleState as LossScaleState
+from ._metrics import IntervalMean as IntervalMean
 from ._metrics import MetricWriter as MetricWriter
 from ._metrics import read_jsonl as read_jsonl
 from ._optim import make_optimizer as make_optimizer

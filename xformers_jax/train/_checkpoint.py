@@ -11,15 +11,20 @@ test evaluation reads it). Each step directory ``<step>/`` holds two items:
   checkpoint_contents`` lists it and ``parallel.restore_checkpoint(..., prefix="model")`` reads
   a part of it. Index-keyed checkpoints of earlier versions fail with a pointer to
   ``parallel.convert_index_checkpoint`` (which converts a whole ``workdir``).
-- ``data/``: the iterator's ``{"epoch", "position", "seed"}`` as JSON.
+- ``data/``: the input's state, one JSON file per process (``process_<i>-of-<n>.json``),
+  written and read by Grain's own orbax handler (``grain.checkpoint.CheckpointHandler``): the
+  trainer's Grain iterator state (``DataIterator.get_state``) and the open logging
+  interval's sums, so that a resumed run reads the batches and logs the means it would have.
 
 Saves are asynchronous; ``wait`` finishes them.
 """
 
 from __future__ import annotations
 
+import json
 import os
 
+import grain
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -39,7 +44,27 @@ def _copy(leaf):
 
 def _handlers():
     # Registered up front so that item_metadata can read a step's tree before any restore.
-    return dict(state=ocp.StandardCheckpointHandler(), data=ocp.JsonCheckpointHandler())
+    return dict(state=ocp.StandardCheckpointHandler(),
+                data=grain.checkpoint.CheckpointHandler())
+
+
+class _DataState(grain.DatasetIterator):
+    """A data state dict in the form Grain's checkpoint handler saves and restores: an
+    iterator whose state it is (the handler writes ``get_state()`` of each process as JSON
+    and hands the file's contents to ``set_state``)."""
+
+    def __init__(self, state=None):
+        super().__init__()
+        self.state = state
+
+    def __next__(self):
+        raise TypeError("a checkpointed data state, not an iterator to read")
+
+    def get_state(self) -> dict:
+        return self.state
+
+    def set_state(self, state: dict) -> None:
+        self.state = state
 
 
 class Checkpointer:
@@ -70,7 +95,7 @@ class Checkpointer:
     def _args(state, data_state):
         tree = jax.tree.map(_copy, _path_tree(state))
         return ocp.args.Composite(state=ocp.args.StandardSave(tree),
-                                  data=ocp.args.JsonSave(dict(data_state)))
+                                  data=grain.checkpoint.CheckpointSave(_DataState(data_state)))
 
     def save(self, step: int, state, data_state: dict, *, force: bool = False) -> None:
         """Saves to ``checkpoints/`` at ``step`` (``force`` also when not on an interval)."""
@@ -88,9 +113,18 @@ class Checkpointer:
         stored = manager.item_metadata(step)["state"].tree
         where = os.path.join(str(manager.directory), str(step), "state")
         target = _restore_target(template, stored, shardings, where)
+        earlier = os.path.join(str(manager.directory), str(step), "data", "metadata")
+        if os.path.exists(earlier):
+            # Written before the Grain pipeline: the data state is orbax's JSON item (which
+            # DataIterator.set_state refuses by name: its batches are not Grain's).
+            restored = manager.restore(step, args=ocp.args.Composite(
+                state=ocp.args.StandardRestore(target)))
+            with open(earlier) as fh:
+                return _fill(template, restored["state"]), json.load(fh)
         restored = manager.restore(step, args=ocp.args.Composite(
-            state=ocp.args.StandardRestore(target), data=ocp.args.JsonRestore()))
-        return _fill(template, restored["state"]), dict(restored["data"])
+            state=ocp.args.StandardRestore(target),
+            data=grain.checkpoint.CheckpointRestore(_DataState())))
+        return _fill(template, restored["state"]), restored["data"].state
 
     def latest_step(self) -> int | None:
         return self.latest.latest_step()

@@ -15,7 +15,7 @@ from ..data import DataIterator
 from ._checkpoint import Checkpointer
 from ._config import validate_config
 from ._loss_scale import DynamicLossScale
-from ._metrics import MetricWriter
+from ._metrics import IntervalMean, MetricWriter
 from ._optim import make_optimizer, make_schedule
 from ._progress import ProgressBar, format_duration
 from ._sharding import make_sharding_plan, resolve_mesh
@@ -76,8 +76,9 @@ def train_and_evaluate(config, workdir: str, *, on_step=None) -> dict:
 
     Sharded per ``config.mesh`` and ``config.sharding`` (``make_sharding_plan``; by default
     data parallel over every device of every process): ``batch_size`` is the global batch.
-    Shows a progress bar (steps/s, ETA) on stderr, periodically logs train
-    metrics, evaluates on the validation split (offering the state to the best checkpoint),
+    Shows a progress bar (steps/s, ETA) on stderr, logs the train metrics' means over each
+    interval of ``log_every`` steps, evaluates on the validation split (offering the state to
+    the best checkpoint),
     checkpoints the train state with the data iterator's position; at the end evaluates the
     best checkpoint on the test split.
     SIGTERM saves a checkpoint at the current step and returns ``{"preempted": True, "step"}``.
@@ -106,11 +107,19 @@ def train_and_evaluate(config, workdir: str, *, on_step=None) -> dict:
     train_iter = DataIterator(task.train, batch_size=config.batch_size // jax.process_count(),
                               seed=config.seed, process_index=jax.process_index(),
                               process_count=jax.process_count())
+    # Training metrics are logged as means over the logging interval; the open interval is
+    # checkpointed with the iterator so that a resumed run logs the same means.
+    interval = IntervalMean()
+
+    def data_state():
+        return {"iterator": train_iter.get_state(), "interval": interval.get_state()}
+
     checkpointer = Checkpointer(workdir, keep=config.keep_checkpoints)
     restored = checkpointer.restore_latest(state, plan.state)
     if restored is not None:
-        state, data_state = restored
-        train_iter.set_state(data_state)
+        state, saved = restored
+        train_iter.set_state(saved["iterator"])
+        interval.set_state(saved["interval"])
         logging.info("resumed from step %d", int(state.step))
     else:
         state = plan.place_state(state)
@@ -119,7 +128,8 @@ def train_and_evaluate(config, workdir: str, *, on_step=None) -> dict:
                                  sharding=plan)
     eval_step = make_eval_step(make_metrics_fn(task, policy), sharding=plan)
     writer = MetricWriter(workdir, tensorboard=config.tensorboard,
-                          enabled=jax.process_index() == 0)
+                          enabled=jax.process_index() == 0,
+                          purge_step=None if restored is None else int(state.step) + 1)
     preemption = _Preemption()
     step, total = int(state.step), config.num_train_steps
     bar = ProgressBar(total, start=step,
@@ -130,9 +140,10 @@ def train_and_evaluate(config, workdir: str, *, on_step=None) -> dict:
         while step < total:
             state, metrics = train_step(state, plan.place_batch(next(train_iter)))
             step += 1
+            interval.add(metrics)
             if step % config.log_every == 0 or step == total:
                 rate = bar.rate()
-                row = {k: float(v) for k, v in metrics.items()}
+                row = interval.mean()
                 row["learning_rate"] = float(schedule(step - 1))
                 writer.write(step, {f"train_{k}": v for k, v in row.items()}
                              | {"steps_per_second": rate})
@@ -146,14 +157,14 @@ def train_and_evaluate(config, workdir: str, *, on_step=None) -> dict:
                 writer.write(step, {f"validation_{k}": v for k, v in validation.items()})
                 bar.message(f"step {step}: validation loss {validation['loss']:.4f} "
                             f"accuracy {validation['accuracy']:.4f}")
-                checkpointer.save_best(step, state, train_iter.get_state(), validation)
+                checkpointer.save_best(step, state, data_state(), validation)
             if step % config.checkpoint_every == 0 or step == total:
-                checkpointer.save(step, state, train_iter.get_state(), force=True)
+                checkpointer.save(step, state, data_state(), force=True)
             if on_step is not None:
                 on_step(step)
             if preemption.requested and step < total:
                 logging.warning("SIGTERM at step %d: saving and exiting", step)
-                checkpointer.save(step, state, train_iter.get_state(), force=True)
+                checkpointer.save(step, state, data_state(), force=True)
                 return {"preempted": True, "step": step}
         checkpointer.wait()
         best = checkpointer.restore_best(state, plan.state)

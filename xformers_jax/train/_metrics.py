@@ -1,82 +1,25 @@
-"""Metrics to JSONL (always) and TensorBoard event files (written without TensorFlow).
+"""Metrics to JSONL (always) and TensorBoard event files (through tensorboardX).
 
-A tfevents file is a sequence of TFRecords: ``uint64 length, uint32 masked_crc32c(length),
-bytes data, uint32 masked_crc32c(data)``, each ``data`` an ``Event`` protocol buffer
-(``wall_time`` = 1: double, ``step`` = 2: int64, ``file_version`` = 3: string,
-``summary`` = 5: ``Summary{ repeated Value value = 1 { tag = 1: string,
-simple_value = 2: float } }``). The few protobuf fields are encoded by hand here.
+``metrics.jsonl`` is the record the project's own tools read (``read_jsonl``,
+``experiments/plot.py``). The event files are written by tensorboardX's ``SummaryWriter``
+(no TensorFlow or PyTorch needed), so TensorBoard's readers see what the JSONL holds: one
+scalar per tag per row, at the row's step.
+
+``IntervalMean`` averages the training metrics over a logging interval (as big_vision and
+MaxText log them) without waiting for the device at every step.
 """
 
 from __future__ import annotations
 
+import glob
+import itertools
 import json
 import os
-import socket
-import struct
-import time
 
+import jax
 import numpy as np
 
-_CRC32C_POLY = 0x82F63B78
-_CRC_TABLE = []
-for _n in range(256):
-    _c = _n
-    for _ in range(8):
-        _c = (_c >> 1) ^ _CRC32C_POLY if _c & 1 else _c >> 1
-    _CRC_TABLE.append(_c)
-
-
-def crc32c(data: bytes) -> int:
-    """CRC-32C (Castagnoli), the checksum TFRecords use."""
-    crc = 0xFFFFFFFF
-    for byte in data:
-        crc = _CRC_TABLE[(crc ^ byte) & 0xFF] ^ (crc >> 8)
-    return crc ^ 0xFFFFFFFF
-
-
-def masked_crc32c(data: bytes) -> int:
-    crc = crc32c(data)
-    return (((crc >> 15) | (crc << 17)) + 0xA282EAD8) & 0xFFFFFFFF
-
-
-def _varint(value: int) -> bytes:
-    out = bytearray()
-    value &= (1 << 64) - 1
-    while True:
-        bits, value = value & 0x7F, value >> 7
-        out.append(bits | (0x80 if value else 0))
-        if not value:
-            return bytes(out)
-
-
-def _field(number: int, wire_type: int) -> bytes:
-    return _varint(number << 3 | wire_type)
-
-
-def _bytes_field(number: int, payload: bytes) -> bytes:
-    return _field(number, 2) + _varint(len(payload)) + payload
-
-
-def event_proto(wall_time: float, step: int, *, scalars: dict[str, float] | None = None,
-                file_version: str | None = None) -> bytes:
-    """An ``Event`` message with a file version or a summary of scalar values."""
-    out = _field(1, 1) + struct.pack("<d", wall_time) + _field(2, 0) + _varint(step)
-    if file_version is not None:
-        out += _bytes_field(3, file_version.encode())
-    if scalars:
-        values = b"".join(
-            _bytes_field(1, _bytes_field(1, tag.encode()) + _field(2, 5)
-                         + struct.pack("<f", float(value)))
-            for tag, value in scalars.items())
-        out += _bytes_field(5, values)
-    return out
-
-
-def tfrecord(data: bytes) -> bytes:
-    """One TFRecord framing ``data``."""
-    length = struct.pack("<Q", len(data))
-    return (length + struct.pack("<I", masked_crc32c(length)) + data
-            + struct.pack("<I", masked_crc32c(data)))
+_SUFFIX = itertools.count()
 
 
 class MetricWriter:
@@ -86,23 +29,33 @@ class MetricWriter:
     ``enabled=False`` makes every call a no-op and creates no file: on a pod every host computes
     the same global metrics, and only process 0 should write them to the shared workdir
     (the trainer passes ``enabled=jax.process_index() == 0``).
+
+    ``purge_step``: the first step a run resumed from a checkpoint writes (the checkpoint's
+    step + 1); TensorBoard then hides the events of earlier runs at steps ``>= purge_step``
+    (the steps this run redoes), as a reader of the JSONL keeps the last row per step.
     """
 
-    def __init__(self, workdir: str, *, tensorboard: bool = True, enabled: bool = True):
+    def __init__(self, workdir: str, *, tensorboard: bool = True, enabled: bool = True,
+                 purge_step: int | None = None):
         self.enabled = enabled
-        self._jsonl = self._events = None
+        self._jsonl = self._summary = None
+        self.events_path = None
         if not enabled:
             return
         os.makedirs(workdir, exist_ok=True)
         self.jsonl_path = os.path.join(workdir, "metrics.jsonl")
         self._jsonl = open(self.jsonl_path, "a")
-        self._events = None
         if tensorboard:
-            name = f"events.out.tfevents.{int(time.time())}.{socket.gethostname()}.{os.getpid()}"
-            self.events_path = os.path.join(workdir, name)
-            self._events = open(self.events_path, "ab")
-            self._events.write(tfrecord(event_proto(time.time(), 0,
-                                                    file_version="brain.Event:2")))
+            # Imported here: a run with tensorboard=False does not need the package.
+            from tensorboardX import SummaryWriter
+
+            # One file per writer: tensorboardX names files by the second and the host, and
+            # opens them for writing, so a restart within the same second would overwrite.
+            suffix = f".{os.getpid()}.{next(_SUFFIX)}"
+            self._summary = SummaryWriter(logdir=workdir, filename_suffix=suffix,
+                                          purge_step=purge_step, flush_secs=10)
+            pattern = os.path.join(workdir, f"events.out.tfevents.*{suffix}")
+            (self.events_path,) = glob.glob(pattern)
 
     def write(self, step: int, metrics: dict[str, float]) -> None:
         """Writes one row; values become Python floats (numpy / JAX scalars accepted)."""
@@ -111,16 +64,57 @@ class MetricWriter:
         values = {k: float(np.asarray(v)) for k, v in metrics.items()}
         self._jsonl.write(json.dumps({"step": int(step), **values}) + "\n")
         self._jsonl.flush()
-        if self._events is not None:
-            self._events.write(tfrecord(event_proto(time.time(), int(step), scalars=values)))
-            self._events.flush()
+        if self._summary is not None:
+            for tag, value in values.items():
+                self._summary.add_scalar(tag, value, int(step))
 
     def close(self) -> None:
         if not self.enabled:
             return
         self._jsonl.close()
-        if self._events is not None:
-            self._events.close()
+        if self._summary is not None:
+            self._summary.close()
+
+
+class IntervalMean:
+    """The mean of each training metric over the steps since the last logged row.
+
+    ``add(metrics)`` keeps the step's metrics as they are (device scalars: no wait for the
+    step to finish, so the host can prepare the next batch while the device computes);
+    ``mean()`` reads them, in step order, and starts a new interval. Sums are float64 sums in
+    step order, so a run resumed with ``set_state(get_state())`` logs the same means as one
+    that never stopped.
+    """
+
+    def __init__(self):
+        self._pending, self._sums, self._count = [], {}, 0
+
+    def add(self, metrics: dict) -> None:
+        self._pending.append(metrics)
+
+    def _fold(self) -> None:
+        for metrics in jax.device_get(self._pending):
+            for k, v in metrics.items():
+                self._sums[k] = self._sums.get(k, 0.0) + float(np.asarray(v))
+            self._count += 1
+        self._pending = []
+
+    def mean(self) -> dict[str, float]:
+        """``{name: mean over the interval}``; the next interval starts empty."""
+        self._fold()
+        out = {k: v / self._count for k, v in self._sums.items()} if self._count else {}
+        self._sums, self._count = {}, 0
+        return out
+
+    def get_state(self) -> dict:
+        """The open interval's sums and count (JSON-serialisable, exact)."""
+        self._fold()
+        return {"sums": dict(self._sums), "count": self._count}
+
+    def set_state(self, state: dict) -> None:
+        self._pending = []
+        self._sums = {k: float(v) for k, v in state["sums"].items()}
+        self._count = int(state["count"])
 
 
 def read_jsonl(path: str) -> list[dict]:
