@@ -346,6 +346,23 @@ def test_iterator_state_round_trip_across_epochs():
         resumed.set_state({"epoch": 1, "position": 3, "seed": 2})
 
 
+@pytest.mark.slow
+def test_iterator_worker_processes_give_the_same_batches_and_resume():
+    # Grain worker processes (off by default and in the other tests: they cost seconds).
+    plain = data.DataIterator(_ids(40), batch_size=4, seed=3)
+    expected = [next(plain)["targets"] for _ in range(17)]
+    plain.close()
+    workers = data.DataIterator(_ids(40), batch_size=4, seed=3, worker_count=2)
+    try:
+        assert all(np.array_equal(x, next(workers)["targets"]) for x in expected[:12])
+        state = json.loads(json.dumps(workers.get_state()))
+        assert all(np.array_equal(x, next(workers)["targets"]) for x in expected[12:])
+        workers.set_state(state)
+        assert all(np.array_equal(x, next(workers)["targets"]) for x in expected[12:])
+    finally:
+        workers.close()
+
+
 def test_iterator_epochs_remainder_and_errors():
     it = data.DataIterator(_ids(5), batch_size=2, shuffle=False, num_epochs=2,
                            drop_remainder=False)

@@ -18,6 +18,7 @@ from typing import Any, Iterator
 
 import grain
 import numpy as np
+from absl import flags
 
 
 class ArraySource:
@@ -108,6 +109,9 @@ class DataIterator:
                                  prefetch_buffer_size=prefetch)
         pipeline = self.dataset.to_iter_dataset(read)
         if worker_count:
+            # Grain's workers read absl flags; outside an absl app they are not parsed yet.
+            if not flags.FLAGS.is_parsed():
+                flags.FLAGS.mark_as_parsed()
             pipeline = pipeline.mp_prefetch(
                 grain.MultiprocessingOptions(num_workers=worker_count))
         self.iterator = iter(pipeline)
@@ -122,6 +126,10 @@ class DataIterator:
             raise ValueError(f"{state} is the position of the iterator before the Grain "
                              f"pipeline, whose batches differ: it cannot resume them")
         self.iterator.set_state(state)
+
+    def close(self) -> None:
+        """Stops the read-ahead thread and the worker processes (idempotent)."""
+        self.iterator.close()
 
     def __iter__(self) -> Iterator[dict[str, np.ndarray]]:
         return self

@@ -41,6 +41,9 @@ def base_config(task: str) -> ml_collections.ConfigDict:
     c.mesh = ml_collections.ConfigDict({"data": -1})
     c.sharding = ml_collections.ConfigDict(dict(param_rules=(), compute_rules=()))
     c.batch_size = 32
+    # Grain worker processes producing the training batches (0: one read-ahead thread); a
+    # run resumes with the worker count it was checkpointed with.
+    c.data_workers = 0
     c.num_microbatches = 1
     c.num_train_steps = 10_000
     c.log_every = 50

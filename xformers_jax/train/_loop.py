@@ -106,7 +106,8 @@ def train_and_evaluate(config, workdir: str, *, on_step=None) -> dict:
     # config.batch_size is the global batch: each process reads its share.
     train_iter = DataIterator(task.train, batch_size=config.batch_size // jax.process_count(),
                               seed=config.seed, process_index=jax.process_index(),
-                              process_count=jax.process_count())
+                              process_count=jax.process_count(),
+                              worker_count=config.data_workers)
     # Training metrics are logged as means over the logging interval; the open interval is
     # checkpointed with the iterator so that a resumed run logs the same means.
     interval = IntervalMean()
@@ -182,6 +183,8 @@ def train_and_evaluate(config, workdir: str, *, on_step=None) -> dict:
         return result
     finally:
         bar.close()
+        if hasattr(train_iter, "close"):
+            train_iter.close()
         preemption.restore()
         checkpointer.wait()
         checkpointer.close()
