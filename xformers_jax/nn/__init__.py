@@ -18,6 +18,7 @@ from ._models import Embedder as Embedder
 from ._models import Encoder as Encoder
 from ._models import EncoderClassifier as EncoderClassifier
 from ._models import EncoderDecoder as EncoderDecoder
+from ._electra import Electra as Electra
 from ._norms import AdaNorm as AdaNorm
 from ._norms import LayerNorm as LayerNorm
 from ._norms import Norm as Norm
