@@ -1,10 +1,19 @@
-"""Learning-rate schedules and the optimizer (optax AdamW with clipping)."""
+"""Learning-rate schedules and the optimizer (optax AdamW with clipping).
+
+State space parameters (``nn.SSM_PARAMETERS``: S4D/S5's ``log_dt``, ``A`` and ``B``, Mamba's
+``a_log`` and ``dt_bias``) are never weight-decayed and may have their own learning rate
+(``ssm_schedule``): the S4 line of work trains them with a smaller rate and no decay (Gu et al.
+2022, "Efficiently Modeling Long Sequences with Structured State Spaces"; Gu et al. 2022, S4D),
+and its LRA results depend on it.
+"""
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 import optax
+
+from .. import nn
 
 SCHEDULES = ("constant", "rsqrt", "cosine")
 
@@ -34,16 +43,29 @@ def make_schedule(name: str, *, learning_rate: float, warmup_steps: int,
 
 
 def _decay_mask(params):
-    # Weight decay on matrices only: biases, norm scales and other vectors are not decayed.
-    return jax.tree.map(lambda p: p.ndim >= 2, params)
+    # Weight decay on matrices only: biases, norm scales and other vectors are not decayed,
+    # nor are state space parameters.
+    ssm = nn.ssm_parameters(params)
+    return jax.tree.map(lambda p, s: p.ndim >= 2 and not s, params, ssm)
 
 
 def make_optimizer(schedule: optax.Schedule, *, weight_decay: float, grad_clip_norm: float,
-                   b1: float = 0.9, b2: float = 0.98, eps: float = 1e-9
-                   ) -> optax.GradientTransformation:
-    """Global-norm clipping (skipped when ``grad_clip_norm <= 0``) then AdamW."""
+                   b1: float = 0.9, b2: float = 0.98, eps: float = 1e-9,
+                   ssm_schedule: optax.Schedule | None = None) -> optax.GradientTransformation:
+    """Global-norm clipping (skipped when ``grad_clip_norm <= 0``) then AdamW.
+
+    ``ssm_schedule``: the learning rate of the state space parameters (two optax parameter
+    groups, ``optax.multi_transform``: AdamW for the rest, Adam without weight decay for them);
+    None: one schedule for all (they are still not decayed).
+    """
     adamw = optax.adamw(schedule, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay,
                         mask=_decay_mask)
+    if ssm_schedule is not None:
+        ssm = optax.adam(ssm_schedule, b1=b1, b2=b2, eps=eps)
+        adamw = optax.multi_transform(
+            {"default": adamw, "ssm": ssm},
+            lambda params: jax.tree.map(lambda s: "ssm" if s else "default",
+                                        nn.ssm_parameters(params)))
     if grad_clip_norm > 0:
         return optax.chain(optax.clip_by_global_norm(grad_clip_norm), adamw)
     return adamw
