@@ -58,6 +58,10 @@ class Workload:
     args: tuple
     flops: float | None = None
     grad_argnums: tuple | None = None
+    # For a framework other than JAX (the ``peers`` suite's PyTorch cases): ``native(mode)``
+    # returns the zero-argument callable to time for that mode, synchronous, run as is (no
+    # jit, no compiled-memory figure); ``fn`` and ``args`` are then unused.
+    native: Callable[[str], Callable[[], Any]] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -184,7 +188,10 @@ def run_worker(case_json: str, mode: str, min_repeats: int, budget_s: float) -> 
     baseline = _max_rss_mb()
     spec = json.loads(case_json)
     work: Workload = _import(spec["builder"])(**spec["params"])
-    if mode == "fwd":
+    if work.native is not None:
+        step = work.native(mode)
+        f, args = (lambda: step()), ()
+    elif mode in ("fwd", "step"):  # "step": ``fn`` is a whole training step, jitted as is
         f = jax.jit(work.fn)
     else:
         argnums = work.grad_argnums
@@ -199,18 +206,20 @@ def run_worker(case_json: str, mode: str, min_repeats: int, budget_s: float) -> 
             return sum(jnp.sum(x.astype(jnp.float32)) for x in jax.tree_util.tree_leaves(out))
 
         f = jax.jit(jax.grad(loss, argnums=argnums))
-    median, warm, n = _timed(f, work.args, min_repeats, budget_s)
+    if work.native is None:
+        args = work.args
+    median, warm, n = _timed(f, args, min_repeats, budget_s)
     record = dict(time_s=median, warmup_s=warm, repeats=n, baseline_rss_mb=baseline,
                   peak_rss_mb=_max_rss_mb())
     record["delta_rss_mb"] = record["peak_rss_mb"] - baseline
-    compiled = compiled_memory_mb(f, work.args)
+    compiled = None if work.native is not None else compiled_memory_mb(f, args)
     if compiled is not None:
         record["compiled_mb"] = compiled
     stats = jax.devices()[0].memory_stats() if jax.default_backend() != "cpu" else None
     if stats and "peak_bytes_in_use" in stats:
         record["device_peak_mb"] = stats["peak_bytes_in_use"] / 2**20
     if work.flops:
-        flops = work.flops * (1.0 if mode == "fwd" else FWDBWD_FLOP_FACTOR)
+        flops = work.flops * (FWDBWD_FLOP_FACTOR if mode == "fwdbwd" else 1.0)
         record["gflops"] = flops / median / 1e9
     return record
 
