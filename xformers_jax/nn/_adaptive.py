@@ -1,0 +1,276 @@
+"""Adaptive depth: the Universal Transformer with adaptive computation time, and early exit.
+
+* :class:`ACTStack` (Dehghani et al., 2019, "Universal Transformers", with Graves, 2016,
+  "Adaptive Computation Time for Recurrent Neural Networks"): one shared block applied up to
+  ``max_steps`` times; a halting unit ``p = sigmoid(h w + b)`` per position accumulates until
+  it passes ``threshold``, the step that passes it takes the remainder, and the output is the
+  halting-weighted sum of the block's outputs, ``sum_n p_n s_n`` (Graves's eq. 7; the
+  tensor2tensor code interpolates ``s_n w_n + out (1 - w_n)`` instead, a different mix). The ponder cost ``N + R`` (updates plus
+  remainder) is returned for the loss. Halted positions keep being transformed, so later
+  positions can still attend to them (the Universal Transformer's form); their output is fixed.
+  Causal stacks decode token by token with one cache per step, equal to the parallel form.
+* :class:`EarlyExitClassifier` (Xin et al., 2020, "DeeBERT: Dynamic Early Exiting for
+  Accelerating BERT Inference"; Zhou et al., 2020, "BERT Loses Patience: Fast and Robust
+  Inference with Early Exit"): a classifier after every layer. :meth:`EarlyExitClassifier.exit`
+  runs a batch layer by layer in a ``lax.while_loop`` that stops when every example has exited
+  (DeeBERT: the prediction's entropy falls below a threshold; PABEE: the prediction stayed the
+  same for ``patience`` layers), so the layers after the batch's last exit are not computed; it
+  reports each example's exit layer, the expected layers and the FLOPs saved.
+
+LayerDrop (Fan et al., 2020) lives in :class:`~xformers_jax.nn.LayerStack` (``layerdrop=``).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, NamedTuple
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+
+from ._models import Encoder, pool
+from ._positions import sinusoid
+
+
+class ACTInfo(NamedTuple):
+    """Per-position ponder statistics ``[B, L]``: ``updates`` (N, steps taken), ``remainders``
+    (R); the ponder cost is ``updates + remainders`` (mean it over real positions for the
+    loss)."""
+
+    updates: jax.Array
+    remainders: jax.Array
+
+    @property
+    def ponder_cost(self):
+        return self.updates + self.remainders
+
+
+class ACTStack(eqx.Module):
+    """A Universal Transformer stack with adaptive computation time.
+
+    Args:
+      make_block: ``make_block(key)`` -> a block (e.g. a ``TransformerBlock`` partial);
+        called once: the block is shared by every step.
+      dim: model width. max_steps: the most steps a position may take.
+      threshold: halting threshold (``1 - epsilon``; Graves's epsilon 0.01).
+      halt_bias: initial bias of the halting unit (positive: halt early).
+      key: PRNG key.
+
+    Call: ``x [B, L, dim]`` -> ``(y [B, L, dim], ACTInfo)``.
+    """
+
+    block: eqx.Module
+    halt_w: jax.Array
+    halt_b: jax.Array
+    max_steps: int = eqx.field(static=True)
+    threshold: float = eqx.field(static=True)
+
+    def __init__(self, make_block: Callable, dim: int, max_steps: int, *,
+                 threshold: float = 0.99, halt_bias: float = 1.0, key):
+        if not (isinstance(max_steps, int) and max_steps >= 1):
+            raise ValueError(f"ACTStack: max_steps must be a positive int, got {max_steps!r}")
+        if not 0.0 < threshold <= 1.0:
+            raise ValueError(f"ACTStack: threshold must be in (0, 1], got {threshold}")
+        kb, kh = jax.random.split(key)
+        self.block = make_block(kb)
+        self.halt_w = jax.random.normal(kh, (dim,)) / math.sqrt(dim)
+        self.halt_b = jnp.asarray(halt_bias, jnp.float32)
+        self.max_steps, self.threshold = max_steps, threshold
+
+    def _halting(self, state, carry, t):
+        """One step of the halting bookkeeping; returns the update weight and the new carry."""
+        halting, remainders, updates = carry
+        p = jax.nn.sigmoid(state.astype(jnp.float32) @ self.halt_w + self.halt_b)
+        running = (halting < 1.0).astype(jnp.float32)
+        total = halting + p * running
+        new_halted = (total > self.threshold).astype(jnp.float32) * running
+        # The last step halts whatever is still running (Graves: N(t) <= max steps).
+        if t == self.max_steps - 1:
+            new_halted = running
+        running = running - new_halted
+        halting = halting + p * running
+        remainders = remainders + new_halted * (1.0 - halting)
+        halting = halting + new_halted * (1.0 - halting)
+        updates = updates + running + new_halted
+        weight = p * running + new_halted * remainders
+        return weight, (halting, remainders, updates)
+
+    def _embed_step(self, x, t):
+        return x + sinusoid(jnp.asarray(t), x.shape[-1]).astype(x.dtype)
+
+    def __call__(self, x, *, kv_mask=None, key=None):
+        b, length, _ = x.shape
+        zeros = jnp.zeros((b, length), jnp.float32)
+        carry = (zeros, zeros, zeros)
+        state, out = x, jnp.zeros_like(x)
+        # A Python loop over a static step count (max_steps is small): differentiable, and each
+        # step's halting rule (the last step halts everything) is static.
+        for t in range(self.max_steps):
+            state = self._embed_step(state, t)
+            weight, carry = self._halting(state, carry, t)
+            k = None if key is None else jax.random.fold_in(key, t)
+            state = self.block(state, kv_mask=kv_mask, key=k)
+            w = weight[..., None].astype(x.dtype)
+            out = out + w * state
+        return out, ACTInfo(carry[2], carry[1])
+
+    def init_cache(self, batch: int, max_len: int, dtype=jnp.float32):
+        """One decoding cache per step, stacked on a leading step axis."""
+        one = self.block.init_cache(batch, max_len, dtype)
+        return jax.tree_util.tree_map(lambda a: jnp.broadcast_to(a, (self.max_steps, *a.shape)),
+                                      one)
+
+    def decode(self, x, caches):
+        """One token through every step: ``x [B, 1, dim]`` -> ``(y, caches)``; equal to the
+        token's row of the parallel form for a causal block."""
+        dyn, static = eqx.partition(caches, eqx.is_array)
+        b = x.shape[0]
+        zeros = jnp.zeros((b, 1), jnp.float32)
+        carry = (zeros, zeros, zeros)
+        state, out, news = x, jnp.zeros_like(x), []
+        for t in range(self.max_steps):
+            state = self._embed_step(state, t)
+            weight, carry = self._halting(state, carry, t)
+            cache = eqx.combine(jax.tree_util.tree_map(lambda a: a[t], dyn), static)
+            state, cache = self.block.decode(state, cache)
+            news.append(eqx.filter(cache, eqx.is_array))
+            w = weight[..., None].astype(x.dtype)
+            out = out + w * state
+        new = jax.tree_util.tree_map(lambda *a: jnp.stack(a), *news)
+        return out, eqx.combine(new, static)
+
+
+class ExitResult(NamedTuple):
+    """What :meth:`EarlyExitClassifier.exit` returns.
+
+    Attributes:
+      logits: ``[B, C]``, each example's prediction at its exit.
+      exit_layer: ``int32[B]``, the layer (1-based) each example exited after.
+      layers_run: the layers the batch actually computed (the last example's exit).
+      expected_layers: the mean exit layer (the per-example cost, as the papers report it).
+      flops_saved: ``1 - expected_layers / num_layers`` (the layers' share; the embedding and
+        the exit classifiers are not counted).
+    """
+
+    logits: jax.Array
+    exit_layer: jax.Array
+    layers_run: jax.Array
+    expected_layers: jax.Array
+    flops_saved: jax.Array
+
+
+CRITERIA = ("entropy", "patience")
+
+
+def _entropy(logits):
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    return -jnp.sum(jnp.exp(logp) * logp, axis=-1)
+
+
+class EarlyExitClassifier(eqx.Module):
+    """An encoder classifier with an exit classifier after every layer.
+
+    ``__call__`` returns every exit's logits ``[num_layers, B, C]`` (train with
+    :func:`early_exit_loss`); :meth:`exit` runs the early-exit inference.
+    Arguments as :class:`~xformers_jax.nn.EncoderClassifier` (``pooling`` "mean" or "cls").
+    """
+
+    encoder: Encoder
+    heads: jax.Array
+    pooling: str = eqx.field(static=True)
+
+    def __init__(self, num_classes, dim, num_layers, num_heads, hidden, *, pooling="mean",
+                 vocab_size=None, input_dim=None, max_len=512, block=None, key):
+        k1, k2 = jax.random.split(key)
+        self.encoder = Encoder(dim, num_layers, num_heads, hidden, vocab_size=vocab_size,
+                               input_dim=input_dim, cls_token=pooling == "cls", max_len=max_len,
+                               block=block, key=k1)
+        self.heads = jax.random.normal(k2, (num_layers, dim, num_classes)) / math.sqrt(dim)
+        self.pooling = pooling
+
+    @property
+    def num_layers(self) -> int:
+        return self.heads.shape[0]
+
+    def _layer(self, i, x, mask):
+        dynamic, static = self.encoder.layers.per_layer()
+        block = eqx.combine(jax.tree_util.tree_map(lambda a: a[i], dynamic), static)
+        return block(x, kv_mask=mask)
+
+    def _head(self, i, x, mask):
+        h = x if self.encoder.final_norm is None else self.encoder.final_norm(x)
+        return pool(h, mask, self.pooling) @ self.heads[i].astype(h.dtype)
+
+    def __call__(self, inputs, *, mask=None):
+        """Every exit's logits, ``[num_layers, B, C]``."""
+        x, mask = self.encoder.embed(inputs, mask=mask)
+
+        def step(x, i):
+            x = self._layer(i, x, mask)
+            return x, self._head(i, x, mask)
+
+        _, logits = jax.lax.scan(step, x, jnp.arange(self.num_layers))
+        return logits
+
+    def exit(self, inputs, *, mask=None, criterion: str = "entropy", threshold: float = 0.5,
+             patience: int = 2) -> ExitResult:
+        """Early-exit inference on a batch.
+
+        ``criterion="entropy"`` (DeeBERT): an example exits after the first layer whose
+        prediction has entropy below ``threshold`` (nats). ``"patience"`` (PABEE): it exits
+        after the layer at which its prediction has been unchanged for ``patience``
+        consecutive layers. Examples that never meet the criterion exit after the last layer.
+        Layers run for the whole batch until its last example exits, then stop.
+        """
+        if criterion not in CRITERIA:
+            raise ValueError(f"EarlyExitClassifier.exit: criterion must be one of {CRITERIA}, "
+                             f"got {criterion!r}")
+        if criterion == "patience" and isinstance(patience, (int, float)) and patience < 1:
+            raise ValueError(f"EarlyExitClassifier.exit: patience must be at least 1, got "
+                             f"{patience!r}")
+        x, mask = self.encoder.embed(inputs, mask=mask)
+        b, n = x.shape[0], self.num_layers
+        c = self.heads.shape[-1]
+        init = (x, jnp.int32(0), jnp.zeros((b,), bool), jnp.full((b,), n, jnp.int32),
+                jnp.zeros((b, c), jnp.float32), jnp.full((b,), -1, jnp.int32),
+                jnp.zeros((b,), jnp.int32))
+
+        def cond(carry):
+            return (carry[1] < n) & ~jnp.all(carry[2])
+
+        def body(carry):
+            x, i, done, layer, out, prev, count = carry
+            x = self._layer(i, x, mask)
+            logits = self._head(i, x, mask).astype(jnp.float32)
+            pred = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+            if criterion == "entropy":
+                now = _entropy(logits) < threshold
+            else:
+                count = jnp.where(pred == prev, count + 1, 0)
+                now = count >= patience
+            now = (now | (i == n - 1)) & ~done
+            layer = jnp.where(now, i + 1, layer)
+            out = jnp.where(now[:, None], logits, out)
+            return x, i + 1, done | now, layer, out, pred, count
+
+        _, ran, _, layer, out, _, _ = jax.lax.while_loop(cond, body, init)
+        expected = jnp.mean(layer.astype(jnp.float32))
+        return ExitResult(out, layer, ran, expected, 1.0 - expected / n)
+
+
+def early_exit_loss(all_logits, labels, *, weighting: str = "pabee"):
+    """Cross-entropy over every exit, ``all_logits [N, B, C]``, ``labels int[B]``:
+    ``"pabee"`` weights layer ``i`` by ``i`` (Zhou et al.'s weighted average), ``"mean"`` the
+    plain average (DeeBERT trains the exits on a frozen encoder; averaging is its joint form)."""
+    n = all_logits.shape[0]
+    logp = jax.nn.log_softmax(all_logits.astype(jnp.float32), axis=-1)
+    nll = -jnp.mean(jnp.take_along_axis(logp, labels[None, :, None], axis=-1)[..., 0], axis=1)
+    if weighting == "pabee":
+        w = jnp.arange(1, n + 1, dtype=jnp.float32)
+    elif weighting == "mean":
+        w = jnp.ones((n,), jnp.float32)
+    else:
+        raise ValueError(f"early_exit_loss: weighting must be 'pabee' or 'mean', got "
+                         f"{weighting!r}")
+    return jnp.sum(w * nll) / jnp.sum(w)
