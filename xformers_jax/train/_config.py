@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ml_collections
 
+from . import _compress
 from ._optim import SCHEDULES
 from ._tasks import get_task
 
@@ -60,6 +61,7 @@ def base_config(task: str) -> ml_collections.ConfigDict:
     c.tensorboard = True
     c.progress_bar = True
     c.plot = True  # experiments/train.py draws workdir/curves.png at the end (matplotlib)
+    _compress.add_defaults(c)  # quantize, calibration, prune, distill
     return c
 
 
@@ -92,6 +94,7 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
     if config.optim.schedule not in SCHEDULES:
         raise ValueError(f"optim.schedule must be one of {SCHEDULES}, got "
                          f"{config.optim.schedule!r}")
+    _compress.validate(config)
     if config.precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}, got {config.precision!r}")
     if config.model.pooling not in POOLINGS:

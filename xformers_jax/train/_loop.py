@@ -12,6 +12,7 @@ from absl import logging
 from .. import axes as X
 from .. import nn
 from ..data import DataIterator
+from . import _compress as C
 from ._checkpoint import Checkpointer
 from ._config import validate_config
 from ._loss_scale import DynamicLossScale
@@ -92,6 +93,8 @@ def train_and_evaluate(config, workdir: str, *, on_step=None) -> dict:
     init_key, state_key = jax.random.split(jax.random.PRNGKey(config.seed))
     shards = resolve_mesh(config.mesh).get(X.SEQUENCE, 1)
     model = build_model(config.model, task, init_key, sequence_shards=shards)
+    teacher = C.load_teacher(config, task, init_key) if config.distill.teacher else None
+    model = C.prepare_model(config, model, teacher)  # DistilBERT init, QAT
     o = config.optim
     schedule = make_schedule(o.schedule, learning_rate=o.learning_rate,
                              warmup_steps=o.warmup_steps, total_steps=config.num_train_steps)
@@ -101,6 +104,7 @@ def train_and_evaluate(config, workdir: str, *, on_step=None) -> dict:
     optimizer = make_optimizer(schedule, weight_decay=o.weight_decay,
                                grad_clip_norm=o.grad_clip_norm, b1=o.b1, b2=o.b2,
                                ssm_schedule=ssm_schedule)
+    optimizer = C.wrap_optimizer(config, optimizer)  # pruning masks
     policy, loss_scale = _precision(config)
     state = create_train_state(model, optimizer, state_key, loss_scale=loss_scale)
     plan = make_sharding_plan(config, state, optimizer)
@@ -128,7 +132,9 @@ def train_and_evaluate(config, workdir: str, *, on_step=None) -> dict:
         logging.info("resumed from step %d", int(state.step))
     else:
         state = plan.place_state(state)
-    train_step = make_train_step(make_loss_fn(task, policy), optimizer,
+    loss_fn = make_loss_fn(task, policy) if teacher is None else \
+        C.distill_loss_fn(config, task, teacher)
+    train_step = make_train_step(loss_fn, optimizer,
                                  num_microbatches=config.num_microbatches, loss_scale=loss_scale,
                                  sharding=plan)
     eval_step = make_eval_step(make_metrics_fn(task, policy), sharding=plan)
@@ -180,6 +186,7 @@ def train_and_evaluate(config, workdir: str, *, on_step=None) -> dict:
         result = {"step": step, "best_step": int(best_state.step)}
         result |= {f"validation_{k}": v for k, v in validation.items()}
         result |= {f"test_{k}": v for k, v in test.items()}
+        result |= C.finish(config, task, best_state.model, evaluate, eval_step, workdir)
         majority = _majority_accuracy(task)
         if majority is not None:
             result["test_majority_accuracy"] = majority

@@ -57,6 +57,8 @@ class TaskSpec:
         over them (examples, or tokens for language modelling).
       classification: one label per example (the trainer reports the majority-class
         baseline beside the test accuracy).
+      loss: ``loss(model, batch, task, key) -> (scalar, {"accuracy", ...})`` for a task
+        with its own objective (ELECTRA); ``key`` is None in evaluation.
     """
 
     name: str
@@ -65,6 +67,7 @@ class TaskSpec:
     model: Callable
     logits: Callable
     classification: bool = True
+    loss: Callable | None = None
 
 
 TASKS: dict[str, TaskSpec] = {}
@@ -263,6 +266,8 @@ def make_loss_fn(task: Task, policy: nn.Policy | None = None):
     examples (classification) or tokens (language modelling). ``policy`` (``nn.Policy``) runs
     the model in its compute dtype; the loss is always float32."""
     def loss_fn(model, batch, key):
+        if spec_of(task).loss is not None:
+            return spec_of(task).loss(model, batch, task, key)
         logits = _policy_logits(model, batch, task, key, policy)
         labels = batch["targets"]
         loss = optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
@@ -274,6 +279,11 @@ def make_metrics_fn(task: Task, policy: nn.Policy | None = None):
     """``metrics_fn(model, batch) -> {"loss_sum", "correct", "count"}`` (sums over examples,
     or over tokens for language modelling, for eval)."""
     def metrics_fn(model, batch):
+        if spec_of(task).loss is not None:
+            loss, metrics = spec_of(task).loss(model, batch, task, None)
+            n = jnp.asarray(batch["inputs"].shape[0])
+            return {"loss_sum": loss * n, "correct": metrics["accuracy"] * n,
+                    "count": n}
         logits = _policy_logits(model, batch, task, None, policy)
         labels = batch["targets"]
         return {"loss_sum": optax.softmax_cross_entropy_with_integer_labels(logits,
