@@ -191,3 +191,42 @@ def test_early_exit_loss_weights_the_exits():
                                (per * jnp.arange(1, NL + 1)).sum() / 6, rtol=1e-6)
     np.testing.assert_allclose(nn.early_exit_loss(logits, labels, weighting="mean"),
                                per.mean(), rtol=1e-6)
+
+
+# --- LayerDrop (Fan et al., 2020) ---------------------------------------------------------------
+
+def _drop_stack(rate):
+    make = lambda k: nn.TransformerBlock(DIM, HEADS, HIDDEN, max_len=L, key=k)  # noqa: E731
+    return nn.LayerStack(make, 4, layerdrop=rate, key=jax.random.PRNGKey(7))
+
+
+def test_layerdrop_skips_dropped_layers_and_prunes():
+    stack, x = _drop_stack(0.5), _x(8)
+    key = next(k for k in (jax.random.PRNGKey(i) for i in range(50))
+               if 0 < int(stack.dropped_layers(k).sum()) < 4)
+    dropped = np.asarray(stack.dropped_layers(key))
+    run = eqx.filter_jit(lambda s, x, k: s(x, key=k))
+    out = run(stack, x, key)
+    # The same as running only the kept layers.
+    kept = stack.prune(np.flatnonzero(~dropped))
+    assert kept.num_layers == int((~dropped).sum())
+    assert_close(out, kept(x))
+    # A dropped layer is not computed: NaN parameters in it leave the output finite (a layer
+    # multiplied by zero would give NaN), and in a kept layer they do not.
+    poison = lambda which: eqx.tree_at(  # noqa: E731
+        lambda s: s.layers.ffn, stack, jax.tree_util.tree_map(
+            lambda a: a.at[which].set(jnp.nan) if eqx.is_inexact_array(a) else a,
+            stack.layers.ffn))
+    assert bool(jnp.isfinite(run(poison(int(np.flatnonzero(dropped)[0])), x, key)).all())
+    assert not bool(jnp.isfinite(run(poison(int(np.flatnonzero(~dropped)[0])), x, key)).all())
+    # Gradients flow through the kept layers only.
+    params, static = eqx.partition(stack, eqx.is_inexact_array)
+    g = jax.grad(lambda p: jnp.sum(run(eqx.combine(p, static), x, key) ** 2))(params)
+    per_layer = np.asarray(jnp.abs(g.layers.ffn.w1).sum(axis=(1, 2)))
+    np.testing.assert_array_equal(per_layer == 0, dropped)
+    # No key or inference: every layer runs.
+    assert_close(stack(x), _drop_stack(0.0)(x))
+    with pytest.raises(ValueError, match="layerdrop must be in"):
+        _drop_stack(1.0)
+    with pytest.raises(ValueError, match="keep must be layer indices"):
+        stack.prune([4])
