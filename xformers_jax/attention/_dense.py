@@ -10,6 +10,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jaxtyping import Array, Bool, Float
 
 from . import _contract as C
 from ..kernels import _tiles
@@ -34,12 +35,12 @@ def combined_pattern(name: str, pattern: Pattern | None, causal: bool) -> Patter
 
 
 def dot_product_attention(
-    q,
-    k,
-    v,
+    q: Float[Array, "q_seq qk_dim"],
+    k: Float[Array, "kv_seq qk_dim"],
+    v: Float[Array, "kv_seq v_dim"],
     *,
     causal: bool = False,
-    kv_mask=None,
+    kv_mask: Bool[Array, "kv_seq"] | None = None,
     segment_ids=None,
     bias=None,
     pattern: Pattern | None = None,
@@ -47,7 +48,8 @@ def dot_product_attention(
     dropout_rate: float = 0.0,
     key=None,
     return_weights: bool = False,
-):
+) -> (Float[Array, "q_seq v_dim"]
+      | tuple[Float[Array, "q_seq v_dim"], Float[Array, "q_seq kv_seq"]]):
     """Dense softmax attention for one sequence and one head.
 
     ``softmax(q k^T * scale + bias, masked) v``, with the full ``[Lq, Lk]`` score matrix in

@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 
 import numpy as np
+from jaxtyping import Array, Bool, Float
 
 from . import _contract as C
 from ..kernels import _dispatch
@@ -104,12 +105,12 @@ def _run(name, x, layout, *, kv_mask, segs, bias, scale, dropout_rate, key, retu
 
 
 def flash_attention(
-    q,
-    k,
-    v,
+    q: Float[Array, "q_seq qk_dim"],
+    k: Float[Array, "kv_seq qk_dim"],
+    v: Float[Array, "kv_seq v_dim"],
     *,
     causal: bool = False,
-    kv_mask=None,
+    kv_mask: Bool[Array, "kv_seq"] | None = None,
     segment_ids=None,
     bias=None,
     pattern: Pattern | None = None,
@@ -120,7 +121,7 @@ def flash_attention(
     block_k: int | None = None,
     return_lse: bool = False,
     implementation: str | None = None,
-):
+) -> Float[Array, "q_seq v_dim"] | tuple[Float[Array, "q_seq v_dim"], Float[Array, "q_seq"]]:
     """Exact softmax attention in O(L) memory, without the ``[Lq, Lk]`` score matrix.
 
     Equal to :func:`dot_product_attention` with the same arguments (up to float rounding),
@@ -168,13 +169,13 @@ def flash_attention(
 
 
 def block_sparse_attention(
-    q,
-    k,
-    v,
+    q: Float[Array, "q_seq qk_dim"],
+    k: Float[Array, "kv_seq qk_dim"],
+    v: Float[Array, "kv_seq v_dim"],
     layout: BlockLayout | Pattern,
     *,
     causal: bool = False,
-    kv_mask=None,
+    kv_mask: Bool[Array, "kv_seq"] | None = None,
     segment_ids=None,
     bias=None,
     scale: float | None = None,
@@ -184,7 +185,7 @@ def block_sparse_attention(
     block_k: int | None = None,
     return_lse: bool = False,
     implementation: str | None = None,
-):
+) -> Float[Array, "q_seq v_dim"] | tuple[Float[Array, "q_seq v_dim"], Float[Array, "q_seq"]]:
     """Exact softmax attention over only the tiles a block layout keeps.
 
     Time and memory are proportional to the number of non-empty tiles. ``layout`` is a

@@ -14,6 +14,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jaxtyping import Array, Bool, Float, Int
 
 from .. import attention as A
 from .. import axes as X
@@ -150,7 +151,11 @@ class MultiHeadAttention(eqx.Module):
         o = constrain(o, _HEADS)
         return constrain(o.reshape(b, lq, -1) @ self.wo.astype(o.dtype), _EMBED)
 
-    def __call__(self, x, context=None, *, kv_mask=None, q_mask=None, positions=None, key=None,
+    def __call__(self, x: Float[Array, "batch q_seq dim"],
+                 context: Float[Array, "batch kv_seq kv_dim"] | None = None, *,
+                 kv_mask: Bool[Array, "batch kv_seq"] | None = None,
+                 q_mask: Bool[Array, "batch q_seq"] | None = None,
+                 positions: Int[Array, "batch q_seq"] | None = None, key=None,
                  state=None, inference=False):
         """x: ``[B, Lq, dim]``; context: ``[B, Lk, kv_dim]`` for cross attention (None for
         self attention); kv_mask: ``bool[B, Lk]``; q_mask: ``bool[B, Lq]``, the real queries

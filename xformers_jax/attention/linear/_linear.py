@@ -25,6 +25,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jaxtyping import Array, Bool, Float
 
 from .. import _contract as C
 from ._feature_maps import FeatureMap, resolve_feature_map
@@ -131,13 +132,13 @@ def _prepare(name, q, k, v, arrays, feature_map, causal, kv_mask, scale, gate_lo
 
 
 def linear_attention(
-    q,
-    k,
-    v,
+    q: Float[Array, "q_seq qk_dim"],
+    k: Float[Array, "kv_seq qk_dim"],
+    v: Float[Array, "kv_seq v_dim"],
     *feature_arrays,
     feature_map="elu",
     causal: bool = False,
-    kv_mask=None,
+    kv_mask: Bool[Array, "kv_seq"] | None = None,
     scale: float | None = None,
     gate_logits=None,
     log_decay=None,
@@ -145,7 +146,7 @@ def linear_attention(
     chunk_size: int = 64,
     eps: float = 1e-6,
     key=None,
-):
+) -> Float[Array, "q_seq v_dim"]:
     """Kernelized attention ``phi(Q) (phi(K)^T V)``, normalised, in time linear in length.
 
     Linear Transformer (Katharopoulos et al., 2020), Performer (Choromanski et al., 2021) and
@@ -192,19 +193,19 @@ def linear_attention(
 
 
 def performer_attention(
-    q,
-    k,
-    v,
-    projection,
+    q: Float[Array, "q_seq qk_dim"],
+    k: Float[Array, "kv_seq qk_dim"],
+    v: Float[Array, "kv_seq v_dim"],
+    projection: Float[Array, "features qk_dim"],
     *,
     kernel: str = "softmax",
     causal: bool = False,
-    kv_mask=None,
+    kv_mask: Bool[Array, "kv_seq"] | None = None,
     scale: float | None = None,
     implementation: str = "chunked",
     chunk_size: int = 64,
     key=None,
-):
+) -> Float[Array, "q_seq v_dim"]:
     """Performer attention with FAVOR+ (Choromanski et al. 2021).
 
     ``kernel="softmax"`` uses positive orthogonal random features, stabilised as described in
