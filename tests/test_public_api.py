@@ -109,3 +109,20 @@ def test_readme_table_is_read():
     assert ("xformers_jax.attention", "flash_attention") in names
     assert ("xformers_jax.attention.patterns", "BigBird") in names
     assert len(names) > 60
+
+
+# Lighter models: quantization, pruning, distillation.
+COMPRESS_NAMES = {
+    "FakeQuantWeight", "Int4Weight", "MATMUL_WEIGHTS", "PruneState", "QuantizedWeight",
+    "TinyBertProjections", "absmax_scale", "apply_masks", "attention_map_loss", "calibrate",
+    "cosine_hidden_loss", "dequantize", "dequantize_model", "distilbert_init", "drop_layers",
+    "fake_quant", "gradual_sparsity", "head_importance", "head_masks", "hidden_mse_loss",
+    "hidden_states", "int8_matmul", "kd_loss", "layer_map", "lottery_ticket", "magnitude_masks",
+    "masks_of", "model_bytes", "ones_masks", "prune_transform", "quantize", "quantize_model",
+    "rewind", "sparsity_report", "tinybert_loss",
+}
+
+
+def test_compress_names_are_pinned():
+    assert _public(importlib.import_module("xformers_jax.compress")) == COMPRESS_NAMES
+    assert hasattr(importlib.import_module("xformers_jax.nn"), "Electra")

@@ -1,0 +1,70 @@
+"""Lighter models on the ListOps main job (and ELECTRA on byte-level text): quantization,
+pruning, distillation.
+
+  python -m experiments.train --config=experiments/configs/compress.py:METHOD[,runlocal] \
+      --workdir=runs/METHOD
+
+The model is the README's main job (``lra/listops.py:transformer,main``: 2 layers, dim 64,
+800 steps) with dense attention; ``runlocal`` uses the smaller ListOps runlocal data and 400
+steps. METHOD:
+
+- ``teacher``: the float model, then after training int8 post-training quantization
+  (activations calibrated by max on 4 training batches) and 25% of heads pruned by
+  importance, each evaluated on the test split (``test_accuracy_int8``,
+  ``test_accuracy_heads_pruned``, checkpoint and array bytes of both models).
+- ``int4``: as ``teacher`` with weight-only int4 instead of int8.
+- ``qat``: trained with fake quantization (straight-through estimator), then int8.
+- ``prune``: 50% unstructured magnitude pruning per layer on Zhu & Gupta's schedule (pruning
+  every 50 steps until 3/4 of the run).
+- ``student``: a 1-layer student distilled from a 2-layer teacher
+  (``--config.distill.teacher=runs/teacher``): alpha 0.5, T 2, DistilBERT init from every
+  other teacher layer and its cosine loss. ``scratch``: the same student without a teacher.
+- ``electra``: ELECTRA pre-training (``nn.Electra``, generator at a quarter width,
+  discriminator weight 50) on the standard library's bytes, 128-byte windows.
+"""
+
+from experiments.configs.lra import listops
+from xformers_jax import train
+
+METHODS = ("teacher", "int4", "qat", "prune", "student", "scratch", "electra")
+
+
+def _electra(runlocal: bool):
+    c = train.base_config("electra")
+    c.data.update(dict(seq_len=128, num_eval=64, num_test=128))
+    c.model.update(dict(dim=64, num_layers=2, num_heads=4, hidden=128))
+    c.optim.update(dict(learning_rate=1e-3, warmup_steps=50, schedule="cosine",
+                        weight_decay=0.01))
+    c.update(dict(batch_size=16, num_train_steps=200 if runlocal else 800, log_every=20,
+                  eval_every=100, checkpoint_every=100))
+    c.lock()
+    return c
+
+
+def get_config(arg=None):
+    parts = [p for p in (arg or "teacher").split(",") if p]
+    method, sizes = parts[0], parts[1:]
+    if method not in METHODS or set(sizes) - {"runlocal"}:
+        raise ValueError(f"compress config: METHOD[,runlocal] with METHOD one of {METHODS}, "
+                         f"got {arg!r}")
+    runlocal = "runlocal" in sizes
+    if method == "electra":
+        return _electra(runlocal)
+    c = listops.get_config("transformer," + ("runlocal" if runlocal else "main"))
+    c.unlock()
+    c.calibration.num_batches = 4
+    if method in ("teacher", "int4"):
+        c.quantize = "int8" if method == "teacher" else "int4"
+        c.prune.heads = 0.25
+    elif method == "qat":
+        c.quantize = "qat"
+    elif method == "prune":
+        c.prune.update(dict(sparsity=0.5, scope="layer", frequency=50))
+    elif method in ("student", "scratch"):
+        c.distill.update(dict(num_layers=c.model.num_layers))
+        c.model.num_layers = c.model.num_layers // 2
+        if method == "student":
+            c.distill.update(dict(teacher="runs/teacher", alpha=0.5, temperature=2.0,
+                                  cosine=1.0, init="every_other"))
+    c.lock()
+    return c
