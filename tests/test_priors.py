@@ -232,3 +232,15 @@ def test_priors_jit_vmap_grad_and_bf16_through_multihead():
         q.astype(jnp.bfloat16), k.astype(jnp.bfloat16), v.astype(jnp.bfloat16))
     assert out16.dtype == jnp.bfloat16
     assert_close(out16, ref, EXACT, dtype=jnp.bfloat16)
+
+
+def test_average_attention_language_model_decodes_as_its_forward():
+    import equinox as eqx
+    import xformers_jax.nn as nn
+
+    model = nn.CausalLM(20, 16, 1, 2, 32, max_len=L,
+                        block=dict(spec=nn.AttentionSpec("average")), key=jax.random.PRNGKey(0))
+    tokens = jax.random.randint(jax.random.PRNGKey(1), (2, L), 0, 20)
+    full = eqx.filter_jit(model)(tokens)
+    steps, _ = eqx.filter_jit(model.prefill)(tokens, model.init_cache(2, L))
+    assert_close(steps, full)

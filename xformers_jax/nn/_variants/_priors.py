@@ -86,8 +86,12 @@ def _average_init_state(batch, heads, dk, dv, params, **hp):
 
 
 def _average_step(state, q, k, v, params, **hp):
-    gate = jax.tree_util.tree_map(lambda a: jnp.broadcast_to(a, (q.shape[0], *a.shape)), params)
-    return _grouped_step(A.average_attention_step, state, q, k, v, gate)
+    w, b = (jnp.broadcast_to(a, (q.shape[0], *a.shape)) for a in params)
+
+    def one(state, q, k, v, w, b):
+        return A.average_attention_step(state, q, k, v, A.AverageGate(w, b))
+
+    return _grouped_step(one, state, q, k, v, w, b)
 
 
 register_variant(Variant.from_kind(
