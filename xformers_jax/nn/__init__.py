@@ -5,11 +5,6 @@ Name an attention with :class:`AttentionSpec` (``kind`` plus hyperparameters, fr
 in :mod:`._registry`); every model accepts it through ``block=dict(spec=...)``.
 """
 
-from ._adaptive import ACTInfo as ACTInfo
-from ._adaptive import ACTStack as ACTStack
-from ._adaptive import EarlyExitClassifier as EarlyExitClassifier
-from ._adaptive import ExitResult as ExitResult
-from ._adaptive import early_exit_loss as early_exit_loss
 from ._attention import MultiHeadAttention as MultiHeadAttention
 from ._attention import check_sequence_parallel as check_sequence_parallel
 from ._attention import redraw_random_features as redraw_random_features
@@ -17,13 +12,23 @@ from ._blocks import TransformerBlock as TransformerBlock
 from ._cache import KVCache as KVCache
 from ._cache import RecurrentCache as RecurrentCache
 from ._ffn import FeedForward as FeedForward
+from ._ffns import FFNKind as FFNKind
+from ._ffns import FFNSpec as FFNSpec
+from ._ffns import FFNVariant as FFNVariant
+from ._ffns import aux_losses as aux_losses
+from ._ffns import aux_metrics as aux_metrics
+from ._ffns import get_ffn as get_ffn
+from ._ffns import register_ffn as register_ffn
+from ._ffns import registered_ffns as registered_ffns
+from ._moe import MoEFeedForward as MoEFeedForward
+from ._moe import ProductKeyMemory as ProductKeyMemory
+from ._moe import SparseFeedForward as SparseFeedForward
 from ._models import CausalLM as CausalLM
 from ._models import DualEncoder as DualEncoder
 from ._models import Embedder as Embedder
 from ._models import Encoder as Encoder
 from ._models import EncoderClassifier as EncoderClassifier
 from ._models import EncoderDecoder as EncoderDecoder
-from ._electra import Electra as Electra
 from ._norms import AdaNorm as AdaNorm
 from ._norms import LayerNorm as LayerNorm
 from ._norms import Norm as Norm

@@ -23,6 +23,7 @@ from .. import axes as X
 from ..axes import constrain
 from ._attention import MultiHeadAttention
 from ._ffn import FeedForward
+from ._ffns import FFNSpec, call_ffn
 from ._mixer import MixerSpec, make_mixer
 from ._norms import StatefulNorm, make_norm
 from ._positions import PositionScheme
@@ -40,6 +41,10 @@ class TransformerBlock(eqx.Module):
         attention. cross: add a cross-attention sublayer. placement: see module docstring.
       norm: ``"layer"``, ``"rms"``, ``"scaled_l2"``, ``"ada"`` or ``"power"``.
       activation, chunk_size: of the :class:`FeedForward`. num_kv_heads: GQA/MQA.
+      ffn: an :class:`~xformers_jax.nn.FFNSpec` naming the feed-forward kind (default the
+        dense :class:`FeedForward`; mixtures of experts, product-key memory, ...: see
+        :mod:`._ffns` for the call contract and the auxiliary outputs ``return_aux=True``
+        returns).
       position: a ``"qk"`` or ``"bias"`` position scheme for self attention.
       mixer: a :class:`~xformers_jax.nn.MixerSpec` (S4D, Mamba, RetNet, FNet, gMLP, ...; see
         :mod:`xformers_jax.mixers`): the token mixer replaces the self-attention sublayer
@@ -49,7 +54,7 @@ class TransformerBlock(eqx.Module):
 
     attn: MultiHeadAttention
     cross: MultiHeadAttention | None
-    ffn: FeedForward
+    ffn: eqx.Module
     norms: tuple
     gains: jax.Array
     placement: str = eqx.field(static=True)
@@ -59,7 +64,8 @@ class TransformerBlock(eqx.Module):
                  cross: bool = False, placement: str = "pre", norm: str = "layer",
                  activation: str = "gelu", chunk_size: int | None = None,
                  num_kv_heads: int | None = None, position: PositionScheme | None = None,
-                 max_len: int = 512, mixer: MixerSpec | None = None, key):
+                 max_len: int = 512, ffn: FFNSpec | None = None,
+                 mixer: MixerSpec | None = None, key):
         if placement not in PLACEMENTS:
             raise ValueError(f"TransformerBlock: placement must be one of {PLACEMENTS}, got "
                              f"{placement!r}")
@@ -74,7 +80,8 @@ class TransformerBlock(eqx.Module):
                                            num_kv_heads=num_kv_heads, position=position,
                                            max_len=max_len, key=ka)
         self.cross = MultiHeadAttention(dim, num_heads, key=kc) if cross else None
-        self.ffn = FeedForward(dim, hidden, activation, chunk_size=chunk_size, key=kf)
+        self.ffn = (ffn or FFNSpec()).build(dim, hidden, activation=activation, causal=causal,
+                                            chunk_size=chunk_size, key=kf)
         n = 3 if cross else 2
         self.norms = tuple(make_norm(norm, dim) for _ in range(n)) if placement in (
             "pre", "post") else ()
@@ -104,24 +111,38 @@ class TransformerBlock(eqx.Module):
         return x + y, state
 
     def sublayers(self, *, kv_mask=None, context=None, context_mask=None, positions=None,
-                  key=None):
-        """The residual branch functions ``x -> f(x)`` in order (without norms)."""
+                  key=None, tokens=None, inference=False, aux=None):
+        """The residual branch functions ``x -> f(x)`` in order (without norms); the FFN's
+        auxiliary outputs (:mod:`._ffns`) are written into the dict ``aux`` when given."""
         fs = [lambda h: self.attn(h, kv_mask=kv_mask, positions=positions, key=key)]
         if self.cross is not None:
             fs.append(lambda h: self.cross(h, context, kv_mask=context_mask, q_mask=kv_mask))
-        fs.append(self.ffn)
+        ffn_key = None if key is None else jax.random.fold_in(key, 1)
+
+        def ffn(h):
+            y, a = call_ffn(self.ffn, h, mask=kv_mask, tokens=tokens, key=ffn_key,
+                            inference=inference)
+            if aux is not None:
+                aux.update(a)
+            return y
+
+        fs.append(ffn)
         return fs
 
     def __call__(self, x, state=None, *, kv_mask=None, context=None, context_mask=None,
-                 positions=None, key=None, inference=False):
-        """x: ``[B, L, dim]``; kv_mask: ``bool[B, L]``; context ``[B, Lc, dim]`` with
-        context_mask ``bool[B, Lc]`` for cross attention. Returns ``y``, or ``(y, state)``
-        when an ``eqx.nn.State`` is passed (stateful norms or attention need one)."""
+                 positions=None, key=None, inference=False, tokens=None, return_aux=False):
+        """x: ``[B, L, dim]``; kv_mask: ``bool[B, L]``; tokens: ``int[B, L]`` (the token ids,
+        for hash-routed FFNs); context ``[B, Lc, dim]`` with context_mask ``bool[B, Lc]`` for
+        cross attention. Returns ``y``, or ``(y, state)`` when an ``eqx.nn.State`` is passed
+        (stateful norms or attention need one). With ``return_aux`` the result is ``(that,
+        aux)``, ``aux`` the FFN's dict of auxiliary outputs (see :mod:`._ffns`)."""
         if (context is None) != (self.cross is None):
             raise ValueError("TransformerBlock: pass `context` exactly when the block has cross "
                              "attention (cross=True)")
+        aux = {}
         fs = self.sublayers(kv_mask=kv_mask, context=context, context_mask=context_mask,
-                            positions=positions, key=key)
+                            positions=positions, key=key, tokens=tokens, inference=inference,
+                            aux=aux)
         x = constrain(x, _EMBED)
         stateful = self.attn.state_index is not None
         if stateful:
@@ -131,7 +152,8 @@ class TransformerBlock(eqx.Module):
             x, state = self._residual(i, x, f, state, kv_mask, inference,
                                       threads_state=stateful and i == 0)
             x = constrain(x, _EMBED)
-        return x if state is None else (x, state)
+        out = x if state is None else (x, state)
+        return (out, aux) if return_aux else out
 
     def branch_outputs(self, x, *, kv_mask=None, context=None, context_mask=None):
         """Runs the block, also returning each branch's output ``f(x)`` (Admin profiling)."""
@@ -158,7 +180,7 @@ class TransformerBlock(eqx.Module):
         fs = [attn]
         if self.cross is not None:
             fs.append(lambda h: self.cross(h, context, kv_mask=context_mask))
-        fs.append(self.ffn)
+        fs.append(lambda h: call_ffn(self.ffn, h, inference=True)[0])
         for i, f in enumerate(fs):
             x, _ = self._residual(i, x, f, None, None, True)
         return x, cache

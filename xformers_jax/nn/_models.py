@@ -86,11 +86,10 @@ def _finish(final, x):
     return x if final is None else final(x)
 
 
-def _run(layers, x, state, **kw):
-    """The stack with or without an ``eqx.nn.State`` (stateful attention): ``(y, state)``."""
-    if state is None:
-        return layers(x, **kw), None
-    return layers(x, state, **kw)
+def _run_aux(layers, x, state, **kw):
+    """The stack asked for its auxiliary outputs (``nn._ffns``): ``(y, state, aux)``."""
+    out, aux = layers(x, state, return_aux=True, **kw)
+    return (out, None, aux) if state is None else (*out, aux)
 
 
 class Encoder(eqx.Module):
@@ -109,13 +108,17 @@ class Encoder(eqx.Module):
                                               cross=False, max_len=max_len, block=block,
                                               stack=stack, key=k2)
 
-    def __call__(self, inputs, *, mask=None, key=None, state=None, inference=False):
+    def __call__(self, inputs, *, mask=None, key=None, state=None, inference=False,
+                 return_aux=False):
         """Returns ``(hidden [B, L(+1), dim], mask)``, and the new ``state`` third when an
-        ``eqx.nn.State`` is passed (stateful attention, e.g. routing)."""
+        ``eqx.nn.State`` is passed (stateful attention, e.g. routing); with ``return_aux`` the
+        layers' auxiliary outputs (``nn._ffns``) come last."""
         x, mask = self.embed(inputs, mask=mask)
-        h, new = _run(self.layers, x, state, kv_mask=mask, key=key, inference=inference)
+        h, new, aux = _run_aux(self.layers, x, state, kv_mask=mask, key=key,
+                               inference=inference)
         h = _finish(self.final_norm, h)
-        return (h, mask) if state is None else (h, mask, new)
+        out = (h, mask) if state is None else (h, mask, new)
+        return (*out, aux) if return_aux else out
 
 
 def pool(x, mask, pooling: str):
@@ -143,12 +146,15 @@ class EncoderClassifier(eqx.Module):
         self.head = jax.random.normal(k2, (dim, num_classes)) / math.sqrt(dim)
         self.pooling = pooling
 
-    def __call__(self, inputs, *, mask=None, key=None, state=None, inference=False):
-        """Returns logits ``[B, num_classes]`` (``(logits, state)`` when ``state`` is given)."""
-        h, mask, *new = self.encoder(inputs, mask=mask, key=key, state=state,
-                                     inference=inference)
+    def __call__(self, inputs, *, mask=None, key=None, state=None, inference=False,
+                 return_aux=False):
+        """Returns logits ``[B, num_classes]`` (``(logits, state)`` when ``state`` is given;
+        ``(that, aux)`` with ``return_aux``, see ``nn._ffns``)."""
+        h, mask, *rest = self.encoder(inputs, mask=mask, key=key, state=state,
+                                      inference=inference, return_aux=True)
         logits = pool(h, mask, self.pooling) @ self.head.astype(h.dtype)
-        return logits if state is None else (logits, new[0])
+        out = logits if state is None else (logits, rest[0])
+        return (out, rest[-1]) if return_aux else out
 
 
 class DualEncoder(eqx.Module):
@@ -196,14 +202,18 @@ class CausalLM(eqx.Module):
                                               stack=stack, key=k2)
         self.head = jax.random.normal(k3, (dim, vocab_size)) / math.sqrt(dim)
 
-    def __call__(self, tokens, *, mask=None, key=None, state=None, inference=False):
+    def __call__(self, tokens, *, mask=None, key=None, state=None, inference=False,
+                 return_aux=False):
         """Teacher-forced logits ``[B, L, vocab]`` for ``tokens: int[B, L]`` (``(logits,
-        state)`` when an ``eqx.nn.State`` is given: stateful attention, e.g. routing)."""
+        state)`` when an ``eqx.nn.State`` is given: stateful attention, e.g. routing; ``(that,
+        aux)`` with ``return_aux``: the FFNs' auxiliary outputs per layer, ``nn._ffns``)."""
         x, _ = self.embed(tokens, mask=mask, causal=True)
-        h, new = _run(self.layers, x, state, kv_mask=mask, key=key, inference=inference)
+        h, new, aux = _run_aux(self.layers, x, state, kv_mask=mask, key=key,
+                               inference=inference, tokens=tokens)
         h = _finish(self.final_norm, h)
         logits = constrain(h @ self.head.astype(h.dtype), X.LOGITS)
-        return logits if state is None else (logits, new)
+        out = logits if state is None else (logits, new)
+        return (out, aux) if return_aux else out
 
     def init_cache(self, batch: int, max_len: int, dtype=jnp.float32):
         if isinstance(self.embed.positions, ConvPositions):

@@ -7,10 +7,6 @@ remat policy, parameter sharing and reversible residuals.
   every layer) or ``"attention"`` (ALBERT's attention-only sharing).
 * ``universal``: Universal-Transformer recurrence (Dehghani et al., 2019): one shared block
   applied ``num_layers`` times, with a sinusoidal timestep embedding added before each step.
-* ``layerdrop``: LayerDrop (Fan et al., 2020, "Reducing Transformer Depth on Demand with
-  Structured Dropout"): in training calls (a ``key``, not ``inference``) each layer is skipped
-  with this probability by ``lax.cond`` inside the scan, so its compute is not done;
-  :meth:`LayerStack.prune` keeps a subset of layers for inference.
 * ``reversible``: RevNet residuals (Gomez et al., 2017; Kitaev et al., 2020, Reformer)
   ``y1 = x1 + F(x2)``, ``y2 = x2 + G(y1)`` with ``F`` the attention branch and ``G`` the FFN
   branch (pre-norm inside each), on two copies of the input, averaged at the end. A custom VJP
@@ -20,7 +16,6 @@ remat policy, parameter sharing and reversible residuals.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from typing import Callable
 
@@ -29,6 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from .. import axes as X
+from ._ffn import FeedForward
 from ._positions import sinusoid
 
 REMAT = ("none", "dots_saveable", "full")
@@ -59,11 +55,10 @@ class LayerStack(eqx.Module):
     universal: bool = eqx.field(static=True)
     scan: bool = eqx.field(static=True)
     reversible: bool = eqx.field(static=True)
-    layerdrop: float = eqx.field(static=True)
 
     def __init__(self, make_block: Callable, num_layers: int, *, remat: str = "none",
                  sharing: str = "none", universal: bool = False, scan: bool = True,
-                 reversible: bool = False, layerdrop: float = 0.0, key):
+                 reversible: bool = False, key):
         if remat not in REMAT:
             raise ValueError(f"LayerStack: remat must be one of {REMAT}, got {remat!r}")
         if sharing not in SHARING:
@@ -81,15 +76,12 @@ class LayerStack(eqx.Module):
                              "it needs sharing='none' and reversible=False")
         if reversible:
             block = make_block(jax.random.key(0))
-            if getattr(block, "cross", None) is not None or block.placement != "pre":
+            if (getattr(block, "cross", None) is not None or block.placement != "pre"
+                    or not isinstance(getattr(block, "ffn", None), FeedForward)):
                 raise ValueError("LayerStack: reversible=True needs pre-norm blocks without "
                                  "cross attention (the branches F, G must be separable)")
         self.num_layers, self.remat, self.sharing = num_layers, remat, sharing
         self.universal, self.scan, self.reversible = universal, scan, reversible
-        if not 0.0 <= layerdrop < 1.0 or (layerdrop and reversible):
-            raise ValueError(f"LayerStack: layerdrop must be in [0, 1) (and 0 for reversible "
-                             f"stacks), got {layerdrop}")
-        self.layerdrop = float(layerdrop)
 
     def per_layer(self):
         """Parameters with a leading axis of ``num_layers`` (shared ones broadcast, so their
@@ -108,16 +100,19 @@ class LayerStack(eqx.Module):
         return dynamic, static
 
     def __call__(self, x, state=None, *, kv_mask=None, context=None, context_mask=None,
-                 positions=None, key=None, inference=False):
+                 positions=None, key=None, inference=False, tokens=None, return_aux=False):
         """x: ``[B, L, dim]`` -> ``[B, L, dim]``; with ``state`` (the ``eqx.nn.State`` of
-        stateful attention) -> ``(y, state)``."""
+        stateful attention) -> ``(y, state)``. ``tokens int[B, L]`` reach hash-routed FFNs.
+        With ``return_aux`` the result is ``(that, aux)``: every layer's FFN auxiliary outputs
+        (``nn._ffns``: router losses, tokens dropped, expert load), each a scan output with a
+        leading layer axis."""
         dynamic, static = self.per_layer()
         keys = None if key is None else jax.random.split(key, self.num_layers)
         if self.reversible:
             if key is not None:
                 raise ValueError("LayerStack: reversible blocks must be deterministic (key=None)")
             y1, y2 = _reversible(static, dynamic, x, x, kv_mask)
-            return (y1 + y2) / 2
+            return ((y1 + y2) / 2, {}) if return_aux else (y1 + y2) / 2
 
         def step(x, inputs):
             params, t, k, s = inputs
@@ -125,13 +120,13 @@ class LayerStack(eqx.Module):
             if self.universal:
                 x = x + sinusoid(t, x.shape[-1]).astype(x.dtype)
             kw = dict(kv_mask=kv_mask, context=context, context_mask=context_mask,
-                      positions=positions, key=k, inference=inference)
-            if s is None and self.layerdrop and k is not None and not inference:
-                # LayerDrop (Fan et al., 2020): a dropped layer is skipped by lax.cond, so its
-                # compute is not done (not multiplied by zero).
-                return jax.lax.cond(_dropped(k, self.layerdrop), lambda x: x,
-                                    lambda x: block(x, **kw), x), None
-            return (block(x, **kw), None) if s is None else block(x, s, **kw)
+                      positions=positions, key=k, inference=inference, tokens=tokens,
+                      return_aux=True)
+            if s is None:
+                y, aux = block(x, **kw)
+                return y, (None, aux)
+            (y, s), aux = block(x, s, **kw)
+            return y, (s, aux)
 
         step = _remat(step, self.remat)
         steps = jnp.arange(self.num_layers)
@@ -143,36 +138,15 @@ class LayerStack(eqx.Module):
         # per-device memory quadratic in the length), while the unrolled stack keeps only the
         # ring's own residuals.
         if self.scan and X.sequence_shards() == 1:
-            x, new = jax.lax.scan(step, x, xs)
+            x, (new, aux) = jax.lax.scan(step, x, xs)
         else:
-            news = []
+            outs = []
             for i in range(self.num_layers):
-                x, s = step(x, jax.tree_util.tree_map(lambda a: a[i], xs))
-                news.append(s)
-            new = jax.tree_util.tree_map(lambda *a: jnp.stack(a), *news)
-        return x if state is None else (x, state.update(new))
-
-    def dropped_layers(self, key):
-        """``bool[num_layers]``: the layers LayerDrop skips in a training call with ``key``."""
-        keys = jax.random.split(key, self.num_layers)
-        return jax.vmap(lambda k: _dropped(k, self.layerdrop))(keys)
-
-    def prune(self, keep) -> "LayerStack":
-        """The stack with only the layers ``keep`` (indices, in order): LayerDrop's pruning
-        at inference (Fan et al. keep every other layer: ``keep=range(0, n, 2)``)."""
-        keep = [int(i) for i in keep]
-        if self.sharing != "none" or not keep or not all(0 <= i < self.num_layers for i in keep):
-            raise ValueError(f"LayerStack.prune: keep must be layer indices in [0, "
-                             f"{self.num_layers}) of an unshared stack; got {keep} with "
-                             f"sharing={self.sharing!r}")
-        idx = jnp.asarray(keep)
-        out = object.__new__(type(self))
-        for f in dataclasses.fields(self):
-            object.__setattr__(out, f.name, getattr(self, f.name))
-        object.__setattr__(out, "layers", jax.tree_util.tree_map(
-            lambda a: a[idx] if eqx.is_array(a) else a, self.layers))
-        object.__setattr__(out, "num_layers", len(keep))
-        return out
+                x, o = step(x, jax.tree_util.tree_map(lambda a: a[i], xs))
+                outs.append(o)
+            new, aux = jax.tree_util.tree_map(lambda *a: jnp.stack(a), *outs)
+        out = x if state is None else (x, state.update(new))
+        return (out, aux) if return_aux else out
 
     def init_cache(self, batch: int, max_len: int, dtype=jnp.float32):
         """Per-layer decoding caches, stacked on a leading layer axis."""
@@ -197,10 +171,6 @@ class LayerStack(eqx.Module):
 
         x, new = jax.lax.scan(step, x, (dynamic, cache_dyn, jnp.arange(self.num_layers)))
         return x, eqx.combine(new, cache_static)
-
-
-def _dropped(key, rate):
-    return jax.random.bernoulli(jax.random.fold_in(key, 0x4C44), rate)
 
 
 def _state_indices(tree):

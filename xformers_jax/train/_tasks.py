@@ -12,7 +12,7 @@ black). A new task is one ``register_task`` call.
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Mapping
+from typing import Callable, Mapping, NamedTuple
 
 import equinox as eqx
 import jax
@@ -192,12 +192,18 @@ def _spec(m):
     return nn.AttentionSpec.from_config(m.attention.to_dict())
 
 
-def _with_mixer(m, block):
-    """``block`` plus the token mixer of ``model.mixer`` (none for kind "none")."""
-    mixer = m.mixer.to_dict() if "mixer" in m else {"kind": "none"}
-    if mixer["kind"] != "none":
-        block["mixer"] = nn.MixerSpec.from_config(mixer)
-    return block
+def _block(m):
+    """The block's attention and FFN (``model.ffn``; dense when the config has none)."""
+    ffn = m.ffn.to_dict() if "ffn" in m else {"kind": "dense"}
+    return dict(spec=_spec(m), ffn=nn.FFNSpec.from_config(ffn))
+
+
+class LogitsAux(NamedTuple):
+    """What a task's ``logits`` returns when its model reports auxiliary outputs (``nn``'s
+    FFN aux: router losses and statistics per layer)."""
+
+    logits: object
+    aux: dict
 
 
 def _classifier(m, task, key, cls=None):
@@ -206,7 +212,7 @@ def _classifier(m, task, key, cls=None):
     max_len = task.seq_len + (m.pooling == "cls")
     return (cls or nn.EncoderClassifier)(
         task.num_classes, m.dim, m.num_layers, m.num_heads, m.hidden, pooling=m.pooling,
-        vocab_size=task.vocab_size, max_len=max_len, block=_with_mixer(m, dict(spec=_spec(m))), key=key)
+        vocab_size=task.vocab_size, max_len=max_len, block=_block(m), key=key)
 
 
 def _dual_encoder(m, task, key):
@@ -215,11 +221,14 @@ def _dual_encoder(m, task, key):
 
 def _causal_lm(m, task, key):
     return nn.CausalLM(task.vocab_size, m.dim, m.num_layers, m.num_heads, m.hidden,
-                       max_len=task.seq_len, block=_with_mixer(m, dict(spec=_spec(m))), key=key)
+                       max_len=task.seq_len, block=_block(m), key=key)
 
 
 def _classify_logits(model, batch, task, key):
     x = batch["inputs"]
+    if isinstance(model, nn.EncoderClassifier):
+        return LogitsAux(*model(x, mask=(x != 0) if task.padded else None, key=key,
+                                return_aux=True))
     return model(x, mask=(x != 0) if task.padded else None, key=key)
 
 
@@ -229,7 +238,7 @@ def _pair_logits(model, batch, task, key):
 
 
 def _lm_logits(model, batch, task, key):
-    return model(batch["inputs"], key=key)
+    return LogitsAux(*model(batch["inputs"], key=key, return_aux=True))
 
 
 _LRA = dict(model=_classifier, logits=_classify_logits)
@@ -257,21 +266,34 @@ def spec_of(task: Task) -> TaskSpec:
 
 
 def _policy_logits(model, batch, task: Task, key, policy):
+    """``(float32 logits, aux)``: aux the model's auxiliary outputs (``{}`` if none)."""
     logits = lambda m: spec_of(task).logits(m, batch, task, key)  # noqa: E731
-    return (logits(model) if policy is None else policy(logits, model)).astype(jnp.float32)
+    out = logits(model) if policy is None else policy(logits, model)
+    out, aux = out if isinstance(out, LogitsAux) else (out, {})
+    return out.astype(jnp.float32), aux
 
 
-def make_loss_fn(task: Task, policy: nn.Policy | None = None):
+def make_loss_fn(task: Task, policy: nn.Policy | None = None, aux_coefficients=None):
     """``loss_fn(model, batch, key) -> (mean cross-entropy, {"accuracy"})``; the mean is over
     examples (classification) or tokens (language modelling). ``policy`` (``nn.Policy``) runs
-    the model in its compute dtype; the loss is always float32."""
+    the model in its compute dtype; the loss is always float32. The model's auxiliary
+    losses (``nn.aux_losses``, each summed over layers) are added with
+    ``aux_coefficients`` (``config.loss``: ``load_balancing``, ``router_z``; default
+    ``base_config``'s) and logged with the router statistics (``nn.aux_metrics``)."""
+    coefs = {"load_balancing": 1e-2, "router_z": 1e-3, **dict(aux_coefficients or {})}
+
     def loss_fn(model, batch, key):
         if spec_of(task).loss is not None:
             return spec_of(task).loss(model, batch, task, key)
-        logits = _policy_logits(model, batch, task, key, policy)
+        logits, aux = _policy_logits(model, batch, task, key, policy)
         labels = batch["targets"]
         loss = optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
-        return loss, {"accuracy": (logits.argmax(-1) == labels).mean()}
+        metrics = {"accuracy": (logits.argmax(-1) == labels).mean()}
+        if aux:
+            losses = nn.aux_losses(aux)
+            loss = loss + sum(coefs[k] * v for k, v in losses.items())
+            metrics.update(nn.aux_metrics(aux))
+        return loss, metrics
     return loss_fn
 
 
@@ -284,7 +306,7 @@ def make_metrics_fn(task: Task, policy: nn.Policy | None = None):
             n = jnp.asarray(batch["inputs"].shape[0])
             return {"loss_sum": loss * n, "correct": metrics["accuracy"] * n,
                     "count": n}
-        logits = _policy_logits(model, batch, task, None, policy)
+        logits, _ = _policy_logits(model, batch, task, None, policy)
         labels = batch["targets"]
         return {"loss_sum": optax.softmax_cross_entropy_with_integer_labels(logits,
                                                                             labels).sum(),

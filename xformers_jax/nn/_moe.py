@@ -1,0 +1,303 @@
+"""Sparse and capacity FFN layers for the block's ``ffn=`` slot (see :mod:`._ffns` for the
+call contract and how their auxiliary losses reach the trainer).
+
+* :class:`MoEFeedForward`: a mixture of expert MLPs over the routers and dispatch modes of
+  :mod:`xformers_jax.experts` (Switch, GShard, ST-MoE, top-k, expert choice, hash, expert
+  prototyping). Registered as kinds ``switch``, ``gshard``, ``st_moe``, ``expert_choice``,
+  ``hash``, ``prototype``.
+* :class:`ProductKeyMemory`: Lample et al. (2019), "Large Memory Layers with Product Keys"
+  (kind ``product_key``).
+* :class:`SparseFeedForward`: the sparse FFN of Jaszczur et al. (2021), "Sparse is Enough in
+  Scaling Transformers" (kind ``sparse_ffn``).
+"""
+
+from __future__ import annotations
+
+import math
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+
+from .. import axes as X
+from .. import experts as M
+from ..attention._kind import Paper
+from ._ffns import FFNKind, register_ffn
+
+ROUTERS = ("top_k", "expert_choice", "hash", "prototype")
+
+
+class MoEFeedForward(eqx.Module):
+    """A mixture-of-experts FFN: ``y_t = sum_j gate_tj * MLP_{e_tj}(x_t)``.
+
+    Args:
+      dim, hidden: model width and each expert's MLP width. num_experts: ``E``.
+      router: ``"top_k"`` (token choice; ``k``, ``renormalize``, ``second_policy``),
+        ``"expert_choice"`` (not causal-safe: raises with ``causal=True``), ``"hash"``
+        (``vocab_size``, ``hash_seed``; needs the token ids) or ``"prototype"`` (``groups``).
+      mode: ``"dropless"`` (grouped matmul, ``backend``) or ``"capacity"``
+        (``capacity_factor``, ``priority``); see ``xformers_jax.experts._dispatch``. In a
+        causal model capacity dispatch with k > 1 needs ``priority="token"`` (raises
+        otherwise).
+      jitter: multiplicative router-input noise in training (Switch: 1e-2).
+      activation: ``"gelu"``, ``"relu"``, ``"swish"``; ``gated=True`` for GLU-style experts.
+    Call: ``x [B, L, dim]`` -> ``(y [B, L, dim], aux)`` (:data:`._ffns.MOE_AUX`). Tokens are
+    routed over the whole batch (one group of ``B * L`` tokens).
+    """
+
+    w_router: jax.Array | None = X.param(X.EMBED, X.EXPERTS)
+    w1: jax.Array = X.param(X.EXPERTS, X.EMBED, X.MLP)
+    w2: jax.Array = X.param(X.EXPERTS, X.MLP, X.EMBED)
+    w_gate: jax.Array | None = X.param(X.EXPERTS, X.EMBED, X.MLP)
+    # The token-id -> expert table (a static tuple: no parameter, hashable for jit).
+    hash_table: tuple | None = eqx.field(static=True)
+    num_experts: int = eqx.field(static=True)
+    router: str = eqx.field(static=True)
+    k: int = eqx.field(static=True)
+    mode: str = eqx.field(static=True)
+    capacity_factor: float = eqx.field(static=True)
+    priority: str = eqx.field(static=True)
+    renormalize: bool = eqx.field(static=True)
+    second_policy: str = eqx.field(static=True)
+    groups: int = eqx.field(static=True)
+    jitter: float = eqx.field(static=True)
+    activation: str = eqx.field(static=True)
+    backend: str | None = eqx.field(static=True)
+
+    def __init__(self, dim: int, hidden: int, *, num_experts: int = 8, router: str = "top_k",
+                 k: int = 1, mode: str = "dropless", capacity_factor: float = 1.25,
+                 priority: str = "choice", renormalize: bool = True, second_policy: str = "all",
+                 groups: int = 1, jitter: float = 0.0, activation: str = "gelu",
+                 gated: bool = False, backend: str | None = None, vocab_size: int = 256,
+                 hash_seed: int = 0, causal: bool = False, key):
+        if router not in ROUTERS:
+            raise ValueError(f"MoEFeedForward: router must be one of {ROUTERS}, got {router!r}")
+        if mode not in M._dispatch.MODES:
+            raise ValueError(f"MoEFeedForward: mode must be one of {M._dispatch.MODES}, got "
+                             f"{mode!r}")
+        if router == "expert_choice" and causal:
+            raise ValueError("MoEFeedForward: expert choice ranks every token of the batch "
+                             "against the others, so it is not causal-safe (causal=True)")
+        slots = {"top_k": k, "prototype": groups}.get(router, 1)
+        if causal and mode == "capacity" and slots > 1 and priority != "token":
+            raise ValueError(f"MoEFeedForward: capacity dispatch with {slots} choices per token "
+                             "and priority='choice' lets a token's later choices depend on later "
+                             "tokens; use priority='token' or mode='dropless' when causal")
+        if router == "prototype" and num_experts % groups:
+            raise ValueError(f"MoEFeedForward: {num_experts} experts do not split into "
+                             f"{groups} groups")
+        kr, kw = jax.random.split(key)
+        self.w_router = (None if router == "hash"
+                         else jax.random.normal(kr, (dim, num_experts)) * 0.02)
+        w = M.init_expert_weights(kw, num_experts, dim, hidden, gated=gated)
+        self.w1, self.w2, self.w_gate = w.w1, w.w2, w.w_gate
+        self.hash_table = (tuple(M.balanced_hash_table(vocab_size, num_experts,
+                                                       hash_seed).tolist())
+                           if router == "hash" else None)
+        self.num_experts, self.router, self.k, self.mode = num_experts, router, k, mode
+        self.capacity_factor, self.priority = capacity_factor, priority
+        self.renormalize, self.second_policy, self.groups = renormalize, second_policy, groups
+        self.jitter, self.activation, self.backend = jitter, activation, backend
+
+    def route(self, x, *, mask=None, tokens=None, key=None, inference=False):
+        """The routing decision for ``x [T, dim]`` (a ``Routing`` or ``ExpertChoice``)."""
+        train = key is not None and not inference
+        kj, ks = jax.random.split(key) if train else (None, None)
+        if self.router == "hash":
+            if tokens is None:
+                raise ValueError("MoEFeedForward: hash routing needs the token ids (tokens=)")
+            return M.hash_route(tokens, jnp.asarray(self.hash_table, jnp.int32), self.num_experts,
+                                mask=mask)
+        logits = M.router_logits(x, self.w_router, jitter=self.jitter, key=kj)
+        if self.router == "expert_choice":
+            return M.expert_choice_route(logits, self.capacity_factor, mask=mask)
+        if self.router == "prototype":
+            return M.prototype_route(logits, self.groups, mask=mask)
+        return M.top_k_route(logits, self.k, renormalize=self.renormalize,
+                             second_policy=self.second_policy, mask=mask, key=ks)
+
+    def __call__(self, x, *, mask=None, tokens=None, key=None, inference=False):
+        b, length, d = x.shape
+        xf = x.reshape(b * length, d)
+        m = None if mask is None else mask.reshape(-1)
+        t = None if tokens is None else tokens.reshape(-1)
+        r = self.route(xf, mask=m, tokens=t, key=key, inference=inference)
+        w = M.ExpertWeights(self.w1, self.w2, self.w_gate)
+        real = jnp.ones((b * length,), bool) if m is None else m
+        if self.router == "expert_choice":
+            y = M.expert_choice_ffn(xf, r, w, activation=self.activation)
+            picked = jnp.zeros((b * length,), bool).at[r.tokens.reshape(-1)].max(
+                r.gates.reshape(-1) > 0)
+            dropped = 1.0 - (picked & real).sum() / jnp.maximum(real.sum(), 1)
+            hits = (r.gates > 0).sum(1).astype(jnp.float32)
+            aux = dict(load_balancing=jnp.zeros(()), router_z=M.router_z_loss(r.logits, mask=m),
+                       dropped_fraction=dropped, expert_load=hits / jnp.maximum(hits.sum(), 1))
+            return y.reshape(b, length, d), aux
+        y, kept = M.moe_ffn(xf, r, w, mode=self.mode, capacity_factor=self.capacity_factor,
+                            priority=self.priority, activation=self.activation,
+                            backend=self.backend, mask=m)
+        active = (r.gates != 0) & real[:, None]
+        aux = dict(
+            load_balancing=M.load_balancing_loss(r.probs, r.experts, mask=m),
+            router_z=M.router_z_loss(r.logits, mask=m),
+            dropped_fraction=1.0 - kept.sum() / jnp.maximum(active.sum(), 1),
+            expert_load=M.expert_load(r.experts, self.num_experts, mask=m, kept=active))
+        return y.reshape(b, length, d), aux
+
+
+class ProductKeyMemory(eqx.Module):
+    """A product-key memory layer (Lample et al., 2019) in the FFN slot:
+    ``y = sum_h sum_{top-k slots} softmax(scores) * values[slot]``, queries ``x Wq`` per head.
+
+    Args: dim, hidden (unused; the memory's size is ``n_keys^2`` rows of width ``dim``),
+    ``n_keys`` (``n``, sub-keys per half), ``heads``, ``k`` (slots per head), ``key_dim``
+    (query width, even). Call: ``(y [B, L, dim], {})``.
+    """
+
+    wq: jax.Array = X.param(X.EMBED, None)
+    keys1: jax.Array
+    keys2: jax.Array
+    values: jax.Array = X.param(None, X.EMBED)
+    heads: int = eqx.field(static=True)
+    k: int = eqx.field(static=True)
+
+    def __init__(self, dim: int, hidden: int = 0, *, n_keys: int = 128, heads: int = 4,
+                 k: int = 32, key_dim: int = 128, activation: str = "gelu",
+                 causal: bool = False, key):
+        del hidden, activation, causal
+        if key_dim % 2:
+            raise ValueError(f"ProductKeyMemory: key_dim must be even, got {key_dim}")
+        if not 1 <= k <= n_keys:
+            raise ValueError(f"ProductKeyMemory: k must be in [1, n_keys={n_keys}], got {k}")
+        kq, k1, k2, kv = jax.random.split(key, 4)
+        self.wq = jax.random.normal(kq, (dim, heads * key_dim)) / math.sqrt(dim)
+        half = key_dim // 2
+        self.keys1 = jax.random.normal(k1, (heads, n_keys, half)) / math.sqrt(half)
+        self.keys2 = jax.random.normal(k2, (heads, n_keys, half)) / math.sqrt(half)
+        self.values = jax.random.normal(kv, (n_keys * n_keys, dim)) / math.sqrt(dim)
+        self.heads, self.k = heads, k
+
+    def __call__(self, x, *, mask=None, tokens=None, key=None, inference=False):
+        b, length, d = x.shape
+        q = (x.reshape(-1, d) @ self.wq.astype(x.dtype)).reshape(b * length, self.heads, -1)
+        y = M.product_key_lookup(q, self.keys1.astype(x.dtype), self.keys2.astype(x.dtype),
+                                 self.values.astype(x.dtype), self.k)
+        return y.reshape(b, length, d), {}
+
+
+def _gumbel_one_hot(logits, key):
+    # Straight-through Gumbel-softmax (Jang et al., 2017): one-hot forward, softmax gradient.
+    g = -jnp.log(-jnp.log(jax.random.uniform(key, logits.shape, minval=1e-20, maxval=1.0)))
+    soft = jax.nn.softmax(logits + g, axis=-1)
+    hard = jax.nn.one_hot(jnp.argmax(soft, -1), logits.shape[-1], dtype=soft.dtype)
+    return hard + soft - jax.lax.stop_gradient(soft)
+
+
+class SparseFeedForward(eqx.Module):
+    """The sparse FFN of Scaling Transformers (Jaszczur et al., 2021): the ``hidden`` units
+    form ``hidden / block`` blocks and a low-rank controller ``(x C1) C2`` picks one unit per
+    block; the others are zeroed: ``y = (relu(x W1 + b1) * onehot) W2 + b2``. Training uses a
+    straight-through Gumbel-softmax over each block (with a key), inference the argmax and
+    computes only the chosen units (a gather of ``hidden / block`` columns of ``W1`` and rows
+    of ``W2`` per token).
+    """
+
+    w1: jax.Array = X.param(X.EMBED, X.MLP)
+    b1: jax.Array = X.param(X.MLP)
+    w2: jax.Array = X.param(X.MLP, X.EMBED)
+    b2: jax.Array = X.param(X.EMBED)
+    c1: jax.Array = X.param(X.EMBED, None)
+    c2: jax.Array = X.param(None, X.MLP)
+    block: int = eqx.field(static=True)
+
+    def __init__(self, dim: int, hidden: int, *, block: int = 32, rank: int = 64,
+                 activation: str = "relu", causal: bool = False, key):
+        del activation, causal
+        if hidden % block:
+            raise ValueError(f"SparseFeedForward: hidden={hidden} is not a multiple of "
+                             f"block={block}")
+        k1, k2, k3, k4 = jax.random.split(key, 4)
+        self.w1 = jax.random.normal(k1, (dim, hidden)) / math.sqrt(dim)
+        self.w2 = jax.random.normal(k2, (hidden, dim)) / math.sqrt(hidden // block)
+        self.b1, self.b2 = jnp.zeros((hidden,)), jnp.zeros((dim,))
+        self.c1 = jax.random.normal(k3, (dim, rank)) / math.sqrt(dim)
+        self.c2 = jax.random.normal(k4, (rank, hidden)) / math.sqrt(rank)
+        self.block = block
+
+    def controller(self, x):
+        """Controller logits ``[..., hidden / block, block]`` (float32)."""
+        logits = (x.astype(jnp.float32) @ self.c1) @ self.c2
+        return logits.reshape(*x.shape[:-1], -1, self.block)
+
+    def dense_masked(self, x, onehot):
+        """The masked dense form: ``(relu(x W1 + b1) * onehot) W2 + b2``."""
+        h = jax.nn.relu(x @ self.w1.astype(x.dtype) + self.b1.astype(x.dtype))
+        h = h * onehot.reshape(h.shape).astype(x.dtype)
+        return h @ self.w2.astype(x.dtype) + self.b2.astype(x.dtype)
+
+    def __call__(self, x, *, mask=None, tokens=None, key=None, inference=False):
+        logits = self.controller(x)
+        if key is not None and not inference:
+            return self.dense_masked(x, _gumbel_one_hot(logits, key)), {}
+        nb = logits.shape[-2]
+        units = jnp.argmax(logits, -1) + self.block * jnp.arange(nb)  # [..., nb]
+        w1 = self.w1.T.astype(x.dtype)[units]  # [..., nb, d]
+        h = jnp.einsum("...d,...nd->...n", x, w1) + self.b1.astype(x.dtype)[units]
+        y = jnp.einsum("...n,...nd->...d", jax.nn.relu(h), self.w2.astype(x.dtype)[units])
+        return y + self.b2.astype(x.dtype), {}
+
+
+def _moe_builder(**defaults):
+    def build(dim, hidden, *, activation="gelu", causal=False, key, **hp):
+        return MoEFeedForward(dim, hidden, activation=activation, causal=causal, key=key,
+                              **{**defaults, **hp})
+    return build
+
+
+_TINY = dict(num_experts=4)
+_MOE_TIME, _MOE_MEMORY = "O(k * dim * hidden)", "O(E * dim * hidden) parameters"
+for _kind, _defaults in (
+    (FFNKind("switch", M.moe_ffn, "experts",
+             Paper("Fedus et al.", 2021, "Switch Transformers: Scaling to Trillion Parameter "
+                   "Models with Simple and Efficient Sparsity"),
+             _MOE_TIME, _MOE_MEMORY, causal=True, test_hyperparameters=_TINY),
+     dict(k=1, jitter=1e-2)),
+    (FFNKind("gshard", M.moe_ffn, "experts",
+             Paper("Lepikhin et al.", 2020, "GShard: Scaling Giant Models with Conditional "
+                   "Computation and Automatic Sharding"),
+             _MOE_TIME, _MOE_MEMORY, causal=True, test_hyperparameters=_TINY),
+     dict(k=2, second_policy="random")),
+    (FFNKind("st_moe", M.moe_ffn, "experts",
+             Paper("Zoph et al.", 2022, "ST-MoE: Designing Stable and Transferable Sparse "
+                   "Expert Models"),
+             _MOE_TIME, _MOE_MEMORY, causal=True, test_hyperparameters=_TINY),
+     dict(k=2)),
+    (FFNKind("expert_choice", M.expert_choice_ffn, "experts",
+             Paper("Zhou et al.", 2022, "Mixture-of-Experts with Expert Choice Routing"),
+             "O(capacity_factor * dim * hidden)", _MOE_MEMORY, causal=False, decoding=None,
+             test_hyperparameters=_TINY),
+     dict(router="expert_choice", capacity_factor=2.0)),
+    (FFNKind("hash", M.hash_route, "experts",
+             Paper("Roller et al.", 2021, "Hash Layers For Large Sparse Models"),
+             "O(dim * hidden)", _MOE_MEMORY, causal=True, test_hyperparameters=_TINY),
+     dict(router="hash")),
+    (FFNKind("prototype", M.prototype_route, "experts",
+             Paper("Yang et al.", 2021, "M6-T: Exploring Sparse Expert Models and Beyond"),
+             "O(groups * dim * hidden)", _MOE_MEMORY, causal=True,
+             test_hyperparameters=dict(num_experts=4, groups=2)),
+     dict(router="prototype", groups=2)),
+):
+    register_ffn(_kind, _moe_builder(**_defaults))
+
+register_ffn(FFNKind(
+    "product_key", M.product_key_lookup, "capacity",
+    Paper("Lample et al.", 2019, "Large Memory Layers with Product Keys"),
+    time="O(heads * (n * key_dim + k^2 + k * dim))", memory="O(n^2 * dim) parameters",
+    causal=True, test_hyperparameters=dict(n_keys=8, heads=2, k=4, key_dim=8)),
+    ProductKeyMemory)
+register_ffn(FFNKind(
+    "sparse_ffn", SparseFeedForward, "capacity",
+    Paper("Jaszczur et al.", 2021, "Sparse is Enough in Scaling Transformers"),
+    time="O(dim * (rank + hidden / block)) at inference", memory="O(dim * hidden)",
+    causal=True, test_hyperparameters=dict(block=8, rank=8)),
+    SparseFeedForward)
