@@ -5,6 +5,11 @@ Name an attention with :class:`AttentionSpec` (``kind`` plus hyperparameters, fr
 in :mod:`._registry`); every model accepts it through ``block=dict(spec=...)``.
 """
 
+from ._adaptive import ACTInfo as ACTInfo
+from ._adaptive import ACTStack as ACTStack
+from ._adaptive import EarlyExitClassifier as EarlyExitClassifier
+from ._adaptive import ExitResult as ExitResult
+from ._adaptive import early_exit_loss as early_exit_loss
 from ._attention import MultiHeadAttention as MultiHeadAttention
 from ._attention import check_sequence_parallel as check_sequence_parallel
 from ._attention import redraw_random_features as redraw_random_features
@@ -29,6 +34,7 @@ from ._models import Embedder as Embedder
 from ._models import Encoder as Encoder
 from ._models import EncoderClassifier as EncoderClassifier
 from ._models import EncoderDecoder as EncoderDecoder
+from ._electra import Electra as Electra
 from ._norms import AdaNorm as AdaNorm
 from ._norms import LayerNorm as LayerNorm
 from ._norms import Norm as Norm

@@ -7,6 +7,10 @@ remat policy, parameter sharing and reversible residuals.
   every layer) or ``"attention"`` (ALBERT's attention-only sharing).
 * ``universal``: Universal-Transformer recurrence (Dehghani et al., 2019): one shared block
   applied ``num_layers`` times, with a sinusoidal timestep embedding added before each step.
+* ``layerdrop``: LayerDrop (Fan et al., 2020, "Reducing Transformer Depth on Demand with
+  Structured Dropout"): in training calls (a ``key``, not ``inference``) each layer is skipped
+  with this probability by ``lax.cond`` inside the scan, so its compute is not done;
+  :meth:`LayerStack.prune` keeps a subset of layers for inference.
 * ``reversible``: RevNet residuals (Gomez et al., 2017; Kitaev et al., 2020, Reformer)
   ``y1 = x1 + F(x2)``, ``y2 = x2 + G(y1)`` with ``F`` the attention branch and ``G`` the FFN
   branch (pre-norm inside each), on two copies of the input, averaged at the end. A custom VJP
@@ -16,6 +20,7 @@ remat policy, parameter sharing and reversible residuals.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Callable
 
@@ -55,10 +60,11 @@ class LayerStack(eqx.Module):
     universal: bool = eqx.field(static=True)
     scan: bool = eqx.field(static=True)
     reversible: bool = eqx.field(static=True)
+    layerdrop: float = eqx.field(static=True)
 
     def __init__(self, make_block: Callable, num_layers: int, *, remat: str = "none",
                  sharing: str = "none", universal: bool = False, scan: bool = True,
-                 reversible: bool = False, key):
+                 reversible: bool = False, layerdrop: float = 0.0, key):
         if remat not in REMAT:
             raise ValueError(f"LayerStack: remat must be one of {REMAT}, got {remat!r}")
         if sharing not in SHARING:
@@ -82,6 +88,10 @@ class LayerStack(eqx.Module):
                                  "cross attention (the branches F, G must be separable)")
         self.num_layers, self.remat, self.sharing = num_layers, remat, sharing
         self.universal, self.scan, self.reversible = universal, scan, reversible
+        if not 0.0 <= layerdrop < 1.0 or (layerdrop and reversible):
+            raise ValueError(f"LayerStack: layerdrop must be in [0, 1) (and 0 for reversible "
+                             f"stacks), got {layerdrop}")
+        self.layerdrop = float(layerdrop)
 
     def per_layer(self):
         """Parameters with a leading axis of ``num_layers`` (shared ones broadcast, so their
@@ -122,6 +132,15 @@ class LayerStack(eqx.Module):
             kw = dict(kv_mask=kv_mask, context=context, context_mask=context_mask,
                       positions=positions, key=k, inference=inference, tokens=tokens,
                       return_aux=True)
+            if s is None and self.layerdrop and k is not None and not inference:
+                # LayerDrop (Fan et al., 2020): a dropped layer is skipped by lax.cond, so its
+                # compute is not done (not multiplied by zero); its aux outputs are zeros.
+                aux_shape = jax.eval_shape(lambda x: block(x, **kw)[1], x)
+                skipped = lambda x: (x, jax.tree_util.tree_map(  # noqa: E731
+                    lambda a: jnp.zeros(a.shape, a.dtype), aux_shape))
+                y, aux = jax.lax.cond(_dropped(k, self.layerdrop), skipped,
+                                      lambda x: block(x, **kw), x)
+                return y, (None, aux)
             if s is None:
                 y, aux = block(x, **kw)
                 return y, (None, aux)
@@ -148,6 +167,28 @@ class LayerStack(eqx.Module):
         out = x if state is None else (x, state.update(new))
         return (out, aux) if return_aux else out
 
+    def dropped_layers(self, key):
+        """``bool[num_layers]``: the layers LayerDrop skips in a training call with ``key``."""
+        keys = jax.random.split(key, self.num_layers)
+        return jax.vmap(lambda k: _dropped(k, self.layerdrop))(keys)
+
+    def prune(self, keep) -> "LayerStack":
+        """The stack with only the layers ``keep`` (indices, in order): LayerDrop's pruning
+        at inference (Fan et al. keep every other layer: ``keep=range(0, n, 2)``)."""
+        keep = [int(i) for i in keep]
+        if self.sharing != "none" or not keep or not all(0 <= i < self.num_layers for i in keep):
+            raise ValueError(f"LayerStack.prune: keep must be layer indices in [0, "
+                             f"{self.num_layers}) of an unshared stack; got {keep} with "
+                             f"sharing={self.sharing!r}")
+        idx = jnp.asarray(keep)
+        out = object.__new__(type(self))
+        for f in dataclasses.fields(self):
+            object.__setattr__(out, f.name, getattr(self, f.name))
+        object.__setattr__(out, "layers", jax.tree_util.tree_map(
+            lambda a: a[idx] if eqx.is_array(a) else a, self.layers))
+        object.__setattr__(out, "num_layers", len(keep))
+        return out
+
     def init_cache(self, batch: int, max_len: int, dtype=jnp.float32):
         """Per-layer decoding caches, stacked on a leading layer axis."""
         dynamic, static = self.per_layer()
@@ -171,6 +212,10 @@ class LayerStack(eqx.Module):
 
         x, new = jax.lax.scan(step, x, (dynamic, cache_dyn, jnp.arange(self.num_layers)))
         return x, eqx.combine(new, cache_static)
+
+
+def _dropped(key, rate):
+    return jax.random.bernoulli(jax.random.fold_in(key, 0x4C44), rate)
 
 
 def _state_indices(tree):

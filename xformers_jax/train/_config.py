@@ -32,6 +32,10 @@ def base_config(task: str) -> ml_collections.ConfigDict:
     c.data = ml_collections.ConfigDict(dict(task=task, **schema))
     c.model = ml_collections.ConfigDict(dict(
         dim=512, num_layers=4, num_heads=8, hidden=1024, pooling="cls",
+        # The block's token mixer (nn.MixerSpec), replacing self attention: kind "none" or a
+        # registered mixer (s4d, mamba2, retnet, fnet, gmlp, ...) plus its hyperparameters
+        # (open, like attention).
+        mixer=ml_collections.ConfigDict(dict(kind="none")),
         attention=ml_collections.ConfigDict(dict(kind="dot_product")),
         # The block's FFN (nn.FFNSpec): kind "dense" or a registered sparse/capacity kind
         # (switch, gshard, st_moe, hash, product_key, ...) plus its hyperparameters (open).
@@ -41,7 +45,10 @@ def base_config(task: str) -> ml_collections.ConfigDict:
     c.loss = ml_collections.ConfigDict(dict(load_balancing=1e-2, router_z=1e-3))
     c.optim = ml_collections.ConfigDict(dict(
         learning_rate=1e-3, schedule="rsqrt", warmup_steps=1000, weight_decay=0.1,
-        grad_clip_norm=1.0, b1=0.9, b2=0.98))
+        grad_clip_norm=1.0, b1=0.9, b2=0.98,
+        # Peak learning rate of the state space parameters (nn.SSM_PARAMETERS; None: the
+        # same as learning_rate); they are never weight-decayed.
+        ssm_learning_rate=None))
     # Compute dtype of the model (parameters and the loss stay float32); float16 trains with
     # the dynamic loss scale below.
     c.precision = "float32"
@@ -74,6 +81,8 @@ def _compare(config, reference, path=""):
     if want - got:
         raise ValueError(f"missing config keys: {sorted(path + k for k in want - got)}")
     for k in want:
+        if k == "mixer" and path == "model.":
+            continue
         if (k in ("attention", "ffn") and path == "model.") or (k == "mesh" and not path):
             continue
         if isinstance(reference[k], ml_collections.ConfigDict):
@@ -91,6 +100,8 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
         raise ValueError("model.attention needs a 'kind'")
     if "kind" not in config.model.ffn:
         raise ValueError("model.ffn needs a 'kind'")
+    if "kind" not in config.model.mixer:
+        raise ValueError("model.mixer needs a 'kind' (\"none\" for attention)")
     if config.optim.schedule not in SCHEDULES:
         raise ValueError(f"optim.schedule must be one of {SCHEDULES}, got "
                          f"{config.optim.schedule!r}")

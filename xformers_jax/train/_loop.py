@@ -98,8 +98,12 @@ def train_and_evaluate(config, workdir: str, *, on_step=None) -> dict:
     o = config.optim
     schedule = make_schedule(o.schedule, learning_rate=o.learning_rate,
                              warmup_steps=o.warmup_steps, total_steps=config.num_train_steps)
+    ssm_schedule = None if o.ssm_learning_rate is None else make_schedule(
+        o.schedule, learning_rate=o.ssm_learning_rate, warmup_steps=o.warmup_steps,
+        total_steps=config.num_train_steps)
     optimizer = make_optimizer(schedule, weight_decay=o.weight_decay,
-                               grad_clip_norm=o.grad_clip_norm, b1=o.b1, b2=o.b2)
+                               grad_clip_norm=o.grad_clip_norm, b1=o.b1, b2=o.b2,
+                               ssm_schedule=ssm_schedule)
     optimizer = C.wrap_optimizer(config, optimizer)  # pruning masks
     policy, loss_scale = _precision(config)
     state = create_train_state(model, optimizer, state_key, loss_scale=loss_scale)

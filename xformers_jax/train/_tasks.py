@@ -206,13 +206,22 @@ class LogitsAux(NamedTuple):
     aux: dict
 
 
+def _with_mixer(m, block):
+    """``block`` plus the token mixer of ``model.mixer`` (none for kind "none")."""
+    mixer = m.mixer.to_dict() if "mixer" in m else {"kind": "none"}
+    if mixer["kind"] != "none":
+        block["mixer"] = nn.MixerSpec.from_config(mixer)
+    return block
+
+
 def _classifier(m, task, key, cls=None):
     # Exactly the attended length (CLS pooling prepends one token): Sinkhorn's sort net and
     # Linformer's projections are sized by it.
     max_len = task.seq_len + (m.pooling == "cls")
     return (cls or nn.EncoderClassifier)(
         task.num_classes, m.dim, m.num_layers, m.num_heads, m.hidden, pooling=m.pooling,
-        vocab_size=task.vocab_size, max_len=max_len, block=_block(m), key=key)
+        vocab_size=task.vocab_size, max_len=max_len, block=_with_mixer(m, _block(m)),
+        key=key)
 
 
 def _dual_encoder(m, task, key):
@@ -221,7 +230,7 @@ def _dual_encoder(m, task, key):
 
 def _causal_lm(m, task, key):
     return nn.CausalLM(task.vocab_size, m.dim, m.num_layers, m.num_heads, m.hidden,
-                       max_len=task.seq_len, block=_block(m), key=key)
+                       max_len=task.seq_len, block=_with_mixer(m, _block(m)), key=key)
 
 
 def _classify_logits(model, batch, task, key):
