@@ -4,6 +4,8 @@ Never loosen an entry to make a test pass: a test that needs more slack is telli
 bug or about a comparison that should be made differently (e.g. in float32).
 """
 
+import chex
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -24,12 +26,21 @@ def tol(table, dtype):
     return table[jnp.dtype(dtype).type]
 
 
+def _float32(x):
+    # One array (anything jnp.asarray takes, as before: lists are stacked) or a pytree of them.
+    try:
+        return np.asarray(jnp.asarray(x, jnp.float32))
+    except (TypeError, ValueError):
+        return jax.tree.map(lambda leaf: np.asarray(jnp.asarray(leaf, jnp.float32)), x)
+
+
 def assert_close(actual, expected, table=EXACT, dtype=None, err_msg=""):
-    """Compares in float32 with the tolerance of ``dtype`` (default: actual's dtype)."""
-    dtype = dtype or jnp.asarray(actual).dtype
-    np.testing.assert_allclose(
-        np.asarray(jnp.asarray(actual, jnp.float32)),
-        np.asarray(jnp.asarray(expected, jnp.float32)),
-        err_msg=err_msg,
-        **tol(table, dtype),
-    )
+    """Compares in float32 with the tolerance of ``dtype`` (default: actual's dtype, or its
+    first floating leaf's). ``actual`` and ``expected`` are arrays or pytrees of arrays (e.g.
+    gradients); ``chex.assert_trees_all_close`` names the first leaf that differs."""
+    if dtype is None:
+        leaves = [jnp.asarray(x) for x in jax.tree.leaves(actual)]
+        dtype = next((x.dtype for x in leaves if jnp.issubdtype(x.dtype, jnp.inexact)),
+                     jnp.asarray(leaves[0]).dtype if len(leaves) == 1 else jnp.float32)
+    chex.assert_trees_all_close(_float32(actual), _float32(expected),
+                                custom_message=err_msg or None, **tol(table, dtype))
