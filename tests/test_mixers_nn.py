@@ -156,3 +156,16 @@ def test_config_builds_a_mixer_model_and_ssm_parameters_get_their_own_rate():
     # ...and the output matrix by the main rate plus weight decay (AdamW: -lr (1 + wd p)).
     w = np.asarray(layer.w_out)
     np.testing.assert_allclose(np.asarray(upd.w_out), -(1 + 0.5 * w), rtol=1e-3, atol=1e-5)
+
+
+def test_lra_and_lm_configs_take_every_mixer():
+    from experiments.configs.lm import mixer_bytes
+    from experiments.configs.lra import _common, listops
+
+    for name in _common.MIXERS:
+        c = listops.get_config(f"{name},runlocal")
+        train.validate_config(c)
+        assert nn.MixerSpec.from_config(c.model.mixer.to_dict()).kind == name
+    for name in mixer_bytes.CAUSAL_MIXERS:
+        train.validate_config(mixer_bytes.get_config(f"{name},runlocal"))
+    assert listops.get_config("s4d").optim.ssm_learning_rate == 1e-3

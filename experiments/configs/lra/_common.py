@@ -46,19 +46,60 @@ SMALL = {
 }
 
 
+# Token mixers replacing attention (``model.mixer``, nn.MixerSpec). S4D and S5 follow the S4
+# papers' LRA recipe where it is a mixer setting (N = 64 states, dt in [1e-3, 1e-1], the SSM
+# parameters at learning rate 1e-3 without weight decay: MIXER_OPTIM); Mamba / Mamba-2 use
+# their papers' defaults; lambda layers use the local-context form (a global position lambda
+# at 1K-4K tokens is an [L, L, k] tensor per sequence).
+MIXERS = {
+    "s4d": dict(kind="s4d", state_size=64, dt_min=1e-3, dt_max=1e-1),
+    "s5": dict(kind="s5", state_size=64, dt_min=1e-3, dt_max=1e-1),
+    "mamba": dict(kind="mamba", state_size=16),
+    "mamba2": dict(kind="mamba2", state_size=64, chunk_size=64),
+    "retnet": dict(kind="retnet", chunk_size=64),
+    "gla": dict(kind="gla", chunk_size=16),
+    "gated_deltanet": dict(kind="gated_deltanet", chunk_size=64),
+    "mlp_mixer": dict(kind="mlp_mixer", token_hidden=256),
+    "gmlp": dict(kind="gmlp", expansion=2),
+    "amlp": dict(kind="amlp", expansion=2, attention_dim=64),
+    "fnet": dict(kind="fnet"),
+    "poolformer": dict(kind="poolformer", pool_size=3),
+    "lambda": dict(kind="lambda", key_dim=16, window=64),
+}
+MIXER_OPTIM = {"s4d": dict(ssm_learning_rate=1e-3), "s5": dict(ssm_learning_rate=1e-3)}
+SMALL_MIXERS = {
+    "s4d": dict(state_size=16), "s5": dict(state_size=16), "mamba2": dict(state_size=16,
+                                                                           chunk_size=16),
+    "retnet": dict(chunk_size=16), "gated_deltanet": dict(chunk_size=16),
+    "mlp_mixer": dict(token_hidden=32), "amlp": dict(attention_dim=16),
+    "lambda": dict(key_dim=8, window=8),
+}
+
+
 def parse(arg: str | None, sizes=("runlocal",), default: str = "transformer"):
-    """``"VARIANT[,SIZE]"`` -> ``(variant, size or None)``; VARIANT from ``VARIANTS``."""
+    """``"VARIANT[,SIZE]"`` -> ``(variant, size or None)``; VARIANT from ``VARIANTS`` or
+    ``MIXERS``."""
     parts = [p for p in (arg or "").split(",") if p]
     size = [p for p in parts if p in sizes]
     names = [p for p in parts if p not in sizes]
-    if len(size) > 1 or len(names) > 1 or (names and names[0] not in VARIANTS):
+    known = {**VARIANTS, **MIXERS}
+    if len(size) > 1 or len(names) > 1 or (names and names[0] not in known):
         raise ValueError(f"config arg must be 'VARIANT[,{'|'.join(sizes)}]' with VARIANT in "
-                         f"{sorted(VARIANTS)}, got {arg!r}")
+                         f"{sorted(known)}, got {arg!r}")
     return (names[0] if names else default), (size[0] if size else None)
 
 
 def set_attention(config, variant: str, small: bool = False) -> None:
-    """Replaces ``config.model.attention`` with ``variant``'s settings (``small``: runlocal)."""
+    """Replaces ``config.model.attention`` with ``variant``'s settings (``small``: runlocal),
+    or, for a token mixer (``MIXERS``), sets ``config.model.mixer`` (and the SSM learning
+    rate of ``MIXER_OPTIM``) and leaves the attention at its default."""
+    if variant in MIXERS:
+        settings = dict(MIXERS[variant])
+        if small:
+            settings.update(SMALL_MIXERS.get(variant, {}))
+        config.model.mixer = type(config.model.mixer)(settings)
+        config.optim.update(MIXER_OPTIM.get(variant, {}))
+        return
     settings = dict(VARIANTS[variant])
     if small:
         settings.update(SMALL.get(variant, {}))
