@@ -1,0 +1,70 @@
+"""ELECTRA's discriminator fine-tuned on the byte-level classification task, against the same
+model trained from scratch with the same steps.
+
+  python -m experiments.train --config=experiments/configs/compress.py:electra,runlocal \
+      --workdir=runs/electra
+  python -m experiments.electra_finetune --electra=runs/electra --steps=300
+
+Both classifiers are ``nn.Electra(...).classifier(2)`` (the discriminator's embeddings, layers
+and final norm with mean pooling and a new head): one from the pre-trained checkpoint (its
+best step, restored by path with orbax), one freshly initialised. The task is ``text`` with
+the standard library's bytes (``data.StdlibBytesClassification``) at the pre-training window
+length. Prints one JSON line with both test accuracies.
+"""
+
+from __future__ import annotations
+
+import json
+
+import equinox as eqx
+import jax
+from absl import app, flags
+
+from experiments.configs import compress as configs
+from xformers_jax import data as D
+from xformers_jax import parallel, train
+from xformers_jax.train._compress import _state_dir
+
+_ELECTRA = flags.DEFINE_string("electra", "runs/electra", "The ELECTRA pre-training workdir.")
+_STEPS = flags.DEFINE_integer("steps", 300, "Fine-tuning steps (both models).")
+_BATCH = flags.DEFINE_integer("batch_size", 16, "Batch size.")
+_LR = flags.DEFINE_float("learning_rate", 1e-3, "Peak learning rate (cosine, 30 warmup).")
+_RUNLOCAL = flags.DEFINE_bool("runlocal", True, "The pre-training used the runlocal config.")
+
+
+def finetune(model, task, steps, batch_size, lr, seed=0):
+    schedule = train.make_schedule("cosine", learning_rate=lr, warmup_steps=30,
+                                   total_steps=steps)
+    optimizer = train.make_optimizer(schedule, weight_decay=0.01, grad_clip_norm=1.0)
+    state = train.create_train_state(model, optimizer, jax.random.PRNGKey(seed))
+    step = train.make_train_step(train.make_loss_fn(task), optimizer)
+    it = D.DataIterator(task.train, batch_size=batch_size, seed=seed)
+    for _ in range(steps):
+        state, _ = step(state, next(it))
+    eval_step = train.make_eval_step(train.make_metrics_fn(task))
+    return train.evaluate(eval_step, state.model, task.test, batch_size)
+
+
+def main(argv):
+    del argv
+    ec = configs.get_config("electra,runlocal" if _RUNLOCAL.value else "electra")
+    e_task = train.make_task(ec.data, ec.seed)
+    key = jax.random.PRNGKey(ec.seed)
+    like = eqx.filter_eval_shape(train.build_model, ec.model, e_task, key)
+    pretrained = parallel.restore_checkpoint(_state_dir(_ELECTRA.value), like, prefix="model")
+    fresh = train.build_model(ec.model, e_task, jax.random.PRNGKey(ec.seed + 1))
+    tc = train.base_config("text")
+    tc.data.update(dict(source="stdlib", seq_len=ec.data.seq_len, num_train=4000,
+                        num_eval=256, num_test=512))
+    task = train.make_task(tc.data, 0)
+    out = {"steps": _STEPS.value, "batch_size": _BATCH.value, "seq_len": ec.data.seq_len}
+    for name, electra in (("electra", pretrained), ("scratch", fresh)):
+        clf = electra.classifier(task.num_classes, key=jax.random.PRNGKey(7))
+        result = finetune(clf, task, _STEPS.value, _BATCH.value, _LR.value)
+        out[f"{name}_test_accuracy"] = result["accuracy"]
+        out[f"{name}_test_loss"] = result["loss"]
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    app.run(main)
