@@ -205,6 +205,20 @@ def test_metric_writer_events_read_back_by_tensorboard(tmp_path):
         (3, "loss"): 0.5, (3, "accuracy"): 0.25, (4, "loss"): np.float32(0.2)}
 
 
+def test_metric_writer_does_not_import_pytorch():
+    # tensorboardX imports torch when installed (seconds, hundreds of MB); the writer hides it.
+    import subprocess
+    import sys
+
+    code = ("import sys, tempfile\n"
+            "from xformers_jax.train import _metrics\n"
+            "w = _metrics.MetricWriter(tempfile.mkdtemp())\n"
+            "w.write(1, {'loss': 1.0})\n"
+            "w.close()\n"
+            "assert 'tensorboardX' in sys.modules and 'torch' not in sys.modules\n")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=300)
+
+
 def test_interval_mean_and_its_state():
     interval, resumed = train.IntervalMean(), train.IntervalMean()
     for loss in (1.0, 2.0):

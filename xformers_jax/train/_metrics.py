@@ -15,11 +15,29 @@ import glob
 import itertools
 import json
 import os
+import sys
 
 import jax
 import numpy as np
 
 _SUFFIX = itertools.count()
+
+
+def _summary_writer_class():
+    # Imported on first use: a run with tensorboard=False does not need the package.
+    # tensorboardX imports PyTorch at import time when it is installed (to accept torch
+    # tensors: the trainer gives it floats), which costs seconds and hundreds of MB; unless
+    # torch is loaded already, it is hidden from that import (a None entry in sys.modules
+    # makes `import torch` raise ImportError, which tensorboardX catches).
+    if "tensorboardX" in sys.modules or "torch" in sys.modules:
+        from tensorboardX import SummaryWriter
+        return SummaryWriter
+    sys.modules["torch"] = None
+    try:
+        from tensorboardX import SummaryWriter
+    finally:
+        del sys.modules["torch"]
+    return SummaryWriter
 
 
 class MetricWriter:
@@ -46,9 +64,7 @@ class MetricWriter:
         self.jsonl_path = os.path.join(workdir, "metrics.jsonl")
         self._jsonl = open(self.jsonl_path, "a")
         if tensorboard:
-            # Imported here: a run with tensorboard=False does not need the package.
-            from tensorboardX import SummaryWriter
-
+            SummaryWriter = _summary_writer_class()
             # One file per writer: tensorboardX names files by the second and the host, and
             # opens them for writing, so a restart within the same second would overwrite.
             suffix = f".{os.getpid()}.{next(_SUFFIX)}"
