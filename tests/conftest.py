@@ -8,6 +8,9 @@ os.environ.setdefault("XLA_FLAGS", "")
 if "--xla_force_host_platform_device_count" not in os.environ["XLA_FLAGS"]:
     os.environ["XLA_FLAGS"] += " --xla_force_host_platform_device_count=8"
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# The fixed tile cost table, never one measured on this machine (kernels/_autotune.py): tests
+# are deterministic and never spend time autotuning.
+os.environ["XFORMERS_JAX_TILES"] = "default"
 
 import jax  # noqa: E402
 import pytest  # noqa: E402

@@ -14,14 +14,15 @@ import numpy as np
 from jaxtyping import Array, Bool, Float
 
 from . import _contract as C
-from ..kernels import _dispatch
+from ..kernels import _autotune, _dispatch
 from ..kernels._tiled import attend_layout
 from ._dense import combined_pattern
 from .patterns import BlockLayout, Full, Pattern
 
-# Tile sizes for the XLA path, chosen by experiments/benchmark.py --suite=attention on a 2-core
-# CPU: larger tiles amortise the scan's per-step cost, smaller ones skip more of a causal or
-# banded matrix.
+# Tile sizes for the XLA path when the machine's table is not used (ring attention, and the
+# fallback table's cheapest size): larger tiles amortise the scan's per-step cost, smaller ones
+# skip more of a causal or banded matrix. flash_attention's default for full and causal
+# attention is the machine's cheapest tile, ``kernels._autotune.default_block()``.
 DEFAULT_BLOCK_Q = 512
 DEFAULT_BLOCK_K = 512
 
@@ -37,36 +38,43 @@ def _block(name: str, arg: str, value, length: int, default: int) -> int:
     return C.check_positive_int(name, arg, value)
 
 
-# Relative cost per score element of one computed square tile, by tile size: flash_attention
-# fwd+bwd over Full() at L=2048 (H=4, D=64) on the 2-core CPU took 311, 234, 189 and 112 ms
-# with 64, 128, 256 and 512 tiles. Smaller tiles cost more per element (more scan steps,
-# smaller matmuls; 512 x 512 tiles also take the transposed backward) but skip more of a
-# sparse pattern.
-_TILE_COST = {512: 1.0, 256: 1.69, 128: 2.1, 64: 2.79}
+# Relative cost per score element of one computed square tile, by tile size: this machine's
+# table (``kernels._autotune.tile_costs()``: measured once and cached, or the override in
+# XFORMERS_JAX_TILES). Smaller tiles cost more per element (more scan steps, smaller matmuls;
+# 512 x 512 tiles also take the transposed backward) but skip more of a sparse pattern. The
+# fixed fallback, measured on a 2-core AMD EPYC: flash_attention fwd+bwd over Full() at
+# L=2048 (H=4, D=64) took 311, 234, 189 and 112 ms with 64, 128, 256 and 512 tiles.
+_TILE_COST = _autotune.DEFAULT_TILE_COST
 
 
-@functools.lru_cache(maxsize=256)
 def pattern_tile(pattern: Pattern, lq: int, lk: int) -> int:
-    """The square tile size in ``_TILE_COST`` that computes ``pattern`` at least cost.
+    """The square tile size of the machine's tile cost table that computes ``pattern`` at
+    least cost (``kernels._autotune.tile_costs()``; ``_TILE_COST`` is the fixed fallback).
 
     Cost is the area of the tiles the pattern leaves non-empty times the tile size's cost per
     element. The non-empty tiles of every size come from one evaluation of the pattern on the
-    finest grid, OR-pooled. On the 2-core CPU at L=8192, fwd+bwd, H=4, D=64, its choice was
-    the fastest tiling measured: 256 for ``Local(256, 256)`` (301 ms, against 355, 328 and 347
-    at 64, 128 and 512), 128 for ``Local(128, 128)`` (209 against 222, 317 and 373) and 64 for
-    ``BigBird(64)`` (431 ms against 796 at 128 and 1974 at 512). The full and causal patterns
-    keep 512.
+    finest grid, OR-pooled. With the fixed table on the 2-core CPU at L=8192, fwd+bwd, H=4,
+    D=64, its choice was the fastest tiling measured: 256 for ``Local(256, 256)`` (301 ms,
+    against 355, 328 and 347 at 64, 128 and 512), 128 for ``Local(128, 128)`` (209 against
+    222, 317 and 373) and 64 for ``BigBird(64)`` (431 ms against 796 at 128 and 1974 at 512);
+    the full and causal patterns keep 512 there.
     """
-    base = min(_TILE_COST)
+    return _pattern_tile(pattern, lq, lk, tuple(_autotune.tile_costs().items()))
+
+
+@functools.lru_cache(maxsize=256)
+def _pattern_tile(pattern: Pattern, lq: int, lk: int, table: tuple) -> int:
+    costs = dict(table)
+    base = min(costs)
     nonempty = np.asarray(pattern.block_kinds(lq, lk, base, base)) != 0
     best_cost, best = None, None
-    for tile in sorted(_TILE_COST, reverse=True):
+    for tile in sorted(costs, reverse=True):
         f = tile // base
         nq, nk = -(-nonempty.shape[0] // f), -(-nonempty.shape[1] // f)
         pooled = np.zeros((nq * f, nk * f), bool)
         pooled[: nonempty.shape[0], : nonempty.shape[1]] = nonempty
         count = int(pooled.reshape(nq, f, nk, f).any(axis=(1, 3)).sum())
-        cost = count * min(tile, lq) * min(tile, lk) * _TILE_COST[tile]
+        cost = count * min(tile, lq) * min(tile, lk) * costs[tile]
         if best_cost is None or cost < best_cost:
             best_cost, best = cost, tile
     return best
@@ -75,8 +83,8 @@ def pattern_tile(pattern: Pattern, lq: int, lk: int) -> int:
 def _pattern_blocks(name, pattern: Pattern, lq: int, lk: int, block_q, block_k):
     """Tile sizes for a pattern: the caller's, else equal tiles of about ``pattern_tile``."""
     tile = pattern_tile(pattern, lq, lk) if block_q is None or block_k is None else None
-    return (_block(name, "block_q", block_q, lq, tile or DEFAULT_BLOCK_Q),
-            _block(name, "block_k", block_k, lk, tile or DEFAULT_BLOCK_K))
+    return (_block(name, "block_q", block_q, lq, tile or _autotune.default_block()),
+            _block(name, "block_k", block_k, lk, tile or _autotune.default_block()))
 
 
 def _run(name, x, layout, *, kv_mask, segs, bias, scale, dropout_rate, key, return_lse,
@@ -141,8 +149,9 @@ def flash_attention(
         the causal mask when ``causal``.
       scale: score scale, ``1/sqrt(Dk)`` by default.
       dropout_rate, key: attention dropout, identical to the reference's for the same key.
-      block_q, block_k: tile sizes. By default 512 (tuned for CPU; see ``DEFAULT_BLOCK_Q``),
-        or with a ``pattern`` the size :func:`pattern_tile` finds cheapest for it.
+      block_q, block_k: tile sizes. By default the machine's cheapest tile per score element
+        (``kernels._autotune``: measured once and cached; 512 in the fixed fallback), or with
+        a ``pattern`` the size :func:`pattern_tile` finds cheapest for it.
       return_lse: also return the float32 log-sum-exp of each query's scores (-inf for a query
         that sees no key).
       implementation: ``None`` (fastest available), ``"xla"`` or ``"pallas"``.
@@ -155,9 +164,9 @@ def flash_attention(
         name, q, k, v, kv_mask, segment_ids, bias, dropout_rate, key, scale
     )
     if pattern is None:
-        # Full or causal: the tuned defaults (the cost model keeps 512 for these too).
-        bq = _block(name, "block_q", block_q, x.lq, DEFAULT_BLOCK_Q)
-        bk = _block(name, "block_k", block_k, x.lk, DEFAULT_BLOCK_K)
+        # Full or causal: the machine's cheapest tile per element (512 in the fallback table).
+        bq = _block(name, "block_q", block_q, x.lq, _autotune.default_block())
+        bk = _block(name, "block_k", block_k, x.lk, _autotune.default_block())
         pattern = combined_pattern(name, None, causal) or Full()
     else:
         pattern = combined_pattern(name, pattern, causal)

@@ -19,6 +19,7 @@ Full tiles and partial tiles run in two scans so full tiles carry no in-tile mas
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Callable
 
 import jax
@@ -40,6 +41,12 @@ class _Static(_tiles.TileConfig):
     dropout_rate: float
     bias_fn: Callable[..., Any] | None  # see _convert_bias
     bias_is_array: bool
+    # The score scale is applied to q once, before the tile scans, rather than to every
+    # [bq, bk] score tile: XLA:CPU ran the tile's ``s * scale`` as a fusion of its own feeding
+    # the row maximum (one more write and read of the tile per step). Exact when q is float32
+    # (the product is rounded once either way, to float32) or the scale is a power of two;
+    # otherwise (a bf16 q and a scale like 1/sqrt(48)) the tiles are scaled as before.
+    scale_folded: bool
 
     __eq__ = object.__eq__
     __hash__ = object.__hash__
@@ -81,7 +88,8 @@ class _Tile:
         if with_static_mask:
             mask = _tiles.and_masks(mask, masks[mi])  # the caller transposes ``masks``
         self.mask = mask
-        s = s * st.scale
+        if not st.scale_folded:
+            s = s * st.scale
         if st.bias_is_array:  # the caller transposes an array bias
             at, size = ((self.k0, self.q0), (bk, bq)) if transposed else (
                 (self.q0, self.k0), (bq, bk))
@@ -110,8 +118,16 @@ def _tile_groups(layout: BlockLayout):
     )
 
 
+def _fold_scale(st: _Static, q):
+    """``q`` with the score scale applied when the call folds it (``_Static.scale_folded``)."""
+    if not st.scale_folded:
+        return q
+    return (q.astype(STATS_DTYPE) * st.scale).astype(q.dtype)
+
+
 def _forward(st: _Static, q, k, v, bias, dyn):
     lay = st.layout
+    q = _fold_scale(st, q)
     bq = lay.block_q
     lq_p = lay.num_q_blocks * bq
     acc = jnp.zeros((lq_p, v.shape[1]), STATS_DTYPE)
@@ -172,6 +188,8 @@ def _backward(st: _Static, q, k, v, bias, dyn, out, lse, d_out, d_lse):
     bq, bk = lay.block_q, lay.block_k
     tr = bq * bk >= _TRANSPOSE_FROM
     lse, delta = _tiles.backward_stats(out, lse, d_out, d_lse)
+    q = _fold_scale(st, q)  # then dk = ds^T (scale q) needs no further scale
+    k_scale = 1.0 if st.scale_folded else st.scale
     q_in, k_T, d_out_T = (q.T, k.T, d_out.T) if tr else (q, None, None)
     if tr:
         kv_mask, q_seg, kv_seg, seed, masks, bias_data = dyn
@@ -225,7 +243,7 @@ def _backward(st: _Static, q, k, v, bias, dyn, out, lse, d_out, d_lse):
                 return jax.lax.dynamic_update_slice_in_dim(buf, old + upd, start, axis)
 
             dq = add(dq, dq_t * st.scale, t.q0, q_axis)
-            dk = add(dk, dk_t * st.scale, t.k0)
+            dk = add(dk, dk_t * k_scale if k_scale != 1.0 else dk_t, t.k0)
             dv = add(dv, dv_t, t.k0)
             if st.bias_is_array:
                 d_bias = jax.lax.dynamic_update_slice(
@@ -298,6 +316,7 @@ def _prepare(q, k, v, layout, *, kv_mask, segments, bias, scale, dropout_rate, k
         bias_is_array=bias_is_array,
         has_kv_mask=kv_mask is not None,
         has_segments=segments is not None,
+        scale_folded=bool(q.dtype == STATS_DTYPE or math.frexp(float(scale))[0] == 0.5),
     )
     dyn = (kv_mask_p, q_seg, kv_seg, seed, jnp.asarray(layout.partial_masks), bias_data)
     return st, padded, bias_arg, dyn

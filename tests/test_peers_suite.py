@@ -1,0 +1,35 @@
+"""The peers benchmark suite compares like with like (experiments/suites/peers.py)."""
+
+import numpy as np
+import pytest
+
+from experiments.bench_lib import Results
+from experiments.suites import peers
+from tests.tolerances import assert_close
+
+
+def test_header_names_the_cpu_and_its_vector_extensions():
+    text = peers.cpu_description()
+    assert "cores; vector extensions:" in text
+    assert "CPU:" in peers.NOTE
+
+
+def test_checks_are_computable_without_results():
+    checks = peers.checks(Results([], None))
+    assert checks and all(c.ok is None for c in checks if "(why)" not in c.figure)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_torch_sdpa_computes_what_flash_computes(causal):
+    """The PyTorch anchor is the same attention: its output on the suite's layout
+    ([B, H, L, D]) equals flash attention's on the same numbers ([B, L, H, D])."""
+    torch = pytest.importorskip("torch")
+    from xformers_jax.attention import flash_attention, multihead
+
+    q, k, v = peers._torch_qkv(32, 1, 2, 8, requires_grad=False)
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal).numpy()
+    ours = multihead(flash_attention)(*(np.swapaxes(x.numpy(), 1, 2) for x in (q, k, v)),
+                                      causal=causal)
+    assert_close(np.swapaxes(np.asarray(ours), 1, 2), ref)
+    step = peers.build("torch", 32, causal, B=1, H=2, D=8).native("fwdbwd")
+    step()  # runs, and leaves gradients on its inputs
