@@ -126,3 +126,20 @@ COMPRESS_NAMES = {
 def test_compress_names_are_pinned():
     assert _public(importlib.import_module("xformers_jax.compress")) == COMPRESS_NAMES
     assert hasattr(importlib.import_module("xformers_jax.nn"), "Electra")
+
+
+# Token mixers that are not attention (the one-sequence functions; modules are in nn).
+MIXERS_NAMES = {
+    "causal_convolve", "fourier_mixing", "gated_delta", "gla", "lambda_mixing",
+    "linear_recurrence", "pool_mixing", "retention", "s4d", "s4d_kernel", "s4d_step", "s5",
+    "s5_step", "selective_scan", "selective_step", "spatial_gating", "ssd", "token_mixing_mlp",
+    "zoh",
+}
+
+
+def test_mixers_names_are_pinned():
+    assert _public(importlib.import_module("xformers_jax.mixers")) == MIXERS_NAMES
+    nn = importlib.import_module("xformers_jax.nn")
+    for name in ("MixerSpec", "MixerVariant", "MixerModule", "register_mixer", "get_mixer",
+                 "registered_mixers", "SSM_PARAMETERS", "ssm_parameters"):
+        assert hasattr(nn, name), name
