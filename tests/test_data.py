@@ -346,6 +346,20 @@ def test_iterator_state_round_trip_across_epochs():
         resumed.set_state({"epoch": 1, "position": 3, "seed": 2})
 
 
+def test_every_task_source_is_a_grain_data_source():
+    import grain
+
+    sources = [_ids(3), data.ListOps(2, seed=0, min_length=5, max_length=20, max_depth=3,
+                                     max_args=3),
+               data.Pathfinder(2, seed=0, size=32, difficulty="easy"),
+               data.stdlib_bytes_lm("validation", seq_len=16),
+               data.StdlibBytesClassification("validation", seq_len=16, num_examples=2, seed=0)]
+    for source in sources:
+        assert isinstance(source, grain.sources.RandomAccessDataSource), type(source)
+        batch = data.batches(source, batch_size=2, seed=0)[0]  # a Grain MapDataset
+        assert all(len(v) == 2 for v in batch.values())
+
+
 @pytest.mark.slow
 def test_iterator_worker_processes_give_the_same_batches_and_resume():
     # Grain worker processes (off by default and in the other tests: they cost seconds).
