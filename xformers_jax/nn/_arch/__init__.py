@@ -1,0 +1,8 @@
+"""Architecture-level variants: models whose change is in how blocks, tokens and layers are
+arranged rather than in one attention kind (Swin's shifted windows and patch merging)."""
+
+from ._swin import PatchMerging as PatchMerging
+from ._swin import SwinBlock as SwinBlock
+from ._swin import SwinClassifier as SwinClassifier
+from ._swin import WindowAttention as WindowAttention
+from ._swin import window_groups as window_groups
