@@ -10,6 +10,10 @@ from ._adaptive import ACTStack as ACTStack
 from ._adaptive import EarlyExitClassifier as EarlyExitClassifier
 from ._adaptive import ExitResult as ExitResult
 from ._adaptive import early_exit_loss as early_exit_loss
+from ._arch import PatchMerging as PatchMerging
+from ._arch import SwinBlock as SwinBlock
+from ._arch import SwinClassifier as SwinClassifier
+from ._arch import WindowAttention as WindowAttention
 from ._attention import MultiHeadAttention as MultiHeadAttention
 from ._attention import check_sequence_parallel as check_sequence_parallel
 from ._attention import redraw_random_features as redraw_random_features
