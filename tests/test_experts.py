@@ -124,18 +124,20 @@ def _all_modes(x, wr, w, cf):
     ref = M.moe_reference(x, r, w)
     dl = M.moe_dropless(x, r, w)
     dd = M.moe_dropless(x, r, w, backend="dense")
+    dr = M.moe_dropless(x, r, w, backend="ragged_dot")
     cap, kept = M.moe_capacity(x, r, w, capacity_factor=1.0)
     ref_kept = M.moe_reference(x, r, w, kept=kept)
     big, kept_big = M.moe_capacity(x, r, w, capacity_factor=float(E))
-    return ref, dl, dd, cap, ref_kept, big, kept_big, kept
+    return ref, dl, dd, cap, ref_kept, big, kept_big, kept, dr
 
 
 @pytest.mark.parametrize("gated", [False, True])
 def test_dispatch_modes_equal_reference(gated):
     x, wr, w = _setup(3, gated)
-    ref, dl, dd, cap, ref_kept, big, kept_big, kept = _all_modes(x, wr, w, 1.0)
+    ref, dl, dd, cap, ref_kept, big, kept_big, kept, dr = _all_modes(x, wr, w, 1.0)
     assert_close(dl, ref)
     assert_close(dd, ref)
+    assert_close(dr, ref)
     assert_close(cap, ref_kept)
     assert not np.asarray(kept).all()  # capacity 1.0 drops something here
     assert np.asarray(kept_big).all()  # a large capacity drops nothing and equals dropless
@@ -175,11 +177,14 @@ def test_grouped_matmul_backends_agree_and_zero_tail():
     x = jax.random.normal(k[0], (10, 6))
     w = jax.random.normal(k[1], (3, 6, 5))
     sizes = jnp.array([3, 0, 4], jnp.int32)  # rows 7..9 belong to no group
-    a = M.grouped_matmul(x, w, sizes)
-    b = M.grouped_matmul(x, w, sizes, backend="dense")
     want = np.concatenate([np.asarray(x[:3] @ w[0]), np.asarray(x[3:7] @ w[2]), np.zeros((3, 5))])
-    assert_close(a, want)
-    assert_close(b, want)
+    for backend in M.grouped_matmul_backends():
+        assert_close(M.grouped_matmul(x, w, sizes, backend=backend), want, err_msg=backend)
+    # Tiles of 2 rows: groups straddle tiles and get padded.
+    assert_close(M._grouped._tiled(x, w, sizes, tile=2), want)
+    gw = jax.grad(lambda w: M.grouped_matmul(x, w, sizes, backend="tiled").sum())(w)
+    gd = jax.grad(lambda w: M.grouped_matmul(x, w, sizes, backend="dense").sum())(w)
+    assert_close(gw, gd, EXACT_GRAD)
     with pytest.raises(ValueError, match="backend"):
         M.grouped_matmul(x, w, sizes, backend="nope")
     with pytest.raises(ValueError, match=r"w \[G, k, n\]"):

@@ -128,6 +128,29 @@ def test_compress_names_are_pinned():
     assert hasattr(importlib.import_module("xformers_jax.nn"), "Electra")
 
 
+EXPERTS_NAMES = {
+    "ACTIVATIONS", "ExpertChoice", "ExpertWeights", "LOAD_BALANCING_COEF", "Routing",
+    "Z_LOSS_COEF", "balanced_hash_table", "capacity", "capacity_slots", "default_backend",
+    "expert_choice_capacity", "expert_choice_ffn", "expert_choice_route", "expert_load",
+    "expert_parallel_moe", "grouped_matmul", "grouped_matmul_backends", "grouped_moe",
+    "hash_route", "init_expert_weights", "load_balancing_loss", "moe_capacity", "moe_dropless",
+    "moe_ffn", "moe_reference", "product_key_lookup", "product_key_topk", "prototype_route",
+    "register_grouped_matmul", "router_logits", "router_z_loss", "top_k_route",
+}
+
+
+def test_experts_names_are_pinned():
+    assert _public(importlib.import_module("xformers_jax.experts")) == EXPERTS_NAMES
+    nn = importlib.import_module("xformers_jax.nn")
+    for name in ("FFNSpec", "FFNKind", "register_ffn", "get_ffn", "registered_ffns",
+                 "MoEFeedForward", "ProductKeyMemory", "SparseFeedForward", "aux_losses",
+                 "aux_metrics"):
+        assert hasattr(nn, name), name
+    parallel = importlib.import_module("xformers_jax.parallel")
+    for name in ("expert_parallel_moe", "gpipe", "pipeline_layers", "bubble_fraction"):
+        assert hasattr(parallel, name), name
+
+
 # Token mixers that are not attention (the one-sequence functions; modules are in nn).
 MIXERS_NAMES = {
     "causal_convolve", "fourier_mixing", "gated_delta", "gla", "lambda_mixing",

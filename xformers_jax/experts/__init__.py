@@ -14,6 +14,7 @@ from ._dispatch import moe_capacity as moe_capacity
 from ._dispatch import moe_dropless as moe_dropless
 from ._dispatch import moe_ffn as moe_ffn
 from ._dispatch import moe_reference as moe_reference
+from ._grouped import default_backend as default_backend
 from ._grouped import grouped_matmul as grouped_matmul
 from ._grouped import grouped_matmul_backends as grouped_matmul_backends
 from ._grouped import register_grouped_matmul as register_grouped_matmul
@@ -33,3 +34,5 @@ from ._routers import hash_route as hash_route
 from ._routers import prototype_route as prototype_route
 from ._routers import router_logits as router_logits
 from ._routers import top_k_route as top_k_route
+from ._parallel import expert_parallel_moe as expert_parallel_moe
+from ._parallel import grouped_moe as grouped_moe

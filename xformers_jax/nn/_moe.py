@@ -42,7 +42,11 @@ class MoEFeedForward(eqx.Module):
       jitter: multiplicative router-input noise in training (Switch: 1e-2).
       activation: ``"gelu"``, ``"relu"``, ``"swish"``; ``gated=True`` for GLU-style experts.
     Call: ``x [B, L, dim]`` -> ``(y [B, L, dim], aux)`` (:data:`._ffns.MOE_AUX`). Tokens are
-    routed over the whole batch (one group of ``B * L`` tokens).
+    routed over the whole batch (one group of ``B * L`` tokens). Under an active mesh with an
+    ``expert`` axis of size > 1 the layer runs expert-parallel
+    (``experts.expert_parallel_moe``: one routing group per device, experts split over
+    ``expert``, tokens exchanged by ``all_to_all``); that form supports the top-k router with
+    capacity dispatch and no jitter or random second choice, and raises otherwise.
     """
 
     w_router: jax.Array | None = X.param(X.EMBED, X.EXPERTS)
@@ -121,6 +125,9 @@ class MoEFeedForward(eqx.Module):
         xf = x.reshape(b * length, d)
         m = None if mask is None else mask.reshape(-1)
         t = None if tokens is None else tokens.reshape(-1)
+        if X.mesh_axis_size(X.EXPERT) > 1:
+            y, aux = self._expert_parallel(xf, m)
+            return y.reshape(b, length, d), aux
         r = self.route(xf, mask=m, tokens=t, key=key, inference=inference)
         w = M.ExpertWeights(self.w1, self.w2, self.w_gate)
         real = jnp.ones((b * length,), bool) if m is None else m
@@ -143,6 +150,22 @@ class MoEFeedForward(eqx.Module):
             dropped_fraction=1.0 - kept.sum() / jnp.maximum(active.sum(), 1),
             expert_load=M.expert_load(r.experts, self.num_experts, mask=m, kept=active))
         return y.reshape(b, length, d), aux
+
+
+    def _expert_parallel(self, xf, m):
+        unsupported = [name for name, bad in (
+            ("router != 'top_k'", self.router != "top_k"), ("mode != 'capacity'",
+                                                             self.mode != "capacity"),
+            ("jitter", self.jitter > 0), ("second_policy='random'",
+                                          self.second_policy != "all")) if bad]
+        if unsupported:
+            raise ValueError(f"MoEFeedForward: the expert-parallel form (a mesh with an "
+                             f"'expert' axis) does not support {unsupported}")
+        w = M.ExpertWeights(self.w1, self.w2, self.w_gate)
+        return M.expert_parallel_moe(xf, self.w_router, w, k=self.k,
+                                     capacity_factor=self.capacity_factor,
+                                     priority=self.priority, renormalize=self.renormalize,
+                                     activation=self.activation, mask=m)
 
 
 class ProductKeyMemory(eqx.Module):

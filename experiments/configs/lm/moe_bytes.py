@@ -1,0 +1,65 @@
+"""Sparse-FFN variants of the byte-level language model (``stdlib_bytes.py``'s data, sizes and
+schedule, dense attention):
+
+  python -m experiments.train --config=experiments/configs/lm/moe_bytes.py:VARIANT[,runlocal] \
+      --workdir=/tmp/lm_moe
+
+VARIANT (the block's ``model.ffn``; every layer gets it):
+
+* ``dense``: the dense FFN (the baseline; ``stdlib_bytes.py:transformer``).
+* ``switch``: Switch Transformer (Fedus et al., 2021): 8 experts, top-1, each expert the dense
+  FFN's width (same active parameters), router jitter 1e-2, dropless dispatch.
+* ``gshard``: GShard (Lepikhin et al., 2020): 8 experts, top-2 with the second expert kept with
+  probability min(1, 2 g2) in training, experts of half the dense width (same active
+  parameters).
+* ``st_moe``: ST-MoE (Zoph et al., 2022): top-2, renormalised gates, half-width experts; the
+  router z-loss at ST-MoE's coefficient 1e-3 (``config.loss.router_z``).
+* ``hash``: Hash layers (Roller et al., 2021): a fixed balanced hash of the byte to one of 8
+  dense-width experts; no router, no auxiliary loss.
+* ``product_key``: product-key memory (Lample et al., 2019) in place of the FFN: 4 heads,
+  k=32, 256^2 = 65,536 value rows (runlocal: 2 heads, k=8, 16^2 rows).
+
+Load balancing is added at Switch's 1e-2 (``config.loss.load_balancing``). ``runlocal``:
+``stdlib_bytes.py``'s runlocal sizes (dim 64, 2 layers, MLP 256, 128-byte windows, 200 steps).
+"""
+
+import ml_collections
+
+from experiments.configs.lm import stdlib_bytes
+
+VARIANTS = ("dense", "switch", "gshard", "st_moe", "hash", "product_key")
+
+
+def ffn_config(variant: str, hidden: int, small: bool) -> dict:
+    """The ``model.ffn`` section of a variant for a dense MLP width ``hidden``."""
+    if variant == "dense":
+        return dict(kind="dense")
+    if variant == "switch":
+        return dict(kind="switch", num_experts=8, k=1, jitter=1e-2)
+    if variant in ("gshard", "st_moe"):
+        return dict(kind=variant, num_experts=8, k=2)
+    if variant == "hash":
+        return dict(kind="hash", num_experts=8, vocab_size=256)
+    if variant == "product_key":
+        return (dict(kind="product_key", n_keys=16, heads=2, k=8, key_dim=32) if small else
+                dict(kind="product_key", n_keys=256, heads=4, k=32, key_dim=128))
+    raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
+
+
+def get_config(arg=None):
+    parts = [p for p in (arg or "switch").split(",") if p]
+    size = "runlocal" if "runlocal" in parts else None
+    names = [p for p in parts if p != "runlocal"]
+    variant = names[0] if names else "switch"
+    if len(names) > 1 or variant not in VARIANTS:
+        raise ValueError(f"config arg must be 'VARIANT[,runlocal]' with VARIANT in {VARIANTS}, "
+                         f"got {arg!r}")
+    c = stdlib_bytes.get_config("transformer" + (",runlocal" if size else ""))
+    with c.unlocked():
+        hidden = c.model.hidden
+        if variant in ("gshard", "st_moe"):
+            # Two experts per token: half-width experts keep the active parameters.
+            c.model.hidden = hidden // 2
+        c.model.ffn = ml_collections.ConfigDict(ffn_config(variant, hidden, size is not None))
+    c.lock()
+    return c

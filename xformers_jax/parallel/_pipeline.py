@@ -1,0 +1,95 @@
+"""GPipe pipeline parallelism (Huang et al., 2019, "GPipe: Efficient Training of Giant Neural
+Networks using Pipeline Parallelism"): the layers are split into ``S`` consecutive stages over
+the ``stage`` mesh axis, the batch into ``M`` micro-batches, and at tick ``t`` stage ``s``
+runs micro-batch ``t - s``, handing its output to stage ``s + 1`` with a ``ppermute``. All
+``M`` micro-batches pass through in ``M + S - 1`` ticks, so each device idles for the bubble
+fraction ``(S - 1) / (M + S - 1)`` of them (:func:`bubble_fraction`). Gradients come from
+differentiating the forward schedule (the ``ppermute`` transposes to the reverse shift), i.e.
+GPipe's all-forward-then-all-backward order; activations of every tick are kept.
+"""
+
+from __future__ import annotations
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+STAGE = "stage"
+
+
+def bubble_fraction(num_stages: int, num_microbatches: int) -> float:
+    """``(S - 1) / (M + S - 1)``: the fraction of ticks a stage idles."""
+    return (num_stages - 1) / (num_microbatches + num_stages - 1)
+
+
+def gpipe(stage_fn, stage_params, x, *, mesh, num_microbatches: int, axis: str = STAGE):
+    """Runs ``x`` through ``S`` stages: ``y = f_{S-1}(... f_0(x))`` with
+    ``f_s = stage_fn(stage_params[s], .)`` (a pytree with a leading stage axis ``S`` = the size
+    of ``axis``), pipelined over ``num_microbatches`` equal micro-batches of the leading batch
+    axis of ``x``. ``stage_fn`` must keep the shape of its input. Returns ``y`` (replicated)."""
+    s_count = dict(mesh.shape).get(axis, 1)
+    leaves = jax.tree.leaves(stage_params)
+    if not leaves or any(a.shape[0] != s_count for a in leaves):
+        raise ValueError(f"gpipe: stage_params need a leading axis of {s_count} (the "
+                         f"{axis!r} mesh axis), got {[a.shape for a in leaves]}")
+    m = num_microbatches
+    if x.shape[0] % m:
+        raise ValueError(f"gpipe: batch {x.shape[0]} is not divisible by "
+                         f"num_microbatches={m}")
+    xs = x.reshape(m, x.shape[0] // m, *x.shape[1:])
+    perm = [(i, i + 1) for i in range(s_count - 1)]
+
+    def body(params, xs):
+        params = jax.tree.map(lambda a: a[0], params)
+        s = jax.lax.axis_index(axis)
+        last = s == s_count - 1
+
+        def tick(carry, t):
+            held, outs = carry
+            inp = jnp.where(s == 0, xs[jnp.minimum(t, m - 1)], held)
+            out = stage_fn(params, inp)
+            i = t - (s_count - 1)
+            write = last & (i >= 0)
+            outs = outs.at[jnp.maximum(i, 0)].set(
+                jnp.where(write, out, outs[jnp.maximum(i, 0)]))
+            held = jax.lax.ppermute(out, axis, perm) if perm else out
+            return (held, outs), None
+
+        init = (jnp.zeros_like(xs[0]), jnp.zeros_like(xs))
+        (_, outs), _ = jax.lax.scan(tick, init, jnp.arange(m + s_count - 1))
+        return jax.lax.psum(jnp.where(last, outs, 0), axis)
+
+    fn = jax.shard_map(body, mesh=mesh, in_specs=(P(axis), P()), out_specs=P(),
+                       axis_names=frozenset({axis}), check_vma=False)
+    return fn(stage_params, xs).reshape(x.shape)
+
+
+def pipeline_layers(stack, x, *, mesh, num_microbatches: int, kv_mask=None,
+                    axis: str = STAGE):
+    """An ``nn.LayerStack`` (``num_layers`` divisible by the stage count, no stateful layers)
+    run as a GPipe pipeline over ``axis``: stage ``s`` runs layers
+    ``[s * n / S, (s + 1) * n / S)``. ``x [B, L, dim]`` -> ``[B, L, dim]`` (equal to
+    ``stack(x, kv_mask=kv_mask)``; ``kv_mask [B, L]`` is split into the same micro-batches)."""
+    s_count = dict(mesh.shape).get(axis, 1)
+    if stack.num_layers % s_count:
+        raise ValueError(f"pipeline_layers: {stack.num_layers} layers do not split into "
+                         f"{s_count} stages")
+    dynamic, static = stack.per_layer()
+    per = stack.num_layers // s_count
+    staged = jax.tree.map(lambda a: a.reshape(s_count, per, *a.shape[1:]), dynamic)
+    packed = x if kv_mask is None else jnp.concatenate(
+        [x, kv_mask[..., None].astype(x.dtype)], -1)
+
+    def stage_fn(params, h):
+        h, m = (h, None) if kv_mask is None else (h[..., :-1], h[..., -1] > 0.5)
+
+        def layer(h, p):
+            return eqx.combine(p, static)(h, kv_mask=m), None
+
+        h, _ = jax.lax.scan(layer, h, params)
+        return h if m is None else jnp.concatenate([h, m[..., None].astype(h.dtype)], -1)
+
+    y = gpipe(stage_fn, staged, packed, mesh=mesh, num_microbatches=num_microbatches,
+              axis=axis)
+    return y if kv_mask is None else y[..., :-1]
