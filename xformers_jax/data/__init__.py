@@ -30,3 +30,4 @@ from ._pathfinder import DIFFICULTIES as PATHFINDER_DIFFICULTIES
 from ._pathfinder import PATHX_SIZE as PATHX_SIZE
 from ._pathfinder import Pathfinder as Pathfinder
 from ._pathfinder import draw_pathfinder as draw_pathfinder
+from ._streams import StreamBatches as StreamBatches

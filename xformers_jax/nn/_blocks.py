@@ -24,6 +24,7 @@ from ..axes import constrain
 from ._attention import MultiHeadAttention
 from ._ffn import FeedForward
 from ._ffns import FFNSpec, call_ffn
+from ._memory import Memory, MemoryState, memory_attention
 from ._mixer import MixerSpec, make_mixer
 from ._norms import StatefulNorm, make_norm
 from ._positions import PositionScheme
@@ -46,6 +47,10 @@ class TransformerBlock(eqx.Module):
         :mod:`._ffns` for the call contract and the auxiliary outputs ``return_aux=True``
         returns).
       position: a ``"qk"`` or ``"bias"`` position scheme for self attention.
+      memory: a :class:`~xformers_jax.nn.Memory` (Transformer-XL, ERNIE-Doc or compressive
+        memory; see :mod:`._memory`), or a callable ``key -> Memory`` for one with parameters:
+        the causal self attention then also attends to the ``memory_state`` passed to
+        ``__call__``.
       mixer: a :class:`~xformers_jax.nn.MixerSpec` (S4D, Mamba, RetNet, FNet, gMLP, ...; see
         :mod:`xformers_jax.mixers`): the token mixer replaces the self-attention sublayer
         (``spec``, ``num_kv_heads`` and ``position`` then do not apply; ``attn`` holds it).
@@ -57,6 +62,7 @@ class TransformerBlock(eqx.Module):
     ffn: eqx.Module
     norms: tuple
     gains: jax.Array
+    memory: Memory | None
     placement: str = eqx.field(static=True)
 
     def __init__(self, dim: int, num_heads: int, hidden: int, *,
@@ -64,16 +70,18 @@ class TransformerBlock(eqx.Module):
                  cross: bool = False, placement: str = "pre", norm: str = "layer",
                  activation: str = "gelu", chunk_size: int | None = None,
                  num_kv_heads: int | None = None, position: PositionScheme | None = None,
-                 max_len: int = 512, ffn: FFNSpec | None = None,
+                 max_len: int = 512, memory=None, ffn: FFNSpec | None = None,
                  mixer: MixerSpec | None = None, key):
         if placement not in PLACEMENTS:
             raise ValueError(f"TransformerBlock: placement must be one of {PLACEMENTS}, got "
                              f"{placement!r}")
         ka, kc, kf = jax.random.split(key, 3)
         if mixer is not None:
-            if spec != AttentionSpec() or position is not None or num_kv_heads is not None:
+            if spec != AttentionSpec() or position is not None or num_kv_heads is not None \
+                    or memory is not None:
                 raise ValueError("TransformerBlock: a mixer replaces the self-attention "
-                                 "sublayer; do not also give spec, position or num_kv_heads")
+                                 "sublayer; do not also give spec, position, num_kv_heads or "
+                                 "memory")
             self.attn = make_mixer(mixer, dim, num_heads, causal=causal, max_len=max_len, key=ka)
         else:
             self.attn = MultiHeadAttention(dim, num_heads, spec=spec, causal=causal,
@@ -88,6 +96,13 @@ class TransformerBlock(eqx.Module):
         # ReZero's alpha (zero) or post-LN's omega (one, Admin re-initialises it).
         self.gains = jnp.zeros((n,)) if placement == "rezero" else jnp.ones((n,))
         self.placement = placement
+        # Its own fold of the key, so that adding a memory changes no other initialisation.
+        if memory is not None and not isinstance(memory, Memory):
+            memory = memory(key=jax.random.fold_in(key, 7))
+        if memory is not None and (not causal or cross):
+            raise ValueError("TransformerBlock: a memory needs causal self-attention without "
+                             "cross attention (segment-level recurrence of a causal LM)")
+        self.memory = memory
 
     def _norm(self, i, x, state, mask, inference):
         norm = self.norms[i]
@@ -130,12 +145,15 @@ class TransformerBlock(eqx.Module):
         return fs
 
     def __call__(self, x, state=None, *, kv_mask=None, context=None, context_mask=None,
-                 positions=None, key=None, inference=False, tokens=None, return_aux=False):
+                 positions=None, key=None, inference=False, memory_state=None, tokens=None,
+                 return_aux=False):
         """x: ``[B, L, dim]``; kv_mask: ``bool[B, L]``; tokens: ``int[B, L]`` (the token ids,
-        for hash-routed FFNs); context ``[B, Lc, dim]`` with context_mask ``bool[B, Lc]`` for
-        cross attention. Returns ``y``, or ``(y, state)`` when an ``eqx.nn.State`` is passed
-        (stateful norms or attention need one). With ``return_aux`` the result is ``(that,
-        aux)``, ``aux`` the FFN's dict of auxiliary outputs (see :mod:`._ffns`)."""
+        for hash-routed FFNs); context ``[B, Lc, dim]`` with
+        context_mask ``bool[B, Lc]`` for cross attention; memory_state: this layer's
+        :class:`~xformers_jax.nn.MemoryState` (blocks with a ``memory``; the new one is
+        :meth:`update_memory`'s). Returns ``y``, or ``(y, state)`` when an ``eqx.nn.State`` is
+        passed (stateful norms or attention need one). With ``return_aux`` the result is
+        ``(that, aux)``, ``aux`` the FFN's dict of auxiliary outputs (see :mod:`._ffns`)."""
         if (context is None) != (self.cross is None):
             raise ValueError("TransformerBlock: pass `context` exactly when the block has cross "
                              "attention (cross=True)")
@@ -143,6 +161,14 @@ class TransformerBlock(eqx.Module):
         fs = self.sublayers(kv_mask=kv_mask, context=context, context_mask=context_mask,
                             positions=positions, key=key, tokens=tokens, inference=inference,
                             aux=aux)
+        if (memory_state is None) != (self.memory is None):
+            raise ValueError("TransformerBlock: pass `memory_state` exactly when the block has a "
+                             "memory (memory=...)")
+        if memory_state is not None:
+            ctx, ctx_mask = memory_state.context()
+            ctx = ctx if self.placement != "pre" else self.norms[0](ctx)
+            fs[0] = lambda h: memory_attention(self.attn, h, ctx, ctx_mask, kv_mask=kv_mask,
+                                               positions=positions, key=key)
         x = constrain(x, _EMBED)
         stateful = self.attn.state_index is not None
         if stateful:
@@ -154,6 +180,10 @@ class TransformerBlock(eqx.Module):
             x = constrain(x, _EMBED)
         out = x if state is None else (x, state)
         return (out, aux) if return_aux else out
+
+    def update_memory(self, memory_state: MemoryState, x_in, x_out, kv_mask=None):
+        """The memory after this block ran on a segment (input ``x_in``, output ``x_out``)."""
+        return self.memory.update(self, memory_state, x_in, x_out, kv_mask)
 
     def branch_outputs(self, x, *, kv_mask=None, context=None, context_mask=None):
         """Runs the block, also returning each branch's output ``f(x)`` (Admin profiling)."""

@@ -203,17 +203,31 @@ class CausalLM(eqx.Module):
         self.head = jax.random.normal(k3, (dim, vocab_size)) / math.sqrt(dim)
 
     def __call__(self, tokens, *, mask=None, key=None, state=None, inference=False,
-                 return_aux=False):
+                 memory=None, return_aux=False):
         """Teacher-forced logits ``[B, L, vocab]`` for ``tokens: int[B, L]`` (``(logits,
         state)`` when an ``eqx.nn.State`` is given: stateful attention, e.g. routing; ``(that,
-        aux)`` with ``return_aux``: the FFNs' auxiliary outputs per layer, ``nn._ffns``)."""
+        aux)`` with ``return_aux``: the FFNs' auxiliary outputs per layer, ``nn._ffns``).
+
+        With ``memory`` (blocks built with ``block=dict(memory=...)``, :meth:`init_memory`)
+        ``tokens`` is the next segment of each stream and the result is ``(logits,
+        new_memory)`` (segment-level recurrence, :mod:`xformers_jax.nn._memory`)."""
         x, _ = self.embed(tokens, mask=mask, causal=True)
+        if memory is not None:
+            if state is not None:
+                raise ValueError("CausalLM: stateful attention does not take a memory")
+            h, new = self.layers(x, kv_mask=mask, key=key, memory=memory)
+            h = _finish(self.final_norm, h)
+            return constrain(h @ self.head.astype(h.dtype), X.LOGITS), new
         h, new, aux = _run_aux(self.layers, x, state, kv_mask=mask, key=key,
                                inference=inference, tokens=tokens)
         h = _finish(self.final_norm, h)
         logits = constrain(h @ self.head.astype(h.dtype), X.LOGITS)
         out = logits if state is None else (logits, new)
         return (out, aux) if return_aux else out
+
+    def init_memory(self, batch: int, dtype=jnp.float32, *, inference=False):
+        """Empty memories for ``batch`` streams (the evaluation lengths when ``inference``)."""
+        return self.layers.init_memory(batch, self.head.shape[0], dtype, inference=inference)
 
     def init_cache(self, batch: int, max_len: int, dtype=jnp.float32):
         if isinstance(self.embed.positions, ConvPositions):

@@ -110,12 +110,17 @@ class LayerStack(eqx.Module):
         return dynamic, static
 
     def __call__(self, x, state=None, *, kv_mask=None, context=None, context_mask=None,
-                 positions=None, key=None, inference=False, tokens=None, return_aux=False):
+                 positions=None, key=None, inference=False, memory=None, tokens=None,
+                 return_aux=False):
         """x: ``[B, L, dim]`` -> ``[B, L, dim]``; with ``state`` (the ``eqx.nn.State`` of
         stateful attention) -> ``(y, state)``. ``tokens int[B, L]`` reach hash-routed FFNs.
         With ``return_aux`` the result is ``(that, aux)``: every layer's FFN auxiliary outputs
         (``nn._ffns``: router losses, tokens dropped, expert load), each a scan output with a
-        leading layer axis."""
+        leading layer axis. With ``memory`` (every layer's
+        :class:`~xformers_jax.nn.MemoryState` on a leading layer axis, :meth:`init_memory`;
+        blocks built with ``memory=``) -> ``(y, new_memory)``."""
+        if memory is not None:
+            return self._with_memory(x, memory, kv_mask=kv_mask, positions=positions, key=key)
         dynamic, static = self.per_layer()
         keys = None if key is None else jax.random.split(key, self.num_layers)
         if self.reversible:
@@ -188,6 +193,43 @@ class LayerStack(eqx.Module):
             lambda a: a[idx] if eqx.is_array(a) else a, self.layers))
         object.__setattr__(out, "num_layers", len(keep))
         return out
+
+    def init_memory(self, batch: int, dim: int, dtype=jnp.float32, *, inference=False):
+        """Every layer's empty memory (evaluation lengths when ``inference``), stacked on a
+        leading layer axis."""
+        dynamic, static = self.per_layer()
+        block = eqx.combine(jax.tree_util.tree_map(lambda a: a[0], dynamic), static)
+        if getattr(block, "memory", None) is None:
+            raise ValueError("LayerStack.init_memory: the blocks have no memory (memory=...)")
+        one = block.memory.init(batch, dim, dtype, inference=inference)
+        return jax.tree_util.tree_map(
+            lambda a: jnp.broadcast_to(a, (self.num_layers, *a.shape)), one)
+
+    def _with_memory(self, x, memory, *, kv_mask, positions, key):
+        # Segment-level recurrence (xformers_jax.nn._memory): each layer attends to its memory
+        # and shifts the segment in; the new memories come out of the scan like its outputs.
+        if self.reversible:
+            raise ValueError("LayerStack: reversible stacks do not take a memory")
+        dynamic, static = self.per_layer()
+        keys = None if key is None else jax.random.split(key, self.num_layers)
+
+        def step(x, inputs):
+            params, t, k, m = inputs
+            block = eqx.combine(params, static)
+            if self.universal:
+                x = x + sinusoid(t, x.shape[-1]).astype(x.dtype)
+            y = block(x, kv_mask=kv_mask, positions=positions, key=k, memory_state=m)
+            return y, block.update_memory(m, x, y, kv_mask)
+
+        step = _remat(step, self.remat)
+        xs = (dynamic, jnp.arange(self.num_layers), keys, memory)
+        if self.scan:
+            return jax.lax.scan(step, x, xs)
+        news = []
+        for i in range(self.num_layers):
+            x, m = step(x, jax.tree_util.tree_map(lambda a: a[i], xs))
+            news.append(m)
+        return x, jax.tree_util.tree_map(lambda *a: jnp.stack(a), *news)
 
     def init_cache(self, batch: int, max_len: int, dtype=jnp.float32):
         """Per-layer decoding caches, stacked on a leading layer axis."""

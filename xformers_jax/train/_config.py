@@ -4,11 +4,11 @@
 experiment configs (``experiments/configs/**.py``) change its values and lock it. The trainer
 calls ``validate_config`` before anything else, so a misspelt key (the LRA code's silently
 ignored settings, CATALOG.md) stops the run instead of training the wrong thing.
-Only ``model.attention`` and ``model.ffn`` are open: ``kind`` plus that variant's
-hyperparameters, which the attention and FFN registries (``xformers_jax.nn``) check when the
-model is built. ``loss`` holds the coefficients of the FFNs' auxiliary losses (mixtures of
-experts: ``load_balancing``, Switch's 1e-2, and ``router_z``, ST-MoE's 1e-3), summed over
-layers into the training loss.
+Only ``model.attention``, ``model.ffn`` and ``model.memory`` are open: ``kind`` plus that
+variant's hyperparameters, which the attention and FFN registries (``xformers_jax.nn``) and the
+memory builder (``_tasks``) check when the model is built. ``loss`` holds the coefficients of the
+FFNs' auxiliary losses (mixtures of experts: ``load_balancing``, Switch's 1e-2, and
+``router_z``, ST-MoE's 1e-3), summed over layers into the training loss.
 """
 
 from __future__ import annotations
@@ -37,6 +37,9 @@ def base_config(task: str) -> ml_collections.ConfigDict:
         # (open, like attention).
         mixer=ml_collections.ConfigDict(dict(kind="none")),
         attention=ml_collections.ConfigDict(dict(kind="dot_product")),
+        # Segment-level recurrence (tasks fed by contiguous streams, e.g. lm_stream): kind
+        # "none", "xl", "ernie" or "compressive" plus its lengths (open, like attention).
+        memory=ml_collections.ConfigDict(dict(kind="none")),
         # The block's FFN (nn.FFNSpec): kind "dense" or a registered sparse/capacity kind
         # (switch, gshard, st_moe, hash, product_key, ...) plus its hyperparameters (open).
         ffn=ml_collections.ConfigDict(dict(kind="dense"))))
@@ -83,7 +86,8 @@ def _compare(config, reference, path=""):
     for k in want:
         if k == "mixer" and path == "model.":
             continue
-        if (k in ("attention", "ffn") and path == "model.") or (k == "mesh" and not path):
+        if (k in ("attention", "memory", "ffn") and path == "model.") or (
+                k == "mesh" and not path):
             continue
         if isinstance(reference[k], ml_collections.ConfigDict):
             if not isinstance(config[k], ml_collections.ConfigDict):
@@ -98,10 +102,10 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
     _compare(config, base_config(config.data.task))
     if "kind" not in config.model.attention:
         raise ValueError("model.attention needs a 'kind'")
-    if "kind" not in config.model.ffn:
-        raise ValueError("model.ffn needs a 'kind'")
     if "kind" not in config.model.mixer:
         raise ValueError("model.mixer needs a 'kind' (\"none\" for attention)")
+    if "kind" not in config.model.ffn:
+        raise ValueError("model.ffn needs a 'kind'")
     if config.optim.schedule not in SCHEDULES:
         raise ValueError(f"optim.schedule must be one of {SCHEDULES}, got "
                          f"{config.optim.schedule!r}")

@@ -106,7 +106,12 @@ def train_and_evaluate(config, workdir: str, *, on_step=None) -> dict:
                                ssm_schedule=ssm_schedule)
     optimizer = C.wrap_optimizer(config, optimizer)  # pruning masks
     policy, loss_scale = _precision(config)
-    state = create_train_state(model, optimizer, state_key, loss_scale=loss_scale)
+    spec = spec_of(task)
+    # A model that carries state across batches (memories over contiguous streams) keeps it
+    # in the train state, so it is checkpointed and restored with the rest.
+    carry = None if spec.carry is None else spec.carry(model, config.batch_size, False)
+    state = create_train_state(model, optimizer, state_key, loss_scale=loss_scale, carry=carry)
+    run_eval = spec.evaluate or evaluate
     plan = make_sharding_plan(config, state, optimizer)
     if config.batch_size % plan.batch_shards:
         raise ValueError(f"batch_size={config.batch_size} is not divisible by the "
@@ -115,7 +120,9 @@ def train_and_evaluate(config, workdir: str, *, on_step=None) -> dict:
     train_iter = DataIterator(task.train, batch_size=config.batch_size // jax.process_count(),
                               seed=config.seed, process_index=jax.process_index(),
                               process_count=jax.process_count(),
-                              worker_count=config.data_workers)
+                              worker_count=config.data_workers) if spec.batches is None else \
+        spec.batches(task.train, config.batch_size // jax.process_count(),
+                     process_index=jax.process_index(), process_count=jax.process_count())
     # Training metrics are logged as means over the logging interval; the open interval is
     # checkpointed with the iterator so that a resumed run logs the same means.
     interval = IntervalMean()
@@ -164,7 +171,7 @@ def train_and_evaluate(config, workdir: str, *, on_step=None) -> dict:
                              row["loss"], row["accuracy"])
             bar.update(step, **shown)
             if step % config.eval_every == 0 or step == total:
-                validation = evaluate(eval_step, state.model, task.validation, config.batch_size)
+                validation = run_eval(eval_step, state.model, task.validation, config.batch_size)
                 writer.write(step, {f"validation_{k}": v for k, v in validation.items()})
                 bar.message(f"step {step}: validation loss {validation['loss']:.4f} "
                             f"accuracy {validation['accuracy']:.4f}")
@@ -180,13 +187,13 @@ def train_and_evaluate(config, workdir: str, *, on_step=None) -> dict:
         checkpointer.wait()
         best = checkpointer.restore_best(state, plan.state)
         best_state = state if best is None else best[0]
-        test = evaluate(eval_step, best_state.model, task.test, config.batch_size)
+        test = run_eval(eval_step, best_state.model, task.test, config.batch_size)
         writer.write(step, {f"test_{k}": v for k, v in test.items()})
         bar.close()
         result = {"step": step, "best_step": int(best_state.step)}
         result |= {f"validation_{k}": v for k, v in validation.items()}
         result |= {f"test_{k}": v for k, v in test.items()}
-        result |= C.finish(config, task, best_state.model, evaluate, eval_step, workdir)
+        result |= C.finish(config, task, best_state.model, run_eval, eval_step, workdir)
         majority = _majority_accuracy(task)
         if majority is not None:
             result["test_majority_accuracy"] = majority

@@ -91,6 +91,7 @@ def make_sharding_plan(config, state: TrainState, optimizer) -> ShardingPlan:
     opt = parallel.optimizer_shardings(optimizer, state.opt_state, trained, mesh)
     shardings = TrainState(
         step=replicated, model=model, opt_state=opt, key=replicated,
-        loss_scale=jax.tree.map(lambda _: replicated, state.loss_scale))
+        loss_scale=jax.tree.map(lambda _: replicated, state.loss_scale),
+        carry=jax.tree.map(lambda _: replicated, state.carry))
     batch = parallel.logical_sharding((A.BATCH,), compute_rules, mesh)
     return ShardingPlan(mesh, compute_rules, param_rules, shardings, batch)

@@ -53,6 +53,14 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, *,
     def step(state: TrainState, batch):
         key, step_key = jax.random.split(state.key)
         scale = 1.0 if loss_scale is None else state.loss_scale.scale
+        # A carried state (memories of segment-level recurrence) enters the loss with the batch
+        # and comes back among its metrics; it is not differentiated.
+        carried = state.carry is not None
+        if carried:
+            if num_microbatches != 1:
+                raise ValueError("a carried state (model memory) needs num_microbatches=1: "
+                                 "micro-batches would cut the streams the memory follows")
+            batch = dict(batch, carry=state.carry)
         if num_microbatches == 1:
             (_, (loss, metrics)), grads = grad_fn(state.model, batch, step_key, scale)
         else:
@@ -74,6 +82,10 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, *,
                 accumulate, zeros, (micro, keys))
             loss, metrics, grads = jax.tree.map(lambda x: x / num_microbatches,
                                                 (loss, metrics, grads))
+        new_carry = None
+        if carried:
+            metrics = dict(metrics)
+            new_carry = metrics.pop("carry")
         params = eqx.filter(state.model, eqx.is_inexact_array)
         new_scale = None
         if loss_scale is not None:
@@ -92,7 +104,7 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, *,
             metrics.update(loss_scale=state.loss_scale.scale,
                            skipped=(~finite).astype(jnp.float32))
         return TrainState(step=state.step + 1, model=model, opt_state=opt_state,
-                          key=key, loss_scale=new_scale), metrics
+                          key=key, loss_scale=new_scale, carry=new_carry), metrics
 
     def on_arrays(arrays, static, batch):
         new, metrics = step(eqx.combine(arrays, static), batch)

@@ -12,6 +12,7 @@ black). A new task is one ``register_task`` call.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Callable, Mapping, NamedTuple
 
 import equinox as eqx
@@ -59,6 +60,14 @@ class TaskSpec:
         baseline beside the test accuracy).
       loss: ``loss(model, batch, task, key) -> (scalar, {"accuracy", ...})`` for a task
         with its own objective (ELECTRA); ``key`` is None in evaluation.
+      batches: ``batches(split, batch_size, *, process_index, process_count)`` -> the
+        training iterator (``get_state``/``set_state``) when the task is not the shuffled
+        ``DataIterator``'s (contiguous streams: ``data.StreamBatches``).
+      carry: ``carry(model, batch_size, inference) -> pytree | None``: the state the model
+        carries from one batch to the next (memories; None when the model has none). The
+        batch then holds it as ``"carry"`` and ``logits`` returns ``(logits, new_carry)``.
+      evaluate: ``evaluate(eval_step, model, split, batch_size) -> {"loss", "accuracy"}``
+        when a split is not evaluated batch by batch independently (streams with memory).
     """
 
     name: str
@@ -68,6 +77,9 @@ class TaskSpec:
     logits: Callable
     classification: bool = True
     loss: Callable | None = None
+    batches: Callable | None = None
+    carry: Callable | None = None
+    evaluate: Callable | None = None
 
 
 TASKS: dict[str, TaskSpec] = {}
@@ -192,10 +204,18 @@ def _spec(m):
     return nn.AttentionSpec.from_config(m.attention.to_dict())
 
 
+def _with_mixer(m, block):
+    """``block`` plus the token mixer of ``model.mixer`` (none for kind "none")."""
+    mixer = m.mixer.to_dict() if "mixer" in m else {"kind": "none"}
+    if mixer["kind"] != "none":
+        block["mixer"] = nn.MixerSpec.from_config(mixer)
+    return block
+
+
 def _block(m):
     """The block's attention and FFN (``model.ffn``; dense when the config has none)."""
     ffn = m.ffn.to_dict() if "ffn" in m else {"kind": "dense"}
-    return dict(spec=_spec(m), ffn=nn.FFNSpec.from_config(ffn))
+    return _with_mixer(m, dict(spec=_spec(m), ffn=nn.FFNSpec.from_config(ffn)))
 
 
 class LogitsAux(NamedTuple):
@@ -206,12 +226,114 @@ class LogitsAux(NamedTuple):
     aux: dict
 
 
-def _with_mixer(m, block):
-    """``block`` plus the token mixer of ``model.mixer`` (none for kind "none")."""
-    mixer = m.mixer.to_dict() if "mixer" in m else {"kind": "none"}
-    if mixer["kind"] != "none":
-        block["mixer"] = nn.MixerSpec.from_config(mixer)
-    return block
+# -- byte-level LM over contiguous streams, with memory (segment-level recurrence) ---------------
+
+MEMORY_KINDS = ("none", "xl", "ernie", "compressive")
+
+
+def _memory_lengths(mem):
+    get = lambda k, d=0: int(mem.get(k, d))  # noqa: E731
+    m = get("mem_len")
+    return m, get("eval_mem_len", m), get("cmem_len"), get("eval_cmem_len", get("cmem_len"))
+
+
+def _make_memory(mem, dim):
+    """The block's memory for ``model.memory`` (None for kind "none")."""
+    kind = mem.get("kind", "none")
+    if kind not in MEMORY_KINDS:
+        raise ValueError(f"model.memory.kind must be one of {MEMORY_KINDS}, got {kind!r}")
+    known = {"none": {"kind"}, "xl": {"kind", "mem_len", "eval_mem_len"},
+             "ernie": {"kind", "mem_len", "eval_mem_len"},
+             "compressive": {"kind", "mem_len", "eval_mem_len", "cmem_len", "eval_cmem_len",
+                             "rate", "compression"}}[kind]
+    if set(mem) - known:
+        raise ValueError(f"model.memory: unknown keys {sorted(set(mem) - known)} for kind "
+                         f"{kind!r} (known: {sorted(known)})")
+    m, em, c, ec = _memory_lengths(mem)
+    if kind == "none":
+        return None
+    if kind in ("xl", "ernie"):
+        return nn.XLMemory(m, em, same_layer=kind == "ernie")
+    return functools.partial(nn.CompressiveMemory, dim, m, c, int(mem.get("rate", 2)),
+                             compression=mem.get("compression", "conv"), eval_mem_len=em,
+                             eval_cmem_len=ec)
+
+
+def _stream_lm(m, task, key):
+    # Relative positions (Transformer-XL's, with u and v) and no input positions: segments
+    # carry no absolute position, memories sit at negative offsets.
+    mem = m.memory.to_dict()
+    _, em, _, ec = _memory_lengths(mem)
+    mm, _, cc, _ = _memory_lengths(mem)
+    longest = task.seq_len + max(em, mm) + max(ec, cc)
+    head_dim = m.dim // m.num_heads
+    position = nn.TransformerXLRelative(m.num_heads, head_dim, longest,
+                                        key=jax.random.fold_in(key, 1))
+    block = dict(spec=_spec(m), position=position)
+    memory = _make_memory(mem, m.dim)
+    if memory is not None:
+        block["memory"] = memory
+    return nn.CausalLM(task.vocab_size, m.dim, m.num_layers, m.num_heads, m.hidden,
+                       positions=nn.NoPositions(), max_len=longest, block=block, key=key)
+
+
+def _stream_carry(model, batch_size, inference):
+    return model.init_memory(batch_size, inference=inference) if nn.has_memory(model) else None
+
+
+def _stream_logits(model, batch, task, key):
+    if "carry" not in batch:
+        return model(batch["inputs"], key=key)
+    memory = nn.reset_memory(batch["carry"], batch["reset"])
+    return model(batch["inputs"], key=key, memory=memory)
+
+
+class _Stream:
+    """One split of a streamed corpus: its bytes, the segment length and a bound on the
+    segments an evaluation reads per stream (0: all)."""
+
+    def __init__(self, data, seq_len: int, max_segments: int = 0):
+        self.data, self.seq_len, self.max_segments = data, seq_len, max_segments
+
+    def __len__(self) -> int:
+        return (self.data.size - 1) // self.seq_len
+
+
+def _stream_batches(split, batch_size, *, process_index=0, process_count=1, num_epochs=None):
+    return D.StreamBatches(split.data, batch_size=batch_size, seq_len=split.seq_len,
+                           process_index=process_index, process_count=process_count,
+                           num_epochs=num_epochs, max_segments=split.max_segments)
+
+
+def _stream_evaluate(eval_step, model, split, batch_size):
+    """Reads every stream once, segment after segment, carrying the memory (evaluation
+    lengths, ``eval_mem_len``) from an empty one."""
+    batch_size = min(batch_size, len(split))
+    carry = _stream_carry(model, batch_size, True)
+    totals = {}
+    for batch in _stream_batches(split, batch_size, num_epochs=1):
+        if carry is not None:
+            batch = dict(batch, carry=carry)
+        out = dict(eval_step(model, batch))
+        carry = out.pop("carry", None)
+        for k, v in out.items():
+            totals[k] = totals.get(k, 0.0) + float(v)
+    return {"loss": totals["loss_sum"] / totals["count"],
+            "accuracy": totals["correct"] / totals["count"]}
+
+
+def _make_lm_stream(c, seed):
+    if c.source == "stdlib":
+        train, validation, test = (D.stdlib_bytes_lm(s, seq_len=c.seq_len).stream
+                                   for s in ("train", "validation", "test"))
+    elif c.source == "enwik8":
+        train, validation, test = (D.load_enwik8(c.data_dir, s, seq_len=c.seq_len).stream
+                                   for s in ("train", "validation", "test"))
+    else:
+        raise ValueError(f"data.source must be 'stdlib' or 'enwik8', got {c.source!r}")
+    return Task(_Stream(train, c.seq_len), _Stream(validation, c.seq_len, c.num_eval),
+                _Stream(test, c.seq_len, c.num_test), vocab_size=D.BYTE_VOCAB_SIZE,
+                num_classes=D.BYTE_VOCAB_SIZE, seq_len=c.seq_len, padded=False)
 
 
 def _classifier(m, task, key, cls=None):
@@ -220,8 +342,7 @@ def _classifier(m, task, key, cls=None):
     max_len = task.seq_len + (m.pooling == "cls")
     return (cls or nn.EncoderClassifier)(
         task.num_classes, m.dim, m.num_layers, m.num_heads, m.hidden, pooling=m.pooling,
-        vocab_size=task.vocab_size, max_len=max_len, block=_with_mixer(m, _block(m)),
-        key=key)
+        vocab_size=task.vocab_size, max_len=max_len, block=_block(m), key=key)
 
 
 def _dual_encoder(m, task, key):
@@ -230,7 +351,7 @@ def _dual_encoder(m, task, key):
 
 def _causal_lm(m, task, key):
     return nn.CausalLM(task.vocab_size, m.dim, m.num_layers, m.num_heads, m.hidden,
-                       max_len=task.seq_len, block=_with_mixer(m, _block(m)), key=key)
+                       max_len=task.seq_len, block=_block(m), key=key)
 
 
 def _classify_logits(model, batch, task, key):
@@ -265,6 +386,12 @@ for _task in (
     # num_eval / num_test bound the evaluation windows (0: the whole split).
     TaskSpec("lm", dict(source="stdlib", data_dir="", seq_len=512, num_eval=256, num_test=512),
              _make_lm, _causal_lm, _lm_logits, classification=False),
+    # Contiguous streams (segment-level recurrence, model.memory): seq_len is the segment;
+    # num_eval / num_test bound the segments read per evaluation stream (0: all).
+    TaskSpec("lm_stream", dict(source="stdlib", data_dir="", seq_len=256, num_eval=64,
+                               num_test=128),
+             _make_lm_stream, _stream_lm, _stream_logits, classification=False,
+             batches=_stream_batches, carry=_stream_carry, evaluate=_stream_evaluate),
 ):
     register_task(_task)
 
@@ -275,11 +402,18 @@ def spec_of(task: Task) -> TaskSpec:
 
 
 def _policy_logits(model, batch, task: Task, key, policy):
-    """``(float32 logits, aux)``: aux the model's auxiliary outputs (``{}`` if none)."""
+    """``(out, aux)``: out the float32 logits, or ``(logits, new_carry)`` when the batch
+    carries a state; aux the model's auxiliary outputs (``{}`` if it reports none)."""
     logits = lambda m: spec_of(task).logits(m, batch, task, key)  # noqa: E731
     out = logits(model) if policy is None else policy(logits, model)
     out, aux = out if isinstance(out, LogitsAux) else (out, {})
+    if "carry" in batch:
+        return (out[0].astype(jnp.float32), out[1]), aux
     return out.astype(jnp.float32), aux
+
+
+def _with_carry(out, batch):
+    return out if "carry" in batch else (out, None)
 
 
 def make_loss_fn(task: Task, policy: nn.Policy | None = None, aux_coefficients=None):
@@ -294,7 +428,8 @@ def make_loss_fn(task: Task, policy: nn.Policy | None = None, aux_coefficients=N
     def loss_fn(model, batch, key):
         if spec_of(task).loss is not None:
             return spec_of(task).loss(model, batch, task, key)
-        logits, aux = _policy_logits(model, batch, task, key, policy)
+        out, aux = _policy_logits(model, batch, task, key, policy)
+        logits, carry = _with_carry(out, batch)
         labels = batch["targets"]
         loss = optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
         metrics = {"accuracy": (logits.argmax(-1) == labels).mean()}
@@ -302,6 +437,12 @@ def make_loss_fn(task: Task, policy: nn.Policy | None = None, aux_coefficients=N
             losses = nn.aux_losses(aux)
             loss = loss + sum(coefs[k] * v for k, v in losses.items())
             metrics.update(nn.aux_metrics(aux))
+        if carry is not None:
+            # The compressive memory's reconstruction loss (0 for other memories) trains the
+            # compression; the new memories go back to the train step.
+            aux = nn.memory_aux_loss(carry)
+            loss = loss + aux
+            metrics.update(reconstruction_loss=aux, carry=carry)
         return loss, metrics
     return loss_fn
 
@@ -315,10 +456,12 @@ def make_metrics_fn(task: Task, policy: nn.Policy | None = None):
             n = jnp.asarray(batch["inputs"].shape[0])
             return {"loss_sum": loss * n, "correct": metrics["accuracy"] * n,
                     "count": n}
-        logits, _ = _policy_logits(model, batch, task, None, policy)
+        logits, carry = _with_carry(_policy_logits(model, batch, task, None, policy)[0],
+                                    batch)
         labels = batch["targets"]
-        return {"loss_sum": optax.softmax_cross_entropy_with_integer_labels(logits,
-                                                                            labels).sum(),
-                "correct": (logits.argmax(-1) == labels).sum(),
-                "count": jnp.asarray(labels.size)}
+        out = {"loss_sum": optax.softmax_cross_entropy_with_integer_labels(logits,
+                                                                           labels).sum(),
+               "correct": (logits.argmax(-1) == labels).sum(),
+               "count": jnp.asarray(labels.size)}
+        return out if carry is None else dict(out, carry=carry)
     return metrics_fn

@@ -1,0 +1,41 @@
+"""The shared settings of the segment-level recurrence configs (``lm_stream`` task: the
+corpus cut into ``batch_size`` contiguous streams, memory carried across steps).
+
+Sizes: a small byte-level Transformer-XL in the style of the paper's enwik8 model scaled down
+(our choice, no paper setting): 6 layers, 8 heads, dim 512, MLP 2048, segment 256, memory 256
+(evaluation memory 1024), batch 32 streams, 50K steps. ``runlocal``: segment 64, memory 64
+(evaluation 256), a dim-64 2-layer model, 200 steps on 8 streams. Reported loss is nats per
+byte (bits per byte = loss / ln 2).
+"""
+
+import ml_collections
+
+from xformers_jax import train
+
+
+def config(memory: dict, size: str | None):
+    c = train.base_config("lm_stream")
+    c.data.update(dict(source="stdlib", seq_len=256, num_eval=64, num_test=128))
+    c.model.update(dict(dim=512, num_layers=6, num_heads=8, hidden=2048))
+    c.model.memory = ml_collections.ConfigDict(memory)
+    c.optim.update(dict(learning_rate=2.5e-4, schedule="cosine", warmup_steps=2000,
+                        weight_decay=0.01))
+    c.update(dict(batch_size=32, num_train_steps=50_000, eval_every=2000,
+                  checkpoint_every=2000))
+    if size == "runlocal":
+        c.data.update(dict(seq_len=64, num_eval=16, num_test=16))
+        c.model.update(dict(dim=64, num_layers=2, num_heads=4, hidden=256))
+        scale = {k: v // 4 for k, v in memory.items() if k.endswith("_len")}
+        c.model.memory.update(scale)
+        c.optim.update(dict(learning_rate=2e-3, warmup_steps=20))
+        c.update(dict(batch_size=8, num_train_steps=200, log_every=20, eval_every=100,
+                      checkpoint_every=100))
+    elif size is not None:
+        raise ValueError(f"size must be 'runlocal' or absent, got {size!r}")
+    c.lock()
+    return c
+
+
+def parse(arg):
+    parts = (arg or "").split(",")
+    return parts[0], (parts[1] if len(parts) > 1 else None)

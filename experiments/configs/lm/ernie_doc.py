@@ -1,0 +1,16 @@
+"""ERNIE-Doc's enhanced recurrence (Ding et al., 2021) on byte-level streams of the standard
+library's source: each layer's memory is its own output on the previous segment.
+
+  python -m experiments.train --config=experiments/configs/lm/ernie_doc.py[:runlocal] \
+      --workdir=/tmp/ernie
+
+The retrospective feed (``nn.retrospective_feed``) reads a document twice and so sees later
+text: it is for document understanding, not this next-byte task. Sizes in ``_memory.py``.
+"""
+
+from experiments.configs.lm import _memory
+
+
+def get_config(arg=None):
+    size = "runlocal" if "runlocal" in (arg or "").split(",") else None
+    return _memory.config(dict(kind="ernie", mem_len=256, eval_mem_len=1024), size)
