@@ -1,8 +1,12 @@
 """Is the input pipeline on the critical path? The main job's train step timed with the Grain
 pipeline feeding it and with one batch already on the device, in alternating rounds.
 
-  python -m experiments.input_timing [--config=experiments/configs/lra/listops.py:performer,main]
-      [--steps=20] [--rounds=10]
+  python -m experiments.input_timing
+      [--timing_config=experiments/configs/lra/listops.py:performer,main]
+      [--timing_steps=20] [--timing_rounds=10]
+
+(Flag names carry the module's prefix: absl flags are global, and ``--config``/``--steps``
+are other scripts' flags.)
 
 Prints per-step milliseconds, wall and process CPU time (median and minimum over rounds), of: the step fed by ``DataIterator`` as the
 trainer feeds it (``plan.place_batch(next(it))``), the step on a fixed placed batch, and
@@ -22,9 +26,9 @@ from xformers_jax import train
 from xformers_jax.data import DataIterator
 
 _CONFIG = config_flags.DEFINE_config_file(
-    "config", "experiments/configs/lra/listops.py:performer,main", "The job's config.")
-_STEPS = flags.DEFINE_integer("steps", 20, "Steps per round.")
-_ROUNDS = flags.DEFINE_integer("rounds", 10, "Alternating rounds.")
+    "timing_config", "experiments/configs/lra/listops.py:performer,main", "The job's config.")
+_STEPS = flags.DEFINE_integer("timing_steps", 20, "Steps per round.")
+_ROUNDS = flags.DEFINE_integer("timing_rounds", 10, "Alternating rounds.")
 
 
 def _timed(fn, steps):
