@@ -1,0 +1,85 @@
+"""Long-Short Range Attention (Wu et al., 2020, "Lite Transformer with Long-Short Range
+Attention").
+
+The channels are split in two halves: one goes through multi-head attention (the long-range
+branch), the other through a convolution branch (the local context), and the outputs are
+concatenated. The convolution branch is the lightweight convolution of Wu et al. (2019, "Pay
+Less Attention with Lightweight and Dynamic Convolutions"): a GLU input projection, a
+depthwise convolution whose ``K`` taps are softmax-normalised and shared by the channels of
+each of ``H`` heads, and an output projection. Causal layers convolve over positions
+``i - K + 1 .. i``; others over a centred window.
+"""
+
+from __future__ import annotations
+
+import math
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+
+from .._attention import MultiHeadAttention
+from .._registry import AttentionSpec
+
+
+def lightweight_conv(x, kernel, *, causal: bool, mask=None):
+    """``x [B, L, C]``, ``kernel [H, K]`` (softmax over K taken here; channel ``c`` uses head
+    ``c // (C / H)``) -> ``[B, L, C]``. Padded positions (``mask`` False) are zeroed first so
+    they reach no real output."""
+    b, length, c = x.shape
+    h, k = kernel.shape
+    if c % h:
+        raise ValueError(f"lightweight_conv: {c} channels are not divisible by {h} heads "
+                         f"(x{x.shape}, kernel{kernel.shape})")
+    if mask is not None:
+        x = jnp.where(mask[..., None], x, 0)
+    w = jax.nn.softmax(kernel.astype(jnp.float32), axis=-1)
+    w = jnp.repeat(w, c // h, axis=0)                                # [C, K]
+    left = k - 1 if causal else (k - 1) // 2
+    xp = jnp.pad(x.astype(jnp.float32), ((0, 0), (left, k - 1 - left), (0, 0)))
+    out = sum(xp[:, j:j + length] * w[:, j] for j in range(k))
+    return out.astype(x.dtype)
+
+
+class LSRA(eqx.Module):
+    """Long-Short Range Attention over ``[B, L, dim]``: attention on the first ``dim / 2``
+    channels, the lightweight convolution branch on the rest.
+
+    Args:
+      dim: model width (even). num_heads: heads of both branches. kernel_size: ``K``.
+      spec: the attention branch's kind (any registered :class:`AttentionSpec`).
+      causal, max_len: as :class:`MultiHeadAttention`. key: PRNG key.
+    """
+
+    attn: MultiHeadAttention
+    w_glu: jax.Array
+    kernel: jax.Array
+    w_out: jax.Array
+    causal: bool = eqx.field(static=True)
+
+    def __init__(self, dim: int, num_heads: int, *, kernel_size: int = 3,
+                 spec: AttentionSpec = AttentionSpec(), causal: bool = False,
+                 max_len: int = 512, key):
+        if dim % 2 or (dim // 2) % num_heads:
+            raise ValueError(f"LSRA: dim={dim} must be even with dim/2 divisible by "
+                             f"num_heads={num_heads}")
+        half = dim // 2
+        k1, k2, k3, k4 = jax.random.split(key, 4)
+        self.attn = MultiHeadAttention(half, num_heads, spec=spec, causal=causal,
+                                       max_len=max_len, key=k1)
+        self.w_glu = jax.random.normal(k2, (half, 2 * half)) / math.sqrt(half)
+        self.kernel = 0.1 * jax.random.normal(k3, (num_heads, kernel_size))
+        self.w_out = jax.random.normal(k4, (half, half)) / math.sqrt(half)
+        self.causal = causal
+
+    def __call__(self, x, *, kv_mask=None, key=None):
+        half = x.shape[-1] // 2
+        a, c = x[..., :half], x[..., half:]
+        long = self.attn(a, kv_mask=kv_mask, key=key)
+        g = c @ self.w_glu.astype(x.dtype)
+        g = g[..., :half] * jax.nn.sigmoid(g[..., half:])
+        short = lightweight_conv(g, self.kernel, causal=self.causal, mask=kv_mask)
+        short = short @ self.w_out.astype(x.dtype)
+        if kv_mask is not None:
+            short = jnp.where(kv_mask[..., None], short, 0)
+        return jnp.concatenate([long, short], axis=-1)
