@@ -9,9 +9,9 @@ import numpy as np
 import optax
 import pytest
 
+from tests._compress_model import small_classifier
 from tests.tolerances import assert_close
 from xformers_jax import compress as C
-from xformers_jax import nn
 
 
 def _np_log_softmax(x):
@@ -64,8 +64,7 @@ def test_hidden_losses_match_reference():
 
 @pytest.fixture(scope="module")
 def teacher():
-    m = nn.EncoderClassifier(3, 16, 2, 2, 32, vocab_size=10, max_len=9,
-                             key=jax.random.PRNGKey(0))
+    m = small_classifier()
     x = jax.random.randint(jax.random.PRNGKey(1), (2, 8), 1, 10).at[1, 6:].set(0)
     return m, x
 

@@ -11,9 +11,10 @@ import numpy as np
 import optax
 import pytest
 
+from tests._compress_model import small_classifier
 from tests.tolerances import EXACT_GRAD, assert_close
 from xformers_jax import compress as C
-from xformers_jax import nn, parallel, train
+from xformers_jax import parallel, train
 
 
 def test_gradual_sparsity_matches_zhu_gupta():
@@ -143,8 +144,7 @@ def test_lottery_ticket_rewinds_to_saved_weights():
 
 @pytest.fixture(scope="module")
 def encoder():
-    m = nn.EncoderClassifier(3, 16, 2, 2, 32, vocab_size=10, max_len=9,
-                             key=jax.random.PRNGKey(0))
+    m = small_classifier()
     x = jax.random.randint(jax.random.PRNGKey(1), (4, 8), 1, 10)
     y = jnp.asarray([0, 1, 2, 1])
     return m, {"x": x, "y": y}

@@ -9,9 +9,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from tests._compress_model import fast_jit, small_classifier
 from tests.tolerances import EXACT, assert_close
 from xformers_jax import compress as C
-from xformers_jax import nn
 
 _FAST = {"xla_backend_optimization_level": 0}
 
@@ -123,8 +123,7 @@ def test_calibration_max_and_percentile_against_numpy():
 
 @pytest.fixture(scope="module")
 def classifier():
-    m = nn.EncoderClassifier(5, 16, 2, 2, 32, vocab_size=12, max_len=17,
-                             key=jax.random.PRNGKey(0))
+    m = small_classifier()
     x = jax.random.randint(jax.random.PRNGKey(1), (3, 16), 1, 12).at[0, 10:].set(0)
     return m, x
 
@@ -193,7 +192,7 @@ def test_static_activation_scales_and_qat_gradients(classifier):
     assert float(jnp.abs(yq - y).max()) < 0.05 * float(jnp.abs(y).max())
     # QAT: gradients reach the float weights through the fake quantization
     f = C.quantize_model(m, "fake")
-    g = eqx.filter_grad(lambda mm: jnp.sum(apply(mm, x) ** 2))(f)
+    g = fast_jit(eqx.filter_grad(lambda mm: jnp.sum(apply(mm, x) ** 2)))(f)
     assert g.encoder.layers.layers.ffn.w1.w.shape == (2, 16, 32)
     assert float(jnp.abs(g.encoder.layers.layers.ffn.w1.w).sum()) > 0
     back = C.quantize_model(f, "int8")

@@ -9,6 +9,7 @@ import numpy as np
 import optax
 import pytest
 
+from tests._compress_model import fast_jit
 from tests.tolerances import assert_close
 from xformers_jax import nn
 
@@ -49,7 +50,7 @@ def test_loss_weights_gradients_and_classifier(electra):
     m, tokens, mask = electra
     key = jax.random.PRNGKey(4)
 
-    @eqx.filter_jit
+    @fast_jit
     def parts(m):
         total, metrics = m.loss(tokens, key, mask=mask)
         # the discriminator term alone, differentiated with respect to the generator

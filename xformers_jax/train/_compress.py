@@ -28,7 +28,6 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import optax
-from absl import logging
 
 from .. import compress as C
 from .. import data as D
@@ -177,8 +176,8 @@ def finish(config, task, model, run_eval, eval_step, workdir: str) -> dict:
     out = {}
     if config.prune.sparsity > 0:
         report = C.sparsity_report(model)
-        out["sparsity"] = report["total"]
-        logging.info("sparsity per weight: %s", report)
+        out["sparsity"] = report.pop("total")
+        out["sparsity_per_weight"] = report  # a list per layer for stacked weights
     need_batches = config.prune.heads > 0 or config.quantize != "none"
     batches = (_train_batches(task, config.batch_size, config.calibration.num_batches)
                if need_batches else [])
