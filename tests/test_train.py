@@ -1,7 +1,10 @@
-"""xformers_jax.train: learning, exact resume after SIGTERM and crashes, configs, metrics."""
+"""xformers_jax.train: learning, exact resume after SIGTERM, crashes and kills, configs, metrics."""
 
 import os
+import pathlib
 import signal
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -9,6 +12,9 @@ import numpy as np
 import pytest
 
 from xformers_jax import data, nn, train
+
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def _tiny_config(steps=8):
@@ -51,11 +57,32 @@ class _Crash(Exception):
     pass
 
 
-def test_resume_after_sigterm_and_crash_matches_uninterrupted_run(tmp_path):
+def _resume_config():
     config = _tiny_config()
     config.log_every = 2  # the SIGTERM at step 3 stops in the middle of a logging interval
-    straight = train.train_and_evaluate(config, str(tmp_path / "a"))
+    return config
 
+
+@pytest.fixture(scope="module")
+def straight_run(tmp_path_factory):
+    """The resume tests' uninterrupted run: (result, workdir)."""
+    workdir = str(tmp_path_factory.mktemp("straight"))
+    return train.train_and_evaluate(_resume_config(), workdir), workdir
+
+
+def _assert_same_run(resumed, resumed_dir, straight_run):
+    straight, straight_dir = straight_run
+    assert resumed == straight
+    assert _rows(resumed_dir) == _rows(straight_dir)
+    (state_a, data_a), (state_b, data_b) = (_final_state(_resume_config(), d)
+                                            for d in (straight_dir, resumed_dir))
+    assert data_a == data_b and int(state_b.step) == 8
+    for x, y in zip(jax.tree.leaves(state_a), jax.tree.leaves(state_b)):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_resume_after_sigterm_and_crash_matches_uninterrupted_run(straight_run, tmp_path):
+    config = _resume_config()
     resumed_dir = str(tmp_path / "b")
 
     def sigterm_at_3(step):
@@ -73,17 +100,32 @@ def test_resume_after_sigterm_and_crash_matches_uninterrupted_run(tmp_path):
         train.train_and_evaluate(config, resumed_dir, on_step=crash_at_5)
     resumed = train.train_and_evaluate(config, resumed_dir)
 
-    assert resumed == straight
-    assert _rows(resumed_dir) == _rows(str(tmp_path / "a"))
+    _assert_same_run(resumed, resumed_dir, straight_run)
     # TensorBoard reads, after the restarts' purges, what the JSONL's last rows say.
-    for workdir in (str(tmp_path / "a"), resumed_dir):
+    for workdir in (straight_run[1], resumed_dir):
         assert _tensorboard_scalars(workdir) == _jsonl_scalars(workdir)
-    (state_a, data_a), (state_b, data_b) = (_final_state(config, str(tmp_path / d))
-                                            for d in ("a", "b"))
-    assert data_a == data_b and int(state_b.step) == 8
-    for x, y in zip(jax.tree.leaves(state_a), jax.tree.leaves(state_b)):
-        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
     assert sorted(os.listdir(os.path.join(resumed_dir, "checkpoints"))) == ["6", "8"]
+
+
+@pytest.mark.slow
+def test_resume_after_sigkill_mid_epoch_matches_uninterrupted_run(straight_run, tmp_path):
+    # A hard kill in a child process at step 5, in the middle of the first epoch (6 batches
+    # per epoch) and of a logging interval: no handler, no finally, no flush. (TensorBoard
+    # events still queued at the kill are lost, so only the JSONL is compared here.)
+    workdir = str(tmp_path / "killed")
+    code = ("import os, signal\n"
+            "from tests.test_train import _resume_config\n"
+            "from xformers_jax import train\n"
+            "def kill(step):\n"
+            "    if step == 5:\n"
+            "        os.kill(os.getpid(), signal.SIGKILL)\n"
+            f"train.train_and_evaluate(_resume_config(), {workdir!r}, on_step=kill)\n")
+    child = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                           text=True, timeout=900)
+    assert child.returncode == -signal.SIGKILL, child.stderr[-3000:]
+    assert max(r["step"] for r in train.read_jsonl(os.path.join(workdir, "metrics.jsonl"))) == 4
+    resumed = train.train_and_evaluate(_resume_config(), workdir)
+    _assert_same_run(resumed, workdir, straight_run)
 
 
 def test_tiny_classifier_learns_in_a_few_steps():
@@ -207,9 +249,6 @@ def test_metric_writer_events_read_back_by_tensorboard(tmp_path):
 
 def test_metric_writer_does_not_import_pytorch():
     # tensorboardX imports torch when installed (seconds, hundreds of MB); the writer hides it.
-    import subprocess
-    import sys
-
     code = ("import sys, tempfile\n"
             "from xformers_jax.train import _metrics\n"
             "w = _metrics.MetricWriter(tempfile.mkdtemp())\n"
