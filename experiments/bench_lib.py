@@ -150,14 +150,15 @@ def _timed(f, args, min_repeats: int, budget_s: float):
     t0 = time.perf_counter()
     jax.block_until_ready(f(*args))  # compile + warm-up
     warm = time.perf_counter() - t0
-    times = []
+    times, cpu = [], []
     while len(times) < min_repeats or (sum(times) < budget_s and len(times) < 50):
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.process_time()
         jax.block_until_ready(f(*args))
         times.append(time.perf_counter() - t)
+        cpu.append(time.process_time() - c)
         if warm > budget_s and len(times) >= min_repeats:
             break
-    return statistics.median(times), warm, len(times)
+    return statistics.median(times), warm, len(times), statistics.median(cpu)
 
 
 def compiled_memory_mb(f, args) -> float | None:
@@ -208,8 +209,10 @@ def run_worker(case_json: str, mode: str, min_repeats: int, budget_s: float) -> 
         f = jax.jit(jax.grad(loss, argnums=argnums))
     if work.native is None:
         args = work.args
-    median, warm, n = _timed(f, args, min_repeats, budget_s)
-    record = dict(time_s=median, warmup_s=warm, repeats=n, baseline_rss_mb=baseline,
+    median, warm, n, cpu = _timed(f, args, min_repeats, budget_s)
+    # cpu_s: the process's CPU time per call (all threads); on a machine shared with other
+    # jobs it is stretched far less than wall time by their load.
+    record = dict(time_s=median, cpu_s=cpu, warmup_s=warm, repeats=n, baseline_rss_mb=baseline,
                   peak_rss_mb=_max_rss_mb())
     record["delta_rss_mb"] = record["peak_rss_mb"] - baseline
     compiled = None if work.native is not None else compiled_memory_mb(f, args)

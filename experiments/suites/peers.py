@@ -31,8 +31,11 @@ TITLE = ("Peers: flash attention and a training step against PyTorch and jax.nn 
 _BUILD = "experiments.suites.peers:build"
 _STEP = "experiments.suites.peers:build_step"
 _MATMUL = "experiments.suites.peers:build_matmul"
-LENGTHS = (1024, 2048, 4096, 8192)
+# PEERS_LENGTHS (comma-separated) and PEERS_LONG=0 shrink a run on a busy machine; the
+# defaults are the full table.
+LENGTHS = tuple(int(x) for x in os.environ.get("PEERS_LENGTHS", "1024,2048,4096,8192").split(","))
 LONG = 16384          # forward only: fwd+bwd at 16K would take minutes per case here
+WITH_LONG = os.environ.get("PEERS_LONG", "1") != "0"
 JAX_NN_MAX = 4096     # jax.nn.dot_product_attention holds [H, L, L] scores
 STEP_LENGTHS = (2048, 4096)
 _VECTOR_FLAGS = ("sse4_2", "avx", "avx2", "fma", "avx512f", "avx512bw", "avx512vl",
@@ -68,7 +71,9 @@ def _torch_version() -> str:
 
 NOTE = (f"CPU: {cpu_description()}. {_torch_version()}. Ratios are 'x' = PyTorch's (or "
         "jax.nn's) time over ours: above 1 we are faster. Each case runs in its own process "
-        "one after another; the machine may be shared, so only ratios within this run count.")
+        "one after another; the machine may be shared, so only ratios within this run count. "
+        "Checks marked (cpu time) compare the process's CPU time per call (all threads), which "
+        "other jobs' load stretches far less than wall time.")
 
 
 # -- builders (worker processes) ---------------------------------------------------------------
@@ -219,7 +224,7 @@ def cases(quick: bool) -> list[Case]:
                     continue
                 out.append(Case(f"{variant} attention", _BUILD,
                                 dict(variant=variant, L=L, causal=causal)))
-    if not quick:
+    if not quick and WITH_LONG:
         for causal in (False, True):
             for variant in ("flash", "torch"):
                 out.append(Case(f"{variant} attention", _BUILD,
@@ -231,13 +236,13 @@ def cases(quick: bool) -> list[Case]:
 
 
 def _lengths(r: Results):
-    return LENGTHS if r.find("flash attention", "fwd", L=LENGTHS[0]) else (128, 256)
+    return LENGTHS if r.find("flash attention", "fwd", L=LENGTHS[-1]) else (128, 256)
 
 
 def checks(r: Results):
     out = []
     lengths = _lengths(r)
-    for L in lengths[1:]:
+    for L in [x for x in lengths if x >= 2048]:
         for causal in (False, True):
             for mode in ("fwd", "fwdbwd"):
                 out.append(ratio_check(
@@ -250,11 +255,27 @@ def checks(r: Results):
                                r.time("train step (torch)", "step", L=L),
                                r.time("train step (ours)", "step", L=L), at_least=1.0))
     xla = r.value("gflops", "matmul", "fwd", framework="xla")
-    for L in [x for x in (*lengths, LONG) if x >= 4096]:
+    for L in [x for x in (*lengths, LONG) if x >= 4096 and (x != LONG or WITH_LONG)]:
         rate = r.value("gflops", "flash attention", "fwd", L=L, causal=False)
         out.append(value_check(f"flash fwd fraction of the XLA matmul rate at L={L}",
                                None if rate is None or not xla else rate / xla,
                                at_least=0.6, fmt="{:.2f}"))
+    # The same ratios in CPU time (process time of all threads per call): on a machine shared
+    # with other jobs, wall time is stretched by their load at whatever moment each case ran.
+    for L in [x for x in lengths if x >= 2048]:
+        for causal in (False, True):
+            for mode in ("fwd", "fwdbwd"):
+                out.append(ratio_check(
+                    f"(cpu time) flash {mode} vs PyTorch SDPA at L={L}"
+                    f"{' causal' if causal else ''}",
+                    r.value("cpu_s", "torch attention", mode, L=L, causal=causal),
+                    r.value("cpu_s", "flash attention", mode, L=L, causal=causal),
+                    at_least=1.0))
+    for L in (STEP_LENGTHS if lengths == LENGTHS else (128,)):
+        out.append(ratio_check(f"(cpu time) training step vs PyTorch at L={L}",
+                               r.value("cpu_s", "train step (torch)", "step", L=L),
+                               r.value("cpu_s", "train step (ours)", "step", L=L),
+                               at_least=1.0))
     out.append(ratio_check("(why) PyTorch matmul rate / XLA matmul rate (2048^2 fp32)",
                            r.value("gflops", "matmul", "fwd", framework="torch"), xla,
                            at_least=0.0))
