@@ -10,7 +10,7 @@ import pytest
 from tests.tolerances import EXACT_GRAD, assert_close
 from xformers_jax import nn
 
-L, DIM, HEADS, VOCAB, B, LAYERS = 8, 16, 2, 11, 2, 2
+L, DIM, HEADS, VOCAB, B, LAYERS = 6, 16, 2, 11, 2, 2
 HD = DIM // HEADS
 _JIT = dict(compiler_options={"xla_backend_optimization_level": 0})
 
