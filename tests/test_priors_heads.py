@@ -291,3 +291,35 @@ def test_talking_heads_bf16():
         *(x.astype(jnp.bfloat16) for x in (q, k, v)))
     assert out.dtype == jnp.bfloat16
     assert_close(out, _talking_ref(q, k, v, eye, eye, True, None), EXACT, dtype=jnp.bfloat16)
+
+
+# --- routing-by-agreement aggregation (Li et al., 2019) ---------------------------------------
+
+def test_routing_aggregation_matches_dynamic_routing_loop():
+    heads = np.asarray(_normal(35, 3, 4, 5))                       # L=3, H=4, D=5
+    w = np.asarray(A.init_routing_votes(jax.random.PRNGKey(36), 4, 5, 2, 3))
+    got = A.routing_aggregation(heads, w, iterations=3)
+
+    def squash(s):
+        n2 = (s * s).sum()
+        return s * n2 / (1 + n2) / np.sqrt(n2 + 1e-12)
+
+    want = []
+    for pos in range(3):
+        v_hat = np.einsum("hd,hnde->hne", heads[pos], w)
+        b = np.zeros((4, 2))
+        for it in range(3):
+            c = np.exp(b) / np.exp(b).sum(1, keepdims=True)
+            v = np.stack([squash((c[:, n, None] * v_hat[:, n]).sum(0)) for n in range(2)])
+            b = b + np.einsum("hne,ne->hn", v_hat, v)
+        want.append(v.reshape(-1))
+    np.testing.assert_allclose(got, np.stack(want), rtol=1e-5, atol=1e-6)
+    # One round: each head couples uniformly to the N = 2 outputs (softmax over outputs).
+    one = A.routing_aggregation(heads, w, iterations=1)
+    mean = np.einsum("lhd,hnde->lne", heads, w) / 2
+    np.testing.assert_allclose(one, np.stack([np.concatenate([squash(m) for m in row])
+                                              for row in mean]), rtol=1e-5, atol=1e-6)
+    g = jax.grad(lambda w: jnp.sum(A.routing_aggregation(heads, w) ** 2))(w)
+    assert bool(jnp.isfinite(g).all()) and float(jnp.abs(g).sum()) > 0
+    with pytest.raises(ValueError, match="same H and D"):
+        A.routing_aggregation(heads, w[:2])

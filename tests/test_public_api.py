@@ -41,6 +41,7 @@ ATTENTION_NAMES = {
     "init_gaussian_window", "init_predictive_conv", "lazy_attention", "multiscale_attention",
     "multiscale_patterns", "predict_gaussian_window", "predictive_attention", "predictive_conv",
     "realformer_attention", "realformer_flash_attention", "talking_heads_attention",
+    "init_routing_votes", "routing_aggregation", "squash",
 }
 PATTERN_NAMES = {
     "BPTree", "BigBird", "BlockBERT", "BlockLayout", "BlockLocal", "Cascade", "Causal", "Dilated",

@@ -106,3 +106,6 @@ from .priors import predict_gaussian_window as predict_gaussian_window
 from .priors import multiscale_attention as multiscale_attention
 from .priors import multiscale_patterns as multiscale_patterns
 from .priors import talking_heads_attention as talking_heads_attention
+from .priors import init_routing_votes as init_routing_votes
+from .priors import routing_aggregation as routing_aggregation
+from .priors import squash as squash

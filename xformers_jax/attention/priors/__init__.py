@@ -1,7 +1,8 @@
 """Attention with priors and multi-head variants: Gaussian locality priors (Yang et al.; Guo
 et al.), hard-coded Gaussian attention, the average attention network, priors from the layer
 below (Realformer, Predictive attention, Lazyformer), talking heads, collaborative heads,
-multi-scale heads and the disagreement regularisers.
+multi-scale heads, the disagreement regularisers and routing-by-agreement aggregation of
+head outputs.
 
 Every public name here is also exported by ``xformers_jax.attention``.
 """
@@ -30,4 +31,7 @@ from ._gaussian import init_gaussian_window as init_gaussian_window
 from ._gaussian import predict_gaussian_window as predict_gaussian_window
 from ._multiscale import multiscale_attention as multiscale_attention
 from ._multiscale import multiscale_patterns as multiscale_patterns
+from ._routing_aggregation import init_routing_votes as init_routing_votes
+from ._routing_aggregation import routing_aggregation as routing_aggregation
+from ._routing_aggregation import squash as squash
 from ._talking import talking_heads_attention as talking_heads_attention
