@@ -10,6 +10,7 @@ from ._adaptive import ACTStack as ACTStack
 from ._adaptive import EarlyExitClassifier as EarlyExitClassifier
 from ._adaptive import ExitResult as ExitResult
 from ._adaptive import early_exit_loss as early_exit_loss
+from ._arch import LSRA as LSRA
 from ._arch import PatchMerging as PatchMerging
 from ._arch import SwinBlock as SwinBlock
 from ._arch import SwinClassifier as SwinClassifier
