@@ -182,8 +182,8 @@ def test_grouped_matmul_backends_agree_and_zero_tail():
         assert_close(M.grouped_matmul(x, w, sizes, backend=backend), want, err_msg=backend)
     # Tiles of 2 rows: groups straddle tiles and get padded.
     assert_close(M._grouped._tiled(x, w, sizes, tile=2), want)
-    gw = jax.grad(lambda w: M.grouped_matmul(x, w, sizes, backend="tiled").sum())(w)
-    gd = jax.grad(lambda w: M.grouped_matmul(x, w, sizes, backend="dense").sum())(w)
+    gw, gd = _jit(lambda w: [jax.grad(lambda w: M.grouped_matmul(  # noqa: E731
+        x, w, sizes, backend=b).sum())(w) for b in ("tiled", "dense")])(w)
     assert_close(gw, gd, EXACT_GRAD)
     with pytest.raises(ValueError, match="backend"):
         M.grouped_matmul(x, w, sizes, backend="nope")
@@ -191,21 +191,21 @@ def test_grouped_matmul_backends_agree_and_zero_tail():
         M.grouped_matmul(x, w[:, :4], sizes)
 
 
+@functools.partial(_jit, static_argnums=(3, 4))
+def _masked_run(x, wr, w, mode, n, mask):
+    r = M.top_k_route(M.router_logits(x[:n], wr), 2, mask=mask[:n])
+    return M.moe_ffn(x[:n], r, w, mode=mode, capacity_factor=1.0, mask=mask[:n])[0]
+
+
 def test_padding_changes_no_real_output():
     x, wr, w = _setup(6)
     mask = jnp.arange(T) < 9
     junk = x.at[9:].set(100.0)
-
-    def run(x, mode):
-        r = M.top_k_route(M.router_logits(x, wr), 2, mask=mask)
-        return M.moe_ffn(x, r, w, mode=mode, capacity_factor=1.0, mask=mask)[0]
-
     for mode in M._dispatch.MODES:
-        assert_close(run(x, mode)[:9], run(junk, mode)[:9])
+        full = _masked_run(x, wr, w, mode, T, mask)
+        assert_close(_masked_run(junk, wr, w, mode, T, mask)[:9], full[:9])
         # The padded amount: the same 9 real tokens with fewer padded rows.
-        r = M.top_k_route(M.router_logits(x[:10], wr), 2, mask=mask[:10])
-        short = M.moe_ffn(x[:10], r, w, mode=mode, capacity_factor=1.0, mask=mask[:10])[0]
-        assert_close(short[:9], run(x, mode)[:9])
+        assert_close(_masked_run(x, wr, w, mode, 10, mask)[:9], full[:9])
 
 
 def test_token_priority_is_causal():
@@ -263,11 +263,12 @@ def test_hash_and_prototype_routes():
 def test_bf16_and_bad_inputs():
     x, wr, w = _setup(10)
     xb = x.astype(jnp.bfloat16)
-    r = M.top_k_route(M.router_logits(xb, wr), 2)
+    r, y, ref = _jit(lambda xb, x: (lambda r: (r, M.moe_dropless(xb, r, w),  # noqa: E731
+                                              M.moe_reference(x, r, w)))(
+        M.top_k_route(M.router_logits(xb, wr), 2)))(xb, x)
     assert r.probs.dtype == jnp.float32
-    y = M.moe_dropless(xb, r, w)
     assert y.dtype == jnp.bfloat16
-    assert_close(y, M.moe_reference(x, r, w), EXACT, dtype=jnp.bfloat16)
+    assert_close(y, ref, EXACT, dtype=jnp.bfloat16)
     with pytest.raises(ValueError, match=r"k must be in \[1, 4\]"):
         M.top_k_route(r.logits, 5)
     with pytest.raises(ValueError, match=r"\[tokens, dim\]"):
@@ -294,16 +295,17 @@ def test_product_keys_equal_brute_force():
                                -1)  # [H, n^2, dk]: slot i*n+j has key [K1_i, K2_j]
     scores = np.einsum("thd,hnd->thn", np.asarray(q), full_keys)
     top = np.argsort(-scores, -1, kind="stable")[..., :kk]
-    s, slots = M.product_key_topk(q, k1, k2, kk)
+    s, slots = _jit(M.product_key_topk, static_argnums=3)(q, k1, k2, kk)
     np.testing.assert_array_equal(np.sort(np.asarray(slots), -1), np.sort(top, -1))
     assert_close(s, np.take_along_axis(scores, top, -1))
     sv = np.take_along_axis(scores, top, -1)
     wts = np.exp(sv - sv.max(-1, keepdims=True))
     wts /= wts.sum(-1, keepdims=True)
     want = np.einsum("thk,thkv->tv", wts, np.asarray(v)[top])
-    assert_close(M.product_key_lookup(q, k1, k2, v, kk), want)
+    lookup, gv = _jit(lambda v: jax.value_and_grad(  # noqa: E731
+        lambda v: (M.product_key_lookup(q, k1, k2, v, kk) * np.arange(5)).sum())(v))(v)
+    assert_close(lookup, (want * np.arange(5)).sum())
     # The value table's gradient touches only the selected rows.
-    gv = jax.grad(lambda v: M.product_key_lookup(q, k1, k2, v, kk).sum())(v)
     touched = np.flatnonzero(np.abs(np.asarray(gv)).sum(-1))
     np.testing.assert_array_equal(touched, np.unique(top))
     assert len(touched) < v.shape[0]

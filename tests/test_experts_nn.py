@@ -17,7 +17,8 @@ from xformers_jax import experts as M
 from xformers_jax import train
 
 L, DIM, HEADS, HIDDEN, VOCAB = 16, 16, 2, 32, 32
-KINDS = [k for k in nn.registered_ffns() if k != "dense"]
+# "none" (all-attention blocks' empty FFN) has no parameters: test_all_attention covers it.
+KINDS = [k for k in nn.registered_ffns() if k not in ("dense", "none")]
 _jit = dict(compiler_options={"xla_backend_optimization_level": 0})
 
 
@@ -176,3 +177,31 @@ def test_product_key_layer_equals_lookup():
     q = (x.reshape(6, DIM) @ layer.wq).reshape(6, 2, 8)
     want = M.product_key_lookup(q, layer.keys1, layer.keys2, layer.values, 4)
     assert_close(y.reshape(6, DIM), want) and aux == {}
+
+
+def test_all_attention_equals_reference_causal_and_padding():
+    layer = nn.AllAttention(DIM, HEADS, 3, causal=True, key=jax.random.key(11))
+    x = jax.random.normal(jax.random.key(12), (2, 6, DIM))
+    mask = jnp.arange(6)[None] < jnp.array([[6], [4]])
+    run = jax.jit(lambda l, x: l(x, kv_mask=mask), **_jit)
+    y = run(layer, x)
+    xn, dh = np.asarray(x, np.float64), DIM // HEADS
+    want = np.zeros((2, 6, DIM))
+    for b in range(2):
+        for h in range(HEADS):
+            q, k, v = (xn[b] @ np.asarray(w)[:, h] for w in (layer.wq, layer.wk, layer.wv))
+            s = np.concatenate([q @ k.T, q @ np.asarray(layer.persistent_k[h]).T], 1)
+            s /= np.sqrt(dh)
+            ok = np.tril(np.ones((6, 6), bool)) & np.asarray(mask[b])[None]
+            s[:, :6] = np.where(ok, s[:, :6], -np.inf)
+            p = np.exp(s - s.max(1, keepdims=True))
+            p /= p.sum(1, keepdims=True)
+            o = p[:, :6] @ v + p[:, 6:] @ np.asarray(layer.persistent_v[h])
+            want[b] += o @ np.asarray(layer.wo[h])
+    assert_close(y, want)
+    changed = run(layer, x.at[:, 3].set(-x[:, 3]))
+    assert_close(changed[:, :3], y[:, :3])
+    assert not np.allclose(changed[0, 3:], y[0, 3:])
+    junk = run(layer, x.at[1, 4:].set(30.0))
+    assert_close(junk[mask], y[mask])
+    assert nn.FFNSpec("none").build(DIM, HIDDEN, key=jax.random.key(0))(x)[0].sum() == 0

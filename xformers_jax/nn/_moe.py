@@ -9,6 +9,10 @@ call contract and how their auxiliary losses reach the trainer).
   (kind ``product_key``).
 * :class:`SparseFeedForward`: the sparse FFN of Jaszczur et al. (2021), "Sparse is Enough in
   Scaling Transformers" (kind ``sparse_ffn``).
+* :class:`AllAttention`: Sukhbaatar et al. (2019), "Augmenting Self-attention with Persistent
+  Memory": persistent key/value vectors concatenated to the context's, the FFN removed (kind
+  ``none``, :class:`NoFeedForward`). A standalone layer: the block's attention slot does not
+  build it.
 """
 
 from __future__ import annotations
@@ -324,3 +328,78 @@ register_ffn(FFNKind(
     time="O(dim * (rank + hidden / block)) at inference", memory="O(dim * hidden)",
     causal=True, test_hyperparameters=dict(block=8, rank=8)),
     SparseFeedForward)
+
+
+class AllAttention(eqx.Module):
+    """All-attention layer (Sukhbaatar et al., 2019, "Augmenting Self-attention with Persistent
+    Memory"): multi-head self-attention whose keys and values are the context's concatenated
+    with ``num_persistent`` learned persistent vectors per head; the persistent vectors play the
+    FFN's role, so a block of all-attention has no FFN (use ``ffn=FFNSpec("none")``). The
+    persistent keys are visible from every position (causal masking applies to the context
+    keys only) and are not position-encoded.
+
+    Call: ``x [B, L, dim]``, ``kv_mask bool[B, L]`` (False for padding) -> ``[B, L, dim]``.
+    """
+
+    wq: jax.Array = X.param(X.EMBED, X.HEADS, X.KV)
+    wk: jax.Array = X.param(X.EMBED, X.HEADS, X.KV)
+    wv: jax.Array = X.param(X.EMBED, X.HEADS, X.KV)
+    wo: jax.Array = X.param(X.HEADS, X.KV, X.EMBED)
+    persistent_k: jax.Array = X.param(X.HEADS, None, X.KV)
+    persistent_v: jax.Array = X.param(X.HEADS, None, X.KV)
+    causal: bool = eqx.field(static=True)
+
+    def __init__(self, dim: int, num_heads: int, num_persistent: int = 16, *,
+                 causal: bool = False, key):
+        if dim % num_heads:
+            raise ValueError(f"AllAttention: dim={dim} is not divisible by "
+                             f"num_heads={num_heads}")
+        dh = dim // num_heads
+        ks = jax.random.split(key, 6)
+        init = lambda k, s, fan: jax.random.normal(k, s) / math.sqrt(fan)  # noqa: E731
+        self.wq, self.wk, self.wv = (init(k, (dim, num_heads, dh), dim) for k in ks[:3])
+        self.wo = init(ks[3], (num_heads, dh, dim), dim)
+        # The paper scales persistent keys/values to the context's (sqrt(dh), sqrt(N)); a
+        # unit-variance key and value per head is the equivalent starting point here.
+        self.persistent_k = jax.random.normal(ks[4], (num_heads, num_persistent, dh))
+        self.persistent_v = jax.random.normal(ks[5], (num_heads, num_persistent, dh))
+        self.causal = causal
+
+    def __call__(self, x, *, kv_mask=None):
+        b, length, _ = x.shape
+        dt = x.dtype
+        q, k, v = (jnp.einsum("bld,dhk->bhlk", x, w.astype(dt)) for w in (self.wq, self.wk,
+                                                                           self.wv))
+        scale = 1.0 / math.sqrt(q.shape[-1])
+        s_ctx = jnp.einsum("bhqk,bhjk->bhqj", q, k).astype(jnp.float32) * scale
+        allowed = jnp.ones((length, length), bool)
+        if self.causal:
+            allowed = jnp.tril(allowed)
+        allowed = allowed[None, None]
+        if kv_mask is not None:
+            allowed = allowed & kv_mask[:, None, None, :]
+        s_ctx = jnp.where(allowed, s_ctx, -jnp.inf)
+        s_mem = jnp.einsum("bhqk,hnk->bhqn", q, self.persistent_k.astype(dt)).astype(
+            jnp.float32) * scale
+        p = jax.nn.softmax(jnp.concatenate([s_ctx, s_mem], -1), axis=-1).astype(dt)
+        out = (jnp.einsum("bhqj,bhjk->bhqk", p[..., :length], v)
+               + jnp.einsum("bhqn,hnk->bhqk", p[..., length:], self.persistent_v.astype(dt)))
+        return jnp.einsum("bhlk,hkd->bld", out, self.wo.astype(dt))
+
+
+class NoFeedForward(eqx.Module):
+    """The empty FFN (all-attention blocks, Sukhbaatar et al., 2019): ``y = 0``, so the FFN
+    sublayer's residual adds nothing."""
+
+    def __init__(self, dim: int = 0, hidden: int = 0, *, activation: str = "gelu",
+                 causal: bool = False, key=None):
+        del dim, hidden, activation, causal, key
+
+    def __call__(self, x, *, mask=None, tokens=None, key=None, inference=False):
+        return jnp.zeros_like(x), {}
+
+
+register_ffn(FFNKind(
+    "none", AllAttention, "capacity",
+    Paper("Sukhbaatar et al.", 2019, "Augmenting Self-attention with Persistent Memory"),
+    time="O(1)", memory="O(1)", causal=True), NoFeedForward)
