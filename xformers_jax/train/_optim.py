@@ -49,23 +49,41 @@ def _decay_mask(params):
     return jax.tree.map(lambda p, s: p.ndim >= 2 and not s, params, ssm)
 
 
+def _ssm_rate(schedule, ssm_schedule) -> optax.GradientTransformation:
+    """Rescales the state space parameters' AdamW updates from ``schedule`` to
+    ``ssm_schedule``. Adam's direction is per parameter and the learning rate its last factor
+    (and these parameters are not decayed), so this is exactly a second parameter group with
+    its own rate, while the optimizer state keeps the parameters' tree structure (the
+    trainer shards it like the parameters)."""
+
+    def init(params):
+        del params
+        return optax.ScaleByScheduleState(count=jnp.zeros([], jnp.int32))
+
+    def update(updates, state, params=None):
+        del params
+        main = schedule(state.count)
+        ratio = jnp.where(main > 0, ssm_schedule(state.count) / jnp.where(main > 0, main, 1), 0)
+        ssm = nn.ssm_parameters(updates)
+        updates = jax.tree.map(lambda u, s: u * ratio.astype(u.dtype) if s else u, updates, ssm)
+        return updates, optax.ScaleByScheduleState(count=optax.safe_increment(state.count))
+
+    return optax.GradientTransformation(init, update)
+
+
 def make_optimizer(schedule: optax.Schedule, *, weight_decay: float, grad_clip_norm: float,
                    b1: float = 0.9, b2: float = 0.98, eps: float = 1e-9,
                    ssm_schedule: optax.Schedule | None = None) -> optax.GradientTransformation:
     """Global-norm clipping (skipped when ``grad_clip_norm <= 0``) then AdamW.
 
-    ``ssm_schedule``: the learning rate of the state space parameters (two optax parameter
-    groups, ``optax.multi_transform``: AdamW for the rest, Adam without weight decay for them);
-    None: one schedule for all (they are still not decayed).
+    ``ssm_schedule``: the learning rate of the state space parameters (their own parameter
+    group: their AdamW updates, without weight decay, rescaled to this schedule); None: one
+    schedule for all (they are still not decayed).
     """
     adamw = optax.adamw(schedule, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay,
                         mask=_decay_mask)
     if ssm_schedule is not None:
-        ssm = optax.adam(ssm_schedule, b1=b1, b2=b2, eps=eps)
-        adamw = optax.multi_transform(
-            {"default": adamw, "ssm": ssm},
-            lambda params: jax.tree.map(lambda s: "ssm" if s else "default",
-                                        nn.ssm_parameters(params)))
+        adamw = optax.chain(adamw, _ssm_rate(schedule, ssm_schedule))
     if grad_clip_norm > 0:
         return optax.chain(optax.clip_by_global_norm(grad_clip_norm), adamw)
     return adamw
