@@ -31,9 +31,7 @@ from ._ffns import get_ffn as get_ffn
 from ._ffns import register_ffn as register_ffn
 from ._ffns import registered_ffns as registered_ffns
 from ._moe import AllAttention as AllAttention
-from ._moe import AllAttention as AllAttention
 from ._moe import MoEFeedForward as MoEFeedForward
-from ._moe import NoFeedForward as NoFeedForward
 from ._moe import NoFeedForward as NoFeedForward
 from ._moe import ProductKeyMemory as ProductKeyMemory
 from ._moe import SparseFeedForward as SparseFeedForward
