@@ -252,6 +252,28 @@ def test_train_checkpointer_uses_the_path_format(tmp_path):
     _assert_equal(par.restore_checkpoint(item, template.model, prefix="model"), state.model)
 
 
+def test_best_checkpoint_takes_a_redone_step(tmp_path):
+    # A run stopped after evaluating step 4 but before saving checkpoints/ again resumes from
+    # an earlier step and evaluates step 4 a second time; orbax refuses a step it already has.
+    state = _train_state(jax.random.PRNGKey(0))
+    data = {"epoch": 0, "position": 4, "seed": 0}
+    workdir = str(tmp_path / "run")
+    ckpt = train.Checkpointer(workdir)
+    ckpt.save_best(4, state, data, {"accuracy": 0.5})
+    ckpt.wait()
+    ckpt.close()
+    ckpt = train.Checkpointer(workdir)
+    try:
+        ckpt.save_best(4, state, data, {"accuracy": 0.5})
+        ckpt.save_best(6, state, data, {"accuracy": 0.25})
+        ckpt.wait()
+        assert ckpt.best.best_step() == 4
+        restored, _ = ckpt.restore_best(_train_state(jax.random.PRNGKey(1)))
+        _assert_equal(restored, state)
+    finally:
+        ckpt.close()
+
+
 def test_train_index_checkpoints_fail_clearly_and_convert(tmp_path):
     state = _train_state(jax.random.PRNGKey(0))
     old, new = str(tmp_path / "old"), str(tmp_path / "new")

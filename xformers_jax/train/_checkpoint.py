@@ -102,7 +102,13 @@ class Checkpointer:
         self.latest.save(step, args=self._args(state, data_state), force=force)
 
     def save_best(self, step: int, state, data_state: dict, metrics: dict) -> None:
-        """Offers the step to ``best/``; orbax keeps it only while it ranks best."""
+        """Offers the step to ``best/``; orbax keeps it only while it ranks best.
+
+        A run that stopped after evaluating a step but before its next ``checkpoints/`` save
+        redoes that step on resume; resume is exact, so the state is the one ``best/`` already
+        holds for it, and offering it again (which orbax refuses) is skipped."""
+        if step in self.best.all_steps():
+            return
         self.best.save(step, args=self._args(state, data_state),
                        metrics={self.best_metric: float(metrics[self.best_metric])}, force=True)
 
