@@ -2,6 +2,7 @@
 (annotations only, nothing checks them at run time): the annotations resolve, and a call's
 arrays match them with every named axis bound to one size."""
 
+import inspect
 import typing
 
 import jax
@@ -73,3 +74,30 @@ def test_multihead_attention_module_shapes_match_the_annotations():
         for arg, value in args.items():
             assert isinstance(value, hints[arg]), (arg, hints[arg])
         assert isinstance(out, hints["x"])  # [batch q_seq dim] in and out
+
+
+# Public functions taking q, k, v that do not follow the one-sequence contract's shapes, so
+# they carry no q/k/v annotations:
+NOT_ONE_SEQUENCE = {
+    # one decoding step: q, k [Dk], v [Dv], no sequence axis
+    "average_attention_step", "delta_rule_step", "linear_attention_step",
+    # all heads at once: [L, H, D] arrays
+    "collaborative_attention",  # v [Lk, H, Dv]
+    "multiscale_attention", "per_head_block_sparse_attention", "predictive_attention",
+    "talking_heads_attention",
+}
+
+
+def test_every_qkv_attention_function_is_annotated():
+    names = [n for n in dir(A) if not n.startswith("_")]
+    fns = {n: getattr(A, n) for n in names if inspect.isfunction(getattr(A, n))}
+    qkv = {n for n, fn in fns.items() if {"q", "k", "v"} <= set(inspect.signature(fn).parameters)}
+    assert NOT_ONE_SEQUENCE <= qkv, NOT_ONE_SEQUENCE - qkv  # the skip list stays current
+    for name in sorted(qkv - NOT_ONE_SEQUENCE):
+        hints = typing.get_type_hints(fns[name])  # every annotation resolves
+        for arg in ("q", "k", "v"):
+            assert isinstance(hints.get(arg), type) and issubclass(
+                hints[arg], jaxtyping.AbstractArray), (name, arg, hints.get(arg))
+        for arg in ("kv_mask", "q_mask"):
+            if arg in inspect.signature(fns[name]).parameters:
+                assert arg in hints, (name, arg)

@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
+from jaxtyping import Array, Bool, Float
 
 from .. import axes as X
 from ..kernels._tiles import pad_to
@@ -53,20 +54,20 @@ def _shard(axis, n, left, right, causal, scale, block_q, block_k, q, k, v, mask)
 
 
 def halo_local_attention(
-    q,
-    k,
-    v,
+    q: Float[Array, "q_seq qk_dim"],
+    k: Float[Array, "kv_seq qk_dim"],
+    v: Float[Array, "kv_seq v_dim"],
     *,
     left: int,
     right: int = 0,
     causal: bool = False,
-    kv_mask=None,
+    kv_mask: Bool[Array, "kv_seq"] | None = None,
     scale: float | None = None,
     mesh=None,
     axis_name: str = X.SEQUENCE,
     block_q: int | None = None,
     block_k: int | None = None,
-):
+) -> Float[Array, "q_seq v_dim"]:
     """``block_sparse_attention(q, k, v, Local(left, right))`` with the sequence sharded.
 
     Equal to it (gradients by autodiff through ``shard_map``) for self-attention. Without a

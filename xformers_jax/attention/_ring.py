@@ -32,6 +32,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
+from jaxtyping import Array, Bool, Float
 
 from .. import axes as X
 from ..kernels._tiled import attend_layout_backward
@@ -246,18 +247,18 @@ def _from_zigzag(axis: str, n: int, x):
 
 
 def ring_attention(
-    q,
-    k,
-    v,
+    q: Float[Array, "q_seq qk_dim"],
+    k: Float[Array, "kv_seq qk_dim"],
+    v: Float[Array, "kv_seq v_dim"],
     *,
     causal: bool = False,
-    kv_mask=None,
+    kv_mask: Bool[Array, "kv_seq"] | None = None,
     scale: float | None = None,
     mesh=None,
     axis_name: str = X.SEQUENCE,
     block_q: int | None = None,
     block_k: int | None = None,
-):
+) -> Float[Array, "q_seq v_dim"]:
     """Exact attention with the sequence sharded over the ``axis_name`` mesh axis.
 
     Equal to :func:`~xformers_jax.attention.flash_attention` (and so to

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jaxtyping import Array, Bool, Float
 
 from .. import _contract as C
 from .._exact import block_sparse_attention
@@ -45,19 +46,19 @@ def adaptive_span_penalty(span, max_span: int):
 
 
 def adaptive_span_attention(
-    q,
-    k,
-    v,
+    q: Float[Array, "q_seq qk_dim"],
+    k: Float[Array, "kv_seq qk_dim"],
+    v: Float[Array, "kv_seq v_dim"],
     span,
     *,
     max_span: int,
     ramp: int = 32,
     causal: bool = False,
-    kv_mask=None,
+    kv_mask: Bool[Array, "kv_seq"] | None = None,
     scale: float | None = None,
     block_size: int | None = None,
     key=None,
-):
+) -> Float[Array, "q_seq v_dim"]:
     """Softmax attention with a learnable soft span for one sequence and one head.
 
     Weights are ``m_z(|i - j|) exp(s_ij)`` renormalised, with ``m_z(x) = clamp((ramp + z - x)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jaxtyping import Array, Bool, Float
 
 from .. import _contract as C
 from .._dense import dot_product_attention
@@ -66,13 +67,13 @@ def dam_penalty(mask):
 
 
 def dam_attention(
-    q,
-    k,
-    v,
+    q: Float[Array, "q_seq qk_dim"],
+    k: Float[Array, "kv_seq qk_dim"],
+    v: Float[Array, "kv_seq v_dim"],
     logits,
     *,
     causal: bool = False,
-    kv_mask=None,
+    kv_mask: Bool[Array, "kv_seq"] | None = None,
     scale: float | None = None,
     temperature: float = 1.0,
     always_on_ends: bool = True,

@@ -18,6 +18,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jaxtyping import Array, Bool, Float
 
 from .. import _contract as C
 
@@ -198,17 +199,17 @@ def entmax_alpha(a):
 
 
 def entmax_attention(
-    q,
-    k,
-    v,
+    q: Float[Array, "q_seq qk_dim"],
+    k: Float[Array, "kv_seq qk_dim"],
+    v: Float[Array, "kv_seq v_dim"],
     alpha=1.5,
     *,
     causal: bool = False,
-    kv_mask=None,
+    kv_mask: Bool[Array, "kv_seq"] | None = None,
     scale: float | None = None,
     n_iter: int = 50,
     key=None,
-):
+) -> Float[Array, "q_seq v_dim"]:
     """Attention whose weights are alpha-entmax of the scores (exactly sparse for alpha > 1).
 
     ``alpha`` as a Python number picks the exact map: 1 softmax, 1.5 :func:`entmax15`, 2

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jaxtyping import Array, Bool, Float
 
 from .. import _contract as C
 from ...kernels._tiles import merge_all_by_lse
@@ -59,17 +60,17 @@ def _check(name, x, rotations, chunk_size):
 
 
 def lsh_attention(
-    q,
-    k,
-    v,
+    q: Float[Array, "q_seq qk_dim"],
+    k: Float[Array, "kv_seq qk_dim"],
+    v: Float[Array, "kv_seq v_dim"],
     rotations,
     *,
     chunk_size: int = 128,
     causal: bool = False,
-    kv_mask=None,
+    kv_mask: Bool[Array, "kv_seq"] | None = None,
     scale: float | None = None,
     key=None,
-):
+) -> Float[Array, "q_seq v_dim"]:
     """Reformer LSH attention for one sequence and one head.
 
     Keys are normalised, ``k_j / ||k_j||`` (the paper's shared-QK attention: call it with

@@ -15,6 +15,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jaxtyping import Array, Bool, Float
 
 from .. import _contract as C
 from ...kernels import _tiles
@@ -82,15 +83,15 @@ def kmeans_update(state: RoutingState, q_unit, k_unit, q_real, k_real, decay: fl
 
 
 def routing_attention(
-    q,
-    k,
-    v,
+    q: Float[Array, "q_seq qk_dim"],
+    k: Float[Array, "kv_seq qk_dim"],
+    v: Float[Array, "kv_seq v_dim"],
     state: RoutingState,
     *,
     window: int,
     causal: bool = False,
-    kv_mask=None,
-    q_mask=None,
+    kv_mask: Bool[Array, "kv_seq"] | None = None,
+    q_mask: Bool[Array, "q_seq"] | None = None,
     scale: float | None = None,
     decay: float = 0.999,
     key=None,

@@ -15,6 +15,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jaxtyping import Array, Bool, Float
 
 from .. import _contract as C
 from ...kernels import _tiles
@@ -236,14 +237,14 @@ _st_gather.defvjp(_st_gather_fwd, _st_gather_bwd)
 
 
 def sinkhorn_attention(
-    q,
-    k,
-    v,
+    q: Float[Array, "q_seq qk_dim"],
+    k: Float[Array, "kv_seq qk_dim"],
+    v: Float[Array, "kv_seq v_dim"],
     sort_net: SinkhornSortNet,
     *,
     block_size: int,
     causal: bool = False,
-    kv_mask=None,
+    kv_mask: Bool[Array, "kv_seq"] | None = None,
     scale: float | None = None,
     temperature: float = 0.75,
     iterations: int = 8,
@@ -251,7 +252,7 @@ def sinkhorn_attention(
     straight_through_top: int | None = None,
     sortcut: int | None = None,
     key=None,
-):
+) -> Float[Array, "q_seq v_dim"]:
     """Sparse Sinkhorn attention for one sequence and one head.
 
     The sequence is cut into ``num_blocks`` contiguous blocks (padded to whole blocks). The

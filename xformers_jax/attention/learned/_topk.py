@@ -9,22 +9,23 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jaxtyping import Array, Bool, Float
 
 from .. import _contract as C
 from ...kernels import _tiles
 
 
 def topk_attention(
-    q,
-    k,
-    v,
+    q: Float[Array, "q_seq qk_dim"],
+    k: Float[Array, "kv_seq qk_dim"],
+    v: Float[Array, "kv_seq v_dim"],
     *,
     top_k: int,
     causal: bool = False,
-    kv_mask=None,
+    kv_mask: Bool[Array, "kv_seq"] | None = None,
     scale: float | None = None,
     key=None,
-):
+) -> Float[Array, "q_seq v_dim"]:
     """Softmax attention over each query's ``top_k`` best visible keys.
 
     Keys whose score ties the k-th best are all kept. With ``top_k >= Lk`` this is

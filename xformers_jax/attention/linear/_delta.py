@@ -31,6 +31,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.scipy.linalg import solve_triangular
+from jaxtyping import Array, Bool, Float
 
 from .. import _contract as C
 from ._feature_maps import resolve_feature_map
@@ -121,20 +122,20 @@ def gated_delta_chunked(fq, fk, v, beta, ld=None, chunk_size: int = 64):
 
 
 def delta_rule_attention(
-    q,
-    k,
-    v,
+    q: Float[Array, "q_seq qk_dim"],
+    k: Float[Array, "kv_seq qk_dim"],
+    v: Float[Array, "kv_seq v_dim"],
     beta_logits,
     *feature_arrays,
     feature_map="dpfp",
     causal: bool = True,
-    kv_mask=None,
+    kv_mask: Bool[Array, "kv_seq"] | None = None,
     scale: float | None = None,
     implementation: str = "chunked",
     chunk_size: int = 64,
     eps: float = 1e-6,
     key=None,
-):
+) -> Float[Array, "q_seq v_dim"]:
     """Causal linear attention with the delta-rule (write-and-remove) memory update.
 
     Survey L 4.2.1-4.2.2 (Schlag et al. 2021, DPFP features and the delta rule). The method is

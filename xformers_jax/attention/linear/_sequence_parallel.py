@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
+from jaxtyping import Array, Bool, Float
 
 from ... import axes as X
 from .. import _contract as C
@@ -52,13 +53,13 @@ def _global(axis, eps, positive, dv, fq, fk, v_aug):
 
 
 def sequence_parallel_linear_attention(
-    q,
-    k,
-    v,
+    q: Float[Array, "q_seq qk_dim"],
+    k: Float[Array, "kv_seq qk_dim"],
+    v: Float[Array, "kv_seq v_dim"],
     *feature_arrays,
     feature_map="elu",
     causal: bool = True,
-    kv_mask=None,
+    kv_mask: Bool[Array, "kv_seq"] | None = None,
     scale: float | None = None,
     gate_logits=None,
     log_decay=None,
@@ -66,7 +67,7 @@ def sequence_parallel_linear_attention(
     eps: float = 1e-6,
     mesh=None,
     axis_name: str = X.SEQUENCE,
-):
+) -> Float[Array, "q_seq v_dim"]:
     """:func:`~xformers_jax.attention.linear_attention` with the sequence sharded.
 
     Equal to ``linear_attention(...)`` with the same arguments (gradients by autodiff through

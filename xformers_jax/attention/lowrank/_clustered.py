@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jaxtyping import Array, Bool, Float
 
 from .. import _contract as C
 from .._dense import dot_product_attention
@@ -77,9 +78,20 @@ def _checked(name, q, k, v, causal, kv_mask, q_mask, num_clusters, bits, iterati
     return x, kv_mask, q_mask
 
 
-def clustered_attention(q, k, v, *, num_clusters: int, key, bits: int = 32,
-                        iterations: int = 10, causal: bool = False, kv_mask=None, q_mask=None,
-                        scale: float | None = None):
+def clustered_attention(
+    q: Float[Array, "q_seq qk_dim"],
+    k: Float[Array, "kv_seq qk_dim"],
+    v: Float[Array, "kv_seq v_dim"],
+    *,
+    num_clusters: int,
+    key,
+    bits: int = 32,
+    iterations: int = 10,
+    causal: bool = False,
+    kv_mask: Bool[Array, "kv_seq"] | None = None,
+    q_mask: Bool[Array, "q_seq"] | None = None,
+    scale: float | None = None,
+) -> Float[Array, "q_seq v_dim"]:
     """Clustered attention for one sequence and one head.
 
     Each query gets the output of its cluster's centroid: exact softmax attention
@@ -110,9 +122,21 @@ def clustered_attention(q, k, v, *, num_clusters: int, key, bits: int = 32,
     return C.zero_masked_rows(out[cluster].astype(x.q.dtype), q_mask)
 
 
-def improved_clustered_attention(q, k, v, *, num_clusters: int, topk: int, key, bits: int = 32,
-                                 iterations: int = 10, causal: bool = False, kv_mask=None,
-                                 q_mask=None, scale: float | None = None):
+def improved_clustered_attention(
+    q: Float[Array, "q_seq qk_dim"],
+    k: Float[Array, "kv_seq qk_dim"],
+    v: Float[Array, "kv_seq v_dim"],
+    *,
+    num_clusters: int,
+    topk: int,
+    key,
+    bits: int = 32,
+    iterations: int = 10,
+    causal: bool = False,
+    kv_mask: Bool[Array, "kv_seq"] | None = None,
+    q_mask: Bool[Array, "q_seq"] | None = None,
+    scale: float | None = None,
+) -> Float[Array, "q_seq v_dim"]:
     """Improved clustered attention for one sequence and one head.
 
     For a query in cluster ``c`` with centroid weights ``A_c [Lk]`` and top-k keys ``T_c``:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jaxtyping import Array, Bool, Float
 
 from .. import _contract as C
 from .._dense import short_softmax_attention
@@ -31,8 +32,18 @@ def init_linformer_projections(key, seq_len: int, proj_len: int, *, shared_kv: b
     return e, (std * jax.random.normal(kf, (proj_len, seq_len))).astype(dtype)
 
 
-def linformer_attention(q, k, v, e, f=None, *, causal: bool = False, kv_mask=None,
-                        scale: float | None = None, key=None):
+def linformer_attention(
+    q: Float[Array, "q_seq qk_dim"],
+    k: Float[Array, "kv_seq qk_dim"],
+    v: Float[Array, "kv_seq v_dim"],
+    e,
+    f=None,
+    *,
+    causal: bool = False,
+    kv_mask: Bool[Array, "kv_seq"] | None = None,
+    scale: float | None = None,
+    key=None,
+) -> Float[Array, "q_seq v_dim"]:
     """Linformer attention for one sequence and one head.
 
     Keys and values are projected along the length axis, ``K' = E K`` and ``V' = F V``

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jaxtyping import Array, Bool, Float
 
 from .. import _contract as C
 from ...kernels import _tiles
@@ -44,9 +45,19 @@ def _project(k, v, w_p, real, segment):
     return pk, pv, valid
 
 
-def long_short_attention(q, k, v, w_p, *, window: int, causal: bool = False,
-                         segment_size: int | None = None, kv_mask=None,
-                         scale: float | None = None, key=None):
+def long_short_attention(
+    q: Float[Array, "q_seq qk_dim"],
+    k: Float[Array, "kv_seq qk_dim"],
+    v: Float[Array, "kv_seq v_dim"],
+    w_p,
+    *,
+    window: int,
+    causal: bool = False,
+    segment_size: int | None = None,
+    kv_mask: Bool[Array, "kv_seq"] | None = None,
+    scale: float | None = None,
+    key=None,
+) -> Float[Array, "q_seq v_dim"]:
     """Long-Short attention for one sequence and one head.
 
     Non-causal: query i sees keys ``|i - j| <= window`` and the ``r`` slots projected from the

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jaxtyping import Array, Bool, Float
 
 from .. import _contract as C
 from ...kernels import _tiles
@@ -36,9 +37,21 @@ def init_lowrank_band(key, dk: int, rank: int, *, gate: float = 0.0, dtype=jnp.f
     return w(kq), w(kk), jnp.asarray(gate, dtype)
 
 
-def lowrank_band_attention(q, k, v, w_q, w_k, gate, *, window: int, causal: bool = False,
-                           kv_mask=None, scale: float | None = None,
-                           lowrank_scale: float | None = None, key=None):
+def lowrank_band_attention(
+    q: Float[Array, "q_seq qk_dim"],
+    k: Float[Array, "kv_seq qk_dim"],
+    v: Float[Array, "kv_seq v_dim"],
+    w_q,
+    w_k,
+    gate,
+    *,
+    window: int,
+    causal: bool = False,
+    kv_mask: Bool[Array, "kv_seq"] | None = None,
+    scale: float | None = None,
+    lowrank_scale: float | None = None,
+    key=None,
+) -> Float[Array, "q_seq v_dim"]:
     """Low-rank plus band attention for one sequence and one head.
 
     ``out = (1 - g) softmax(s_r (q W_q)(k W_k)^T) v + g softmax_band(s q k^T) v`` with

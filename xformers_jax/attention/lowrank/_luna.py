@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jaxtyping import Array, Bool, Float
 
 from .. import _contract as C
 from ...kernels import _tiles
@@ -73,8 +74,19 @@ def _luna_causal(q, k, v, p, kv_mask, scale, chunk):
     return out.reshape(-1, out.shape[-1])[:lq]
 
 
-def luna_attention(q, k, v, p, *, causal: bool = False, kv_mask=None, scale: float | None = None,
-                   return_packed: bool = False, chunk_size: int = 64, key=None):
+def luna_attention(
+    q: Float[Array, "q_seq qk_dim"],
+    k: Float[Array, "kv_seq qk_dim"],
+    v: Float[Array, "kv_seq v_dim"],
+    p,
+    *,
+    causal: bool = False,
+    kv_mask: Bool[Array, "kv_seq"] | None = None,
+    scale: float | None = None,
+    return_packed: bool = False,
+    chunk_size: int = 64,
+    key=None,
+):
     """Luna attention for one sequence and one head.
 
     Pack: ``A = softmax(P K^T * scale)`` (``[l, Lk]``, masked keys excluded); the packed keys

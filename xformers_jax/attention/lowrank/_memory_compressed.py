@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jaxtyping import Array, Bool, Float
 
 from .. import _contract as C
 from .._dense import dot_product_attention
@@ -35,8 +36,19 @@ def compress(x, weight):
                       preferred_element_type=C.STATS_DTYPE)
 
 
-def memory_compressed_attention(q, k, v, wk, wv, *, block_size: int, causal: bool = False,
-                                kv_mask=None, scale: float | None = None, key=None):
+def memory_compressed_attention(
+    q: Float[Array, "q_seq qk_dim"],
+    k: Float[Array, "kv_seq qk_dim"],
+    v: Float[Array, "kv_seq v_dim"],
+    wk,
+    wv,
+    *,
+    block_size: int,
+    causal: bool = False,
+    kv_mask: Bool[Array, "kv_seq"] | None = None,
+    scale: float | None = None,
+    key=None,
+) -> Float[Array, "q_seq v_dim"]:
     """Local-block plus memory-compressed attention for one sequence and one head.
 
     Query i (in block ``b = i // block_size``) attends with one softmax over the keys of block

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jaxtyping import Array, Bool, Float
 
 from .. import _contract as C
 from .._dense import dot_product_attention
@@ -74,9 +75,20 @@ def init_nystrom_conv(key, kernel_size: int = 33, *, dtype=jnp.float32):
     return (kernel_size ** -0.5 * jax.random.normal(key, (kernel_size,))).astype(dtype)
 
 
-def nystrom_attention(q, k, v, conv_weight=None, *, num_landmarks: int, causal: bool = False,
-                      kv_mask=None, q_mask=None, scale: float | None = None,
-                      pinv_iterations: int = 6, key=None):
+def nystrom_attention(
+    q: Float[Array, "q_seq qk_dim"],
+    k: Float[Array, "kv_seq qk_dim"],
+    v: Float[Array, "kv_seq v_dim"],
+    conv_weight=None,
+    *,
+    num_landmarks: int,
+    causal: bool = False,
+    kv_mask: Bool[Array, "kv_seq"] | None = None,
+    q_mask: Bool[Array, "q_seq"] | None = None,
+    scale: float | None = None,
+    pinv_iterations: int = 6,
+    key=None,
+) -> Float[Array, "q_seq v_dim"]:
     """Nyströmformer attention for one sequence and one head.
 
     Landmarks ``Q~, K~`` (``[m, Dk]``) are segment means of the real queries and keys; the

@@ -9,6 +9,7 @@ levels' outputs are summed.
 from __future__ import annotations
 
 import jax.numpy as jnp
+from jaxtyping import Array, Bool, Float
 
 from .. import _contract as C
 from .._dense import dot_product_attention
@@ -34,10 +35,21 @@ def pool_memory(x, real, pool_size: int, pool: str):
     return pooled, count > 0
 
 
-def poolingformer_attention(q, k, v, q2=None, *, window: int, pool_size: int,
-                            second_window: int | None = None, pool: str = "mean",
-                            causal: bool = False, kv_mask=None, scale: float | None = None,
-                            key=None):
+def poolingformer_attention(
+    q: Float[Array, "q_seq qk_dim"],
+    k: Float[Array, "kv_seq qk_dim"],
+    v: Float[Array, "kv_seq v_dim"],
+    q2=None,
+    *,
+    window: int,
+    pool_size: int,
+    second_window: int | None = None,
+    pool: str = "mean",
+    causal: bool = False,
+    kv_mask: Bool[Array, "kv_seq"] | None = None,
+    scale: float | None = None,
+    key=None,
+) -> Float[Array, "q_seq v_dim"]:
     """Poolingformer attention for one sequence and one head.
 
     ``out = SW(q, k, v) + softmax(q2 pool(k)^T * scale) pool(v)``: the first level is exact

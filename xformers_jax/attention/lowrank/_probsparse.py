@@ -19,6 +19,7 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jaxtyping import Array, Bool, Float
 
 from .. import _contract as C
 from .._dense import dot_product_attention
@@ -32,8 +33,18 @@ def _counts(factor: float, length: int) -> np.ndarray:
                     np.int32)
 
 
-def probsparse_attention(q, k, v, *, key, factor: float = 5.0, causal: bool = False,
-                         kv_mask=None, q_mask=None, scale: float | None = None):
+def probsparse_attention(
+    q: Float[Array, "q_seq qk_dim"],
+    k: Float[Array, "kv_seq qk_dim"],
+    v: Float[Array, "kv_seq v_dim"],
+    *,
+    key,
+    factor: float = 5.0,
+    causal: bool = False,
+    kv_mask: Bool[Array, "kv_seq"] | None = None,
+    q_mask: Bool[Array, "q_seq"] | None = None,
+    scale: float | None = None,
+) -> Float[Array, "q_seq v_dim"]:
     """ProbSparse attention for one sequence and one head.
 
     With ``n_q`` real queries and ``n_k`` real keys, ``u = min(n_q, ceil(factor * ln n_q))``

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jaxtyping import Array, Bool, Float
 
 from .. import _contract as C
 from .._dense import attend_logits, combined_pattern, dot_product_attention
@@ -94,9 +95,18 @@ def _logits(name, kind, params, x, lk):
     return logits[:, :lk]
 
 
-def synthesizer_attention(q, k, v, params: dict, weights: dict | None = None, *,
-                          causal: bool = False, kv_mask=None, scale: float | None = None,
-                          key=None):
+def synthesizer_attention(
+    q: Float[Array, "q_seq qk_dim"],
+    k: Float[Array, "kv_seq qk_dim"],
+    v: Float[Array, "kv_seq v_dim"],
+    params: dict,
+    weights: dict | None = None,
+    *,
+    causal: bool = False,
+    kv_mask: Bool[Array, "kv_seq"] | None = None,
+    scale: float | None = None,
+    key=None,
+) -> Float[Array, "q_seq v_dim"]:
     """Synthesizer attention (one form or a mixture) for one sequence and one head.
 
     ``softmax(sum_f w_f S_f) V`` over the forms ``f`` in ``params``, where ``S_dot = q k^T *

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jaxtyping import Array, Bool, Float
 
 from .. import _contract as C
 from .._dense import dot_product_attention
@@ -79,8 +80,18 @@ def funnel_upsample(x, length: int, stride: int = 2):
     return jnp.repeat(x, stride, axis=0)[:length]
 
 
-def funnel_attention(q, k, v, *, stride: int = 2, causal: bool = False, kv_mask=None,
-                     q_mask=None, scale: float | None = None, key=None):
+def funnel_attention(
+    q: Float[Array, "q_seq qk_dim"],
+    k: Float[Array, "kv_seq qk_dim"],
+    v: Float[Array, "kv_seq v_dim"],
+    *,
+    stride: int = 2,
+    causal: bool = False,
+    kv_mask: Bool[Array, "kv_seq"] | None = None,
+    q_mask: Bool[Array, "q_seq"] | None = None,
+    scale: float | None = None,
+    key=None,
+):
     """Funnel attention for one sequence and one head: pooled queries, full keys.
 
     ``softmax(pool(Q) K^T * scale) V`` (:func:`dot_product_attention`), giving

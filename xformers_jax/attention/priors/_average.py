@@ -19,6 +19,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jaxtyping import Array, Bool, Float
 
 from .. import _contract as C
 
@@ -52,8 +53,17 @@ def _gated(q, x, g, gate):
     return i_gate * x + f_gate * g
 
 
-def average_attention(q, k, v, gate: AverageGate | None = None, *, causal=False, kv_mask=None,
-                      scale=None, key=None):
+def average_attention(
+    q: Float[Array, "q_seq qk_dim"],
+    k: Float[Array, "kv_seq qk_dim"],
+    v: Float[Array, "kv_seq v_dim"],
+    gate: AverageGate | None = None,
+    *,
+    causal=False,
+    kv_mask: Bool[Array, "kv_seq"] | None = None,
+    scale=None,
+    key=None,
+) -> Float[Array, "q_seq v_dim"]:
     """Average attention over one sequence and one head.
 
     Args:

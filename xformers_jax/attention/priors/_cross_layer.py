@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jaxtyping import Array, Bool, Float
 
 from .. import _contract as C
 from .._exact import flash_attention
@@ -55,8 +56,17 @@ def attention_weights(q, k, *, causal=False, kv_mask=None, scale=None, prior=Non
     return _softmax(scores, _visible(q.shape[0], k.shape[0], causal, kv_mask)), scores
 
 
-def realformer_attention(q, k, v, prev_scores=None, *, causal=False, kv_mask=None, scale=None,
-                         key=None):
+def realformer_attention(
+    q: Float[Array, "q_seq qk_dim"],
+    k: Float[Array, "kv_seq qk_dim"],
+    v: Float[Array, "kv_seq v_dim"],
+    prev_scores=None,
+    *,
+    causal=False,
+    kv_mask: Bool[Array, "kv_seq"] | None = None,
+    scale=None,
+    key=None,
+):
     """One Realformer layer, dense: ``(softmax(S) v, S)`` with
     ``S = q k^T * scale + prev_scores``.
 
@@ -169,8 +179,18 @@ def predictive_attention(q, k, v, prev_scores, conv, alpha, *, causal=False, kv_
     return jnp.einsum("hqk,khd->qhd", w, v.astype(jnp.float32)).astype(v.dtype), s
 
 
-def lazy_attention(q, k, v, prev_weights=None, *, recompute: bool = True, causal=False,
-                   kv_mask=None, scale=None, key=None):
+def lazy_attention(
+    q: Float[Array, "q_seq qk_dim"],
+    k: Float[Array, "kv_seq qk_dim"],
+    v: Float[Array, "kv_seq v_dim"],
+    prev_weights=None,
+    *,
+    recompute: bool = True,
+    causal=False,
+    kv_mask: Bool[Array, "kv_seq"] | None = None,
+    scale=None,
+    key=None,
+):
     """One Lazyformer layer: ``(W v, W)`` with ``W = softmax(q k^T * scale)`` when
     ``recompute`` (every ``k``-th layer) and ``W = prev_weights`` otherwise. With ``k = 1``
     every layer recomputes: vanilla attention.

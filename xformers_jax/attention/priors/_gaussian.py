@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jaxtyping import Array, Bool, Float
 
 from .. import _contract as C
 from .._exact import flash_attention
@@ -58,8 +59,21 @@ def _real_length(kv_mask, lk):
     return jnp.asarray(lk, jnp.float32) if kv_mask is None else jnp.sum(kv_mask, dtype=jnp.float32)
 
 
-def gaussian_prior_attention(q, k, v, params=None, *, center=None, sigma=None, causal=False,
-                             kv_mask=None, scale=None, key=None, block_q=None, block_k=None):
+def gaussian_prior_attention(
+    q: Float[Array, "q_seq qk_dim"],
+    k: Float[Array, "kv_seq qk_dim"],
+    v: Float[Array, "kv_seq v_dim"],
+    params=None,
+    *,
+    center=None,
+    sigma=None,
+    causal=False,
+    kv_mask: Bool[Array, "kv_seq"] | None = None,
+    scale=None,
+    key=None,
+    block_q=None,
+    block_k=None,
+) -> Float[Array, "q_seq v_dim"]:
     """Softmax attention with Yang et al.'s (2018) Gaussian prior added to the scores:
     ``softmax(q k^T * scale + G) v``, ``G_ij = -(j - p_i)^2 / (2 sigma_i^2)``.
 
@@ -97,8 +111,20 @@ def gaussian_prior_attention(q, k, v, params=None, *, center=None, sigma=None, c
                            scale=scale, block_q=block_q, block_k=block_k)
 
 
-def distance_prior_attention(q, k, v, w, b, *, causal=False, kv_mask=None, scale=None,
-                             key=None, block_q=None, block_k=None):
+def distance_prior_attention(
+    q: Float[Array, "q_seq qk_dim"],
+    k: Float[Array, "kv_seq qk_dim"],
+    v: Float[Array, "kv_seq v_dim"],
+    w,
+    b,
+    *,
+    causal=False,
+    kv_mask: Bool[Array, "kv_seq"] | None = None,
+    scale=None,
+    key=None,
+    block_q=None,
+    block_k=None,
+) -> Float[Array, "q_seq v_dim"]:
     """Softmax attention with Guo et al.'s (2019) distance penalty:
     ``softmax(q k^T * scale - |w (i - j)^2 + b|) v``.
 
@@ -126,9 +152,20 @@ def distance_prior_attention(q, k, v, w, b, *, causal=False, kv_mask=None, scale
                            scale=scale, block_q=block_q, block_k=block_k)
 
 
-def hardcoded_gaussian_attention(q, k, v, *, offset: float = 0.0, std: float = 1.0,
-                                 causal=False, kv_mask=None, scale=None, key=None,
-                                 block_q=None, block_k=None):
+def hardcoded_gaussian_attention(
+    q: Float[Array, "q_seq qk_dim"],
+    k: Float[Array, "kv_seq qk_dim"],
+    v: Float[Array, "kv_seq v_dim"],
+    *,
+    offset: float = 0.0,
+    std: float = 1.0,
+    causal=False,
+    kv_mask: Bool[Array, "kv_seq"] | None = None,
+    scale=None,
+    key=None,
+    block_q=None,
+    block_k=None,
+) -> Float[Array, "q_seq v_dim"]:
     """You et al. (2020): ``out_i = sum_j w_ij v_j`` with fixed weights
     ``w_ij ∝ exp(-(j - (i + offset))^2 / (2 std^2))`` over the visible keys (renormalised
     after masking). ``q`` and ``k`` are only checked for shape: nothing is learned here.

@@ -8,6 +8,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+from jaxtyping import Array, Bool, Float
 
 from .. import _contract as C
 from .._exact import flash_attention
@@ -34,9 +35,21 @@ def _unlines(x, shape, axis):
     return x.reshape((-1,) + x.shape[len(shape):])
 
 
-def axial_attention(q, k, v, *, shape, axis: int, causal: bool = False, kv_mask=None,
-                    scale: float | None = None, block_q: int | None = None,
-                    block_k: int | None = None, implementation: str | None = None, key=None):
+def axial_attention(
+    q: Float[Array, "q_seq qk_dim"],
+    k: Float[Array, "kv_seq qk_dim"],
+    v: Float[Array, "kv_seq v_dim"],
+    *,
+    shape,
+    axis: int,
+    causal: bool = False,
+    kv_mask: Bool[Array, "kv_seq"] | None = None,
+    scale: float | None = None,
+    block_q: int | None = None,
+    block_k: int | None = None,
+    implementation: str | None = None,
+    key=None,
+) -> Float[Array, "q_seq v_dim"]:
     """Exact attention along one axis of a tensor flattened in raster (row-major) order.
 
     Position ``p`` of the sequence is the element ``unravel_index(p, shape)``; it attends to the

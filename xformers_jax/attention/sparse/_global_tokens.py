@@ -7,6 +7,7 @@ import dataclasses
 
 import jax.numpy as jnp
 import numpy as np
+from jaxtyping import Array, Bool, Float
 
 from .. import _contract as C
 from .._exact import block_sparse_attention
@@ -49,10 +50,25 @@ def _ones_or(mask, n):
     return jnp.ones((n,), bool) if mask is None else mask
 
 
-def etc_attention(q, k, v, q_global, k_global, v_global, *, radius: int,
-                  k_local_to_global=None, k_global_to_local=None, causal: bool = False,
-                  kv_mask=None, global_kv_mask=None, scale: float | None = None,
-                  block_q: int | None = None, block_k: int | None = None, key=None):
+def etc_attention(
+    q: Float[Array, "q_seq qk_dim"],
+    k: Float[Array, "kv_seq qk_dim"],
+    v: Float[Array, "kv_seq v_dim"],
+    q_global,
+    k_global,
+    v_global,
+    *,
+    radius: int,
+    k_local_to_global=None,
+    k_global_to_local=None,
+    causal: bool = False,
+    kv_mask: Bool[Array, "kv_seq"] | None = None,
+    global_kv_mask=None,
+    scale: float | None = None,
+    block_q: int | None = None,
+    block_k: int | None = None,
+    key=None,
+):
     """ETC global-local attention with ``G`` external global tokens (Ainslie et al., 2020).
 
     Four pieces, two softmaxes: a global token attends to every global token (g2g) and every
@@ -110,10 +126,24 @@ def etc_attention(q, k, v, q_global, k_global, v_global, *, radius: int,
     return local, glob
 
 
-def longformer_attention(q, k, v, q_global, k_global, v_global, *, window: int,
-                         dilation: int = 1, global_tokens: tuple[int, ...], causal: bool = False,
-                         kv_mask=None, scale: float | None = None, block_q: int | None = None,
-                         block_k: int | None = None, key=None):
+def longformer_attention(
+    q: Float[Array, "q_seq qk_dim"],
+    k: Float[Array, "kv_seq qk_dim"],
+    v: Float[Array, "kv_seq v_dim"],
+    q_global,
+    k_global,
+    v_global,
+    *,
+    window: int,
+    dilation: int = 1,
+    global_tokens: tuple[int, ...],
+    causal: bool = False,
+    kv_mask: Bool[Array, "kv_seq"] | None = None,
+    scale: float | None = None,
+    block_q: int | None = None,
+    block_k: int | None = None,
+    key=None,
+) -> Float[Array, "q_seq v_dim"]:
     """Longformer attention with separate global projections (Beltagy et al., 2020).
 
     Every query attends, with the ordinary projections, to its dilated window
