@@ -29,6 +29,7 @@ from ._prune import ones_masks as ones_masks
 from ._prune import prune_transform as prune_transform
 from ._prune import rewind as rewind
 from ._prune import sparsity_report as sparsity_report
+from ._prune import with_layerdrop as with_layerdrop
 from ._distill import TinyBertProjections as TinyBertProjections
 from ._distill import attention_map_loss as attention_map_loss
 from ._distill import cosine_hidden_loss as cosine_hidden_loss

@@ -144,6 +144,8 @@ class PruneState(NamedTuple):
     count: jax.Array
     masks: optax.Params
     inner: optax.OptState
+    # The weights saved for lottery-ticket rewinding (``prune_transform(rewind_step=...)``).
+    early: optax.Params | None = None
 
 
 def _is_placeholder(params):
@@ -153,8 +155,8 @@ def _is_placeholder(params):
 
 
 def prune_transform(inner: optax.GradientTransformation, *, schedule: Callable | None = None,
-                    scope: str = "layer", names=MATMUL_WEIGHTS, masks=None
-                    ) -> optax.GradientTransformation:
+                    scope: str = "layer", names=MATMUL_WEIGHTS, masks=None,
+                    rewind_step: int | None = None) -> optax.GradientTransformation:
     """``inner`` with pruning: gradients of pruned weights are zeroed, and after each update the
     weights are re-masked, so pruned weights stay exactly zero (also across a checkpoint
     resume: the masks are part of the optimizer state).
@@ -165,15 +167,26 @@ def prune_transform(inner: optax.GradientTransformation, *, schedule: Callable |
         when the sparsity changes the masks are recomputed from the updated weights by
         magnitude (``scope``, ``names`` as in :func:`magnitude_masks`). None: fixed masks.
       masks: the initial masks (default all True), e.g. a lottery ticket's or pruned heads'.
+      rewind_step: lottery-ticket rewinding (Frankle et al., 2020): the weights after this many
+        updates (0: the initial weights) are kept in the state, and whenever the schedule
+        prunes, the masks are found by magnitude on the trained weights and the weights are
+        reset to the kept ones under them (training then goes on from there; the inner
+        optimizer's state is kept). With a one-step schedule this is one-shot pruning with
+        rewinding, with a staircase iterative magnitude pruning. None: no rewinding.
     """
     if scope not in SCOPES:
         raise ValueError(f"prune_transform: scope must be one of {SCOPES}, got {scope!r}")
+    if rewind_step is not None and (rewind_step < 0 or schedule is None):
+        raise ValueError(f"prune_transform: rewind_step must be >= 0 and needs a schedule, got "
+                         f"rewind_step={rewind_step}, schedule={schedule}")
 
     def init(params):
         m = params if _is_placeholder(params) else (
             # a copy: a train step donates its state, which must not delete the caller's masks
             ones_masks(params) if masks is None else jax.tree.map(jnp.array, masks))
-        return PruneState(jnp.zeros((), jnp.int32), m, inner.init(params))
+        early = None if rewind_step is None else (
+            params if _is_placeholder(params) else jax.tree.map(jnp.array, params))
+        return PruneState(jnp.zeros((), jnp.int32), m, inner.init(params), early)
 
     def update(grads, state, params=None):
         if params is None:
@@ -182,15 +195,20 @@ def prune_transform(inner: optax.GradientTransformation, *, schedule: Callable |
                              grads, state.masks)
         updates, inner_state = inner.update(grads, state.inner, params)
         new = optax.apply_updates(params, updates)
-        new_masks = state.masks
+        new_masks, early = state.masks, state.early
         if schedule is not None:
             before, now = schedule(state.count), schedule(state.count + 1)
             recomputed = magnitude_masks(new, now, scope=scope, names=names, masks=state.masks)
             new_masks = jax.tree.map(lambda a, b: jnp.where(now > before, a, b),
                                      recomputed, state.masks)
+            if rewind_step is not None:
+                if rewind_step > 0:  # the weights after ``rewind_step`` updates
+                    early = jax.tree.map(lambda n, e: jnp.where(state.count + 1 == rewind_step,
+                                                                n, e), new, early)
+                new = jax.tree.map(lambda e, n: jnp.where(now > before, e, n), early, new)
         new = jax.tree.map(lambda p, m: jnp.where(m, p, jnp.zeros((), p.dtype)), new, new_masks)
         updates = jax.tree.map(lambda n, p: n - p, new, params)
-        return updates, PruneState(state.count + 1, new_masks, inner_state)
+        return updates, PruneState(state.count + 1, new_masks, inner_state, early)
 
     return optax.GradientTransformation(init, update)
 
@@ -308,16 +326,40 @@ def head_masks(model, importance: dict, fraction: float):
     return masks, kept
 
 
+def _stacks(model, who):
+    from ..nn import LayerStack
+
+    is_stack = lambda x: isinstance(x, LayerStack)  # noqa: E731
+    if not any(is_stack(x) for x in jax.tree_util.tree_leaves(model, is_leaf=is_stack)):
+        raise ValueError(f"{who}: the model has no LayerStack")
+    return is_stack
+
+
+def with_layerdrop(model, rate: float):
+    """``model`` with every layer stack trained under LayerDrop at ``rate`` (Fan et al., 2020:
+    each layer skipped with probability ``rate`` in training calls), so that layers can be
+    dropped at inference (:func:`drop_layers`) with little loss. The parameters are
+    unchanged."""
+    is_stack = _stacks(model, "with_layerdrop")
+
+    def one(stack):
+        if not 0.0 <= rate < 1.0 or (rate and stack.reversible):
+            raise ValueError(f"with_layerdrop: rate must be in [0, 1) (and 0 for reversible "
+                             f"stacks), got {rate}")
+        new = object.__new__(type(stack))
+        for name in stack.__dataclass_fields__:
+            object.__setattr__(new, name, getattr(stack, name))
+        object.__setattr__(new, "layerdrop", float(rate))
+        return new
+
+    return jax.tree.map(lambda x: one(x) if is_stack(x) else x, model, is_leaf=is_stack)
+
+
 def drop_layers(model, keep):
     """``model`` with only the layers ``keep`` (indices, in order) of its layer stack(s), e.g.
     ``range(0, n, 2)`` for every other layer (DistilBERT's student initialisation)."""
-    from ..nn import LayerStack
-
     keep = [int(i) for i in keep]
-    is_stack = lambda x: isinstance(x, LayerStack)  # noqa: E731
-    stacks = [x for x in jax.tree_util.tree_leaves(model, is_leaf=is_stack) if is_stack(x)]
-    if not stacks:
-        raise ValueError("drop_layers: the model has no LayerStack")
+    is_stack = _stacks(model, "drop_layers")
 
     def cut(stack):
         if stack.sharing != "none":
@@ -326,13 +368,6 @@ def drop_layers(model, keep):
         if not keep or min(keep) < 0 or max(keep) >= stack.num_layers:
             raise ValueError(f"drop_layers: layer indices {keep} out of range for "
                              f"{stack.num_layers} layers")
-        idx = jnp.asarray(keep)
-        layers = jax.tree.map(lambda a: a[idx] if eqx.is_array(a) else a, stack.layers)
-        new = object.__new__(LayerStack)
-        for name in stack.__dataclass_fields__:
-            object.__setattr__(new, name, getattr(stack, name))
-        object.__setattr__(new, "layers", layers)
-        object.__setattr__(new, "num_layers", len(keep))
-        return new
+        return stack.prune(keep)
 
     return jax.tree.map(lambda x: cut(x) if is_stack(x) else x, model, is_leaf=is_stack)

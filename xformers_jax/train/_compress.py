@@ -8,13 +8,24 @@
 * ``prune``: ``sparsity > 0`` prunes the matmul weights by magnitude (``scope`` "layer" or
   "global") on Zhu & Gupta's schedule from ``begin_step`` to ``end_step`` (0: 3/4 of the
   run) every ``frequency`` steps; the masks are in the optimizer state (checkpointed, so pruned
-  weights stay zero across a resume). ``heads > 0``: after training, that fraction of heads is
-  pruned by Michel et al.'s importance and the test split evaluated again.
+  weights stay zero across a resume). ``rewind_step >= 0``: a lottery ticket instead (Frankle
+  et al., 2020): one-shot magnitude pruning to ``sparsity`` at ``end_step`` (0: half the run),
+  the weights rewound to those after ``rewind_step`` updates (kept in the optimizer state)
+  under the new masks, and trained on with the masks fixed. ``heads > 0``: after training,
+  that fraction of heads is pruned by Michel et al.'s importance and the test split evaluated
+  again. ``layerdrop > 0`` trains with LayerDrop (Fan et al., 2020) at that rate; ``layers >
+  0`` then keeps that many evenly spaced layers (every other for half) and evaluates the test
+  split again. While pruning is still under way (before the final sparsity) no best
+  checkpoint is kept, so the model evaluated at the end has the final sparsity.
 * ``distill``: ``teacher`` (a trainer workdir or a checkpoint's ``state`` directory) is
   restored with orbax into the model of this config (``num_layers`` etc. override the
   teacher's sizes when non-zero) and frozen; the loss is ``(1 - alpha) * CE + alpha * KD(T)``
   (Hinton et al.) plus ``cosine`` times DistilBERT's cosine loss on the last hidden states.
   ``init="every_other"`` initialises the student from every other teacher layer (DistilBERT).
+  ``tinybert_attention`` and ``tinybert_hidden`` add TinyBERT's losses (Jiao et al., 2020) with
+  these weights: the MSE between attention score maps of mapped layers (equal head counts)
+  and between hidden states (embeddings and mapped layers) after learned projections
+  ``[dim, teacher dim]``, trained with the student (:class:`Student`) and dropped after.
 """
 
 from __future__ import annotations
@@ -45,9 +56,11 @@ def add_defaults(c: ml_collections.ConfigDict) -> None:
     c.calibration = ml_collections.ConfigDict(dict(method="max", percentile=99.99,
                                                    num_batches=4))
     c.prune = ml_collections.ConfigDict(dict(sparsity=0.0, scope="layer", begin_step=0,
-                                             end_step=0, frequency=100, heads=0.0))
+                                             end_step=0, frequency=100, heads=0.0,
+                                             rewind_step=-1, layerdrop=0.0, layers=0))
     c.distill = ml_collections.ConfigDict(dict(
         teacher="", temperature=2.0, alpha=0.5, cosine=0.0, init="none",
+        tinybert_attention=0.0, tinybert_hidden=0.0,
         num_layers=0, dim=0, num_heads=0, hidden=0))
 
 
@@ -63,6 +76,15 @@ def validate(config) -> None:
                          f"{p.sparsity}, {p.heads}")
     if p.scope not in ("layer", "global"):
         raise ValueError(f"prune.scope must be 'layer' or 'global', got {p.scope!r}")
+    if p.rewind_step >= 0 and not p.sparsity:
+        raise ValueError("prune.rewind_step (a lottery ticket) needs prune.sparsity > 0")
+    if p.rewind_step >= _prune_end(config):
+        raise ValueError(f"prune.rewind_step={p.rewind_step} must come before the pruning step "
+                         f"{_prune_end(config)} (prune.end_step)")
+    if not 0 <= p.layerdrop < 1 or p.layers < 0 or p.layers > config.model.num_layers:
+        raise ValueError(f"prune.layerdrop must be in [0, 1) and prune.layers in [0, "
+                         f"model.num_layers={config.model.num_layers}], got {p.layerdrop}, "
+                         f"{p.layers}")
     d = config.distill
     if d.init not in DISTILL_INIT:
         raise ValueError(f"distill.init must be one of {DISTILL_INIT}, got {d.init!r}")
@@ -71,6 +93,33 @@ def validate(config) -> None:
     if not 0 <= d.alpha <= 1 or d.temperature <= 0:
         raise ValueError(f"distill.alpha must be in [0, 1] and temperature > 0, got "
                          f"{d.alpha}, {d.temperature}")
+    if (d.tinybert_attention or d.tinybert_hidden or d.cosine) and not d.teacher:
+        raise ValueError("distill.tinybert_* and distill.cosine need distill.teacher")
+    if min(d.tinybert_attention, d.tinybert_hidden, d.cosine) < 0:
+        raise ValueError("distill.tinybert_attention, tinybert_hidden and cosine must be >= 0")
+
+
+def _prune_end(config) -> int:
+    """The step at which pruning reaches its final sparsity's schedule end."""
+    p = config.prune
+    if p.end_step:
+        return p.end_step
+    if p.rewind_step >= 0:
+        return max(p.rewind_step + 1, config.num_train_steps // 2)
+    return max(p.begin_step + 1, (3 * config.num_train_steps) // 4)
+
+
+def best_from_step(config) -> int:
+    """The first step whose model has the final sparsity (0 without pruning): the trainer keeps
+    best checkpoints only from there, so the model evaluated at the end is the pruned one."""
+    p = config.prune
+    if p.sparsity <= 0:
+        return 0
+    end = _prune_end(config)
+    if p.rewind_step >= 0:
+        return end
+    # The gradual schedule holds its value between pruning steps begin + k * frequency.
+    return p.begin_step + -(-(end - p.begin_step) // p.frequency) * p.frequency
 
 
 # -- before training ----------------------------------------------------------------------------
@@ -98,8 +147,26 @@ def load_teacher(config, task, key):
     return parallel.restore_checkpoint(_state_dir(d.teacher), like, prefix="model")
 
 
+class Student(eqx.Module):
+    """A student trained with TinyBERT's losses: the model and the learned projections of its
+    hidden states to the teacher's width (``[num_layers + 1, dim, teacher dim]``). Calls go to
+    the model, so the trainer evaluates it like the model itself."""
+
+    model: eqx.Module
+    projections: C.TinyBertProjections
+
+    def __call__(self, *args, **kwargs):
+        return self.model(*args, **kwargs)
+
+
+def student_of(model):
+    """The model itself (without TinyBERT's projections)."""
+    return model.model if isinstance(model, Student) else model
+
+
 def prepare_model(config, model, teacher):
-    """The model to train: initialised from the teacher (DistilBERT) and/or fake-quantized."""
+    """The model to train: initialised from the teacher (DistilBERT), fake-quantized (QAT),
+    with LayerDrop, and with TinyBERT's projections (:class:`Student`)."""
     if config.distill.init == "every_other":
         student = C.distilbert_init(teacher)
         if jax.tree.structure(student) != jax.tree.structure(model) or any(
@@ -110,14 +177,46 @@ def prepare_model(config, model, teacher):
         model = student
     if config.quantize == "qat":
         model = C.quantize_model(model, "fake")
+    if config.prune.layerdrop > 0:
+        model = C.with_layerdrop(model, config.prune.layerdrop)
+    d = config.distill
+    if d.tinybert_attention > 0 or d.tinybert_hidden > 0:
+        if not isinstance(model, (nn.EncoderClassifier, nn.CausalLM)):
+            raise ValueError(f"distill.tinybert_*: needs a classifier or causal LM, got "
+                             f"{type(model).__name__}")
+        proj = C.TinyBertProjections(
+            _dim(model), _dim(teacher), _layers(model),
+            key=jax.random.fold_in(jax.random.PRNGKey(config.seed), 1))
+        model = Student(model, proj)
     return model
+
+
+def _trunk(model):
+    return getattr(model, "encoder", model)
+
+
+def _dim(model) -> int:
+    embed = _trunk(model).embed
+    return int((embed.table if embed.table is not None else embed.proj).shape[-1])
+
+
+def _layers(model) -> int:
+    return _trunk(model).layers.num_layers
+
+
+def _one_shot(step, *, sparsity, at):
+    return jnp.where(step >= at, sparsity, 0.0).astype(jnp.float32)
 
 
 def wrap_optimizer(config, optimizer):
     p = config.prune
     if p.sparsity <= 0:
         return optimizer
-    end = p.end_step or max(p.begin_step + 1, (3 * config.num_train_steps) // 4)
+    end = _prune_end(config)
+    if p.rewind_step >= 0:
+        schedule = functools.partial(_one_shot, sparsity=p.sparsity, at=end)
+        return C.prune_transform(optimizer, schedule=schedule, scope=p.scope,
+                                 rewind_step=p.rewind_step)
     schedule = functools.partial(C.gradual_sparsity, final=p.sparsity, begin=p.begin_step,
                                  end=end, frequency=p.frequency)
     return C.prune_transform(optimizer, schedule=schedule, scope=p.scope)
@@ -129,11 +228,13 @@ def _logits(model, batch, task, key):
 
 
 def distill_loss_fn(config, task, teacher):
-    """``(1 - alpha) * CE + alpha * T^2 KL`` (+ ``cosine`` * DistilBERT's hidden loss)."""
+    """``(1 - alpha) * CE + alpha * T^2 KL`` (+ ``cosine`` * DistilBERT's hidden loss, +
+    TinyBERT's attention-map and projected hidden-state losses)."""
     d = config.distill
     teacher = jax.lax.stop_gradient(teacher)
 
-    def loss_fn(model, batch, key):
+    def loss_fn(wrapped, batch, key):
+        model = student_of(wrapped)
         logits = _logits(model, batch, task, key)
         t_logits = _logits(teacher, batch, task, None)
         labels = batch["targets"]
@@ -149,6 +250,14 @@ def distill_loss_fn(config, task, teacher):
             cos = C.cosine_hidden_loss(hs[-1], ht[-1], real)
             loss = loss + d.cosine * cos
             metrics["cosine"] = cos
+        if isinstance(wrapped, Student):
+            x = batch["inputs"]
+            tiny, parts = C.tinybert_loss(
+                model, teacher, wrapped.projections, x,
+                mask=(x != 0) if task.padded else None,
+                attention_weight=d.tinybert_attention, hidden_weight=d.tinybert_hidden)
+            loss = loss + tiny
+            metrics.update({f"tinybert_{k}": v for k, v in parts.items()})
         return loss, metrics
 
     return loss_fn
@@ -172,8 +281,10 @@ def _train_batches(task, batch_size, n):
 
 
 def finish(config, task, model, run_eval, eval_step, workdir: str) -> dict:
-    """Post-training compression results: per-layer sparsity, head pruning, int8/int4."""
+    """Post-training compression results: per-layer sparsity, head pruning, layer pruning,
+    int8/int4."""
     out = {}
+    model = student_of(model)
     if config.prune.sparsity > 0:
         report = C.sparsity_report(model)
         out["sparsity"] = report.pop("total")
@@ -195,6 +306,13 @@ def finish(config, task, model, run_eval, eval_step, workdir: str) -> dict:
         test = run_eval(eval_step, pruned, task.test, config.batch_size)
         out["test_accuracy_heads_pruned"] = test["accuracy"]
         out["heads_kept"] = {k: np.asarray(v).astype(int).tolist() for k, v in kept.items()}
+    if config.prune.layers > 0:
+        n = _layers(model)
+        keep = [i * n // config.prune.layers for i in range(config.prune.layers)]
+        pruned = C.drop_layers(C.dequantize_model(model), keep)
+        test = run_eval(eval_step, pruned, task.test, config.batch_size)
+        out["test_accuracy_layers_pruned"] = test["accuracy"]
+        out["layers_kept"] = keep
     if config.quantize != "none":
         mode = "int4" if config.quantize == "int4" else "int8"
         float_model = C.dequantize_model(model)

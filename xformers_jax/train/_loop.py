@@ -175,7 +175,8 @@ def train_and_evaluate(config, workdir: str, *, on_step=None) -> dict:
                 writer.write(step, {f"validation_{k}": v for k, v in validation.items()})
                 bar.message(f"step {step}: validation loss {validation['loss']:.4f} "
                             f"accuracy {validation['accuracy']:.4f}")
-                checkpointer.save_best(step, state, data_state(), validation)
+                if step >= C.best_from_step(config):  # pruning done: the final sparsity
+                    checkpointer.save_best(step, state, data_state(), validation)
             if step % config.checkpoint_every == 0 or step == total:
                 checkpointer.save(step, state, data_state(), force=True)
             if on_step is not None:
