@@ -9,7 +9,7 @@ A suite is a module ``experiments/suites/<name>.py`` defining:
 - ``checks(results: Results) -> list[Check]``: the issue's figures, computed from this run's
   measurements as ratios (machines are shared and noisy, so only ratios within one run count).
 
-Every case runs in a fresh subprocess so its peak resident memory (``ru_maxrss``) is its own;
+Every case runs in a fresh subprocess so its peak resident memory (``VmHWM``) is its own;
 on GPU/TPU the device's ``peak_bytes_in_use`` is reported too. Time is the median of repeats
 after a warm-up call (which includes compilation). Forward+backward differentiates the sum of
 the outputs with respect to the workload's float arguments.
@@ -133,8 +133,20 @@ def linear_growth_check(figure: str, results: Results, field: str, name: str, mo
 # -- measurement (runs in the worker subprocess) ---------------------------------------------
 
 def _max_rss_mb() -> float:
-    # Linux reports ru_maxrss in kilobytes.
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+    """This process's peak resident memory in MB: Linux's ``VmHWM`` (the high-water mark of
+    this address space, which starts afresh at ``exec``). Not ``ru_maxrss``: Linux carries the
+    pre-``exec`` peak into it, so a worker forked from a parent holding 650 MB reported 650 MB
+    for every case that needed less."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024.0  # kB
+    except (OSError, ValueError, IndexError):
+        pass
+    # Elsewhere (macOS reports bytes, Linux kilobytes); inherited peaks may inflate it.
+    scale = 1024.0 * 1024.0 if sys.platform == "darwin" else 1024.0
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / scale
 
 
 def _import(path: str):
