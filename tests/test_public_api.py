@@ -131,7 +131,8 @@ def test_compress_names_are_pinned():
 
 EXPERTS_NAMES = {
     "ACTIVATIONS", "ExpertChoice", "ExpertWeights", "LOAD_BALANCING_COEF", "Routing",
-    "Z_LOSS_COEF", "balanced_hash_table", "capacity", "capacity_slots", "default_backend",
+    "Z_LOSS_COEF", "balanced_assignment", "balanced_hash_table", "base_route", "capacity",
+    "capacity_slots", "default_backend", "module_conv", "multiplicative_dense", "sparse_qkv",
     "expert_choice_capacity", "expert_choice_ffn", "expert_choice_route", "expert_load",
     "expert_parallel_moe", "grouped_matmul", "grouped_matmul_backends", "grouped_moe",
     "hash_route", "init_expert_weights", "load_balancing_loss", "moe_capacity", "moe_dropless",
@@ -145,7 +146,7 @@ def test_experts_names_are_pinned():
     nn = importlib.import_module("xformers_jax.nn")
     for name in ("FFNSpec", "FFNKind", "register_ffn", "get_ffn", "registered_ffns",
                  "MoEFeedForward", "ProductKeyMemory", "SparseFeedForward", "aux_losses",
-                 "aux_metrics"):
+                 "aux_metrics", "SparseQKVAttention", "BlockCycle"):
         assert hasattr(nn, name), name
     parallel = importlib.import_module("xformers_jax.parallel")
     for name in ("expert_parallel_moe", "gpipe", "pipeline_layers", "bubble_fraction"):

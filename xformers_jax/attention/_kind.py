@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, ClassVar, Mapping
 
 # The decoding modes a kind can declare (``None``: it cannot decode step by step).
 DECODING = ("kv", "window", "recurrent")
@@ -60,17 +60,22 @@ class Kind:
     bias: bool = False
     fixed_length: bool = False
     test_hyperparameters: Any = ()
+    # The families and decoding modes this record accepts; a record type for another slot
+    # subclasses Kind with its own (nn's FFN kinds: ``nn.FFNKind``).
+    families: ClassVar[tuple[str, ...]] = FAMILIES
+    decodings: ClassVar[tuple[str, ...]] = DECODING
 
     def __post_init__(self):
         hp = self.test_hyperparameters
         items = hp.items() if isinstance(hp, Mapping) else hp
         object.__setattr__(self, "test_hyperparameters", tuple(sorted(dict(items).items())))
-        if self.family not in FAMILIES:
-            raise ValueError(f"Kind {self.name!r}: family must be one of {FAMILIES}, got "
+        what = type(self).__name__
+        if self.family not in self.families:
+            raise ValueError(f"{what} {self.name!r}: family must be one of {self.families}, got "
                              f"{self.family!r}")
-        if self.decoding not in (*DECODING, None):
-            raise ValueError(f"Kind {self.name!r}: decoding must be one of {DECODING} or None, "
-                             f"got {self.decoding!r}")
+        if self.decoding not in (*self.decodings, None):
+            raise ValueError(f"{what} {self.name!r}: decoding must be one of {self.decodings} or "
+                             f"None, got {self.decoding!r}")
 
     @property
     def hyperparameters(self) -> dict:

@@ -1,9 +1,12 @@
-"""Sparse models as pure functions: routers, auxiliary losses, capacity and dropless dispatch
-(the grouped matmul backend switch) and product-key memory lookup. The Equinox layers over
-them are in ``xformers_jax.nn`` (``MoEFeedForward``, ``ProductKeyMemory``, ...); expert
-parallelism is in ``xformers_jax.parallel``.
+"""Sparse models as pure functions: routers (top-k, expert choice, hash, prototypes, BASE
+layers' balanced assignment), auxiliary losses, capacity and dropless dispatch (the grouped
+matmul backend switch), product-key memory lookup and Scaling Transformers' sparse QKV. The
+Equinox layers over them are in ``xformers_jax.nn`` (``MoEFeedForward``, ``ProductKeyMemory``,
+``SparseQKVAttention``, ...); expert parallelism is in ``xformers_jax.parallel``.
 """
 
+from ._balanced import balanced_assignment as balanced_assignment
+from ._balanced import base_route as base_route
 from ._dispatch import ACTIVATIONS as ACTIVATIONS
 from ._dispatch import ExpertWeights as ExpertWeights
 from ._dispatch import capacity as capacity
@@ -24,6 +27,9 @@ from ._losses import expert_load as expert_load
 from ._losses import load_balancing_loss as load_balancing_loss
 from ._losses import router_z_loss as router_z_loss
 from ._product_keys import product_key_lookup as product_key_lookup
+from ._sparse_qkv import module_conv as module_conv
+from ._sparse_qkv import multiplicative_dense as multiplicative_dense
+from ._sparse_qkv import sparse_qkv as sparse_qkv
 from ._product_keys import product_key_topk as product_key_topk
 from ._routers import ExpertChoice as ExpertChoice
 from ._routers import Routing as Routing

@@ -35,6 +35,8 @@ from ._moe import MoEFeedForward as MoEFeedForward
 from ._moe import NoFeedForward as NoFeedForward
 from ._moe import ProductKeyMemory as ProductKeyMemory
 from ._moe import SparseFeedForward as SparseFeedForward
+from ._moe import SparseQKVAttention as SparseQKVAttention
+from ._cycle import BlockCycle as BlockCycle
 from ._models import CausalLM as CausalLM
 from ._models import DualEncoder as DualEncoder
 from ._models import Embedder as Embedder

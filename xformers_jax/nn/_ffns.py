@@ -25,54 +25,37 @@ statistics (:func:`aux_metrics`).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, ClassVar, Mapping
 
 import jax.numpy as jnp
 
-from ..attention._kind import Paper
+from ..attention._kind import Kind, Paper
 from ._ffn import FeedForward
 
 FFN_FAMILIES = ("dense", "experts", "capacity")
+FFN_DECODING = ("token",)
 MOE_AUX = ("load_balancing", "router_z", "dropped_fraction", "expert_load")
 AUX_LOSSES = ("load_balancing", "router_z")
 
 
 @dataclasses.dataclass(frozen=True)
-class FFNKind:
-    """Metadata of one FFN kind (the fields of ``attention._kind.Kind``).
+class FFNKind(Kind):
+    """Metadata of one FFN kind: ``attention._kind.Kind``'s record and checks with the FFN
+    families (:data:`FFN_FAMILIES`) and decoding modes (``"token"``: runs on one new token at a
+    time, the default; None: cannot decode).
 
     Attributes:
       name: the ``kind`` of an :class:`FFNSpec`. function: the pure function computing it.
       family: one of :data:`FFN_FAMILIES`. paper: a ``Paper``. time, memory: cost per token.
       causal: usable in a causal model (the output of a token depends on no later token).
-      decoding: ``"token"`` if it runs on one new token at a time, else None.
-      fixed_length: parameters sized by the sequence length. test_hyperparameters: what the
-        kind needs at the tiny test size (dim 16, hidden 32), sorted ``(name, value)`` pairs.
+      decoding: ``"token"`` or None. fixed_length: parameters sized by the sequence length.
+      test_hyperparameters: what the kind needs at the tiny test size (dim 16, hidden 32),
+        sorted ``(name, value)`` pairs.
     """
 
-    name: str
-    function: Callable
-    family: str
-    paper: Paper
-    time: str
-    memory: str
-    causal: bool
     decoding: str | None = "token"
-    bias: bool = False
-    fixed_length: bool = False
-    test_hyperparameters: Any = ()
-
-    def __post_init__(self):
-        hp = self.test_hyperparameters
-        items = hp.items() if isinstance(hp, Mapping) else hp
-        object.__setattr__(self, "test_hyperparameters", tuple(sorted(dict(items).items())))
-        if self.family not in FFN_FAMILIES:
-            raise ValueError(f"FFNKind {self.name!r}: family must be one of {FFN_FAMILIES}, "
-                             f"got {self.family!r}")
-
-    @property
-    def hyperparameters(self) -> dict:
-        return dict(self.test_hyperparameters)
+    families: ClassVar[tuple[str, ...]] = FFN_FAMILIES
+    decodings: ClassVar[tuple[str, ...]] = FFN_DECODING
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,15 +94,22 @@ def registered_ffns() -> tuple[str, ...]:
 @dataclasses.dataclass(frozen=True)
 class FFNSpec:
     """Names an FFN kind and its hyperparameters (hashable, config friendly):
-    ``FFNSpec("switch", {"num_experts": 8})``, ``FFNSpec.from_config({"kind": "hash"})``."""
+    ``FFNSpec("switch", {"num_experts": 8})``, ``FFNSpec.from_config({"kind": "hash"})``.
+
+    ``every=n`` (a model's ``block``, or ``"every"`` in a config) puts the kind in every n-th
+    layer and the dense FFN in the others (GLaM: ``every=2``); the models' stack builds that
+    (:mod:`._cycle`), so a single block's spec has ``every=1``."""
 
     kind: str = "dense"
     params: Any = ()
+    every: int = 1
 
     def __post_init__(self):
         items = self.params.items() if isinstance(self.params, Mapping) else self.params
         object.__setattr__(self, "params", tuple(sorted(dict(items).items())))
         get_ffn(self.kind)
+        if not isinstance(self.every, int) or self.every < 1:
+            raise ValueError(f"FFNSpec: every must be a positive integer, got {self.every!r}")
 
     @property
     def hyperparameters(self) -> dict:
@@ -130,10 +120,14 @@ class FFNSpec:
         config = dict(config)
         if "kind" not in config:
             raise ValueError(f"FFNSpec.from_config: missing 'kind' in {sorted(config)}")
-        return cls(config.pop("kind"), config)
+        return cls(config.pop("kind"), config, every=int(config.pop("every", 1)))
 
     def build(self, dim: int, hidden: int, *, activation: str = "gelu", causal: bool = False,
               chunk_size: int | None = None, key):
+        if self.every != 1:
+            raise ValueError(f"FFNSpec(every={self.every}) places {self.kind!r} in every "
+                             f"{self.every}-th layer: give it to a model (block=dict(ffn=...)), "
+                             "whose stack builds the cycle; a single block needs every=1")
         hp = self.hyperparameters
         if self.kind == "dense":
             return FeedForward(dim, hidden, activation, chunk_size=chunk_size, key=key, **hp)

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 from .. import axes as X
 from ..axes import constrain
 from ._blocks import TransformerBlock
+from ._cycle import cycle_blocks
 from ._norms import LayerNorm
 from ._positions import ConvPositions, InputScheme, SinusoidalPositions
 from ._stack import LayerStack
@@ -78,8 +79,10 @@ def _stack(dim, num_layers, num_heads, hidden, *, causal, cross, max_len, block,
     block = dict(block or {})
     make = functools.partial(TransformerBlock, dim, num_heads, hidden, causal=causal,
                              cross=cross, max_len=max_len, **block)
+    # FFNSpec(every=n): units of n blocks, the FFN kind in the last (GLaM's every other layer).
+    make, units = cycle_blocks(make, block.get("ffn"), num_layers)
     final = LayerNorm(dim) if block.get("placement", "pre") == "pre" else None
-    return LayerStack(lambda k: make(key=k), num_layers, key=key, **(stack or {})), final
+    return LayerStack(lambda k: make(key=k), units, key=key, **(stack or {})), final
 
 
 def _finish(final, x):

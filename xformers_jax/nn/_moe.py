@@ -3,8 +3,8 @@ call contract and how their auxiliary losses reach the trainer).
 
 * :class:`MoEFeedForward`: a mixture of expert MLPs over the routers and dispatch modes of
   :mod:`xformers_jax.experts` (Switch, GShard, ST-MoE, top-k, expert choice, hash, expert
-  prototyping). Registered as kinds ``switch``, ``gshard``, ``st_moe``, ``expert_choice``,
-  ``hash``, ``prototype``.
+  prototyping, BASE layers). Registered as kinds ``switch``, ``gshard``, ``st_moe``,
+  ``expert_choice``, ``hash``, ``prototype``, ``base``.
 * :class:`ProductKeyMemory`: Lample et al. (2019), "Large Memory Layers with Product Keys"
   (kind ``product_key``).
 * :class:`SparseFeedForward`: the sparse FFN of Jaszczur et al. (2021), "Sparse is Enough in
@@ -13,6 +13,9 @@ call contract and how their auxiliary losses reach the trainer).
   Memory": persistent key/value vectors concatenated to the context's, the FFN removed (kind
   ``none``, :class:`NoFeedForward`). A standalone layer: the block's attention slot does not
   build it.
+* :class:`SparseQKVAttention`: Scaling Transformers' sparse QKV (Jaszczur et al., 2021): the
+  Q, K, V projections as a multiplicative layer and convolutions (``experts.sparse_qkv``). A
+  standalone layer, like all-attention.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from .. import experts as M
 from ..attention._kind import Paper
 from ._ffns import FFNKind, register_ffn
 
-ROUTERS = ("top_k", "expert_choice", "hash", "prototype")
+ROUTERS = ("top_k", "expert_choice", "hash", "prototype", "base")
 
 
 class MoEFeedForward(eqx.Module):
@@ -38,7 +41,11 @@ class MoEFeedForward(eqx.Module):
       dim, hidden: model width and each expert's MLP width. num_experts: ``E``.
       router: ``"top_k"`` (token choice; ``k``, ``renormalize``, ``second_policy``),
         ``"expert_choice"`` (not causal-safe: raises with ``causal=True``), ``"hash"``
-        (``vocab_size``, ``hash_seed``; needs the token ids) or ``"prototype"`` (``groups``).
+        (``vocab_size``, ``hash_seed``; needs the token ids), ``"prototype"`` (``groups``) or
+        ``"base"`` (BASE layers, Lewis et al., 2021: a balanced assignment in training calls,
+        greedy top-1 otherwise, gate ``sigmoid(affinity)``, no auxiliary loss; ``base_eps``
+        is the auction's epsilon, see ``experts._balanced``; not causal-safe: raises with
+        ``causal=True``).
       mode: ``"dropless"`` (grouped matmul, ``backend``) or ``"capacity"``
         (``capacity_factor``, ``priority``); see ``xformers_jax.experts._dispatch``. In a
         causal model capacity dispatch with k > 1 needs ``priority="token"`` (raises
@@ -71,13 +78,14 @@ class MoEFeedForward(eqx.Module):
     jitter: float = eqx.field(static=True)
     activation: str = eqx.field(static=True)
     backend: str | None = eqx.field(static=True)
+    base_eps: float = eqx.field(static=True)
 
     def __init__(self, dim: int, hidden: int, *, num_experts: int = 8, router: str = "top_k",
                  k: int = 1, mode: str = "dropless", capacity_factor: float = 1.25,
                  priority: str = "choice", renormalize: bool = True, second_policy: str = "all",
                  groups: int = 1, jitter: float = 0.0, activation: str = "gelu",
                  gated: bool = False, backend: str | None = None, vocab_size: int = 256,
-                 hash_seed: int = 0, causal: bool = False, key):
+                 hash_seed: int = 0, base_eps: float = 1e-4, causal: bool = False, key):
         if router not in ROUTERS:
             raise ValueError(f"MoEFeedForward: router must be one of {ROUTERS}, got {router!r}")
         if mode not in M._dispatch.MODES:
@@ -86,6 +94,10 @@ class MoEFeedForward(eqx.Module):
         if router == "expert_choice" and causal:
             raise ValueError("MoEFeedForward: expert choice ranks every token of the batch "
                              "against the others, so it is not causal-safe (causal=True)")
+        if router == "base" and causal:
+            raise ValueError("MoEFeedForward: BASE's balanced assignment is solved over every "
+                             "token of the batch (a token's expert depends on later tokens), so "
+                             "it is not causal-safe (causal=True)")
         slots = {"top_k": k, "prototype": groups}.get(router, 1)
         if causal and mode == "capacity" and slots > 1 and priority != "token":
             raise ValueError(f"MoEFeedForward: capacity dispatch with {slots} choices per token "
@@ -106,6 +118,7 @@ class MoEFeedForward(eqx.Module):
         self.capacity_factor, self.priority = capacity_factor, priority
         self.renormalize, self.second_policy, self.groups = renormalize, second_policy, groups
         self.jitter, self.activation, self.backend = jitter, activation, backend
+        self.base_eps = base_eps
 
     def route(self, x, *, mask=None, tokens=None, key=None, inference=False):
         """The routing decision for ``x [T, dim]`` (a ``Routing`` or ``ExpertChoice``)."""
@@ -121,6 +134,8 @@ class MoEFeedForward(eqx.Module):
             return M.expert_choice_route(logits, self.capacity_factor, mask=mask)
         if self.router == "prototype":
             return M.prototype_route(logits, self.groups, mask=mask)
+        if self.router == "base":
+            return M.base_route(logits, balanced=train, mask=mask, eps=self.base_eps)
         return M.top_k_route(logits, self.k, renormalize=self.renormalize,
                              second_policy=self.second_policy, mask=mask, key=ks)
 
@@ -148,9 +163,12 @@ class MoEFeedForward(eqx.Module):
                             priority=self.priority, activation=self.activation,
                             backend=self.backend, mask=m)
         active = (r.gates != 0) & real[:, None]
+        # BASE layers balance by construction and add no auxiliary loss.
+        no_loss = self.router == "base"
         aux = dict(
-            load_balancing=M.load_balancing_loss(r.probs, r.experts, mask=m),
-            router_z=M.router_z_loss(r.logits, mask=m),
+            load_balancing=(jnp.zeros(()) if no_loss
+                            else M.load_balancing_loss(r.probs, r.experts, mask=m)),
+            router_z=jnp.zeros(()) if no_loss else M.router_z_loss(r.logits, mask=m),
             dropped_fraction=1.0 - kept.sum() / jnp.maximum(active.sum(), 1),
             expert_load=M.expert_load(r.experts, self.num_experts, mask=m, kept=active))
         return y.reshape(b, length, d), aux
@@ -313,6 +331,12 @@ for _kind, _defaults in (
              "O(groups * dim * hidden)", _MOE_MEMORY, causal=True,
              test_hyperparameters=dict(num_experts=4, groups=2)),
      dict(router="prototype", groups=2)),
+    (FFNKind("base", M.base_route, "experts",
+             Paper("Lewis et al.", 2021, "BASE Layers: Simplifying Training of Large, Sparse "
+                   "Models"),
+             "O(dim * hidden) + the assignment's auction rounds", _MOE_MEMORY, causal=False,
+             decoding=None, test_hyperparameters=_TINY),
+     dict(router="base")),
 ):
     register_ffn(_kind, _moe_builder(**_defaults))
 
@@ -385,6 +409,61 @@ class AllAttention(eqx.Module):
         out = (jnp.einsum("bhqj,bhjk->bhqk", p[..., :length], v)
                + jnp.einsum("bhqn,hnk->bhqk", p[..., length:], self.persistent_v.astype(dt)))
         return jnp.einsum("bhlk,hkd->bld", out, self.wo.astype(dt))
+
+
+class SparseQKVAttention(eqx.Module):
+    """Multi-head softmax attention whose Q, K, V come from Scaling Transformers' sparse QKV
+    (Jaszczur et al., 2021; ``experts.sparse_qkv``: a shared multiplicative layer over ``S``
+    modules, then a causal-in-length convolution per projection) instead of three dense
+    projections; a dense output projection. A standalone layer (the block's attention slot
+    does not build it).
+
+    Args: dim, num_heads, ``modules`` (``S``, dividing ``dim``; default ``num_heads``, as in
+    the paper), ``length_kernel`` (``F_len``), causal. Call: ``x [B, L, dim]``, ``kv_mask
+    bool[B, L]`` -> ``[B, L, dim]``.
+    """
+
+    d_mult: jax.Array = X.param(X.EMBED, None)
+    e_mult: jax.Array = X.param(X.EMBED, None)
+    b_mult: jax.Array
+    kernels: tuple
+    biases: tuple
+    wo: jax.Array = X.param(X.EMBED, X.EMBED)
+    num_heads: int = eqx.field(static=True)
+    causal: bool = eqx.field(static=True)
+
+    def __init__(self, dim: int, num_heads: int, *, modules: int | None = None,
+                 length_kernel: int = 3, causal: bool = False, key):
+        s = num_heads if modules is None else modules
+        if dim % s or dim % num_heads:
+            raise ValueError(f"SparseQKVAttention: dim={dim} must split into {s} modules and "
+                             f"{num_heads} heads")
+        m = dim // s
+        ks = jax.random.split(key, 6)
+        # trax's initialisation: the module multipliers ~ N(0, 0.5), the shared kernel Glorot.
+        self.d_mult = 0.5 * jax.random.normal(ks[0], (dim, s))
+        self.e_mult = jax.random.normal(ks[1], (dim, m)) * math.sqrt(2.0 / (dim + m))
+        self.b_mult = jnp.zeros((s, m))
+        self.kernels = tuple(
+            jax.random.normal(k, (length_kernel, f, m, m)) / math.sqrt(length_kernel * f * m)
+            for k, f in zip(ks[2:5], (3, 3, 1)))
+        self.biases = tuple(jnp.zeros((m,)) for _ in range(3))
+        self.wo = jax.random.normal(ks[5], (dim, dim)) / math.sqrt(dim)
+        self.num_heads, self.causal = num_heads, causal
+
+    def qkv(self, x, *, kv_mask=None):
+        """``(q, k, v)``, each ``[B, L, num_heads, dim / num_heads]``."""
+        b, length, d = x.shape
+        q, k, v = M.sparse_qkv(x, self.d_mult, self.e_mult, self.b_mult, self.kernels,
+                               self.biases, mask=kv_mask)
+        return tuple(a.reshape(b, length, self.num_heads, -1) for a in (q, k, v))
+
+    def __call__(self, x, *, kv_mask=None):
+        from ..attention import dot_product_attention, multihead
+
+        q, k, v = self.qkv(x, kv_mask=kv_mask)
+        o = multihead(dot_product_attention)(q, k, v, causal=self.causal, kv_mask=kv_mask)
+        return o.reshape(x.shape) @ self.wo.astype(x.dtype)
 
 
 class NoFeedForward(eqx.Module):

@@ -4,7 +4,7 @@ schedule, dense attention):
   python -m experiments.train --config=experiments/configs/lm/moe_bytes.py:VARIANT[,runlocal] \
       --workdir=/tmp/lm_moe
 
-VARIANT (the block's ``model.ffn``; every layer gets it):
+VARIANT (the block's ``model.ffn``; every layer gets it, except in ``glam``):
 
 * ``dense``: the dense FFN (the baseline; ``stdlib_bytes.py:transformer``).
 * ``switch``: Switch Transformer (Fedus et al., 2021): 8 experts, top-1, each expert the dense
@@ -14,6 +14,9 @@ VARIANT (the block's ``model.ffn``; every layer gets it):
   parameters).
 * ``st_moe``: ST-MoE (Zoph et al., 2022): top-2, renormalised gates, half-width experts; the
   router z-loss at ST-MoE's coefficient 1e-3 (``config.loss.router_z``).
+* ``glam``: GLaM's setting (Du et al., 2022): GShard's top-2 experts in every other layer
+  (``model.ffn.every = 2``; layers 1, 3, ... MoE, the others dense), 8 experts of the dense
+  FFN's width as in GLaM (so an MoE layer has twice a dense layer's active parameters).
 * ``hash``: Hash layers (Roller et al., 2021): a fixed balanced hash of the byte to one of 8
   dense-width experts; no router, no auxiliary loss.
 * ``product_key``: product-key memory (Lample et al., 2019) in place of the FFN: 4 heads,
@@ -27,7 +30,7 @@ import ml_collections
 
 from experiments.configs.lm import stdlib_bytes
 
-VARIANTS = ("dense", "switch", "gshard", "st_moe", "hash", "product_key")
+VARIANTS = ("dense", "switch", "gshard", "st_moe", "glam", "hash", "product_key")
 
 
 def ffn_config(variant: str, hidden: int, small: bool) -> dict:
@@ -38,6 +41,8 @@ def ffn_config(variant: str, hidden: int, small: bool) -> dict:
         return dict(kind="switch", num_experts=8, k=1, jitter=1e-2)
     if variant in ("gshard", "st_moe"):
         return dict(kind=variant, num_experts=8, k=2)
+    if variant == "glam":
+        return dict(kind="gshard", num_experts=8, k=2, every=2)
     if variant == "hash":
         return dict(kind="hash", num_experts=8, vocab_size=256)
     if variant == "product_key":

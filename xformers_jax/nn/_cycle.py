@@ -1,0 +1,73 @@
+"""An FFN kind in every n-th layer: GLaM's setting (Du et al., 2022, "GLaM: Efficient Scaling
+of Language Models with Mixture-of-Experts": a mixture-of-experts FFN in every other layer, the
+dense FFN in the others; also GShard's and Switch's "every other layer" placements).
+
+``FFNSpec(kind, params, every=n)`` in a model's ``block`` makes layers ``n-1, 2n-1, ...`` use
+the kind and the others the dense FFN. A ``LayerStack`` scans identical units, so the models'
+stack scans :class:`BlockCycle` units of ``n`` blocks (``n - 1`` dense, then the kind's) over
+``num_layers / n`` steps; the stack's ``num_layers`` counts units. Each unit's auxiliary outputs
+are its sparse block's, so the stack's ``aux`` has one row per sparse layer and the losses are
+still summed per layer (``nn._ffns.aux_losses``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+
+from ._ffns import FFNSpec
+
+
+class BlockCycle(eqx.Module):
+    """Blocks applied in order as one unit of a ``LayerStack``; block ``i`` of a training
+    call gets ``fold_in(key, i)``. Supports the block call (``return_aux`` merges the blocks'
+    auxiliary dicts), ``init_cache`` and ``decode``; no ``eqx.nn.State`` and no memory."""
+
+    blocks: tuple
+
+    def __init__(self, blocks):
+        self.blocks = tuple(blocks)
+
+    def __call__(self, x, state=None, *, key=None, return_aux=False, **kw):
+        if state is not None or kw.get("memory_state") is not None:
+            raise ValueError("BlockCycle: stateful layers and memories are not supported in a "
+                             "cycle of blocks (FFNSpec(every=n))")
+        aux = {}
+        for i, block in enumerate(self.blocks):
+            k = None if key is None else jax.random.fold_in(key, i)
+            x, a = block(x, key=k, return_aux=True, **kw)
+            aux.update(a)
+        return (x, aux) if return_aux else x
+
+    def init_cache(self, batch: int, max_len: int, dtype=jnp.float32):
+        return tuple(b.init_cache(batch, max_len, dtype) for b in self.blocks)
+
+    def decode(self, x, cache, *, context=None, context_mask=None):
+        new = []
+        for block, c in zip(self.blocks, cache):
+            x, c = block.decode(x, c, context=context, context_mask=context_mask)
+            new.append(c)
+        return x, tuple(new)
+
+
+def cycle_blocks(make_block, ffn: FFNSpec | None, num_layers: int):
+    """``(make_unit, units)`` for a stack of ``num_layers`` blocks made by ``make_block(ffn=...,
+    key=...)``: the block itself and ``num_layers`` when ``ffn.every`` is 1, otherwise
+    :class:`BlockCycle` units of ``every`` blocks (``every - 1`` dense, then ``ffn``)."""
+    every = 1 if ffn is None else ffn.every
+    if every == 1:
+        return make_block, num_layers
+    if num_layers % every:
+        raise ValueError(f"FFNSpec(every={every}): num_layers={num_layers} is not a multiple "
+                         f"of {every}")
+    sparse = dataclasses.replace(ffn, every=1)
+
+    def make_unit(*, key):
+        keys = jax.random.split(key, every)
+        return BlockCycle([make_block(ffn=FFNSpec() if i < every - 1 else sparse, key=k)
+                           for i, k in enumerate(keys)])
+
+    return make_unit, num_layers // every
