@@ -367,3 +367,40 @@ def test_generate_continues_across_segments_with_the_memory():
     logits, _ = _segments(XL, out, XL.init_memory(B))
     np.testing.assert_array_equal(np.asarray(jnp.argmax(logits[:, L + 2:-1], -1)),
                                   np.asarray(out[:, L + 3:]))
+
+
+@_jit
+def _fed_one_by_one(model, tokens, memory):
+    """Logits of ``tokens`` fed one token at a time through the segment cache."""
+    cache = nn._memory._segment_cache(model, memory, L)
+    _, logits = jax.lax.scan(lambda c, t: nn._memory._memory_decode_step(model, t, c)[::-1],
+                             cache, tokens.T)
+    return jnp.moveaxis(logits, 0, 1)
+
+
+@pytest.mark.parametrize("which", ["xl", "compressive"])
+def test_incremental_decoding_equals_the_parallel_forward_token_by_token(which):
+    # The segment cache (keys/values kept, the segment shifted into the memory when full)
+    # across two segment boundaries gives the segment-by-segment forward's logits at every
+    # position: XL at its longer evaluation memory, and a compressive memory whose update
+    # compresses at the second boundary.
+    model = XL if which == "xl" else _compressive("conv", layers=1)
+    tokens = _tokens(15, 3 * L)
+    memory = model.init_memory(B, inference=True)
+    want, _ = _segments(model, tokens, memory)
+    assert_close(_fed_one_by_one(model, tokens, memory), want)
+
+
+def test_with_eval_memory_sets_the_evaluation_length_only():
+    short = nn.with_eval_memory(XL, 0)
+    assert short.init_memory(B, inference=True).mem.shape[2] == 0
+    assert short.init_memory(B).mem.shape[2] == XL.init_memory(B).mem.shape[2] == L
+    # The same as a model built with that evaluation length (the same parameters).
+    built = _model(nn.XLMemory(L, eval_mem_len=L // 2))
+    tokens = _tokens(16, 2 * L)
+    half = nn.with_eval_memory(XL, L // 2)
+    got, _ = _segments(half, tokens, half.init_memory(B, inference=True))
+    want, _ = _segments(built, tokens, built.init_memory(B, inference=True))
+    assert_close(got, want)
+    with pytest.raises(ValueError, match="eval_mem_len"):
+        nn.with_eval_memory(XL, -1)

@@ -51,7 +51,7 @@ PARAMS, STATIC = eqx.partition(MODEL, eqx.is_inexact_array)
 
 def test_memory_replay_gradients_equal_plain_autodiff_over_unrolled_segments():
     segments = jax.random.randint(jax.random.key(1), (SEGS, B, L + 1), 1, VOCAB)
-    slots = MODEL.init_memory(B)
+    slots = MODEL.initial_slots(B)
 
     def unrolled(params, s):
         total = 0.0
@@ -78,7 +78,7 @@ def test_no_leak_across_segments_and_memory_carries_information():
 
     @jax.jit
     def run(tokens):
-        s, outs = MODEL.init_memory(B), []
+        s, outs = MODEL.initial_slots(B), []
         for t in range(3):
             logits, s = MODEL(tokens[:, t * L:(t + 1) * L], s)
             outs.append(logits)

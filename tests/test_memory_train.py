@@ -2,12 +2,17 @@
 between segments resumes with identical memories and metrics."""
 
 import dataclasses
+import math
 
+import equinox as eqx
 import jax
+import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import pytest
 
+from tests.tolerances import assert_close
+from tests.train_state import final_state
 from xformers_jax import data, nn, train
 
 SEG, STREAMS = 8, 2
@@ -58,9 +63,10 @@ def test_stream_state_resumes_exactly_and_processes_share_the_streams():
 
 def _tiny_streams(c, seed):
     rng = np.random.default_rng(seed)
-    split = lambda n, bound: train._tasks._Stream(  # noqa: E731
-        rng.integers(0, 256, n).astype(np.uint8), c.seq_len, bound)
-    return train.Task(split(600, 0), split(120, 3), split(120, 3),
+    split = lambda n, bound, lens=(): train._tasks._Stream(  # noqa: E731
+        rng.integers(0, 256, n).astype(np.uint8), c.seq_len, bound, lens)
+    lens = tuple(c.eval_mem_lens)
+    return train.Task(split(600, 0), split(120, 3, lens), split(120, 3, lens),
                       vocab_size=data.BYTE_VOCAB_SIZE, num_classes=data.BYTE_VOCAB_SIZE,
                       seq_len=c.seq_len, padded=False)
 
@@ -69,9 +75,9 @@ train.register_task(dataclasses.replace(train.TASKS["lm_stream"], name="lm_strea
                                         make=_tiny_streams), replace=True)
 
 
-def _config(memory):
+def _config(memory, eval_mem_lens=()):
     c = train.base_config("lm_stream_tiny")
-    c.data.update(dict(seq_len=SEG))
+    c.data.update(dict(seq_len=SEG, eval_mem_lens=tuple(eval_mem_lens)))
     c.model.update(dict(dim=16, num_layers=1, num_heads=2, hidden=32))
     c.model.memory = ml_collections.ConfigDict(memory)
     c.optim.update(dict(learning_rate=3e-3, warmup_steps=2, schedule="rsqrt"))
@@ -83,18 +89,22 @@ def _config(memory):
     return c
 
 
-def _final_state(config, workdir):
-    task = train.make_task(config.data, config.seed)
-    model = train.build_model(config.model, task, jax.random.PRNGKey(1))
-    schedule = train.make_schedule("constant", learning_rate=1.0, warmup_steps=1, total_steps=1)
-    template = train.create_train_state(
-        model, train.make_optimizer(schedule, weight_decay=0.1, grad_clip_norm=1.0),
-        jax.random.PRNGKey(2), carry=model.init_memory(STREAMS))
-    checkpointer = train.Checkpointer(workdir)
-    try:
-        return checkpointer.restore_latest(template)
-    finally:
-        checkpointer.close()
+def _jit(f):
+    """``jax.jit`` at XLA's lowest optimisation level (compiles fast) over pytrees with
+    modules in them."""
+    def on_arrays(arrays, static):
+        leaves, treedef = static
+        return f(*eqx.combine(arrays, jax.tree.unflatten(treedef, leaves)))
+
+    jitted = jax.jit(on_arrays, static_argnums=1,
+                     compiler_options={"xla_backend_optimization_level": 0})
+
+    def run(*args):
+        arrays, static = eqx.partition(args, eqx.is_array)
+        leaves, treedef = jax.tree.flatten(static)
+        return jitted(arrays, (tuple(leaves), treedef))
+
+    return run
 
 
 class _Crash(Exception):
@@ -114,7 +124,7 @@ def test_run_killed_between_segments_resumes_with_identical_memories_and_metrics
     resumed = train.train_and_evaluate(config, str(tmp_path / "b"))
     assert resumed == straight
     assert np.isfinite(straight["validation_loss"])
-    (state_a, data_a), (state_b, data_b) = (_final_state(config, str(tmp_path / d))
+    (state_a, data_a), (state_b, data_b) = (final_state(config, str(tmp_path / d))
                                             for d in ("a", "b"))
     assert data_a == data_b
     assert isinstance(state_b.carry, nn.MemoryState) and bool(state_b.carry.mask.all())
@@ -134,3 +144,67 @@ def test_memory_configs_build_and_bad_ones_fail():
                           jax.random.PRNGKey(0))
     with pytest.raises(ValueError, match="memory.kind"):
         train.build_model(_config(dict(kind="lstm")).model, task, jax.random.PRNGKey(0))
+
+
+def test_memory_config_files_build():
+    from experiments.configs.lm import compressive, ernie_doc, feedback, memformer, transformer_xl
+    for module, arg in ((transformer_xl, "xl"), (transformer_xl, "none"), (compressive, "conv"),
+                        (ernie_doc, ""), (feedback, ""), (memformer, "")):
+        full = module.get_config(arg)
+        small = module.get_config(f"{arg},runlocal" if arg else "runlocal")
+        for c in (full, small):
+            train.validate_config(c)
+        assert small.data.seq_len == full.data.seq_len // 4
+        assert small.data.eval_mem_lens == tuple(n // 4 for n in full.data.eval_mem_lens)
+    assert transformer_xl.get_config("xl,runlocal").data.eval_mem_lens == (0, 64, 128, 512)
+    assert transformer_xl.get_config("xl,cpu").data.eval_mem_lens == (0, 32, 64, 256)
+    assert feedback.get_config("runlocal").model.memory.mem_len == 64
+    assert memformer.get_config("runlocal").model.memory.to_dict() == dict(
+        kind="memformer", num_slots=16, segments=4)
+
+
+@pytest.mark.parametrize("memory", [dict(kind="feedback", mem_len=5),
+                                    dict(kind="memformer", num_slots=3, segments=2)])
+def test_feedback_and_memformer_carry_their_memory_through_the_trainer(memory):
+    # The trainer's pieces (task, model, carry, loss): the state left by segment 1 changes
+    # segment 2's loss, a reset row starts afresh, and the gradient reaches the memory's own
+    # weights (Memformer's slot writer: only through the slots between the two pieces of a
+    # segment; the Feedback Transformer's layer mix).
+    config = _config(memory)
+    task = train.make_task(config.data, 0)
+    model = train.build_model(config.model, task, jax.random.PRNGKey(0))
+    assert nn.has_memory(model) and isinstance(model, nn.MemoryModel)
+    fresh = task.spec.carry(model, STREAMS, False)
+    it = task.spec.batches(task.train, STREAMS)
+    first, second = next(it), next(it)
+    loss_fn = train.make_loss_fn(task)
+
+    @_jit
+    def run(model, fresh, first, second):  # one program: compiling dominates the cost
+        carried = loss_fn(model, dict(first, carry=fresh), None)[1]["carry"]
+        (loss, _), grads = eqx.filter_value_and_grad(loss_fn, has_aux=True)(
+            model, dict(second, carry=carried), None)
+        loss_fresh = loss_fn(model, dict(second, carry=fresh), None)[0]
+        reset = dict(second, carry=carried, reset=jnp.ones(STREAMS, bool))
+        return loss, grads, loss_fresh, loss_fn(model, reset, None)[0]
+
+    loss, grads, loss_fresh, loss_reset = run(model, fresh, first, second)
+    assert abs(float(loss) - float(loss_fresh)) > 1e-6
+    assert_close(loss_reset, loss_fresh)
+    own = grads.wq if memory["kind"] == "memformer" else grads.layer_weights
+    assert float(jnp.abs(own).max()) > 0
+
+
+def test_evaluation_reports_each_evaluation_memory_length():
+    config = _config(dict(kind="xl", mem_len=SEG, eval_mem_len=2 * SEG), eval_mem_lens=(0,))
+    task = train.make_task(config.data, 0)
+    model = train.build_model(config.model, task, jax.random.PRNGKey(0))
+    eval_step = train.make_eval_step(train.make_metrics_fn(task))
+    got = task.spec.evaluate(eval_step, model, task.validation, STREAMS)
+    assert sorted(got) == sorted(f"{k}{s}" for k in ("loss", "accuracy", "bits_per_byte")
+                                 for s in ("", "_mem0"))
+    plain = train._tasks._Stream(task.validation.data, SEG, task.validation.max_segments)
+    want = task.spec.evaluate(eval_step, nn.with_eval_memory(model, 0), plain, STREAMS)
+    assert got["loss_mem0"] == want["loss"] != got["loss"]
+    assert got["bits_per_byte_mem0"] == want["loss"] / math.log(2)
+    assert got["bits_per_byte"] == got["loss"] / math.log(2)

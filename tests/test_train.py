@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from tests.train_state import final_state
 from xformers_jax import data, nn, train
 
 
@@ -27,20 +28,6 @@ def _tiny_config(steps=8):
                   eval_every=4, checkpoint_every=2, keep_checkpoints=2))
     c.lock()
     return c
-
-
-def _final_state(config, workdir):
-    task = train.make_task(config.data, config.seed)
-    model = train.build_model(config.model, task, jax.random.PRNGKey(1))
-    schedule = train.make_schedule("constant", learning_rate=1.0, warmup_steps=1, total_steps=1)
-    template = train.create_train_state(
-        model, train.make_optimizer(schedule, weight_decay=0.1, grad_clip_norm=1.0),
-        jax.random.PRNGKey(2))
-    checkpointer = train.Checkpointer(workdir)
-    try:
-        return checkpointer.restore_latest(template)
-    finally:
-        checkpointer.close()
 
 
 def _rows(workdir):
@@ -74,7 +61,7 @@ def _assert_same_run(resumed, resumed_dir, straight_run):
     straight, straight_dir = straight_run
     assert resumed == straight
     assert _rows(resumed_dir) == _rows(straight_dir)
-    (state_a, data_a), (state_b, data_b) = (_final_state(_resume_config(), d)
+    (state_a, data_a), (state_b, data_b) = (final_state(_resume_config(), d)
                                             for d in (straight_dir, resumed_dir))
     assert data_a == data_b and int(state_b.step) == 8
     for x, y in zip(jax.tree.leaves(state_a), jax.tree.leaves(state_b)):

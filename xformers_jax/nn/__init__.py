@@ -43,14 +43,18 @@ from ._models import Embedder as Embedder
 from ._models import Encoder as Encoder
 from ._models import EncoderClassifier as EncoderClassifier
 from ._models import EncoderDecoder as EncoderDecoder
+from ._models import sample_tokens as sample_tokens
 from ._electra import Electra as Electra
 from ._feedback import FeedbackLM as FeedbackLM
+from ._feedback import FeedbackState as FeedbackState
 from ._memformer import Memformer as Memformer
 from ._memformer import memory_replay_gradients as memory_replay_gradients
 from ._memory import COMPRESSIONS as COMPRESSIONS
 from ._memory import CompressiveMemory as CompressiveMemory
 from ._memory import Memory as Memory
+from ._memory import MemoryModel as MemoryModel
 from ._memory import MemoryState as MemoryState
+from ._memory import SegmentCache as SegmentCache
 from ._memory import XLMemory as XLMemory
 from ._memory import compress as compress
 from ._memory import generate_with_memory as generate_with_memory
@@ -60,6 +64,7 @@ from ._memory import memory_aux_loss as memory_aux_loss
 from ._memory import reconstruction_loss as reconstruction_loss
 from ._memory import reset_memory as reset_memory
 from ._memory import retrospective_feed as retrospective_feed
+from ._memory import with_eval_memory as with_eval_memory
 from ._norms import AdaNorm as AdaNorm
 from ._norms import LayerNorm as LayerNorm
 from ._norms import Norm as Norm

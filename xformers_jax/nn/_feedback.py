@@ -17,6 +17,11 @@ keys and values, one per layer): training does ``L`` dependent steps of ``N`` la
 one parallel pass, each step ``O(tau)`` attention per layer. On parallel hardware it trains far
 slower than a Transformer of the same size (the paper's motivation for small ``tau`` and shared
 key/value projections); decoding costs the same as a Transformer's.
+
+Carried across segments (``model(tokens, memory=state)``, :meth:`FeedbackLM.init_memory`), the
+state is every layer's ring of the last ``mem_len`` memories' keys and values, so a segment's
+first positions see the memories of the previous segment's last positions; input positions
+count from the start of each stream.
 """
 
 from __future__ import annotations
@@ -27,10 +32,27 @@ import jax.numpy as jnp
 
 from .. import attention as A
 from ._cache import KVCache
+from ._memory import MemoryModel
 from ._models import Embedder, _finish, _stack
 
 
-class FeedbackLM(eqx.Module):
+class FeedbackState(eqx.Module):
+    """The Feedback Transformer's carried state: every layer's ring ``caches`` of memory
+    keys/values (stacked on a leading layer axis) and ``start int32[B]``, the cache position at
+    which each row's stream (re)started (older memories are invisible to it). ``aux`` is 0
+    (no auxiliary loss)."""
+
+    caches: KVCache
+    start: jax.Array
+    aux: jax.Array
+
+    def reset(self, reset) -> "FeedbackState":
+        """This state with the rows where ``reset bool[B]`` is True starting afresh."""
+        now = jnp.max(self.caches.index)  # every layer's cache is at the same position
+        return FeedbackState(self.caches, jnp.where(reset, now, self.start), self.aux)
+
+
+class FeedbackLM(MemoryModel):
     """A causal LM with feedback memory (see the module docstring).
 
     Args:
@@ -77,10 +99,22 @@ class FeedbackLM(eqx.Module):
 
         return eqx.filter_vmap(one)(dynamic)
 
-    def step(self, token, caches, position):
+    def init_memory(self, batch: int, dtype=jnp.float32, *, inference=False):
+        """An empty carried state (:class:`FeedbackState`) for ``batch`` streams."""
+        if self.mem_len is None:
+            raise ValueError("FeedbackLM: a memory carried across segments needs mem_len (the "
+                             "ring of past memories each position sees)")
+        return FeedbackState(self.init_cache(batch, self.mem_len, dtype),
+                             jnp.zeros((batch,), jnp.int32), jnp.zeros((), jnp.float32))
+
+    def step(self, token, caches, position, valid_from=None):
         """One position: ``token int[B]`` -> ``(logits [B, vocab], caches)`` (the memory of
-        this position is appended to every layer's cache)."""
-        x, _ = self.embed(token[:, None], causal=True, offset=position)
+        this position is appended to every layer's cache). ``position``: the input position
+        (a scalar or ``int[B]``); ``valid_from int32[B]``: each row sees only memories written
+        at cache positions ``>= valid_from`` (None: all)."""
+        position = jnp.asarray(position)
+        offset = position[:, None] if position.ndim else position
+        x, _ = self.embed(token[:, None], causal=True, offset=offset)
         dynamic, static = self.layers.per_layer()
         cache_dyn, cache_static = eqx.partition(caches, eqx.is_array)
 
@@ -93,8 +127,10 @@ class FeedbackLM(eqx.Module):
                 q, k, v = block.attn._project(h, None)
                 keys = jnp.concatenate([cache.k, k.astype(cache.k.dtype)], 1)
                 values = jnp.concatenate([cache.v, v.astype(cache.v.dtype)], 1)
-                mask = jnp.concatenate([cache.valid, jnp.ones((1,), bool)])
-                mask = jnp.broadcast_to(mask, keys.shape[:2])
+                valid = jnp.broadcast_to(cache.valid, keys.shape[:1] + cache.valid.shape)
+                if valid_from is not None:
+                    valid = valid & (cache.pos[None] >= valid_from[:, None])
+                mask = jnp.concatenate([valid, jnp.ones((keys.shape[0], 1), bool)], 1)
                 o = A.multihead(A.dot_product_attention)(q, keys.astype(q.dtype),
                                                         values.astype(q.dtype), kv_mask=mask)
                 return block.attn._out(o)
@@ -119,11 +155,28 @@ class FeedbackLM(eqx.Module):
         h = _finish(self.final_norm, top)
         return (h @ self.head.astype(h.dtype))[:, 0], caches
 
-    def __call__(self, tokens, *, caches=None, start: int = 0):
+    def __call__(self, tokens, *, caches=None, start: int = 0, memory=None, key=None):
         """Logits ``[B, L, vocab]`` for ``tokens int[B, L]``, scanning over positions; with
         ``caches`` (from :meth:`init_cache` or an earlier call, at position ``start``) returns
-        ``(logits, caches)`` so a document can be fed in pieces or extended by decoding."""
+        ``(logits, caches)`` so a document can be fed in pieces or extended by decoding. With
+        ``memory`` (a :class:`FeedbackState`) ``tokens`` is the next segment of each stream
+        and the result is ``(logits, new state)``."""
         b, length = tokens.shape
+        if memory is not None:
+            if caches is not None:
+                raise ValueError("FeedbackLM: pass caches or memory, not both")
+            now = jnp.max(memory.caches.index)
+
+            def stream(caches, t):
+                tok, i = t
+                logits, caches = self.step(tok, caches, now + i - memory.start,
+                                           valid_from=memory.start)
+                return caches, logits
+
+            caches, logits = jax.lax.scan(stream, memory.caches,
+                                          (tokens.T, jnp.arange(length, dtype=jnp.int32)))
+            state = FeedbackState(jax.lax.stop_gradient(caches), memory.start, memory.aux)
+            return jnp.moveaxis(logits, 0, 1), state
         given = caches is not None
         caches = self.init_cache(b, length) if caches is None else caches
 

@@ -9,6 +9,12 @@ h_1 .. h_L]`` (itself and the segment's last hidden states, not the other slots)
 ``M_i' = LayerNorm(M_i + Attn(M_i, [M_i; h]))``. Unlike Transformer-XL's memory, gradients flow
 through the slots from one segment to the next; :func:`memory_replay_gradients` computes them
 with activation memory of one segment, whatever the number of segments.
+
+As a trainer's carried state (``model(tokens, memory=state)``, :meth:`Memformer.init_memory`),
+a training segment is read as ``segments`` consecutive pieces with gradients through the slots
+from one piece to the next, each piece's forward recomputed in the backward pass (memory replay,
+as a ``lax.scan`` over rematerialised pieces); the slots passed to the next training step are
+detached, so back-propagation through time is truncated at ``segments`` pieces.
 """
 
 from __future__ import annotations
@@ -19,15 +25,20 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 
+from ._memory import MemoryModel, MemoryState
 from ._models import Embedder, _finish, _stack
 from ._norms import LayerNorm
 
 
-class Memformer(eqx.Module):
+class Memformer(MemoryModel):
     """A causal LM over segments with ``num_slots`` memory slots (module docstring).
 
     ``model(tokens [B, L], slots [B, K, D]) -> (logits [B, L, vocab], new slots)``;
-    :meth:`init_memory` gives the learned initial slots for a batch.
+    :meth:`initial_slots` gives the learned initial slots for a batch. As a carried state:
+    ``model(tokens, memory=state) -> (logits, new state)`` with ``state`` a
+    :class:`~xformers_jax.nn.MemoryState` from :meth:`init_memory` (``mem`` the slots, rows
+    whose ``mask`` is False start from the learned slots), reading the segment as
+    ``segments`` pieces of ``L / segments`` tokens with memory replay between them.
     """
 
     embed: Embedder
@@ -41,11 +52,14 @@ class Memformer(eqx.Module):
     wo: jax.Array
     write_norm: LayerNorm
     num_heads: int = eqx.field(static=True)
+    segments: int = eqx.field(static=True)
 
     def __init__(self, vocab_size, dim, num_layers, num_heads, hidden, *, num_slots: int,
-                 positions=None, max_len=512, block=None, key):
+                 segments: int = 1, positions=None, max_len=512, block=None, key):
         if dim % num_heads:
             raise ValueError(f"Memformer: dim={dim} is not divisible by num_heads={num_heads}")
+        if isinstance(segments, bool) or not isinstance(segments, int) or segments < 1:
+            raise ValueError(f"Memformer: segments must be an integer >= 1, got {segments!r}")
         k = jax.random.split(key, 8)
         self.embed = Embedder(dim, vocab_size=vocab_size, positions=positions, key=k[0])
         self.layers, self.final_norm = _stack(dim, num_layers, num_heads, hidden, causal=True,
@@ -57,10 +71,17 @@ class Memformer(eqx.Module):
                                               for kk in k[4:8])
         self.write_norm = LayerNorm(dim)
         self.num_heads = num_heads
+        self.segments = segments
 
-    def init_memory(self, batch: int):
+    def initial_slots(self, batch: int):
         """The learned initial slots ``[B, K, D]``."""
         return jnp.broadcast_to(self.slots, (batch, *self.slots.shape))
+
+    def init_memory(self, batch: int, dtype=jnp.float32, *, inference=False):
+        """An empty carried state: every row starts from the learned slots."""
+        k, d = self.slots.shape
+        return MemoryState(jnp.zeros((batch, k, d), dtype), jnp.zeros((batch, k), bool), None,
+                           None, jnp.zeros((), jnp.float32))
 
     def write(self, slots, h, mask=None):
         """Slot attention: slot ``i`` attends over ``[slot_i; h]`` (``h [B, L, D]``, real
@@ -80,12 +101,38 @@ class Memformer(eqx.Module):
                + jnp.einsum("bhkl,blhd->bkhd", w[..., 1:], seg_v))
         return self.write_norm(slots + out.reshape(b, k, d) @ self.wo)
 
-    def __call__(self, tokens, slots, *, mask=None, key=None):
+    def __call__(self, tokens, slots=None, *, mask=None, key=None, memory=None):
+        if memory is not None:
+            return self._carried(tokens, memory, mask=mask, key=key)
         x, _ = self.embed(tokens, mask=mask, causal=True)
         h = self.layers(x, kv_mask=mask, context=slots.astype(x.dtype), key=key)
         new = self.write(slots, h.astype(slots.dtype), mask)
         h = _finish(self.final_norm, h)
         return h @ self.head.astype(h.dtype), new
+
+    def _carried(self, tokens, memory: MemoryState, *, mask, key):
+        b, length = tokens.shape
+        n = self.segments
+        if length % n:
+            raise ValueError(f"Memformer: segment length {length} is not a multiple of "
+                             f"segments={n}")
+        slots = jnp.where(memory.mask[..., None], memory.mem,
+                          self.initial_slots(b).astype(memory.mem.dtype))
+        pieces = jnp.moveaxis(tokens.reshape(b, n, length // n), 1, 0)
+        masks = None if mask is None else jnp.moveaxis(mask.reshape(b, n, -1), 1, 0)
+        keys = None if key is None else jax.random.split(key, n)
+
+        # Memory replay: the backward pass recomputes one piece at a time from its slots.
+        @jax.checkpoint
+        def piece(slots, inputs):
+            t, m, k = inputs
+            logits, new = self(t, slots, mask=m, key=k)
+            return new.astype(slots.dtype), logits
+
+        slots, logits = jax.lax.scan(piece, slots, (pieces, masks, keys))
+        logits = jnp.moveaxis(logits, 0, 1).reshape(b, length, -1)
+        return logits, MemoryState(jax.lax.stop_gradient(slots), jnp.ones_like(memory.mask),
+                                   None, None, jnp.zeros((), jnp.float32))
 
 
 def memory_replay_gradients(step, params, memory, segments):

@@ -30,6 +30,7 @@ entry and segment keys ``j <= i`` (the band ``Local(M + L, M)`` over ``[memory; 
 from __future__ import annotations
 
 import abc
+import copy
 import math
 from typing import final
 
@@ -39,7 +40,7 @@ import jax.numpy as jnp
 
 from .. import attention as A
 from ._attention import MultiHeadAttention
-from ._positions import BiasScheme, QKScheme
+from ._positions import BiasScheme, QKScheme, sinusoid
 
 COMPRESSIONS = ("max", "mean", "conv", "dilated_conv", "most_used")
 _EXACT = ("dot_product", "flash")
@@ -67,26 +68,65 @@ class MemoryState(eqx.Module):
         return (jnp.concatenate([self.cmem, self.mem], 1),
                 jnp.concatenate([self.cmask, self.mask], 1))
 
+    def reset(self, reset) -> "MemoryState":
+        """This state with the rows where ``reset bool[B]`` is True emptied."""
+        keep = ~reset.astype(bool)
+        b = keep.shape[0]
+        lead = self.mask.ndim - 2  # stacked layer axes before [B, M]
 
-def reset_memory(state: MemoryState, reset) -> MemoryState:
+        def cut(mask):
+            return mask & keep.reshape((1,) * lead + (b, 1))
+
+        return MemoryState(self.mem, cut(self.mask), self.cmem,
+                           None if self.cmask is None else cut(self.cmask), self.aux)
+
+
+def reset_memory(state, reset):
     """Empties the memory of the batch rows where ``reset bool[B]`` is True (a stream that
-    starts a new document or epoch). Works on a single layer's or a stacked state."""
-    keep = ~reset.astype(bool)
-    b = keep.shape[0]
-    lead = state.mask.ndim - 2  # stacked layer axes before [B, M]
+    starts a new document or epoch). Works on a single layer's or a stacked
+    :class:`MemoryState`, and on any carried state with a ``reset`` method (the Feedback
+    Transformer's)."""
+    return state.reset(reset)
 
-    def cut(mask):
-        shape = (1,) * lead + (b, 1)
-        return mask & keep.reshape(shape)
 
-    return MemoryState(state.mem, cut(state.mask), state.cmem,
-                       None if state.cmask is None else cut(state.cmask), state.aux)
+class MemoryModel(eqx.Module):
+    """Abstract: a model that is its own recurrence rather than a stack of blocks with a
+    :class:`Memory` (Memformer's slots, the Feedback Transformer's memories). Like a memory
+    :class:`~xformers_jax.nn.CausalLM`, ``init_memory(batch, inference=)`` gives the carried
+    state (with ``reset`` and an ``aux`` loss) and ``model(tokens, memory=state) -> (logits,
+    new_state)`` reads the next segment of each stream."""
+
+    @abc.abstractmethod
+    def init_memory(self, batch: int, dtype=jnp.float32, *, inference=False):
+        raise NotImplementedError
 
 
 def has_memory(model) -> bool:
-    """Whether any block of ``model`` has a :class:`Memory`."""
+    """Whether ``model`` carries a memory across segments: a :class:`MemoryModel`, or a model
+    with a :class:`Memory` in any block."""
+    if isinstance(model, MemoryModel):
+        return True
     is_memory = lambda x: isinstance(x, Memory)  # noqa: E731
     return any(is_memory(x) for x in jax.tree_util.tree_leaves(model, is_leaf=is_memory))
+
+
+def with_eval_memory(model, eval_mem_len: int):
+    """``model`` with every block memory's evaluation length set to ``eval_mem_len`` (the
+    compressed memory keeps its own): evaluating one trained model at several memory lengths.
+    The relative position table must cover the longest distance (its ``max_len``)."""
+    if isinstance(eval_mem_len, bool) or not isinstance(eval_mem_len, int) or eval_mem_len < 0:
+        raise ValueError(f"with_eval_memory: eval_mem_len must be an integer >= 0, got "
+                         f"{eval_mem_len!r}")
+    is_memory = lambda x: isinstance(x, Memory)  # noqa: E731
+
+    def change(x):
+        if not is_memory(x):
+            return x
+        new = copy.copy(x)
+        object.__setattr__(new, "eval_mem_len", eval_mem_len)  # a static field
+        return new
+
+    return jax.tree_util.tree_map(change, model, is_leaf=is_memory)
 
 
 def memory_aux_loss(state: MemoryState) -> jax.Array:
@@ -343,24 +383,126 @@ def memory_attention(attn: MultiHeadAttention, h, ctx, ctx_mask, *, kv_mask=None
              else positions.astype(jnp.int32))
     k_pos = jnp.concatenate([q_pos[:, :1] - jnp.arange(m, 0, -1, dtype=jnp.int32)[None],
                              q_pos], 1)
-    if isinstance(attn.position, QKScheme):
-        q, k = attn.position.rotate(q, q_pos), attn.position.rotate(k, k_pos)
     seg_mask = jnp.ones((b, l), bool) if kv_mask is None else kv_mask
     full_mask = jnp.concatenate([ctx_mask, seg_mask], 1)
-    kw = {}
-    if isinstance(attn.position, BiasScheme):
-        kw["bias"] = attn._bias(q, k, q_pos, k_pos)
-    fn = A.dot_product_attention if attn.spec.kind == "dot_product" else A.flash_attention
     # The causal band over [memory; segment]: query i (key index M + i) sees keys <= M + i.
-    pattern = A.patterns.Local(m + l, m)
-    o = A.multihead(lambda *a, **k_: fn(*a, pattern=pattern, **k_),
-                    kwarg_axes={"bias": "batch_heads"})(q, k, v, kv_mask=full_mask, **kw)
+    o = _attend(attn, q, k, v, q_pos, k_pos, full_mask, A.patterns.Local(m + l, m))
     if kv_mask is not None:
         o = jnp.where(kv_mask[:, :, None, None], o, jnp.zeros((), o.dtype))
     return attn._out(o)
 
 
+def _attend(attn: MultiHeadAttention, q, k, v, q_pos, k_pos, kv_mask, pattern):
+    """Heads ``q [B, Lq, H, Dk]`` over ``k, v [B, Lk, Hkv, D]`` at positions ``q_pos [B,
+    Lq]``, ``k_pos [B, Lk]`` (the attention's q/k rotation or score bias), keys ``kv_mask``,
+    ``pattern`` (None: every unmasked key) -> ``[B, Lq, H, Dv]``."""
+    if isinstance(attn.position, QKScheme):
+        q, k = attn.position.rotate(q, q_pos), attn.position.rotate(k, k_pos)
+    kw = {}
+    if isinstance(attn.position, BiasScheme):
+        kw["bias"] = attn._bias(q, k, q_pos, k_pos)
+    fn = A.dot_product_attention if attn.spec.kind == "dot_product" else A.flash_attention
+    return A.multihead(lambda *a, **k_: fn(*a, pattern=pattern, **k_),
+                       kwarg_axes={"bias": "batch_heads"})(q, k, v, kv_mask=kv_mask, **kw)
+
+
 # -- decoding across segments ------------------------------------------------------------------
+
+
+class SegmentCache(eqx.Module):
+    """The decoding state of a memory model (one entry per layer, on a leading layer axis):
+    the ``memory`` (:class:`MemoryState`), its keys/values ``mem_k, mem_v [N, B, Mc + M, Hkv,
+    Dk]`` (mask ``mem_mask``), the current segment's keys/values ``seg_k, seg_v [N, B, S, Hkv,
+    Dk]`` and each layer's inputs/outputs ``x_in, x_out [N, B, S, D]`` on it (what the memory
+    update reads when the segment is full), and ``count``, the segment's tokens so far."""
+
+    memory: MemoryState
+    mem_k: jax.Array
+    mem_v: jax.Array
+    mem_mask: jax.Array
+    seg_k: jax.Array
+    seg_v: jax.Array
+    x_in: jax.Array
+    x_out: jax.Array
+    count: jax.Array
+
+
+def _layer_memory_kv(block, state: MemoryState):
+    """One layer's memory keys/values (in the attention's input space, like ``__call__``)."""
+    ctx, mask = state.context()
+    ctx = block.norms[0](ctx) if block.placement == "pre" else ctx
+    _, k, v = block.attn._project(ctx[:, :1], ctx)
+    return k, v, mask
+
+
+def _segment_cache(model, memory: MemoryState, segment_len: int) -> SegmentCache:
+    """A decoding state at the start of a segment, after ``memory``."""
+    dynamic, static = model.layers.per_layer()
+    mk, mv, mmask = jax.vmap(lambda p, m: _layer_memory_kv(eqx.combine(p, static), m))(
+        dynamic, memory)
+    n, b = mmask.shape[:2]
+    d = model.head.shape[0]
+    zeros = lambda *shape: jnp.zeros((n, b, segment_len, *shape), mk.dtype)  # noqa: E731
+    return SegmentCache(memory, mk, mv, mmask, zeros(*mk.shape[3:]), zeros(*mv.shape[3:]),
+                        zeros(d), zeros(d), jnp.zeros((), jnp.int32))
+
+
+def _next_segment(model, cache: SegmentCache) -> SegmentCache:
+    """Shifts the full segment into every layer's memory (the block's own update)."""
+    dynamic, static = model.layers.per_layer()
+    memory = jax.vmap(lambda p, m, x, y: eqx.combine(p, static).update_memory(m, x, y))(
+        dynamic, cache.memory, cache.x_in, cache.x_out)
+    return _segment_cache(model, memory, cache.seg_k.shape[2])
+
+
+def _memory_decode_step(model, token, cache: SegmentCache):
+    """One token ``int[B]`` of a memory model at the segment's position ``cache.count``:
+    ``(logits [B, vocab], cache)``, the segment's keys/values kept, not recomputed."""
+    seg = cache.seg_k.shape[2]
+    cache = jax.lax.cond(cache.count == seg, lambda c: _next_segment(model, c), lambda c: c,
+                         cache)
+    c = cache.count
+    x, _ = model.embed(token[:, None], causal=True, offset=c)
+    stack = model.layers
+    dynamic, static = stack.per_layer()
+    b = token.shape[0]
+    m = cache.mem_k.shape[2]
+    q_pos = jnp.full((b, 1), c, jnp.int32)
+    k_pos = jnp.broadcast_to(jnp.concatenate([jnp.arange(-m, 0, dtype=jnp.int32),
+                                              jnp.arange(seg, dtype=jnp.int32)]), (b, m + seg))
+    put = lambda buf, new: jax.lax.dynamic_update_slice_in_dim(  # noqa: E731
+        buf, new.astype(buf.dtype), c, axis=1)
+
+    def layer(x, inputs):
+        params, t, mk, mv, mmask, sk, sv, xin, xout = inputs
+        block = eqx.combine(params, static)
+        if stack.universal:
+            x = x + sinusoid(t, x.shape[-1]).astype(x.dtype)
+        kv = {}
+
+        def attend(h):
+            q, k, v = block.attn._project(h, None)
+            kv["k"], kv["v"] = put(sk, k), put(sv, v)
+            keys = jnp.concatenate([mk, kv["k"]], 1).astype(q.dtype)
+            values = jnp.concatenate([mv, kv["v"]], 1).astype(q.dtype)
+            mask = jnp.concatenate([mmask, jnp.broadcast_to(jnp.arange(seg) <= c, (b, seg))], 1)
+            return block.attn._out(_attend(block.attn, q, keys, values, q_pos, k_pos, mask,
+                                           None))
+
+        fs = block.sublayers(inference=True)
+        fs[0] = attend
+        y = x
+        for i, f in enumerate(fs):
+            y, _ = block._residual(i, y, f, None, None, True)
+        return y, (kv["k"], kv["v"], put(xin, x), put(xout, y))
+
+    xs = (dynamic, jnp.arange(stack.num_layers), cache.mem_k, cache.mem_v, cache.mem_mask,
+          cache.seg_k, cache.seg_v, cache.x_in, cache.x_out)
+    x, (sk, sv, xin, xout) = jax.lax.scan(layer, x, xs)
+    h = x if model.final_norm is None else model.final_norm(x)
+    logits = (h @ model.head.astype(h.dtype))[:, 0]
+    return logits, SegmentCache(cache.memory, cache.mem_k, cache.mem_v, cache.mem_mask, sk, sv,
+                                xin, xout, c + 1)
 
 
 def generate_with_memory(model, prompt, max_new_tokens: int, *, segment_len: int, key=None,
@@ -370,57 +512,35 @@ def generate_with_memory(model, prompt, max_new_tokens: int, *, segment_len: int
     :class:`~xformers_jax.nn.CausalLM` whose blocks have a memory), continuing across segment
     boundaries with the memories as the cache of everything before the current segment.
 
-    The prompt is read segment by segment (``segment_len`` tokens each); tokens are then added
-    to the current segment, which is re-run causally for each new token (positions after the
-    new one do not affect it) until it is full, when it is shifted into the memory and a new
-    segment starts. Per token this costs one segment's forward, ``O(segment_len * (segment_len
-    + M))`` attention, independent of how long the text already is. Greedy when ``key`` is
-    None, else sampled from ``softmax(logits / temperature)`` (``top_k`` most likely).
-    Memories have their evaluation lengths when ``inference``. Returns ``int[B, P +
-    max_new_tokens]``."""
+    The prompt's full segments (``segment_len`` tokens each) are read in parallel; the rest of
+    the prompt and the new tokens go one at a time into the current segment, whose keys and
+    values are cached (:class:`SegmentCache`): each token costs one position's forward, its
+    attention over ``M + segment_len`` keys, independent of how long the text already is.
+    When the segment is full its layer inputs are shifted into the memories (the blocks' own
+    update, as in ``model(segment, memory=)``) and a new segment starts. The token choice is
+    :func:`~xformers_jax.nn.sample_tokens`' (greedy when ``key`` is None, else sampled from
+    ``softmax(logits / temperature)`` over the ``top_k`` most likely). Memories have their
+    evaluation lengths when ``inference``. Returns ``int[B, P + max_new_tokens]``."""
+    from ._models import sample_tokens  # _models builds blocks, which import this module
+
     b, p = prompt.shape
-    seg = segment_len
     if p < 1:
         raise ValueError("generate_with_memory: the prompt needs at least one token")
     memory = model.init_memory(b, inference=inference)
-    full = p // seg
+    full = p // segment_len
     last = None
     for s in range(full):
-        logits, memory = model(prompt[:, s * seg:(s + 1) * seg], memory=memory)
+        logits, memory = model(prompt[:, s * segment_len:(s + 1) * segment_len], memory=memory)
         last = logits[:, -1]
-    rest = p - full * seg
-    buf = jnp.zeros((b, seg), prompt.dtype)
-    if rest:
-        buf = buf.at[:, :rest].set(prompt[:, full * seg:])
-        last = model(buf, memory=memory)[0][:, rest - 1]
-    keys = (jax.random.split(key, max_new_tokens) if key is not None
-            else jnp.zeros((max_new_tokens,), jnp.int32))
-
-    def choose(logits, k):
-        if key is None:
-            return jnp.argmax(logits, -1)
-        logits = logits.astype(jnp.float32) / temperature
-        if top_k is not None:
-            kth = jax.lax.top_k(logits, top_k)[0][:, -1:]
-            logits = jnp.where(logits < kth, -jnp.inf, logits)
-        return jax.random.categorical(k, logits, axis=-1)
-
-    def step(carry, k):
-        buf, c, memory, last = carry
-        tok = choose(last, k).astype(prompt.dtype)
-        buf = jax.lax.dynamic_update_slice_in_dim(buf, tok[:, None], c, axis=1)
-        logits, shifted = model(buf, memory=memory)
-        last = jax.lax.dynamic_index_in_dim(logits, c, axis=1, keepdims=False)
-        c = c + 1
-        done = c == seg
-        memory = jax.tree_util.tree_map(lambda new, old: jnp.where(done, new, old), shifted,
-                                        memory)
-        buf = jnp.where(done, jnp.zeros_like(buf), buf)
-        return (buf, jnp.where(done, 0, c), memory, last), tok
-
-    init = (buf, jnp.asarray(rest, jnp.int32), memory, last)
-    _, new = jax.lax.scan(step, init, keys)
-    return jnp.concatenate([prompt, new.T], axis=1)
+    cache = _segment_cache(model, memory, segment_len)
+    step = lambda tok, cache, _=None: _memory_decode_step(model, tok, cache)  # noqa: E731
+    if p > full * segment_len:
+        cache, logits = jax.lax.scan(lambda c, t: step(t, c)[::-1], cache,
+                                     prompt[:, full * segment_len:].T)
+        last = logits[-1]
+    new = sample_tokens(step, last, cache, 0, max_new_tokens, key=key, temperature=temperature,
+                        top_k=top_k, dtype=prompt.dtype)
+    return jnp.concatenate([prompt, new], axis=1)
 
 
 def retrospective_feed(model, tokens, *, segment_len: int, mask=None, inference=False):

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Callable, Mapping, NamedTuple
 
 import equinox as eqx
@@ -228,7 +229,7 @@ class LogitsAux(NamedTuple):
 
 # -- byte-level LM over contiguous streams, with memory (segment-level recurrence) ---------------
 
-MEMORY_KINDS = ("none", "xl", "ernie", "compressive")
+MEMORY_KINDS = ("none", "xl", "ernie", "compressive", "feedback", "memformer")
 
 
 def _memory_lengths(mem):
@@ -245,12 +246,14 @@ def _make_memory(mem, dim):
     known = {"none": {"kind"}, "xl": {"kind", "mem_len", "eval_mem_len"},
              "ernie": {"kind", "mem_len", "eval_mem_len"},
              "compressive": {"kind", "mem_len", "eval_mem_len", "cmem_len", "eval_cmem_len",
-                             "rate", "compression"}}[kind]
+                             "rate", "compression"},
+             "feedback": {"kind", "mem_len"}, "memformer": {"kind", "num_slots", "segments"},
+             }[kind]
     if set(mem) - known:
         raise ValueError(f"model.memory: unknown keys {sorted(set(mem) - known)} for kind "
                          f"{kind!r} (known: {sorted(known)})")
     m, em, c, ec = _memory_lengths(mem)
-    if kind == "none":
+    if kind in ("none", "feedback", "memformer"):  # no block memory (models of their own)
         return None
     if kind in ("xl", "ernie"):
         return nn.XLMemory(m, em, same_layer=kind == "ernie")
@@ -260,11 +263,22 @@ def _make_memory(mem, dim):
 
 
 def _stream_lm(m, task, key):
+    mem = m.memory.to_dict()
+    _make_memory(mem, m.dim)  # checks the keys
+    if mem["kind"] == "feedback":  # sinusoidal input positions counted along each stream
+        return nn.FeedbackLM(task.vocab_size, m.dim, m.num_layers, m.num_heads, m.hidden,
+                             mem_len=int(mem.get("mem_len", task.seq_len)), block=_block(m),
+                             key=key)
+    if mem["kind"] == "memformer":
+        return nn.Memformer(task.vocab_size, m.dim, m.num_layers, m.num_heads, m.hidden,
+                            num_slots=int(mem.get("num_slots", 8)),
+                            segments=int(mem.get("segments", 1)), max_len=task.seq_len,
+                            block=_block(m), key=key)
     # Relative positions (Transformer-XL's, with u and v) and no input positions: segments
     # carry no absolute position, memories sit at negative offsets.
-    mem = m.memory.to_dict()
     _, em, _, ec = _memory_lengths(mem)
     mm, _, cc, _ = _memory_lengths(mem)
+    em = max([em, *getattr(task.validation, "eval_mem_lens", ())])
     longest = task.seq_len + max(em, mm) + max(ec, cc)
     head_dim = m.dim // m.num_heads
     position = nn.TransformerXLRelative(m.num_heads, head_dim, longest,
@@ -289,11 +303,13 @@ def _stream_logits(model, batch, task, key):
 
 
 class _Stream:
-    """One split of a streamed corpus: its bytes, the segment length and a bound on the
-    segments an evaluation reads per stream (0: all)."""
+    """One split of a streamed corpus: its bytes, the segment length, a bound on the
+    segments an evaluation reads per stream (0: all) and the further evaluation memory
+    lengths to report."""
 
-    def __init__(self, data, seq_len: int, max_segments: int = 0):
+    def __init__(self, data, seq_len: int, max_segments: int = 0, eval_mem_lens=()):
         self.data, self.seq_len, self.max_segments = data, seq_len, max_segments
+        self.eval_mem_lens = tuple(int(n) for n in eval_mem_lens)
 
     def __len__(self) -> int:
         return (self.data.size - 1) // self.seq_len
@@ -307,7 +323,19 @@ def _stream_batches(split, batch_size, *, process_index=0, process_count=1, num_
 
 def _stream_evaluate(eval_step, model, split, batch_size):
     """Reads every stream once, segment after segment, carrying the memory (evaluation
-    lengths, ``eval_mem_len``) from an empty one."""
+    lengths, ``eval_mem_len``) from an empty one: ``loss``, ``accuracy`` and
+    ``bits_per_byte``; and the same as ``loss_mem{N}``, ... with the evaluation memory
+    length ``N`` for each of the split's ``eval_mem_lens`` (block memories only)."""
+    out = _stream_read(eval_step, model, split, batch_size)
+    if not split.eval_mem_lens or isinstance(model, nn.MemoryModel) or not nn.has_memory(model):
+        return out
+    for n in split.eval_mem_lens:
+        more = _stream_read(eval_step, nn.with_eval_memory(model, n), split, batch_size)
+        out |= {f"{k}_mem{n}": v for k, v in more.items()}
+    return out
+
+
+def _stream_read(eval_step, model, split, batch_size):
     batch_size = min(batch_size, len(split))
     carry = _stream_carry(model, batch_size, True)
     totals = {}
@@ -318,8 +346,9 @@ def _stream_evaluate(eval_step, model, split, batch_size):
         carry = out.pop("carry", None)
         for k, v in out.items():
             totals[k] = totals.get(k, 0.0) + float(v)
-    return {"loss": totals["loss_sum"] / totals["count"],
-            "accuracy": totals["correct"] / totals["count"]}
+    loss = totals["loss_sum"] / totals["count"]
+    return {"loss": loss, "accuracy": totals["correct"] / totals["count"],
+            "bits_per_byte": loss / math.log(2)}
 
 
 def _make_lm_stream(c, seed):
@@ -331,8 +360,9 @@ def _make_lm_stream(c, seed):
                                    for s in ("train", "validation", "test"))
     else:
         raise ValueError(f"data.source must be 'stdlib' or 'enwik8', got {c.source!r}")
-    return Task(_Stream(train, c.seq_len), _Stream(validation, c.seq_len, c.num_eval),
-                _Stream(test, c.seq_len, c.num_test), vocab_size=D.BYTE_VOCAB_SIZE,
+    lens = tuple(c.eval_mem_lens)
+    return Task(_Stream(train, c.seq_len), _Stream(validation, c.seq_len, c.num_eval, lens),
+                _Stream(test, c.seq_len, c.num_test, lens), vocab_size=D.BYTE_VOCAB_SIZE,
                 num_classes=D.BYTE_VOCAB_SIZE, seq_len=c.seq_len, padded=False)
 
 
@@ -387,9 +417,10 @@ for _task in (
     TaskSpec("lm", dict(source="stdlib", data_dir="", seq_len=512, num_eval=256, num_test=512),
              _make_lm, _causal_lm, _lm_logits, classification=False),
     # Contiguous streams (segment-level recurrence, model.memory): seq_len is the segment;
-    # num_eval / num_test bound the segments read per evaluation stream (0: all).
+    # num_eval / num_test bound the segments read per evaluation stream (0: all);
+    # eval_mem_lens: further evaluation memory lengths, each reported (loss_mem{N}, ...).
     TaskSpec("lm_stream", dict(source="stdlib", data_dir="", seq_len=256, num_eval=64,
-                               num_test=128),
+                               num_test=128, eval_mem_lens=()),
              _make_lm_stream, _stream_lm, _stream_logits, classification=False,
              batches=_stream_batches, carry=_stream_carry, evaluate=_stream_evaluate),
 ):

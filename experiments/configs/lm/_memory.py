@@ -4,8 +4,13 @@ corpus cut into ``batch_size`` contiguous streams, memory carried across steps).
 Sizes: a small byte-level Transformer-XL in the style of the paper's enwik8 model scaled down
 (our choice, no paper setting): 6 layers, 8 heads, dim 512, MLP 2048, segment 256, memory 256
 (evaluation memory 1024), batch 32 streams, 50K steps. ``runlocal``: segment 64, memory 64
-(evaluation 256), a dim-64 2-layer model, 200 steps on 8 streams. Reported loss is nats per
-byte (bits per byte = loss / ln 2).
+(evaluation 256), a dim-64 2-layer model, 200 steps on 8 streams; every memory length (keys
+ending in ``_len``, and ``eval_mem_lens``) is a quarter. ``cpu``: segment 32, memory lengths
+an eighth, a dim-128 2-layer model, 3000 steps on 16 streams (the memory comparison on one
+CPU). Reported loss is nats per byte;
+evaluation also reports ``bits_per_byte``, and with ``eval_mem_lens`` (``data.eval_mem_lens``)
+the same metrics at each of those evaluation memory lengths (``bits_per_byte_mem{N}``), read
+in the same run.
 """
 
 import ml_collections
@@ -13,9 +18,10 @@ import ml_collections
 from xformers_jax import train
 
 
-def config(memory: dict, size: str | None):
+def config(memory: dict, size: str | None, *, eval_mem_lens=()):
     c = train.base_config("lm_stream")
-    c.data.update(dict(source="stdlib", seq_len=256, num_eval=64, num_test=128))
+    c.data.update(dict(source="stdlib", seq_len=256, num_eval=64, num_test=128,
+                       eval_mem_lens=tuple(eval_mem_lens)))
     c.model.update(dict(dim=512, num_layers=6, num_heads=8, hidden=2048))
     c.model.memory = ml_collections.ConfigDict(memory)
     c.optim.update(dict(learning_rate=2.5e-4, schedule="cosine", warmup_steps=2000,
@@ -23,15 +29,27 @@ def config(memory: dict, size: str | None):
     c.update(dict(batch_size=32, num_train_steps=50_000, eval_every=2000,
                   checkpoint_every=2000))
     if size == "runlocal":
-        c.data.update(dict(seq_len=64, num_eval=16, num_test=16))
+        c.data.update(dict(seq_len=64, num_eval=16, num_test=16,
+                           eval_mem_lens=tuple(n // 4 for n in eval_mem_lens)))
         c.model.update(dict(dim=64, num_layers=2, num_heads=4, hidden=256))
         scale = {k: v // 4 for k, v in memory.items() if k.endswith("_len")}
         c.model.memory.update(scale)
         c.optim.update(dict(learning_rate=2e-3, warmup_steps=20))
         c.update(dict(batch_size=8, num_train_steps=200, log_every=20, eval_every=100,
                       checkpoint_every=100))
+    elif size == "cpu":
+        # The memory comparison at a size one CPU trains in minutes: segment 32, every memory
+        # length an eighth, a dim-128 2-layer model trained 3000 steps on 16 streams (long
+        # enough to learn to read the memory, which 200 steps of runlocal are not).
+        c.data.update(dict(seq_len=32, num_eval=64, num_test=128,
+                           eval_mem_lens=tuple(n // 8 for n in eval_mem_lens)))
+        c.model.update(dict(dim=128, num_layers=2, num_heads=4, hidden=512))
+        c.model.memory.update({k: v // 8 for k, v in memory.items() if k.endswith("_len")})
+        c.optim.update(dict(learning_rate=1e-3, warmup_steps=100))
+        c.update(dict(batch_size=16, num_train_steps=3000, log_every=100, eval_every=1000,
+                      checkpoint_every=1000))
     elif size is not None:
-        raise ValueError(f"size must be 'runlocal' or absent, got {size!r}")
+        raise ValueError(f"size must be 'runlocal', 'cpu' or absent, got {size!r}")
     c.lock()
     return c
 
