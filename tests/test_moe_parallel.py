@@ -103,9 +103,10 @@ def test_gpipe_layer_stack_equals_unpipelined():
 
 
 def test_moe_model_under_an_expert_mesh_equals_one_device():
-    """A causal LM with an MoE FFN under parallel.use_mesh (expert=4, data=2) runs the
-    expert-parallel form; with a capacity that drops nothing its logits and gradients equal
-    the one-device model's."""
+    """A causal LM with an MoE FFN under parallel.use_mesh (expert=4, fsdp=2) runs the
+    expert-parallel form, its parameters placed by the default rules (expert weights split
+    over 'expert' on the expert axis and over 'fsdp' on the model width: FSDP); with a capacity
+    that drops nothing its logits and gradients equal the one-device model's."""
     import equinox as eqx
     import xformers_jax.nn as nn
 
@@ -120,7 +121,39 @@ def test_moe_model_under_an_expert_mesh_equals_one_device():
 
     f = jax.jit(jax.value_and_grad(loss), **_O0)
     l0, g0 = f(model)
-    mesh = parallel.make_mesh({"data": 2, "expert": 4})
+    mesh = parallel.make_mesh({"fsdp": 2, "expert": 4})
+    shardings = parallel.param_shardings(model, parallel.DEFAULT_PARAM_RULES, mesh)
+    for w in (shardings.layers.layers.ffn.w1, shardings.layers.layers.ffn.w2):
+        # [layers, experts, ...]: experts over 'expert', the model width over 'fsdp'.
+        assert w.spec[1] == "expert" and "fsdp" in tuple(w.spec[2:]), w.spec
+    arrays, rest = eqx.partition(model, eqx.is_array)
+    placed = eqx.combine(jax.device_put(arrays, shardings), rest)
+    assert placed.layers.layers.ffn.w1.sharding.spec == shardings.layers.layers.ffn.w1.spec
+    with parallel.use_mesh(mesh):
+        l1, g1 = jax.jit(jax.value_and_grad(loss), **_O0)(placed)
+    assert_close(l1, l0)
+    for a, b in zip(jax.tree.leaves(eqx.filter(g1, eqx.is_inexact_array)),
+                    jax.tree.leaves(eqx.filter(g0, eqx.is_inexact_array))):
+        assert_close(a, b, EXACT_GRAD)
+
+
+def test_stage_mesh_pipelines_the_model():
+    """A 'stage' axis in parallel.make_mesh (what a trainer's mesh config names) makes the
+    models' LayerStack run as a GPipe pipeline; loss and gradients equal one device's."""
+    import equinox as eqx
+    import xformers_jax.nn as nn
+
+    model = nn.CausalLM(32, 8, 4, 2, 16, max_len=6, key=jax.random.key(5))
+    tokens = jax.random.randint(jax.random.key(6), (8, 6), 0, 32)
+    mask = jnp.arange(6)[None] < jnp.array([[6], [5], [4], [6]] * 2)
+
+    def loss(m):
+        # A mean, so that float32's summation order (micro-batches) stays below the tolerance.
+        return (jnp.sin(m(tokens, mask=mask)) * jnp.arange(32)).mean()
+
+    l0, g0 = jax.jit(jax.value_and_grad(loss), **_O0)(model)
+    mesh = parallel.make_mesh({"stage": 4, "data": 2})
+    assert dict(mesh.shape)["stage"] == 4 and parallel.STAGE == "stage"
     with parallel.use_mesh(mesh):
         l1, g1 = jax.jit(jax.value_and_grad(loss), **_O0)(model)
     assert_close(l1, l0)

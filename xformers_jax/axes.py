@@ -48,12 +48,15 @@ LOGICAL_AXES = (BATCH, LENGTH, EMBED, HEADS, KV, MLP, VOCAB, EXPERTS, LAYERS)
 
 # Mesh axes, in the order devices are laid out: the last axis is the one whose devices are
 # closest (same host / ICI neighbours), so it carries the most traffic (tensor, sequence).
+# ``stage`` (GPipe pipeline stages, parallel.pipeline_layers) is first: its neighbours exchange
+# only one activation per micro-batch, the least traffic of all.
+STAGE = "stage"
 DATA = "data"
 FSDP = "fsdp"
 EXPERT = "expert"
 SEQUENCE = "sequence"
 TENSOR = "tensor"
-MESH_AXES = (DATA, FSDP, EXPERT, SEQUENCE, TENSOR)
+MESH_AXES = (STAGE, DATA, FSDP, EXPERT, SEQUENCE, TENSOR)
 
 # Activation layouts the models use.
 TOKENS = (BATCH, LENGTH, EMBED)

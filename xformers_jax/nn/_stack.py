@@ -121,6 +121,12 @@ class LayerStack(eqx.Module):
         blocks built with ``memory=``) -> ``(y, new_memory)``."""
         if memory is not None:
             return self._with_memory(x, memory, kv_mask=kv_mask, positions=positions, key=key)
+        if X.mesh_axis_size(X.STAGE) > 1:
+            # A 'stage' mesh axis: the layers run as a GPipe pipeline (parallel._pipeline).
+            from ..parallel._pipeline import stack_on_stages
+            return stack_on_stages(self, x, state=state, kv_mask=kv_mask, context=context,
+                                   positions=positions, key=key, inference=inference,
+                                   return_aux=return_aux)
         dynamic, static = self.per_layer()
         keys = None if key is None else jax.random.split(key, self.num_layers)
         if self.reversible:

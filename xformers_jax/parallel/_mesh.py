@@ -51,7 +51,8 @@ def resolve_mesh_shape(sizes: Mapping[str, int] | None, num_devices: int) -> dic
 
 
 def make_mesh(sizes: Mapping[str, int] | None = None, devices: Sequence | None = None) -> Mesh:
-    """A :class:`jax.sharding.Mesh` over all five mesh axes (``MESH_AXES`` order).
+    """A :class:`jax.sharding.Mesh` over all six mesh axes (``MESH_AXES`` order: ``stage``,
+    the GPipe pipeline stages, then data, fsdp, expert, sequence, tensor).
 
     Args:
       sizes: e.g. ``{"data": -1, "tensor": 2}``; missing axes have size 1; ``-1`` fills.

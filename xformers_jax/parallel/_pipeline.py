@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-STAGE = "stage"
+from ..axes import STAGE as STAGE  # the mesh axis the stages are split over
 
 
 def bubble_fraction(num_stages: int, num_microbatches: int) -> float:
@@ -66,26 +66,32 @@ def gpipe(stage_fn, stage_params, x, *, mesh, num_microbatches: int, axis: str =
 
 
 def pipeline_layers(stack, x, *, mesh, num_microbatches: int, kv_mask=None,
-                    axis: str = STAGE):
+                    axis: str = STAGE, key=None, inference: bool = False):
     """An ``nn.LayerStack`` (``num_layers`` divisible by the stage count, no stateful layers)
     run as a GPipe pipeline over ``axis``: stage ``s`` runs layers
     ``[s * n / S, (s + 1) * n / S)``. ``x [B, L, dim]`` -> ``[B, L, dim]`` (equal to
-    ``stack(x, kv_mask=kv_mask)``; ``kv_mask [B, L]`` is split into the same micro-batches)."""
+    ``stack(x, kv_mask=kv_mask)``; ``kv_mask [B, L]`` is split into the same micro-batches).
+    With a ``key`` (training: dropout, router noise) layer ``i`` gets the ``i``-th of
+    ``split(key, num_layers)``, shared by the micro-batches."""
     s_count = dict(mesh.shape).get(axis, 1)
     if stack.num_layers % s_count:
         raise ValueError(f"pipeline_layers: {stack.num_layers} layers do not split into "
                          f"{s_count} stages")
     dynamic, static = stack.per_layer()
     per = stack.num_layers // s_count
-    staged = jax.tree.map(lambda a: a.reshape(s_count, per, *a.shape[1:]), dynamic)
+    keys = None if key is None else jax.random.key_data(jax.random.split(key,
+                                                                         stack.num_layers))
+    staged = jax.tree.map(lambda a: a.reshape(s_count, per, *a.shape[1:]), (dynamic, keys))
     packed = x if kv_mask is None else jnp.concatenate(
         [x, kv_mask[..., None].astype(x.dtype)], -1)
 
     def stage_fn(params, h):
         h, m = (h, None) if kv_mask is None else (h[..., :-1], h[..., -1] > 0.5)
 
-        def layer(h, p):
-            return eqx.combine(p, static)(h, kv_mask=m), None
+        def layer(h, pk):
+            p, k = pk
+            k = None if k is None else jax.random.wrap_key_data(k)
+            return eqx.combine(p, static)(h, kv_mask=m, key=k, inference=inference), None
 
         h, _ = jax.lax.scan(layer, h, params)
         return h if m is None else jnp.concatenate([h, m[..., None].astype(h.dtype)], -1)
@@ -93,3 +99,46 @@ def pipeline_layers(stack, x, *, mesh, num_microbatches: int, kv_mask=None,
     y = gpipe(stage_fn, staged, packed, mesh=mesh, num_microbatches=num_microbatches,
               axis=axis)
     return y if kv_mask is None else y[..., :-1]
+
+
+def microbatches_for(batch: int, stages: int) -> int:
+    """The default micro-batch count of a pipelined stack: ``2 S`` when it divides the batch
+    (bubble ``(S - 1) / (3 S - 1)``), else ``S``; raises when neither does."""
+    for m in (2 * stages, stages):
+        if batch % m == 0:
+            return m
+    raise ValueError(f"pipeline: batch {batch} is divisible by neither 2 x {stages} nor "
+                     f"{stages} stages' micro-batches")
+
+
+def stack_on_stages(stack, x, *, state=None, kv_mask=None, context=None, positions=None,
+                    key=None, inference=False, return_aux=False, num_microbatches=None):
+    """``LayerStack.__call__`` under an active mesh whose ``stage`` axis is larger than 1: the
+    stack runs as :func:`pipeline_layers` with :func:`microbatches_for` micro-batches, so a
+    trainer whose ``mesh`` config names a ``stage`` size pipelines its model. Supports plain
+    stacks of blocks without FFN auxiliary outputs (raises for state, cross attention,
+    positions, reversible/universal stacks, LayerDrop and MoE FFNs)."""
+    from ..axes import activated, active
+
+    block_aux = jax.eval_shape(lambda: _first_block_aux(stack, x, kv_mask))
+    bad = [name for name, on in (
+        ("stateful layers", state is not None), ("cross attention", context is not None),
+        ("positions", positions is not None), ("reversible", stack.reversible),
+        ("universal", stack.universal), ("layerdrop", bool(stack.layerdrop)),
+        ("FFN auxiliary outputs (mixtures of experts)", bool(block_aux))) if on]
+    if bad:
+        raise ValueError(f"LayerStack on a 'stage' mesh axis (GPipe) does not support {bad}")
+    mesh = active().mesh
+    m = num_microbatches or microbatches_for(x.shape[0], dict(mesh.shape)[STAGE])
+    # Inside the stage shard_map the blocks' activation constraints are left to XLA (the
+    # logical rules name axes of the whole mesh, of which 'stage' is manual there).
+    with activated(None):
+        y = pipeline_layers(stack, x, mesh=mesh, num_microbatches=m, kv_mask=kv_mask,
+                            key=key, inference=inference)
+    return (y, {}) if return_aux else y
+
+
+def _first_block_aux(stack, x, kv_mask):
+    dynamic, static = stack.per_layer()
+    block = eqx.combine(jax.tree.map(lambda a: a[0], dynamic), static)
+    return block(x, kv_mask=kv_mask, return_aux=True)[1]
