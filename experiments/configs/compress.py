@@ -16,9 +16,16 @@ steps. METHOD:
 - ``qat``: trained with fake quantization (straight-through estimator), then int8.
 - ``prune``: 50% unstructured magnitude pruning per layer on Zhu & Gupta's schedule (pruning
   every 50 steps until 3/4 of the run).
+- ``lottery``: a lottery ticket (Frankle et al., 2020): 50% magnitude pruning per layer at
+  half the run, the weights rewound to those after 50 steps, trained on with fixed masks.
+- ``layerdrop``: trained with LayerDrop 0.2 (Fan et al., 2020), then one of the two layers
+  kept (``test_accuracy_layers_pruned``; also int8 PTQ as in ``teacher``).
 - ``student``: a 1-layer student distilled from a 2-layer teacher
   (``--config.distill.teacher=runs/teacher``): alpha 0.5, T 2, DistilBERT init from every
   other teacher layer and its cosine loss. ``scratch``: the same student without a teacher.
+  ``tinybert``: a 1-layer student of half the width (dim 32, 2 heads, MLP 64) distilled with
+  KD and TinyBERT's attention-map and projected hidden-state losses (weight 1 each);
+  ``tinybert_scratch``: the same student without a teacher.
 - ``electra``: ELECTRA pre-training (``nn.Electra``, generator at a quarter width,
   discriminator weight 50) on the standard library's bytes, 128-byte windows;
   ``experiments/electra_finetune.py`` then fine-tunes its discriminator on the byte
@@ -48,7 +55,8 @@ CPU cores shared with other jobs (load average 11-17), one seed:
 from experiments.configs.lra import listops
 from xformers_jax import train
 
-METHODS = ("teacher", "int4", "qat", "prune", "student", "scratch", "electra")
+METHODS = ("teacher", "int4", "qat", "prune", "lottery", "layerdrop", "student", "scratch",
+           "tinybert", "tinybert_scratch", "electra")
 
 
 def _electra(runlocal: bool):
@@ -82,11 +90,24 @@ def get_config(arg=None):
         c.quantize = "qat"
     elif method == "prune":
         c.prune.update(dict(sparsity=0.5, scope="layer", frequency=50))
+    elif method == "lottery":
+        c.prune.update(dict(sparsity=0.5, scope="layer", rewind_step=50))
+    elif method == "layerdrop":
+        c.quantize = "int8"
+        c.prune.update(dict(layerdrop=0.2, layers=c.model.num_layers // 2))
     elif method in ("student", "scratch"):
         c.distill.update(dict(num_layers=c.model.num_layers))
         c.model.num_layers = c.model.num_layers // 2
         if method == "student":
             c.distill.update(dict(teacher="runs/teacher", alpha=0.5, temperature=2.0,
                                   cosine=1.0, init="every_other"))
+    elif method in ("tinybert", "tinybert_scratch"):
+        m = c.model
+        c.distill.update(dict(num_layers=m.num_layers, dim=m.dim, num_heads=m.num_heads,
+                              hidden=m.hidden))
+        c.model.update(dict(num_layers=m.num_layers // 2, dim=m.dim // 2, hidden=m.hidden // 2))
+        if method == "tinybert":
+            c.distill.update(dict(teacher="runs/teacher", alpha=0.5, temperature=2.0,
+                                  tinybert_attention=1.0, tinybert_hidden=1.0))
     c.lock()
     return c

@@ -31,6 +31,7 @@ import functools
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 # The matmul weights of ``nn``'s models (attention projections, FFN, output heads) and the
@@ -89,6 +90,14 @@ def int8_matmul(xq: jax.Array, wq: jax.Array) -> jax.Array:
                            preferred_element_type=jnp.int32)
 
 
+@jax.jit
+def _int8_per_channel(w):
+    """``(int8 values, float32 scale per output channel)`` of ``w [..., k, n]`` (one compiled
+    program per shape rather than one per operation)."""
+    s = absmax_scale(w, 8, axis=-2)
+    return quantize(w, s[..., None, :]), s
+
+
 def _act_quant(x, act_scale, bits):
     """Activations to integers: the calibrated per-tensor scale, or per row (token) from the
     row's own maximum when ``act_scale`` is None."""
@@ -115,8 +124,7 @@ class QuantizedWeight(eqx.Module):
 
     @staticmethod
     def from_float(w: jax.Array, act_scale=None) -> "QuantizedWeight":
-        s = absmax_scale(w, 8, axis=-2)
-        return QuantizedWeight(quantize(w, s[..., None, :]), s, act_scale)
+        return QuantizedWeight(*_int8_per_channel(w), act_scale)
 
     @property
     def shape(self):
@@ -390,9 +398,11 @@ def calibrate(model, batches, apply, *, method: str = "max", percentile: float =
     per_batch = [stats(observed, b) for b in batches]
     if not per_batch:
         raise ValueError("calibrate: no batches")
-    reduce = jnp.max if method == "max" else jnp.mean
-    stacked = [reduce(jnp.stack([s[i] for s in per_batch]), axis=0) for i in range(len(paths))]
-    return {jax.tree_util.keystr(p): absmax_from_stat(s) for p, s in zip(paths, stacked)}
+    reduce = np.max if method == "max" else np.mean  # on the host: a few small arrays
+    stacked = [reduce(np.stack([np.asarray(s[i]) for s in per_batch]), axis=0)
+               for i in range(len(paths))]
+    return {jax.tree_util.keystr(p): jnp.asarray(
+        (np.maximum(s, _EPS) / qmax(8)).astype(np.float32)) for p, s in zip(paths, stacked)}
 
 
 def absmax_from_stat(stat: jax.Array, bits: int = 8) -> jax.Array:

@@ -100,7 +100,8 @@ def validate(config) -> None:
 
 
 def _prune_end(config) -> int:
-    """The step at which pruning reaches its final sparsity's schedule end."""
+    """The end of the gradual schedule (``end_step``; 0: 3/4 of the run), or the step at which
+    a lottery ticket is pruned (``end_step``; 0: half the run)."""
     p = config.prune
     if p.end_step:
         return p.end_step
