@@ -25,7 +25,12 @@ def test_defaults_are_off_and_bad_values_are_named():
                           ({"prune.scope": "row"}, "prune.scope"),
                           ({"calibration.method": "mse"}, "calibration.method"),
                           ({"distill.init": "every_other"}, "distill.init needs"),
-                          ({"distill.alpha": 2.0}, "distill.alpha")):
+                          ({"distill.alpha": 2.0}, "distill.alpha"),
+                          ({"prune.rewind_step": 5}, "needs prune.sparsity"),
+                          ({"prune.sparsity": 0.5, "prune.rewind_step": 5,
+                            "prune.end_step": 5}, "must come before"),
+                          ({"prune.layers": 5}, "prune.layers"),
+                          ({"distill.tinybert_hidden": 1.0}, "need distill.teacher")):
         with pytest.raises(ValueError, match=match):
             train.validate_config(_config(**change))
 
