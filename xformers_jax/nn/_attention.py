@@ -156,7 +156,7 @@ class MultiHeadAttention(eqx.Module):
                  kv_mask: Bool[Array, "batch kv_seq"] | None = None,
                  q_mask: Bool[Array, "batch q_seq"] | None = None,
                  positions: Int[Array, "batch q_seq"] | None = None, key=None,
-                 state=None, inference=False):
+                 state=None, inference=False, carry=None):
         """x: ``[B, Lq, dim]``; context: ``[B, Lk, kv_dim]`` for cross attention (None for
         self attention); kv_mask: ``bool[B, Lk]``; q_mask: ``bool[B, Lq]``, the real queries
         (default: ``kv_mask`` in self-attention, none padded in cross attention); positions:
@@ -166,8 +166,20 @@ class MultiHeadAttention(eqx.Module):
 
         A variant with state (routing attention: ``state_index`` is set) needs the
         ``eqx.nn.State`` from ``eqx.nn.make_with_state`` and returns ``(out, state)``; with
-        ``inference=True`` it leaves its state unchanged."""
+        ``inference=True`` it leaves its state unchanged.
+
+        A kind that passes scores between layers (``carries_between_layers``: Realformer,
+        Predictive attention, Lazyformer) needs the previous layer's ``carry``
+        (:meth:`init_layer_carry` for the first) and returns ``(out, carry)``;
+        :class:`~xformers_jax.nn.LayerStack` threads it."""
         extra = {}
+        if self.carries_between_layers:
+            if carry is None or context is not None:
+                raise ValueError(f"MultiHeadAttention: attention kind {self.spec.kind!r} passes "
+                                 "scores from layer to layer: use it for self attention inside "
+                                 "a LayerStack (any nn model), or pass `carry` "
+                                 "(init_layer_carry for the first layer)")
+            extra["carry"] = carry
         if self.variant.takes_input:
             if context is not None:
                 raise ValueError(f"MultiHeadAttention: attention kind {self.spec.kind!r} is self "
@@ -195,12 +207,26 @@ class MultiHeadAttention(eqx.Module):
             bias=self._bias(q, k, q_pos, k_pos), key=key, **extra,
             **self.variant.call_hyperparameters(self.spec.hyperparameters),
         )
-        o, value = (o, None) if self.state_index is None else o
+        o, value = (o, None) if self.state_index is None and carry is None else o
         if q_mask is not None:
             o = jnp.where(q_mask[:, :, None, None], o, jnp.zeros((), o.dtype))
+        if carry is not None:
+            return self._out(o), value
         if self.state_index is None:
             return self._out(o)
         return self._out(o), state.set(self.state_index, value)
+
+    @property
+    def carries_between_layers(self) -> bool:
+        """Whether the kind passes scores from one layer to the next (``Variant.layer_carry``)."""
+        return self.variant.layer_carry is not None
+
+    def init_layer_carry(self, batch: int, length: int, num_layers: int):
+        """The carry the first layer of a ``num_layers`` stack receives (self attention over
+        ``length`` tokens)."""
+        return self.variant.layer_carry(
+            batch, length, length, self.variant.call_hyperparameters(self.spec.hyperparameters),
+            num_heads=self.num_heads, head_dim=self.head_dim, num_layers=num_layers)
 
     # -- decoding ------------------------------------------------------------------------------
 

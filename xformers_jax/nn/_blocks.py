@@ -146,14 +146,16 @@ class TransformerBlock(eqx.Module):
 
     def __call__(self, x, state=None, *, kv_mask=None, context=None, context_mask=None,
                  positions=None, key=None, inference=False, memory_state=None, tokens=None,
-                 return_aux=False):
+                 return_aux=False, carry=None):
         """x: ``[B, L, dim]``; kv_mask: ``bool[B, L]``; tokens: ``int[B, L]`` (the token ids,
         for hash-routed FFNs); context ``[B, Lc, dim]`` with
         context_mask ``bool[B, Lc]`` for cross attention; memory_state: this layer's
         :class:`~xformers_jax.nn.MemoryState` (blocks with a ``memory``; the new one is
         :meth:`update_memory`'s). Returns ``y``, or ``(y, state)`` when an ``eqx.nn.State`` is
         passed (stateful norms or attention need one). With ``return_aux`` the result is
-        ``(that, aux)``, ``aux`` the FFN's dict of auxiliary outputs (see :mod:`._ffns`)."""
+        ``(that, aux)``, ``aux`` the FFN's dict of auxiliary outputs (see :mod:`._ffns`).
+        ``carry``: the previous layer's scores for attention kinds that pass them between
+        layers (Realformer, ...; the stack gives it); the result is then ``(y, carry)``."""
         if (context is None) != (self.cross is None):
             raise ValueError("TransformerBlock: pass `context` exactly when the block has cross "
                              "attention (cross=True)")
@@ -169,6 +171,18 @@ class TransformerBlock(eqx.Module):
             ctx = ctx if self.placement != "pre" else self.norms[0](ctx)
             fs[0] = lambda h: memory_attention(self.attn, h, ctx, ctx_mask, kv_mask=kv_mask,
                                                positions=positions, key=key)
+        if carry is not None:
+            if state is not None or memory_state is not None:
+                raise ValueError("TransformerBlock: attention that passes scores between layers "
+                                 "takes no eqx.nn.State or memory")
+
+            def carried(h):
+                nonlocal carry
+                y, carry = self.attn(h, kv_mask=kv_mask, positions=positions, key=key,
+                                     carry=carry)
+                return y
+
+            fs[0] = carried
         x = constrain(x, _EMBED)
         stateful = self.attn.state_index is not None
         if stateful:
@@ -179,6 +193,7 @@ class TransformerBlock(eqx.Module):
                                       threads_state=stateful and i == 0)
             x = constrain(x, _EMBED)
         out = x if state is None else (x, state)
+        out = out if carry is None else (x, carry)
         return (out, aux) if return_aux else out
 
     def update_memory(self, memory_state: MemoryState, x_in, x_out, kv_mask=None):

@@ -143,6 +143,13 @@ class Variant:
         the variant's non-gradient state (an ``eqx.nn.StateIndex`` of the module). ``attend``
         then also receives ``state`` (the current value) and ``inference`` and returns
         ``(out, new_state)``.
+      layer_carry: ``layer_carry(batch, lq, lk, hp, *, num_heads, head_dim, num_layers) ->
+        pytree`` or None: for kinds that pass scores from one layer to the next (Realformer,
+        Predictive attention, Lazyformer), the first layer's carry; ``attend`` then also
+        receives ``carry`` and returns ``(out, new_carry)``, and a
+        :class:`~xformers_jax.nn.LayerStack` threads it through its layers.
+      dense_scores: the kind needs the previous layer's ``[Lq, Lk]`` attention map itself
+        (Predictive attention, Lazyformer), which no tiled kernel forms.
       sequence: a :class:`SequenceParallel` when the kind can run with ``length`` split over
         devices (the ``sequence`` strategy), else None (a model that needs it raises when it
         is built for such a mesh).
@@ -161,12 +168,14 @@ class Variant:
     init_only: frozenset = frozenset()
     takes_input: bool = False
     state: Callable | None = None
+    layer_carry: Callable | None = None
+    dense_scores: bool = False
     sequence: SequenceParallel | None = None
     metadata: Kind | None = None
 
     def __init_subclass__(cls, **kwargs):
         raise TypeError("Variant is final: give a kind its module-side needs with the fields "
-                        "takes_input, state and decoding, not with a subclass")
+                        "takes_input, state, layer_carry and decoding, not with a subclass")
 
     def __post_init__(self):
         object.__setattr__(self, "hyperparameters", frozenset(self.hyperparameters))
@@ -174,6 +183,9 @@ class Variant:
         if not self.init_only <= self.hyperparameters:
             raise ValueError(f"Variant {self.name!r}: init_only {sorted(self.init_only)} must be "
                              f"among its hyperparameters {sorted(self.hyperparameters)}")
+        if self.state is not None and self.layer_carry is not None:
+            raise ValueError(f"Variant {self.name!r}: a kind keeps eqx.nn.State or a carry "
+                             "between layers, not both")
         if self.decoding is not None and not isinstance(
                 self.decoding, (KVDecoding, WindowDecoding, RecurrentDecoding)):
             raise ValueError(f"Variant {self.name!r}: decoding must be a KVDecoding, "

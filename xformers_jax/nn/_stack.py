@@ -11,6 +11,9 @@ remat policy, parameter sharing and reversible residuals.
   Structured Dropout"): in training calls (a ``key``, not ``inference``) each layer is skipped
   with this probability by ``lax.cond`` inside the scan, so its compute is not done;
   :meth:`LayerStack.prune` keeps a subset of layers for inference.
+* Attention kinds that pass scores from layer to layer (Realformer, Predictive attention,
+  Lazyformer: ``MultiHeadAttention.carries_between_layers``) get the previous layer's carry
+  through the scan's carry (the first layer's from ``init_layer_carry``).
 * ``reversible``: RevNet residuals (Gomez et al., 2017; Kitaev et al., 2020, Reformer)
   ``y1 = x1 + F(x2)``, ``y2 = x2 + G(y1)`` with ``F`` the attention branch and ``G`` the FFN
   branch (pre-norm inside each), on two copies of the input, averaged at the end. A custom VJP
@@ -86,6 +89,9 @@ class LayerStack(eqx.Module):
                     or not isinstance(getattr(block, "ffn", None), FeedForward)):
                 raise ValueError("LayerStack: reversible=True needs pre-norm blocks without "
                                  "cross attention (the branches F, G must be separable)")
+        if _carries(self.layers) and (reversible or indices):
+            raise ValueError("LayerStack: attention that passes scores between layers cannot be "
+                             "reversible")
         self.num_layers, self.remat, self.sharing = num_layers, remat, sharing
         self.universal, self.scan, self.reversible = universal, scan, reversible
         if not 0.0 <= layerdrop < 1.0 or (layerdrop and reversible):
@@ -135,14 +141,16 @@ class LayerStack(eqx.Module):
             y1, y2 = _reversible(static, dynamic, x, x, kv_mask)
             return ((y1 + y2) / 2, {}) if return_aux else (y1 + y2) / 2
 
+        carries = _carries(self.layers)
+
         def step(x, inputs):
             params, t, k, s = inputs
             block = eqx.combine(params, static)
+            kw = dict(base_kw, key=k)
+            if carries:  # the scan's carry is (x, the scores passed between layers)
+                return _carried_step(block, x, t, k, self, kw)
             if self.universal:
                 x = x + sinusoid(t, x.shape[-1]).astype(x.dtype)
-            kw = dict(kv_mask=kv_mask, context=context, context_mask=context_mask,
-                      positions=positions, key=k, inference=inference, tokens=tokens,
-                      return_aux=True)
             if s is None and self.layerdrop and k is not None and not inference:
                 # LayerDrop (Fan et al., 2020): a dropped layer is skipped by lax.cond, so its
                 # compute is not done (not multiplied by zero); its aux outputs are zeros.
@@ -158,8 +166,18 @@ class LayerStack(eqx.Module):
             (y, s), aux = block(x, s, **kw)
             return y, (s, aux)
 
+        base_kw = dict(kv_mask=kv_mask, context=context, context_mask=context_mask,
+                       positions=positions, inference=inference, tokens=tokens,
+                       return_aux=True)
         step = _remat(step, self.remat)
         steps = jnp.arange(self.num_layers)
+        if carries:
+            if state is not None:
+                raise ValueError("LayerStack: attention that passes scores between layers "
+                                 "takes no eqx.nn.State")
+            first = jax.tree_util.tree_map(lambda a: a[0], dynamic)
+            x = (x, eqx.combine(first, static).attn.init_layer_carry(
+                x.shape[0], x.shape[1], self.num_layers))
         # Every layer's state on a leading layer axis (see the class docstring).
         layer_states = None if state is None else state.substate(self.layers)
         xs = (dynamic, steps, keys, layer_states)
@@ -175,6 +193,7 @@ class LayerStack(eqx.Module):
                 x, o = step(x, jax.tree_util.tree_map(lambda a: a[i], xs))
                 outs.append(o)
             new, aux = jax.tree_util.tree_map(lambda *a: jnp.stack(a), *outs)
+        x = x[0] if carries else x
         out = x if state is None else (x, state.update(new))
         return (out, aux) if return_aux else out
 
@@ -260,6 +279,31 @@ class LayerStack(eqx.Module):
 
         x, new = jax.lax.scan(step, x, (dynamic, cache_dyn, jnp.arange(self.num_layers)))
         return x, eqx.combine(new, cache_static)
+
+
+def _carries(layers) -> bool:
+    return bool(getattr(getattr(layers, "attn", None), "carries_between_layers", False))
+
+
+def _carried_step(block, xc, t, k, stack, kw):
+    """One layer of a stack whose attention passes scores between layers: the scan's carry is
+    ``(x, carry)``; LayerDrop skips a layer (and its carry update) by ``lax.cond``."""
+    x, carry = xc
+    if stack.universal:
+        x = x + sinusoid(t, x.shape[-1]).astype(x.dtype)
+
+    def run(xc):
+        (y, c), aux = block(xc[0], carry=xc[1], **kw)
+        return (y, c), aux
+
+    if stack.layerdrop and k is not None and not kw["inference"]:
+        aux_shape = jax.eval_shape(lambda xc: run(xc)[1], (x, carry))
+        skipped = lambda xc: (xc, jax.tree_util.tree_map(  # noqa: E731
+            lambda a: jnp.zeros(a.shape, a.dtype), aux_shape))
+        out, aux = jax.lax.cond(_dropped(k, stack.layerdrop), skipped, run, (x, carry))
+    else:
+        out, aux = run((x, carry))
+    return out, (None, aux)
 
 
 def _dropped(key, rate):

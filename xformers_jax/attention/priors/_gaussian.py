@@ -59,6 +59,20 @@ def _real_length(kv_mask, lk):
     return jnp.asarray(lk, jnp.float32) if kv_mask is None else jnp.sum(kv_mask, dtype=jnp.float32)
 
 
+def _with_prior(name, q, k, v, kv_mask, prior, *, causal, scale, block_q, block_k,
+                scores=True):
+    """The three kinds' one path: the contract's checks, then flash with the per-tile bias
+    ``prior(x, kv_mask)`` (a function of query and key positions) returns. ``scores=False``
+    (hard-coded Gaussian) runs on zero-width queries and keys, so the scores are the prior
+    alone."""
+    x, kv_mask = C.check_qkv_mask(name, q, k, v, kv_mask)
+    bias = prior(x, kv_mask)
+    qq, kk = (x.q, x.k) if scores else (jnp.zeros((x.lq, 1), x.v.dtype),
+                                        jnp.zeros((x.lk, 1), x.v.dtype))
+    return flash_attention(qq, kk, x.v, causal=causal, kv_mask=kv_mask, bias=bias,
+                           scale=scale if scores else 1.0, block_q=block_q, block_k=block_k)
+
+
 def gaussian_prior_attention(
     q: Float[Array, "q_seq qk_dim"],
     k: Float[Array, "kv_seq qk_dim"],
@@ -88,27 +102,31 @@ def gaussian_prior_attention(
       ``[Lq, Dv]``.
     """
     name = "gaussian_prior_attention"
-    x, kv_mask = C.check_qkv_mask(name, q, k, v, kv_mask)
     if (params is None) == (center is None or sigma is None):
         raise ValueError(f"{name}: give either the predictor params or both center [Lq] and "
                          f"sigma [Lq]; got params={'set' if params is not None else None}, "
                          f"center={None if center is None else jnp.shape(center)}, "
                          f"sigma={None if sigma is None else jnp.shape(sigma)}")
-    if params is not None:
-        center, sigma = predict_gaussian_window(x.q, params, _real_length(kv_mask, x.lk))
-    center, sigma = jnp.asarray(center, jnp.float32), jnp.asarray(sigma, jnp.float32)
-    if center.shape != (x.lq,) or sigma.shape != (x.lq,):
-        raise ValueError(f"{name}: center and sigma must have shape (Lq,) = ({x.lq},) but got "
-                         f"{center.shape} and {sigma.shape}")
-    # A floor keeps a vanishing predicted window finite (the prior then keeps only its centre).
-    inv = 1.0 / (2.0 * jnp.maximum(sigma, 1e-3) ** 2)
 
-    def bias(qp, kp):
-        c = center[qp[:, 0]][:, None]
-        return -((kp - c) ** 2) * inv[qp[:, 0]][:, None]
+    def prior(x, kv_mask):
+        c, sg = center, sigma
+        if params is not None:
+            c, sg = predict_gaussian_window(x.q, params, _real_length(kv_mask, x.lk))
+        c, sg = jnp.asarray(c, jnp.float32), jnp.asarray(sg, jnp.float32)
+        if c.shape != (x.lq,) or sg.shape != (x.lq,):
+            raise ValueError(f"{name}: center and sigma must have shape (Lq,) = ({x.lq},) but "
+                             f"got {c.shape} and {sg.shape}")
+        # A floor keeps a vanishing predicted window finite (the prior then keeps only its
+        # centre).
+        inv = 1.0 / (2.0 * jnp.maximum(sg, 1e-3) ** 2)
 
-    return flash_attention(x.q, x.k, x.v, causal=causal, kv_mask=kv_mask, bias=bias,
-                           scale=scale, block_q=block_q, block_k=block_k)
+        def bias(qp, kp):
+            return -((kp - c[qp[:, 0]][:, None]) ** 2) * inv[qp[:, 0]][:, None]
+
+        return bias
+
+    return _with_prior(name, q, k, v, kv_mask, prior, causal=causal, scale=scale,
+                       block_q=block_q, block_k=block_k)
 
 
 def distance_prior_attention(
@@ -139,7 +157,6 @@ def distance_prior_attention(
       ``[Lq, Dv]``.
     """
     name = "distance_prior_attention"
-    x, kv_mask = C.check_qkv_mask(name, q, k, v, kv_mask)
     w, b = jnp.asarray(w, jnp.float32), jnp.asarray(b, jnp.float32)
     if w.shape != () or b.shape != ():
         raise ValueError(f"{name}: w and b must be scalars but got shapes {w.shape}, {b.shape}")
@@ -148,8 +165,8 @@ def distance_prior_attention(
         d = (qp - kp).astype(jnp.float32)
         return -jnp.abs(w * d * d + b)
 
-    return flash_attention(x.q, x.k, x.v, causal=causal, kv_mask=kv_mask, bias=bias,
-                           scale=scale, block_q=block_q, block_k=block_k)
+    return _with_prior(name, q, k, v, kv_mask, lambda x, m: bias, causal=causal, scale=scale,
+                       block_q=block_q, block_k=block_k)
 
 
 def hardcoded_gaussian_attention(
@@ -180,7 +197,6 @@ def hardcoded_gaussian_attention(
       ``[Lq, Dv]``.
     """
     name = "hardcoded_gaussian_attention"
-    x, kv_mask = C.check_qkv_mask(name, q, k, v, kv_mask)
     if not float(std) > 0:
         raise ValueError(f"{name}: std must be positive but got {std}")
     inv, off = 1.0 / (2.0 * float(std) ** 2), float(offset)
@@ -189,8 +205,5 @@ def hardcoded_gaussian_attention(
         d = (kp - qp).astype(jnp.float32) - off
         return -d * d * inv
 
-    # Zero-width queries and keys: the scores are the prior alone.
-    zq = jnp.zeros((x.lq, 1), x.v.dtype)
-    zk = jnp.zeros((x.lk, 1), x.v.dtype)
-    return flash_attention(zq, zk, x.v, causal=causal, kv_mask=kv_mask, bias=bias, scale=1.0,
-                           block_q=block_q, block_k=block_k)
+    return _with_prior(name, q, k, v, kv_mask, lambda x, m: bias, causal=causal, scale=scale,
+                       block_q=block_q, block_k=block_k, scores=False)

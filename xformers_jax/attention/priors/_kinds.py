@@ -1,13 +1,17 @@
 """Metadata of the prior and multi-head kinds (see :mod:`.._kind`).
 
-Realformer, Predictive attention and Lazyformer pass scores between layers and are functions
-here (:mod:`._cross_layer`), not registry kinds: a registered kind sees one layer."""
+Realformer, Predictive attention and Lazyformer pass scores between layers
+(:mod:`._cross_layer`): their module-side entries carry them from layer to layer through the
+layer stack (``nn.Variant.layer_carry``). Predictive attention and Lazyformer need the previous
+layer's attention map itself and are dense-score kinds; Realformer's residual scores have an
+exact tiled form."""
 
 from __future__ import annotations
 
 from .._kind import Kind, Paper
 from ._average import average_attention
 from ._collaborative import collaborative_attention
+from ._cross_layer import lazy_attention, predictive_attention, realformer_attention
 from ._gaussian import (distance_prior_attention, gaussian_prior_attention,
                         hardcoded_gaussian_attention)
 from ._multiscale import multiscale_attention
@@ -43,4 +47,17 @@ KINDS = (
          Paper("Guo et al.", 2020, "Multi-Scale Self-Attention for Text Classification"),
          time="O(L sum_h w_h D)", memory="O(L max_h w_h)", causal=True,
          test_hyperparameters={"spans": (2, None)}),
+    Kind("realformer", realformer_attention, "priors",
+         Paper("He et al.", 2021, "RealFormer: Transformer Likes Residual Attention"),
+         time="O(L^2 D) dense, O(L^2 n D) tiled at layer n", memory="O(H L^2) dense, "
+         "O(n L D) tiled", causal=True, test_hyperparameters={}),
+    Kind("predictive", predictive_attention, "priors",
+         Paper("Wang et al.", 2021, "Predictive Attention Transformer: Improving Transformer "
+               "with Attention Map Prediction"),
+         time="O(L^2 (D + 9 H))", memory="O(H L^2) (dense scores)", causal=True,
+         test_hyperparameters={"alpha": 0.5}),
+    Kind("lazy", lazy_attention, "priors",
+         Paper("Ying et al.", 2021, "LazyFormer: Self Attention with Lazy Update"),
+         time="O(L^2 D), the map every k layers", memory="O(H L^2) (dense scores)",
+         causal=True, test_hyperparameters={"every": 2}),
 )

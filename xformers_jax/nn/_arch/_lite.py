@@ -8,6 +8,9 @@ Less Attention with Lightweight and Dynamic Convolutions"): a GLU input projecti
 depthwise convolution whose ``K`` taps are softmax-normalised and shared by the channels of
 each of ``H`` heads, and an output projection. Causal layers convolve over positions
 ``i - K + 1 .. i``; others over a centred window.
+
+LSRA is registered as the token mixer ``"lsra"``, so any block (and the LRA configs'
+``model.mixer.kind``) can use it in place of its attention sublayer.
 """
 
 from __future__ import annotations
@@ -18,7 +21,9 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 
+from ...attention._kind import Kind, Paper
 from .._attention import MultiHeadAttention
+from .._mixer._registry import MixerModule, MixerVariant, register_mixer
 from .._registry import AttentionSpec
 
 
@@ -41,13 +46,14 @@ def lightweight_conv(x, kernel, *, causal: bool, mask=None):
     return out.astype(x.dtype)
 
 
-class LSRA(eqx.Module):
+class LSRA(MixerModule):
     """Long-Short Range Attention over ``[B, L, dim]``: attention on the first ``dim / 2``
     channels, the lightweight convolution branch on the rest.
 
     Args:
       dim: model width (even). num_heads: heads of both branches. kernel_size: ``K``.
-      spec: the attention branch's kind (any registered :class:`AttentionSpec`).
+      spec: the attention branch's kind (any registered :class:`AttentionSpec`, or its name:
+        mixer specs from configs give ``spec="flash"``).
       causal, max_len: as :class:`MultiHeadAttention`. key: PRNG key.
     """
 
@@ -58,12 +64,13 @@ class LSRA(eqx.Module):
     causal: bool = eqx.field(static=True)
 
     def __init__(self, dim: int, num_heads: int, *, kernel_size: int = 3,
-                 spec: AttentionSpec = AttentionSpec(), causal: bool = False,
+                 spec: AttentionSpec | str = AttentionSpec(), causal: bool = False,
                  max_len: int = 512, key):
         if dim % 2 or (dim // 2) % num_heads:
             raise ValueError(f"LSRA: dim={dim} must be even with dim/2 divisible by "
                              f"num_heads={num_heads}")
         half = dim // 2
+        spec = AttentionSpec(spec) if isinstance(spec, str) else spec
         k1, k2, k3, k4 = jax.random.split(key, 4)
         self.attn = MultiHeadAttention(half, num_heads, spec=spec, causal=causal,
                                        max_len=max_len, key=k1)
@@ -72,10 +79,10 @@ class LSRA(eqx.Module):
         self.w_out = jax.random.normal(k4, (half, half)) / math.sqrt(half)
         self.causal = causal
 
-    def __call__(self, x, *, kv_mask=None, key=None):
+    def __call__(self, x, *, kv_mask=None, positions=None, key=None):
         half = x.shape[-1] // 2
         a, c = x[..., :half], x[..., half:]
-        long = self.attn(a, kv_mask=kv_mask, key=key)
+        long = self.attn(a, kv_mask=kv_mask, positions=positions, key=key)
         g = c @ self.w_glu.astype(x.dtype)
         g = g[..., :half] * jax.nn.sigmoid(g[..., half:])
         short = lightweight_conv(g, self.kernel, causal=self.causal, mask=kv_mask)
@@ -83,3 +90,13 @@ class LSRA(eqx.Module):
         if kv_mask is not None:
             short = jnp.where(kv_mask[..., None], short, 0)
         return jnp.concatenate([long, short], axis=-1)
+
+
+register_mixer(MixerVariant(
+    "lsra", LSRA,
+    Kind("lsra", lightweight_conv, "mixers",
+         Paper("Wu et al.", 2020, "Lite Transformer with Long-Short Range Attention"),
+         time="O(L^2 D / 2 + L K D / 2)", memory="O(L D) with flash, O(L^2) dense",
+         causal=True, test_hyperparameters={"kernel_size": 3}),
+    frozenset({"kernel_size", "spec"}),
+))

@@ -170,3 +170,123 @@ def _multiscale(q, k, v, params, *, causal, kv_mask, bias, key, q_mask=None, spa
 register_variant(Variant.from_kind(
     _KIND["multiscale"], _multiscale, hyperparameters=_TILES | {"spans"},
 ))
+
+
+# --- scores passed between layers (L 4.5.2): Realformer, Predictive attention, Lazyformer ------
+# The stack threads each kind's carry from layer to layer (Variant.layer_carry).
+
+def _heads_map(fn, q, k, v, kv_mask, *per_head, out_axes=(1, 0)):
+    """``fn(q [L, D], k, v, *per_head, m)`` over heads (axis 2 of q/k/v, axis 1 of the
+    per-head arrays; outputs per ``out_axes``) and the batch; ``m`` is ``kv_mask[b]`` or
+    None."""
+    def batch(q, k, v, *rest):
+        *per, m = rest if kv_mask is not None else (*rest, None)
+        return jax.vmap(lambda a, b, c, *p: fn(a, b, c, *p, m), in_axes=(1, 1, 1) +
+                        (0,) * len(per), out_axes=out_axes)(q, k, v, *per)
+
+    args = (q, k, v, *per_head) + (() if kv_mask is None else (kv_mask,))
+    return jax.vmap(batch)(*args)
+
+
+def _realformer_carry(batch, lq, lk, hp, *, num_heads, head_dim, num_layers):
+    if hp.get("implementation", "dense") == "tiled":
+        # Every layer's queries and keys (zeros above the current layer add nothing).
+        return (jnp.zeros((num_layers, batch, lq, num_heads, head_dim), jnp.float32),
+                jnp.zeros((num_layers, batch, lk, num_heads, head_dim), jnp.float32),
+                jnp.zeros((), jnp.int32))
+    return jnp.zeros((batch, num_heads, lq, lk), jnp.float32)
+
+
+def _realformer(q, k, v, params, *, causal, kv_mask, bias, key, carry, q_mask=None,
+                implementation="dense", block_q=None, block_k=None):
+    k, v = _all_heads(q, k, v)
+    if implementation == "dense":
+        return _heads_map(lambda a, b, c, prev, m: A.realformer_attention(
+            a, b, c, prev, causal=causal, kv_mask=m), q, k, v, kv_mask, carry)
+    if implementation != "tiled":
+        raise ValueError(f"attention kind 'realformer': implementation must be 'dense' or "
+                         f"'tiled', got {implementation!r}")
+    qs, ks, t = carry
+    qs = jax.lax.dynamic_update_index_in_dim(qs, q.astype(qs.dtype), t, 0)
+    ks = jax.lax.dynamic_update_index_in_dim(ks, k.astype(ks.dtype), t, 0)
+
+    def one(qn, kn, c, m):  # qn [n, Lq, D], kn [n, Lk, D], c [Lk, Dv]
+        return A.realformer_flash_attention(qn.astype(c.dtype), kn.astype(c.dtype), c,
+                                            causal=causal, kv_mask=m, block_q=block_q,
+                                            block_k=block_k)
+
+    heads = jax.vmap(one, in_axes=(2, 2, 1, None), out_axes=1)
+    if kv_mask is None:
+        out = jax.vmap(lambda a, b, c: heads(a, b, c, None), in_axes=(1, 1, 0))(qs, ks, v)
+    else:
+        out = jax.vmap(heads, in_axes=(1, 1, 0, 0))(qs, ks, v, kv_mask)
+    return out, (qs, ks, t + 1)
+
+
+register_variant(Variant.from_kind(
+    _KIND["realformer"], _realformer, layer_carry=_realformer_carry,
+    hyperparameters=_TILES | {"implementation"},
+))
+
+
+def _dense_only(name):
+    def init(key, hp, *, num_heads, head_dim, max_len):
+        if hp.get("implementation", "dense") != "dense":
+            raise ValueError(
+                f"attention kind {name!r} reads the previous layer's attention map itself, which "
+                "a tiled kernel never forms: it is a dense-score kind and cannot run with "
+                f"implementation={hp['implementation']!r} (the 'realformer' kind's residual "
+                "scores have an exact tiled form)")
+        return None if name == "lazy" else A.init_predictive_conv(key, num_heads)
+    return init
+
+
+def _scores_and_count(batch, lq, lk, hp, *, num_heads, head_dim, num_layers):
+    return jnp.zeros((batch, num_heads, lq, lk), jnp.float32), jnp.zeros((), jnp.int32)
+
+
+def _predictive(q, k, v, conv, *, causal, kv_mask, bias, key, carry, q_mask=None, alpha=0.5,
+                implementation="dense"):
+    k, v = _all_heads(q, k, v)
+    prev, t = carry
+    # The first layer has no map below it: vanilla attention (alpha = 1).
+    a = jnp.where(t == 0, 1.0, alpha)
+
+    def one(q, k, v, prev, m):
+        return A.predictive_attention(q, k, v, prev, conv, a, causal=causal, kv_mask=m)
+
+    if kv_mask is None:
+        out, s = jax.vmap(lambda *x: one(*x, None))(q, k, v, prev)
+    else:
+        out, s = jax.vmap(one)(q, k, v, prev, kv_mask)
+    return out, (s, t + 1)
+
+
+register_variant(Variant.from_kind(
+    _KIND["predictive"], _predictive, init=_dense_only("predictive"),
+    layer_carry=_scores_and_count, dense_scores=True,
+    hyperparameters={"alpha", "implementation"},
+))
+
+
+def _lazy(q, k, v, params, *, causal, kv_mask, bias, key, carry, q_mask=None, every=2,
+          implementation="dense"):
+    if not (isinstance(every, int) and every >= 1):
+        raise ValueError(f"attention kind 'lazy': every must be a positive int, got {every!r}")
+    k, v = _all_heads(q, k, v)
+    prev, t = carry
+
+    def weights():
+        return _heads_map(lambda a, b, c, m: A.attention_weights(
+            a, b, causal=causal, kv_mask=m)[0], q, k, v, kv_mask, out_axes=0)
+
+    # Layers between recomputations skip the score computation (lax.cond), not mask it.
+    w = jax.lax.cond(t % every == 0, weights, lambda: prev)
+    out = jnp.einsum("bhqk,bkhd->bqhd", w, v.astype(jnp.float32)).astype(v.dtype)
+    return out, (w, t + 1)
+
+
+register_variant(Variant.from_kind(
+    _KIND["lazy"], _lazy, init=_dense_only("lazy"), layer_carry=_scores_and_count,
+    dense_scores=True, hyperparameters={"every", "implementation"},
+))
