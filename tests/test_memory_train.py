@@ -144,6 +144,10 @@ def test_memory_configs_build_and_bad_ones_fail():
                           jax.random.PRNGKey(0))
     with pytest.raises(ValueError, match="memory.kind"):
         train.build_model(_config(dict(kind="lstm")).model, task, jax.random.PRNGKey(0))
+    linear = _config(dict(kind="xl", mem_len=4)).model.unlock()
+    linear.attention = ml_collections.ConfigDict(dict(kind="linear"))
+    with pytest.raises(ValueError, match="exact softmax attention.*'linear'"):
+        train.build_model(linear, task, jax.random.PRNGKey(0))
 
 
 def test_memory_config_files_build():

@@ -52,6 +52,7 @@ from ._memformer import memory_replay_gradients as memory_replay_gradients
 from ._memory import COMPRESSIONS as COMPRESSIONS
 from ._memory import CompressiveMemory as CompressiveMemory
 from ._memory import Memory as Memory
+from ._memory import MEMORY_ATTENTION_KINDS as MEMORY_ATTENTION_KINDS
 from ._memory import MemoryModel as MemoryModel
 from ._memory import MemoryState as MemoryState
 from ._memory import SegmentCache as SegmentCache

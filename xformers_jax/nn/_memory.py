@@ -43,7 +43,9 @@ from ._attention import MultiHeadAttention
 from ._positions import BiasScheme, QKScheme, sinusoid
 
 COMPRESSIONS = ("max", "mean", "conv", "dilated_conv", "most_used")
-_EXACT = ("dot_product", "flash")
+# The attention kinds that take a memory: exact softmax over [memory; segment] with the causal
+# band and relative positions at the memory offset (approximate kinds have no such form here).
+MEMORY_ATTENTION_KINDS = _EXACT = ("dot_product", "flash")
 
 
 class MemoryState(eqx.Module):
