@@ -33,7 +33,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from ._grouped import grouped_matmul
+from ._grouped import TILE, default_backend, grouped_matmul
 from ._routers import ExpertChoice, Routing
 
 ACTIVATIONS = {"relu": jax.nn.relu, "gelu": jax.nn.gelu, "swish": jax.nn.swish}
@@ -148,9 +148,67 @@ def moe_capacity(x, routing: Routing, weights: ExpertWeights, *, capacity_factor
     return y, kept
 
 
+@jax.custom_vjp
+def _take_rows(a, idx, inv):
+    """``a [n, d]`` -> ``[m, d]``, row ``r`` being ``a[idx[r]]`` (``idx[r] == n``: zeros).
+    ``idx`` must be one-to-one on the rows it takes and ``inv`` its inverse (``inv[i] = r``
+    where ``idx[r] == i``, ``m`` where none), so the transpose is the gather ``g[inv]``
+    instead of a scatter-add (scatters are slow on XLA:CPU)."""
+    return jnp.concatenate([a, jnp.zeros((1, a.shape[1]), a.dtype)])[idx]
+
+
+def _take_rows_fwd(a, idx, inv):
+    return _take_rows(a, idx, inv), (idx, inv)
+
+
+def _take_rows_bwd(res, g):
+    idx, inv = res
+    return jnp.concatenate([g, jnp.zeros((1, g.shape[1]), g.dtype)])[inv], None, None
+
+
+_take_rows.defvjp(_take_rows_fwd, _take_rows_bwd)
+
+
+def _dropless_tiled(x, routing: Routing, weights: ExpertWeights, active, activation, tile):
+    """Dropless dispatch in MegaBlocks' padded block layout, end to end: each active
+    assignment gets a row of a buffer where every expert's rows start on a ``tile`` boundary;
+    the whole expert MLP runs there as batched matmuls of ``[tile, d]`` blocks by their
+    expert's weights (the hidden activations never leave the layout); the outputs come back by
+    one gather per assignment. Every row move is a gather whose transpose is the inverse
+    gather (:func:`_take_rows`), so forward and backward have no scatter of activations."""
+    t, d = x.shape
+    e = weights.w1.shape[0]
+    k = routing.experts.shape[1]
+    n = t * k
+    key = jnp.where(active, routing.experts, e).reshape(-1)  # inactive assignments: "expert" e
+    sizes = jnp.bincount(key, length=e + 1)[:e].astype(jnp.int32)
+    starts = jnp.cumsum(sizes) - sizes
+    padded = (sizes + tile - 1) // tile * tile
+    pstarts = jnp.cumsum(padded) - padded
+    n_tiles = -(-(n + e * (tile - 1)) // tile)  # static bound on the padded rows
+    rows = n_tiles * tile
+    order = jnp.argsort(key, stable=True)
+    rank = jnp.zeros((n,), jnp.int32).at[order].set(jnp.arange(n, dtype=jnp.int32))
+    kc = jnp.minimum(key, e - 1)
+    dest = jnp.where(key < e, pstarts[kc] + rank - starts[kc], rows)  # buffer row per assignment
+    src = jnp.full((rows,), n, jnp.int32).at[dest].set(jnp.arange(n, dtype=jnp.int32),
+                                                       mode="drop")
+    tile_group = jnp.minimum(jnp.searchsorted(jnp.cumsum(padded), jnp.arange(n_tiles) * tile,
+                                              side="right"), e - 1)
+    buf = _take_rows(jnp.repeat(x, k, axis=0), src, dest).reshape(n_tiles, tile, d)
+    per_tile = lambda a, w: jnp.einsum(  # noqa: E731
+        "ntk,nkm->ntm", a, w.astype(a.dtype)[tile_group])
+    out = _mlp(buf, weights.w1, weights.w2, weights.w_gate, activation, per_tile)
+    y = _take_rows(out.reshape(rows, d), dest, src).reshape(t, k, d)
+    return (y * (routing.gates * active).astype(x.dtype)[..., None]).sum(1)
+
+
 def moe_dropless(x, routing: Routing, weights: ExpertWeights, *, activation: str = "gelu",
                  backend: str | None = None, mask=None):
-    """Dropless dispatch through one grouped matmul: ``x [T, d]`` -> ``y [T, d]``."""
+    """Dropless dispatch through one grouped matmul: ``x [T, d]`` -> ``y [T, d]``. With the
+    ``"tiled"`` backend (the CPU default) the whole MLP runs in the padded block layout
+    (:func:`_dropless_tiled`); other backends sort the assignments and call
+    :func:`~._grouped.grouped_matmul` per weight."""
     _check(x, weights, activation)
     t, d = x.shape
     e = weights.w1.shape[0]
@@ -158,6 +216,8 @@ def moe_dropless(x, routing: Routing, weights: ExpertWeights, *, activation: str
     active = routing.gates != 0
     if mask is not None:
         active = active & mask[:, None]
+    if (backend or default_backend()) == "tiled":
+        return _dropless_tiled(x, routing, weights, active, activation, TILE)
     key = jnp.where(active, routing.experts, e).reshape(-1)  # inactive rows sort last
     order = jnp.argsort(key, stable=True)
     tokens = jnp.repeat(jnp.arange(t), k)[order]
