@@ -17,6 +17,7 @@ import ml_collections
 
 from . import _compress
 from ._optim import SCHEDULES
+from . import _arch_models
 from ._tasks import get_task
 
 POOLINGS = ("cls", "mean")
@@ -42,10 +43,16 @@ def base_config(task: str) -> ml_collections.ConfigDict:
         memory=ml_collections.ConfigDict(dict(kind="none")),
         # The block's FFN (nn.FFNSpec): kind "dense" or a registered sparse/capacity kind
         # (switch, gshard, st_moe, hash, product_key, ...) plus its hyperparameters (open).
-        ffn=ml_collections.ConfigDict(dict(kind="dense"))))
+        ffn=ml_collections.ConfigDict(dict(kind="dense")),
+        # Architecture and depth (train/_arch_models.py): arch "transformer" or "swin" (with
+        # model.swin's patch, window, depths, heads); depth_mode "fixed", "act" (at most
+        # num_layers steps of one block; act_threshold) or "early_exit" (an exit per layer).
+        arch="transformer", depth_mode="fixed", act_threshold=0.99,
+        swin=ml_collections.ConfigDict(dict(patch=1, window=4, depths=(2, 2), heads=(2, 4)))))
     # Coefficients of the FFNs' auxiliary losses, each summed over layers into the training
     # loss (mixtures of experts: load balancing, Switch's 1e-2; router z-loss, ST-MoE's 1e-3).
-    c.loss = ml_collections.ConfigDict(dict(load_balancing=1e-2, router_z=1e-3))
+    # ponder: ACT's ponder cost (model.depth_mode="act").
+    c.loss = ml_collections.ConfigDict(dict(load_balancing=1e-2, router_z=1e-3, ponder=1e-2))
     c.optim = ml_collections.ConfigDict(dict(
         learning_rate=1e-3, schedule="rsqrt", warmup_steps=1000, weight_decay=0.1,
         grad_clip_norm=1.0, b1=0.9, b2=0.98,
@@ -112,6 +119,7 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
     _compress.validate(config)
     if config.precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}, got {config.precision!r}")
+    _arch_models.check(config.model)
     if config.model.pooling not in POOLINGS:
         raise ValueError(f"model.pooling must be one of {POOLINGS}, got {config.model.pooling!r}")
     if not isinstance(config.mesh, ml_collections.ConfigDict):

@@ -23,6 +23,7 @@ import optax
 
 from .. import data as D
 from .. import nn
+from . import _arch_models
 
 
 @dataclasses.dataclass(frozen=True)
@@ -374,6 +375,10 @@ def _classifier(m, task, key, cls=None):
     # Exactly the attended length (CLS pooling prepends one token): Sinkhorn's sort net and
     # Linformer's projections are sized by it.
     max_len = task.seq_len + (m.pooling == "cls")
+    if cls is None:  # model.arch / model.depth_mode (train/_arch_models.py)
+        model = _arch_models.classifier(m, task, key, block=_block(m), max_len=max_len)
+        if model is not None:
+            return model
     return (cls or nn.EncoderClassifier)(
         task.num_classes, m.dim, m.num_layers, m.num_heads, m.hidden, pooling=m.pooling,
         vocab_size=task.vocab_size, max_len=max_len, block=_block(m), key=key)
@@ -390,6 +395,8 @@ def _causal_lm(m, task, key):
 
 def _classify_logits(model, batch, task, key):
     x = batch["inputs"]
+    if _arch_models.is_adaptive(model):
+        return LogitsAux(*model(x, mask=(x != 0) if task.padded else None, key=key))
     if isinstance(model, nn.EncoderClassifier):
         return LogitsAux(*model(x, mask=(x != 0) if task.padded else None, key=key,
                                 return_aux=True))
@@ -468,6 +475,9 @@ def make_loss_fn(task: Task, policy: nn.Policy | None = None, aux_coefficients=N
         labels = batch["targets"]
         loss = optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
         metrics = {"accuracy": (logits.argmax(-1) == labels).mean()}
+        if aux:  # early exit's loss over every exit, ACT's ponder cost
+            loss, aux, extra = _arch_models.adaptive_loss(loss, aux, labels, coefs)
+            metrics.update(extra)
         if aux:
             losses = nn.aux_losses(aux)
             loss = loss + sum(coefs[k] * v for k, v in losses.items())

@@ -31,6 +31,11 @@ VARIANTS = {
     "nystrom": dict(kind="nystrom", num_landmarks=64),
     "luna": dict(kind="luna", length=256),
     "synthesizer": dict(kind="synthesizer", forms=("factorized_random",), rank=32),
+    # Scores passed between layers (dense residual scores; Predictive attention's alpha and
+    # Lazyformer's k as in their papers' defaults).
+    "realformer": dict(kind="realformer"),
+    "predictive": dict(kind="predictive", alpha=0.5),
+    "lazy": dict(kind="lazy", every=2),
 }
 
 # Attention settings for short runlocal sequences (tens to hundreds of tokens).
@@ -65,6 +70,8 @@ MIXERS = {
     "fnet": dict(kind="fnet"),
     "poolformer": dict(kind="poolformer", pool_size=3),
     "lambda": dict(kind="lambda", key_dim=16, window=64),
+    # Lite Transformer's long-short range attention (attention and convolution branches).
+    "lsra": dict(kind="lsra", kernel_size=7),
 }
 MIXER_OPTIM = {"s4d": dict(ssm_learning_rate=1e-3), "s5": dict(ssm_learning_rate=1e-3)}
 SMALL_MIXERS = {
@@ -72,7 +79,7 @@ SMALL_MIXERS = {
                                                                            chunk_size=16),
     "retnet": dict(chunk_size=16), "gated_deltanet": dict(chunk_size=16),
     "mlp_mixer": dict(token_hidden=32), "amlp": dict(attention_dim=16),
-    "lambda": dict(key_dim=8, window=8),
+    "lambda": dict(key_dim=8, window=8), "lsra": dict(kernel_size=3),
 }
 
 
