@@ -307,12 +307,15 @@ def check_sequence_parallel(model, shards: int) -> None:
     sequence split over ``shards`` devices (the ``sequence`` strategy), naming each kind (and
     reason) that cannot. Models call the sequence-parallel forms by themselves when the active
     mesh splits the sequence; this check lets a trainer fail when the model is built, not at
-    the first step."""
+    the first step. Token mixers (``nn.MixerSpec``) have no sequence-parallel form yet: a
+    model with one fails here, naming the mixer."""
+    from ._mixer import MixerModule
+
     if shards == 1:
         return
+    layer_types = (MultiHeadAttention, MixerModule)
     layers = [m for m in jax.tree_util.tree_leaves(
-        model, is_leaf=lambda x: isinstance(x, MultiHeadAttention))
-        if isinstance(m, MultiHeadAttention)]
+        model, is_leaf=lambda x: isinstance(x, layer_types)) if isinstance(m, layer_types)]
     problems = sorted({p for p in (m.sequence_problem() for m in layers) if p is not None})
     if problems:
         raise ValueError(f"this model cannot run with its sequence split over {shards} "
