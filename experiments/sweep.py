@@ -23,7 +23,9 @@ the trainer then initialises ``jax.distributed`` (``--multihost``). Nothing is e
   python -m experiments.sweep --config=experiments/configs/lra/text.py:performer \
       --workdir=/mnt/runs/text --tpu=my-pod --zone=us-central2-b
 
-``--set=KEY=VALUE`` (repeatable) applies an override to every run.
+``--set=KEY=VALUE`` (repeatable) applies an override to every run. ``hyper.args([...])``
+sweeps the config argument itself (the ``:ARG`` after the file: an attention variant, a
+token mixer, a size), for runs that differ in more than overridable keys.
 """
 
 from __future__ import annotations
@@ -54,6 +56,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _DRY_RUN = flags.DEFINE_bool("dry_run", False, "Print the local commands, run nothing.")
 
 
+# The run key of a swept config argument (Hyper.args).
+ARG = "config_arg"
+
+
 class Hyper:
     """The ``hyper`` argument of ``get_hyper``: builds lists of ``{"config.KEY": value}``."""
 
@@ -63,6 +69,11 @@ class Hyper:
         if not name.startswith("config."):
             raise ValueError(f"sweep keys start with 'config.', got {name!r}")
         return [{name: v} for v in values]
+
+    @staticmethod
+    def args(values) -> list[dict]:
+        """One run per config argument: ``--config=FILE:VALUE`` instead of ``FILE:ARG``."""
+        return [{ARG: v} for v in values]
 
     @staticmethod
     def fixed(name: str, value) -> list[dict]:
@@ -110,9 +121,11 @@ def _override(key: str, value) -> str:
 def run_args(config: str, workdir: str, run: dict, overrides=(), *, python: str,
              multihost: bool = False) -> list[str]:
     """The ``experiments.train`` argument list of one run."""
+    if ARG in run:
+        config = f"{config.split(':', 1)[0]}:{run[ARG]}"
     args = [python, "-m", "experiments.train", f"--config={config}", f"--workdir={workdir}"]
     args += [f"--config.{o}" for o in overrides]
-    args += [_override(k, v) for k, v in run.items()]
+    args += [_override(k, v) for k, v in run.items() if k != ARG]
     return args + (["--multihost"] if multihost else [])
 
 
