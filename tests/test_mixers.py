@@ -122,8 +122,12 @@ def _s4d_reference(u, dt, a, b, c, d, c_rev=None):
     return y + d * u
 
 
-@pytest.mark.parametrize("bidirectional", [False, True])
-def test_s4d_fft_recurrence_and_vandermonde_agree(key, bidirectional):
+# block 4 < L = 13: the kernel's blocked Vandermonde product over several blocks, the last one
+# partly past L; the default block covers L in one.
+@pytest.mark.parametrize("bidirectional,block", [(False, None), (True, 4)])
+def test_s4d_fft_recurrence_and_vandermonde_agree(key, bidirectional, block, monkeypatch):
+    if block is not None:
+        monkeypatch.setattr("xformers_jax.mixers._ssm.KERNEL_BLOCK", block)
     dt, a, b, c = _s4d_system(key)
     u = _rand(jax.random.PRNGKey(5), L, 3)
     d = _rand(jax.random.PRNGKey(6), 3)

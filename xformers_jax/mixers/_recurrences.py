@@ -138,7 +138,10 @@ def ssd(x, dt, a, b, c, *, kv_mask=None, implementation: str = "chunked", chunk_
     if dt.shape != (length,):
         raise ValueError(f"ssd: dt must be [{length}], got shape {dt.shape}")
     x, dt, b, c = _f32(x, dt, b, c)
-    fk, v, ld = _mask(name, kv_mask, length, b * dt[:, None], x, dt * a)
+    # dt_t scales the write dt_t B_t x_t^T; it is applied to x rather than to B, so the
+    # C B^T scores do not depend on the head and are computed once for heads sharing B and C
+    # (vmapped over heads with b, c unbatched: Mamba-2's single group).
+    fk, v, ld = _mask(name, kv_mask, length, b, x * dt[:, None], dt * a)
     return linear_recurrence(c, fk, v, ld, implementation=implementation, chunk_size=chunk_size)
 
 
