@@ -17,6 +17,7 @@ B, L, DIM, HEADS, MAX_LEN = 2, 12, 16, 2, 16
 MIXERS = nn.registered_mixers()
 CAUSAL = [m for m in MIXERS if nn.get_mixer(m).causal]
 RECURRENT = [m for m in MIXERS if nn.get_mixer(m).decoding == "recurrent"]
+DECODES = [m for m in MIXERS if nn.get_mixer(m).decoding is not None]
 
 
 def _jit(f):
@@ -41,6 +42,7 @@ def test_registry_lists_every_mixer_with_complete_metadata():
         assert kind.family == "mixers" and kind.missing() == (), name
     assert set(RECURRENT) == {"s4d", "s5", "retnet", "gla", "mamba2", "mamba",
                               "gated_deltanet"}
+    assert set(DECODES) - set(RECURRENT) == {"gmlp", "amlp"}  # a cache growing with L
 
 
 def test_registry_errors():
@@ -61,6 +63,15 @@ def test_registry_errors():
         _module("poolformer", False)(_x(jax.random.PRNGKey(0)), kv_mask=jnp.ones((B, 3), bool))
     with pytest.raises(ValueError, match="exceeds the 16 positions"):
         _module("fnet", False)(_x(jax.random.PRNGKey(0), length=20))
+    block = nn.TransformerBlock(DIM, HEADS, 32, mixer=nn.MixerSpec("s4d", {"state_size": 4}),
+                               max_len=MAX_LEN, key=jax.random.PRNGKey(0))
+    nn.check_sequence_parallel(block, 1)
+    with pytest.raises(ValueError, match="mixer S4D has no sequence-parallel form"):
+        nn.check_sequence_parallel(block, 2)
+    with pytest.raises(ValueError, match="only the causal form"):
+        _module("gmlp", False).init_cache(B, L)
+    with pytest.raises(ValueError, match="max_len=20 exceeds the 16 positions"):
+        _module("amlp", True).init_cache(B, 20)
     assert nn.MixerSpec.from_config({"kind": "s4d", "dt_min": 1e-4}) == nn.MixerSpec(
         "s4d", {"dt_min": 1e-4})
 
@@ -93,7 +104,7 @@ def test_causal_no_leak_and_decoding_equals_parallel(key, name):
     y, y2 = f(m, x), f(m, x2)
     assert_close(y2[:, :mid], y[:, :mid], EXACT, err_msg="a later token changed an output")
     assert not np.allclose(np.asarray(y2[:, mid:]), np.asarray(y[:, mid:]))
-    if name not in RECURRENT:
+    if name not in DECODES:
         return
 
     @_jit
@@ -169,3 +180,26 @@ def test_lra_and_lm_configs_take_every_mixer():
     for name in mixer_bytes.CAUSAL_MIXERS:
         train.validate_config(mixer_bytes.get_config(f"{name},runlocal"))
     assert listops.get_config("s4d").optim.ssm_learning_rate == 1e-3
+
+
+def test_mixer_table_sweep_lists_every_task_and_variant():
+    from experiments import sweep
+    from experiments.configs.lra import mixer_table
+
+    path = mixer_table.__file__
+    runs = sweep.load_hyper(path)
+    assert [r[sweep.ARG] for r in runs] == [f"{t},{v}" for t in ("listops", "image")
+                                           for v in ("transformer", "s4d", "mamba2", "gmlp",
+                                                     "fnet")]
+    args = sweep.run_args(path, "/tmp/x", runs[1], ["num_train_steps=5"], python="py")
+    assert args[3] == f"--config={path}:listops,s4d" and args[-1] == "--config.num_train_steps=5"
+    steps = {}
+    for run in runs:
+        c = mixer_table.get_config(run[sweep.ARG])
+        train.validate_config(c)
+        task, variant = run[sweep.ARG].split(",")
+        steps.setdefault(task, set()).add((c.num_train_steps, c.batch_size))
+        assert c.model.mixer.kind == ("none" if variant == "transformer" else variant)
+    assert all(len(s) == 1 for s in steps.values()), steps  # the same steps within a task
+    with pytest.raises(ValueError, match="TASK"):
+        mixer_table.get_config("text,s4d")

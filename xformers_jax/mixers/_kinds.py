@@ -1,5 +1,6 @@
 """Metadata of the token mixers (the attention families' :class:`Kind` record, family
-``"mixers"``). ``decoding="recurrent"``: an O(1) state per step; None: cannot decode.
+``"mixers"``). ``decoding="recurrent"``: an O(1) state per step; ``"kv"``: a cache growing with the
+sequence (gMLP's past gate inputs, aMLP's keys and values); None: cannot decode.
 ``fixed_length``: weights sized by ``max_len``. ``causal``: a causal form exists."""
 
 from __future__ import annotations
@@ -55,12 +56,12 @@ KINDS = (
     Kind("gmlp", spatial_gating, "mixers",
          Paper("Liu, Dai, So and Le", 2021, "Pay Attention to MLPs"),
          time="O(L^2 E)", memory="O(L^2 + L E)", causal=True, fixed_length=True,
-         test_hyperparameters={"expansion": 2}),
+         decoding="kv", test_hyperparameters={"expansion": 2}),
     Kind("amlp", spatial_gating, "mixers",
          Paper("Liu, Dai, So and Le", 2021, "Pay Attention to MLPs (aMLP: gMLP with a tiny "
                "single-head attention)"),
          time="O(L^2 (E + d_attn))", memory="O(L^2 + L E)", causal=True, fixed_length=True,
-         test_hyperparameters={"expansion": 2, "attention_dim": 8}),
+         decoding="kv", test_hyperparameters={"expansion": 2, "attention_dim": 8}),
     Kind("fnet", fourier_mixing, "mixers",
          Paper("Lee-Thorp, Ainslie, Eckstein and Ontanon", 2022, "FNet: Mixing Tokens with "
                "Fourier Transforms"),

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from ... import attention as A
 from ... import mixers as M
 from .._norms import LayerNorm
-from ._registry import MixerModule, check_mask, dense, zero_padded
+from ._registry import MixerModule, check_mask, dense, recurrent_cache, zero_padded
 
 
 def _per_sequence(fn, x, kv_mask, *args):
@@ -79,17 +79,69 @@ class GMLP(MixerModule):
         o = A.multihead(A.dot_product_attention)(q, k, v, causal=self.causal, kv_mask=kv_mask)
         return o[:, :, 0] @ self.w_attn_out.astype(x.dtype)
 
-    def __call__(self, x, *, kv_mask=None, positions=None, key=None):
-        check_mask("GMLP", x, kv_mask)
+    def _gated_input(self, x):
         z = jax.nn.gelu(x @ self.w_in.astype(x.dtype))
         e = z.shape[-1] // 2
-        z = jnp.concatenate([z[..., :e], self.norm(z[..., e:]).astype(z.dtype)], -1)
+        return jnp.concatenate([z[..., :e], self.norm(z[..., e:]).astype(z.dtype)], -1)
+
+    def __call__(self, x, *, kv_mask=None, positions=None, key=None):
+        check_mask("GMLP", x, kv_mask)
+        z = self._gated_input(x)
         extra = None if self.w_attn is None else self._tiny_attention(x, kv_mask)
         y = jax.vmap(lambda z, m, a: M.spatial_gating(
             z, self.w_spatial, self.b_spatial, causal=self.causal, kv_mask=m, extra=a),
             in_axes=(0, None if kv_mask is None else 0, None if extra is None else 0))(
             z, kv_mask, extra)
         return zero_padded(y @ self.w_out.astype(y.dtype), kv_mask)
+
+    def init_cache(self, batch, max_len, dtype=jnp.float32):
+        """The causal form's cache: every past ``norm(z2)`` row ``[B, max_len, E]`` (the
+        spatial matrix's row t reads them all) and, for aMLP, the tiny attention's keys and
+        values ``[B, max_len, d_attn]``; ``max_len`` is at most the weights' length."""
+        if not self.causal:
+            raise ValueError("GMLP.init_cache: only the causal form (lower-triangular spatial "
+                             "matrix) decodes")
+        _check_cache_len(max_len, self.b_spatial.shape[0])
+        e = self.w_out.shape[0]
+        rows = jnp.zeros((batch, max_len, e), jnp.float32)
+        kv = None
+        if self.w_attn is not None:
+            a = self.w_attn_out.shape[0]
+            kv = (jnp.zeros((batch, max_len, a), jnp.float32),) * 2
+        return recurrent_cache((rows, kv))
+
+    def decode(self, x, cache):
+        """One step of the causal unit: ``gate_t = sum_{j <= t} W[t, j] norm(z2)_j + b_t``
+        (plus aMLP's attention of token t over tokens <= t), ``y_t = z1_t gate_t``."""
+        rows, kv = cache.state
+        t = cache.index
+        z = self._gated_input(x)[:, 0]  # [B, 2E]
+        e = z.shape[-1] // 2
+        put = lambda buf, r: jax.lax.dynamic_update_slice_in_dim(  # noqa: E731
+            buf, r[:, None].astype(buf.dtype), t, axis=1)
+        rows = put(rows, z[:, e:])
+        n = rows.shape[1]
+        seen = jnp.arange(n) <= t
+        w_t = jnp.where(seen, jax.lax.dynamic_slice_in_dim(self.w_spatial, t, 1)[0, :n], 0)
+        gate = (jnp.einsum("j,bje->be", w_t.astype(rows.dtype), rows)
+                + jax.lax.dynamic_index_in_dim(self.b_spatial, t, keepdims=False)).astype(z.dtype)
+        if kv is not None:
+            q, k, v = jnp.split(x[:, 0] @ self.w_attn.astype(x.dtype), 3, axis=-1)
+            kv = (put(kv[0], k), put(kv[1], v))
+            scores = jnp.einsum("ba,bja->bj", q.astype(jnp.float32), kv[0]) / jnp.sqrt(
+                q.shape[-1]).astype(jnp.float32)
+            p = jax.nn.softmax(jnp.where(seen, scores, -jnp.inf), axis=-1)
+            o = jnp.einsum("bj,bja->ba", p, kv[1]).astype(x.dtype)
+            gate = gate + o @ self.w_attn_out.astype(x.dtype)
+        y = z[:, :e] * gate
+        out = (y @ self.w_out.astype(y.dtype))[:, None]
+        return out, type(cache)((rows, kv), t + 1)
+
+
+def _check_cache_len(max_len, weights_len):
+    if max_len > weights_len:
+        raise ValueError(f"GMLP.init_cache: max_len={max_len} exceeds the {weights_len} "
+                         "positions its spatial weights were built for")
 
 
 class FNet(MixerModule):

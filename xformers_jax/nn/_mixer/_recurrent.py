@@ -61,83 +61,118 @@ def _rms(o, scale=None, eps=1e-6):
     return o if scale is None else o * scale
 
 
-class RetNet(MixerModule):
-    """Multi-scale retention (Sun et al. 2023): ``gamma_h = 1 - 2^(-5 - h)`` per head,
-    GroupNorm per head, swish output gate. Hyperparameters: ``chunk_size``,
-    ``implementation`` (``"chunked"``, ``"parallel"``, ``"recurrent"``)."""
+class _HeadRecurrence(MixerModule):
+    """What the multi-head recurrences share: the static settings, and ``__call__`` as
+    project -> one-head recurrence over batch and heads (both ways when not causal) -> output.
 
-    wq: jax.Array
-    wk: jax.Array
-    wv: jax.Array
-    wg: jax.Array
-    wo: jax.Array
+    A kind defines ``_inputs(x, kv_mask) -> (per_head, shared, ctx)`` (``[B, L, H, ...]``
+    arrays, ``[B, L, ...]`` arrays every head reads, anything ``_out`` needs), ``_core(*arrays,
+    kv_mask)`` (one head of one sequence, a function of :mod:`xformers_jax.mixers`) and
+    ``_out(x, o, ctx)``."""
+
     num_heads: int = eqx.field(static=True)
     causal: bool = eqx.field(static=True)
     chunk_size: int = eqx.field(static=True)
     implementation: str = eqx.field(static=True)
+
+    def _settings(self, num_heads, causal, chunk_size, implementation):
+        self.num_heads, self.causal = num_heads, causal
+        self.chunk_size, self.implementation = chunk_size, implementation
+
+    def _form(self):
+        return dict(implementation=self.implementation, chunk_size=self.chunk_size)
+
+    def __call__(self, x, *, kv_mask=None, positions=None, key=None):
+        check_mask(type(self).__name__, x, kv_mask)
+        per_head, shared, ctx = self._inputs(x, kv_mask)
+        o = _per_head(self._core, self.causal, per_head, shared, kv_mask=kv_mask)
+        return zero_padded(self._out(x, o, ctx), kv_mask)
+
+
+class _QKVRecurrence(_HeadRecurrence):
+    """A recurrence over per-head queries, keys and values (RetNet, GLA, Gated DeltaNet):
+    ``wq, wk: [dim, H dk]``, ``wv: [dim, dim]``, a per-kind output gate ``_gate`` and
+    per-head normalisation ``_norm``, then ``wo``; a state ``[B, H, dk, dv]`` decoded by the
+    kind's ``_step(state, q_t, k_t, v_t, *gates_t)``. A kind's ``_project(x)`` returns ``(q, k,
+    v, *gates)`` as ``[B, L, H, ...]`` arrays."""
+
+    wq: jax.Array
+    wk: jax.Array
+    wv: jax.Array
+
+    def _init_qkv(self, ks, dim, dk):
+        self.wq, self.wk, self.wv = dense(ks[0], dim, dk), dense(ks[1], dim, dk), dense(
+            ks[2], dim, dim)
+
+    def _qkv(self, x):
+        dt, h = x.dtype, self.num_heads
+        return tuple(_heads(x @ w.astype(dt), h) for w in (self.wq, self.wk, self.wv))
+
+    def _inputs(self, x, kv_mask):
+        return self._project(x), (), None
+
+    def _out(self, x, o, ctx=None):
+        o = self._norm(o).reshape(x.shape).astype(x.dtype)
+        gate = x @ self._gate_weight().astype(x.dtype)
+        return (jax.nn.silu(gate) * o) @ self.wo.astype(x.dtype)
+
+    def init_cache(self, batch, max_len, dtype=jnp.float32):
+        h = self.num_heads
+        dk, dv = self.wq.shape[1] // h, self.wv.shape[1] // h
+        return recurrent_cache(jnp.zeros((batch, h, dk, dv), jnp.float32))
+
+    def decode(self, x, cache):
+        arrays = (a[:, 0].astype(jnp.float32) for a in self._project(x))
+        o, s = jax.vmap(jax.vmap(self._step))(cache.state, *arrays)
+        return self._out(x, o[:, None]), type(cache)(s, cache.index + 1)
+
+
+class RetNet(_QKVRecurrence):
+    """Multi-scale retention (Sun et al. 2023): ``gamma_h = 1 - 2^(-5 - h)`` per head,
+    GroupNorm per head, swish output gate. Hyperparameters: ``chunk_size``,
+    ``implementation`` (``"chunked"``, ``"parallel"``, ``"recurrent"``)."""
+
+    wg: jax.Array
+    wo: jax.Array
 
     def __init__(self, dim, num_heads, *, causal, max_len, key, chunk_size=64,
                  implementation="chunked"):
         if dim % num_heads:
             raise ValueError(f"RetNet: dim={dim} is not divisible by num_heads={num_heads}")
         ks = jax.random.split(key, 5)
-        self.wq, self.wk, self.wv, self.wg, self.wo = (dense(k, dim, dim) for k in ks)
-        self.num_heads, self.causal = num_heads, causal
-        self.chunk_size, self.implementation = chunk_size, implementation
+        self._init_qkv(ks, dim, dim)
+        self.wg, self.wo = dense(ks[3], dim, dim), dense(ks[4], dim, dim)
+        self._settings(num_heads, causal, chunk_size, implementation)
 
     @property
     def log_gamma(self):
         return jnp.log1p(-2.0 ** (-5.0 - jnp.arange(self.num_heads, dtype=jnp.float32)))
 
     def _project(self, x):
-        dt = x.dtype
-        hd = x.shape[-1] // self.num_heads
-        q = _heads(x @ self.wq.astype(dt), self.num_heads)
-        k = _heads(x @ self.wk.astype(dt), self.num_heads) / math.sqrt(hd)
-        v = _heads(x @ self.wv.astype(dt), self.num_heads)
-        return q, k, v
+        q, k, v = self._qkv(x)
+        lg = jnp.broadcast_to(self.log_gamma, q.shape[:3])
+        return q, k / math.sqrt(q.shape[-1]), v, lg
 
-    def _out(self, x, o):
-        o = _head_norm(o).reshape(x.shape).astype(x.dtype)
-        return (jax.nn.silu(x @ self.wg.astype(x.dtype)) * o) @ self.wo.astype(x.dtype)
+    def _core(self, q, k, v, lg, m):
+        return M.retention(q, k, v, lg, kv_mask=m, **self._form())
 
-    def __call__(self, x, *, kv_mask=None, positions=None, key=None):
-        check_mask("RetNet", x, kv_mask)
-        q, k, v = self._project(x)
-        lg = jnp.broadcast_to(self.log_gamma, x.shape[:1] + (self.num_heads,))
-        fn = lambda q, k, v, g, m: M.retention(  # noqa: E731
-            q, k, v, g, kv_mask=m, implementation=self.implementation, chunk_size=self.chunk_size)
-        o = _per_head(fn, self.causal, (q, k, v, lg[:, None]), kv_mask=kv_mask)
-        return zero_padded(self._out(x, o), kv_mask)
+    _step = staticmethod(causal_step)
+    _norm = staticmethod(_head_norm)
 
-    def init_cache(self, batch, max_len, dtype=jnp.float32):
-        hd = self.wq.shape[1] // self.num_heads
-        return recurrent_cache(jnp.zeros((batch, self.num_heads, hd, hd), jnp.float32))
-
-    def decode(self, x, cache):
-        q, k, v = (a[:, 0].astype(jnp.float32) for a in self._project(x))
-        step = jax.vmap(jax.vmap(causal_step, in_axes=(0, 0, 0, 0, 0)), in_axes=(0, 0, 0, 0, None))
-        o, s = step(cache.state, q, k, v, self.log_gamma)
-        return self._out(x, o[:, None]), type(cache)(s, cache.index + 1)
+    def _gate_weight(self):
+        return self.wg
 
 
-class GLA(MixerModule):
+class GLA(_QKVRecurrence):
     """Gated linear attention (Yang et al. 2024): keys of width ``head_dim / 2``, low-rank
     data-dependent gates ``alpha = sigmoid(x W1 W2 + b)^(1/16)``, a swish output gate and
     per-head RMS normalisation. Hyperparameters: ``chunk_size``, ``implementation``."""
 
-    wq: jax.Array
-    wk: jax.Array
-    wv: jax.Array
     wa1: jax.Array
     wa2: jax.Array
     ba: jax.Array
     wr: jax.Array
     wo: jax.Array
-    num_heads: int = eqx.field(static=True)
-    causal: bool = eqx.field(static=True)
-    chunk_size: int = eqx.field(static=True)
-    implementation: str = eqx.field(static=True)
 
     TEMPERATURE = 16.0
     GATE_RANK = 16
@@ -148,45 +183,76 @@ class GLA(MixerModule):
             raise ValueError(f"GLA: dim={dim} must be divisible by 2 * num_heads={num_heads}")
         ks = jax.random.split(key, 7)
         dk = dim // 2
-        self.wq, self.wk = dense(ks[0], dim, dk), dense(ks[1], dim, dk)
-        self.wv, self.wr, self.wo = dense(ks[2], dim, dim), dense(ks[3], dim, dim), dense(
-            ks[4], dim, dim)
+        self._init_qkv(ks, dim, dk)
+        self.wr, self.wo = dense(ks[3], dim, dim), dense(ks[4], dim, dim)
         self.wa1 = dense(ks[5], dim, self.GATE_RANK)
         self.wa2 = dense(ks[6], self.GATE_RANK, dk)
         self.ba = jnp.zeros((dk,))
-        self.num_heads, self.causal = num_heads, causal
-        self.chunk_size, self.implementation = chunk_size, implementation
+        self._settings(num_heads, causal, chunk_size, implementation)
 
     def _project(self, x):
-        dt, h = x.dtype, self.num_heads
-        dk = self.wq.shape[1] // h
-        q = _heads(x @ self.wq.astype(dt), h)
-        k = _heads(x @ self.wk.astype(dt), h) / math.sqrt(dk)
-        v = _heads(x @ self.wv.astype(dt), h)
+        dt = x.dtype
+        q, k, v = self._qkv(x)
         logits = (x @ self.wa1.astype(dt)) @ self.wa2.astype(dt) + self.ba.astype(dt)
         ld = jax.nn.log_sigmoid(logits.astype(jnp.float32)) / self.TEMPERATURE
-        return q, k, v, _heads(ld, h)
+        return q, k / math.sqrt(k.shape[-1]), v, _heads(ld, self.num_heads)
 
-    def _out(self, x, o):
-        o = _rms(o).reshape(x.shape).astype(x.dtype)
-        return (jax.nn.silu(x @ self.wr.astype(x.dtype)) * o) @ self.wo.astype(x.dtype)
+    def _core(self, q, k, v, ld, m):
+        return M.gla(q, k, v, ld, kv_mask=m, **self._form())
 
-    def __call__(self, x, *, kv_mask=None, positions=None, key=None):
-        check_mask("GLA", x, kv_mask)
-        fn = lambda q, k, v, g, m: M.gla(  # noqa: E731
-            q, k, v, g, kv_mask=m, implementation=self.implementation, chunk_size=self.chunk_size)
-        o = _per_head(fn, self.causal, self._project(x), kv_mask=kv_mask)
-        return zero_padded(self._out(x, o), kv_mask)
+    _step = staticmethod(causal_step)
+    _norm = staticmethod(_rms)
 
-    def init_cache(self, batch, max_len, dtype=jnp.float32):
-        h = self.num_heads
-        dk, dv = self.wq.shape[1] // h, self.wv.shape[1] // h
-        return recurrent_cache(jnp.zeros((batch, h, dk, dv), jnp.float32))
+    def _gate_weight(self):
+        return self.wr
 
-    def decode(self, x, cache):
-        q, k, v, ld = (a[:, 0].astype(jnp.float32) for a in self._project(x))
-        o, s = jax.vmap(jax.vmap(causal_step))(cache.state, q, k, v, ld)
-        return self._out(x, o[:, None]), type(cache)(s, cache.index + 1)
+
+class GatedDeltaNet(_QKVRecurrence):
+    """Gated DeltaNet (Yang, Kautz and Hatamizadeh 2025): SiLU then L2-normalised q, k per
+    head, ``beta = sigmoid(x W_beta)``, Mamba-2's decay ``log a = -exp(a_log) softplus(x W_a +
+    dt_bias)``, the gated delta rule, per-head RMS norm, swish output gate. Hyperparameters:
+    ``chunk_size``, ``implementation`` (``"chunked"``, ``"recurrent"``, ``"parallel"``),
+    ``dt_min``, ``dt_max``."""
+
+    w_beta: jax.Array
+    w_a: jax.Array
+    a_log: jax.Array
+    dt_bias: jax.Array
+    wg: jax.Array
+    wo: jax.Array
+
+    def __init__(self, dim, num_heads, *, causal, max_len, key, chunk_size=64,
+                 implementation="chunked", dt_min=1e-3, dt_max=1e-1):
+        if dim % num_heads:
+            raise ValueError(f"GatedDeltaNet: dim={dim} is not divisible by "
+                             f"num_heads={num_heads}")
+        ks = jax.random.split(key, 8)
+        self._init_qkv(ks, dim, dim)
+        self.wg, self.wo = dense(ks[3], dim, dim), dense(ks[4], dim, dim)
+        self.w_beta = dense(ks[5], dim, num_heads)
+        self.w_a = dense(ks[6], dim, num_heads)
+        self.a_log = jnp.log(jax.random.uniform(ks[7], (num_heads,), minval=1, maxval=16))
+        self.dt_bias = _dt_bias(jax.random.fold_in(key, 1), (num_heads,), dt_min, dt_max)
+        self._settings(num_heads, causal, chunk_size, implementation)
+
+    def _project(self, x):
+        dt = x.dtype
+        l2 = lambda a: a * jax.lax.rsqrt(jnp.sum(a * a, -1, keepdims=True) + 1e-6)  # noqa: E731
+        q, k, v = self._qkv(x)
+        q, k = (l2(jax.nn.silu(a).astype(jnp.float32)) for a in (q, k))
+        beta = jax.nn.sigmoid((x @ self.w_beta.astype(dt)).astype(jnp.float32))
+        ld = -jnp.exp(self.a_log) * jax.nn.softplus(
+            (x @ self.w_a.astype(dt)).astype(jnp.float32) + self.dt_bias)
+        return q, k, v, beta, ld
+
+    def _core(self, q, k, v, beta, ld, m):
+        return M.gated_delta(q, k, v, beta, ld, kv_mask=m, **self._form())
+
+    _step = staticmethod(gated_delta_step)
+    _norm = staticmethod(_rms)
+
+    def _gate_weight(self):
+        return self.wg
 
 
 def _conv_init(key, width, channels):
@@ -215,7 +281,7 @@ def _dt_bias(key, shape, dt_min, dt_max):
     return dt + jnp.log(-jnp.expm1(-dt))
 
 
-class Mamba2(MixerModule):
+class Mamba2(_HeadRecurrence):
     """Mamba-2 (Dao and Gu 2024): in-projection to ``z, x, B, C, dt``, a short causal
     convolution on ``x, B, C``, SSD with a scalar decay ``exp(dt a_h)`` per head, ``D`` skip,
     gated RMS norm ``norm(y * silu(z))``, out-projection. Hyperparameters: ``state_size``
@@ -230,11 +296,7 @@ class Mamba2(MixerModule):
     skip: jax.Array
     norm_scale: jax.Array
     w_out: jax.Array
-    num_heads: int = eqx.field(static=True)
     state_size: int = eqx.field(static=True)
-    causal: bool = eqx.field(static=True)
-    chunk_size: int = eqx.field(static=True)
-    implementation: str = eqx.field(static=True)
 
     def __init__(self, dim, num_heads, *, causal, max_len, key, state_size=64, expand=2,
                  conv_width=4, dt_min=1e-3, dt_max=1e-1, chunk_size=64,
@@ -253,8 +315,8 @@ class Mamba2(MixerModule):
         self.skip = jnp.ones((num_heads,))
         self.norm_scale = jnp.ones((inner,))
         self.w_out = dense(ks[4], inner, dim)
-        self.num_heads, self.state_size, self.causal = num_heads, n, causal
-        self.chunk_size, self.implementation = chunk_size, implementation
+        self.state_size = n
+        self._settings(num_heads, causal, chunk_size, implementation)
 
     def _split(self, x):
         inner = self.norm_scale.shape[0]
@@ -269,24 +331,23 @@ class Mamba2(MixerModule):
         dt = jax.nn.softplus(dt_raw.astype(jnp.float32) + self.dt_bias)
         return _heads(xs, self.num_heads), b, c, dt
 
-    def _out(self, x, y, xs, z):
+    def _out(self, x, y, ctx):
+        xs, z = ctx
         y = y + self.skip[:, None] * xs.astype(jnp.float32)
         y = y.reshape(*x.shape[:-1], -1) * jax.nn.silu(z.astype(jnp.float32))
         return (_rms(y, self.norm_scale)).astype(x.dtype) @ self.w_out.astype(x.dtype)
 
-    def __call__(self, x, *, kv_mask=None, positions=None, key=None):
-        check_mask("Mamba2", x, kv_mask)
+    def _inputs(self, x, kv_mask):
         z, xbc, dt_raw = self._split(x)
         if kv_mask is not None:  # padded inputs reach no real position through the conv
             xbc = jnp.where(kv_mask[..., None], xbc, 0)
         xs, b, c, dt = self._heads_of(_causal_conv(xbc, self.conv_w, self.conv_b), dt_raw)
-        a = -jnp.exp(self.a_log)
-        fn = lambda xs, dt, a, b, c, m: M.ssd(  # noqa: E731
-            xs, dt[:, 0], a[0], b, c, kv_mask=m, implementation=self.implementation,
-            chunk_size=self.chunk_size)
-        a_b = jnp.broadcast_to(a, x.shape[:1] + a.shape)[:, None]
-        y = _per_head(fn, self.causal, (xs, dt[..., None], a_b), (b, c), kv_mask=kv_mask)
-        return zero_padded(self._out(x, y, xs, z), kv_mask)
+        a = jnp.broadcast_to(-jnp.exp(self.a_log), dt.shape)
+        return (xs, dt, a), (b, c), (xs, z)
+
+    def _core(self, xs, dt, a, b, c, m):
+        # a: the head's decay rate repeated along the sequence ([L], so flipping keeps it).
+        return M.ssd(xs, dt, a[0], b, c, kv_mask=m, **self._form())
 
     def init_cache(self, batch, max_len, dtype=jnp.float32):
         inner = self.norm_scale.shape[0]
@@ -309,7 +370,7 @@ class Mamba2(MixerModule):
         step = jax.vmap(jax.vmap(head, in_axes=(0, 0, 0, 0, None, None)),
                         in_axes=(0, 0, 0, None, 0, 0))
         y, ssm = step(ssm, xs, dt, a, b.astype(jnp.float32), c.astype(jnp.float32))
-        return self._out(x, y[:, None], xs[:, None], z), type(cache)((ssm, buf), cache.index + 1)
+        return self._out(x, y[:, None], (xs[:, None], z)), type(cache)((ssm, buf), cache.index + 1)
 
 
 class Mamba(MixerModule):
@@ -397,73 +458,3 @@ class Mamba(MixerModule):
             h, xc.astype(jnp.float32), dt, a, b.astype(jnp.float32), c.astype(jnp.float32))
         return self._out(x, y[:, None], xc[:, None], z[:, None]), type(cache)((h, buf),
                                                                             cache.index + 1)
-
-
-class GatedDeltaNet(MixerModule):
-    """Gated DeltaNet (Yang, Kautz and Hatamizadeh 2025): SiLU then L2-normalised q, k per
-    head, ``beta = sigmoid(x W_beta)``, Mamba-2's decay ``log a = -exp(a_log) softplus(x W_a +
-    dt_bias)``, the gated delta rule, per-head RMS norm, swish output gate. Hyperparameters:
-    ``chunk_size``, ``implementation`` (``"chunked"``, ``"recurrent"``, ``"parallel"``),
-    ``dt_min``, ``dt_max``."""
-
-    wq: jax.Array
-    wk: jax.Array
-    wv: jax.Array
-    w_beta: jax.Array
-    w_a: jax.Array
-    a_log: jax.Array
-    dt_bias: jax.Array
-    wg: jax.Array
-    wo: jax.Array
-    num_heads: int = eqx.field(static=True)
-    causal: bool = eqx.field(static=True)
-    chunk_size: int = eqx.field(static=True)
-    implementation: str = eqx.field(static=True)
-
-    def __init__(self, dim, num_heads, *, causal, max_len, key, chunk_size=64,
-                 implementation="chunked", dt_min=1e-3, dt_max=1e-1):
-        if dim % num_heads:
-            raise ValueError(f"GatedDeltaNet: dim={dim} is not divisible by "
-                             f"num_heads={num_heads}")
-        ks = jax.random.split(key, 8)
-        self.wq, self.wk, self.wv, self.wg, self.wo = (dense(k, dim, dim) for k in ks[:5])
-        self.w_beta = dense(ks[5], dim, num_heads)
-        self.w_a = dense(ks[6], dim, num_heads)
-        self.a_log = jnp.log(jax.random.uniform(ks[7], (num_heads,), minval=1, maxval=16))
-        self.dt_bias = _dt_bias(jax.random.fold_in(key, 1), (num_heads,), dt_min, dt_max)
-        self.num_heads, self.causal = num_heads, causal
-        self.chunk_size, self.implementation = chunk_size, implementation
-
-    def _project(self, x):
-        dt, h = x.dtype, self.num_heads
-        l2 = lambda a: a * jax.lax.rsqrt(jnp.sum(a * a, -1, keepdims=True) + 1e-6)  # noqa: E731
-        q = l2(jax.nn.silu(_heads(x @ self.wq.astype(dt), h)).astype(jnp.float32))
-        k = l2(jax.nn.silu(_heads(x @ self.wk.astype(dt), h)).astype(jnp.float32))
-        v = _heads(x @ self.wv.astype(dt), h)
-        beta = jax.nn.sigmoid((x @ self.w_beta.astype(dt)).astype(jnp.float32))
-        ld = -jnp.exp(self.a_log) * jax.nn.softplus(
-            (x @ self.w_a.astype(dt)).astype(jnp.float32) + self.dt_bias)
-        return q, k, v, beta, ld
-
-    def _out(self, x, o):
-        o = _rms(o).reshape(x.shape).astype(x.dtype)
-        return (jax.nn.silu(x @ self.wg.astype(x.dtype)) * o) @ self.wo.astype(x.dtype)
-
-    def __call__(self, x, *, kv_mask=None, positions=None, key=None):
-        check_mask("GatedDeltaNet", x, kv_mask)
-        q, k, v, beta, ld = self._project(x)
-        fn = lambda q, k, v, beta, ld, m: M.gated_delta(  # noqa: E731
-            q, k, v, beta[:, 0], ld[:, 0], kv_mask=m, implementation=self.implementation,
-            chunk_size=self.chunk_size)
-        o = _per_head(fn, self.causal, (q, k, v, beta[..., None], ld[..., None]),
-                      kv_mask=kv_mask)
-        return zero_padded(self._out(x, o), kv_mask)
-
-    def init_cache(self, batch, max_len, dtype=jnp.float32):
-        hd = self.wq.shape[1] // self.num_heads
-        return recurrent_cache(jnp.zeros((batch, self.num_heads, hd, hd), jnp.float32))
-
-    def decode(self, x, cache):
-        q, k, v, beta, ld = (a[:, 0].astype(jnp.float32) for a in self._project(x))
-        o, s = jax.vmap(jax.vmap(gated_delta_step))(cache.state, q, k, v, beta, ld)
-        return self._out(x, o[:, None]), type(cache)(s, cache.index + 1)
