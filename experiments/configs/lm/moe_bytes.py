@@ -22,6 +22,9 @@ VARIANT (the block's ``model.ffn``; every layer gets it, except in ``glam``):
 * ``product_key``: product-key memory (Lample et al., 2019) in place of the FFN: 4 heads,
   k=32, 256^2 = 65,536 value rows (runlocal: 2 heads, k=8, 16^2 rows).
 
+BASE layers (kind ``base``) are not among the variants: their balanced assignment is over the
+whole batch, so they are not causal-safe and a causal LM refuses them.
+
 Load balancing is added at Switch's 1e-2 (``config.loss.load_balancing``). ``runlocal``:
 ``stdlib_bytes.py``'s runlocal sizes (dim 64, 2 layers, MLP 256, 128-byte windows, 200 steps).
 """
