@@ -40,7 +40,8 @@ def multiplicative_dense(x, d_mult, e_mult, bias=None):
 def module_conv(z, kernel, bias=None):
     """The causal-in-length, centred-in-modules convolution: ``z [B, L, S, M]``, ``kernel
     [F_len, F_mod, M, M_out]`` (``F_mod`` odd), ``bias [M_out]`` -> ``[B, L, S, M_out]``."""
-    if z.ndim != 4 or kernel.ndim != 4 or kernel.shape[2] != z.shape[-1] or kernel.shape[1] % 2 == 0:
+    if (z.ndim != 4 or kernel.ndim != 4 or kernel.shape[2] != z.shape[-1]
+            or kernel.shape[1] % 2 == 0):
         raise ValueError(f"module_conv: need z [B, L, S, M] and kernel [F_len, F_mod (odd), M, "
                          f"M_out]; got {z.shape}, {kernel.shape}")
     f_len, f_mod = kernel.shape[:2]
