@@ -372,3 +372,16 @@ def test_recurrences_finite_at_65536(key):
     })(q, k, v, ld)
     for name, out in outs.items():
         assert out.shape[0] == n and bool(jnp.isfinite(out).all()), name
+
+
+@pytest.mark.parametrize("c", [13, 64])
+def test_unit_lower_inverse_equals_the_inverse(c):
+    # The chunked delta rule's (I + tril(diag(beta) Gamma K K^T, -1))^-1: random systems and
+    # repeated keys (every strict entry beta = 0.9, the worst case for growth of intermediates).
+    from xformers_jax.attention.linear._delta import unit_lower_inverse
+
+    rng = np.random.default_rng(c)
+    strict = np.concatenate([np.tril(rng.normal(size=(2, c, c)) * 0.3, -1),
+                             np.tril(np.full((1, c, c), 0.9), -1)])
+    got = _jit(unit_lower_inverse)(jnp.asarray(strict, jnp.float32))
+    assert_close(got, np.linalg.inv(np.eye(c) + strict), EXACT)
