@@ -25,6 +25,10 @@ VARIANT (the block's ``model.ffn``; every layer gets it, except in ``glam``):
 BASE layers (kind ``base``) are not among the variants: their balanced assignment is over the
 whole batch, so they are not causal-safe and a causal LM refuses them.
 
+``stages=S`` (e.g. ``dense,runlocal,stages=2``) puts a ``stage`` axis of size S in the mesh:
+every LayerStack then runs as a GPipe pipeline over it (``parallel._pipeline``; layers divisible
+by S; not with the MoE variants, whose auxiliary losses the pipeline does not carry).
+
 Load balancing is added at Switch's 1e-2 (``config.loss.load_balancing``). ``runlocal``:
 ``stdlib_bytes.py``'s runlocal sizes (dim 64, 2 layers, MLP 256, 128-byte windows, 200 steps).
 """
@@ -57,11 +61,12 @@ def ffn_config(variant: str, hidden: int, small: bool) -> dict:
 def get_config(arg=None):
     parts = [p for p in (arg or "switch").split(",") if p]
     size = "runlocal" if "runlocal" in parts else None
-    names = [p for p in parts if p != "runlocal"]
+    stages = [int(p.split("=")[1]) for p in parts if p.startswith("stages=")]
+    names = [p for p in parts if p != "runlocal" and not p.startswith("stages=")]
     variant = names[0] if names else "switch"
     if len(names) > 1 or variant not in VARIANTS:
-        raise ValueError(f"config arg must be 'VARIANT[,runlocal]' with VARIANT in {VARIANTS}, "
-                         f"got {arg!r}")
+        raise ValueError(f"config arg must be 'VARIANT[,runlocal][,stages=S]' with VARIANT in "
+                         f"{VARIANTS}, got {arg!r}")
     c = stdlib_bytes.get_config("transformer" + (",runlocal" if size else ""))
     with c.unlocked():
         hidden = c.model.hidden
@@ -69,5 +74,8 @@ def get_config(arg=None):
             # Two experts per token: half-width experts keep the active parameters.
             c.model.hidden = hidden // 2
         c.model.ffn = ml_collections.ConfigDict(ffn_config(variant, hidden, size is not None))
+        if stages:
+            # A GPipe pipeline: the layers split over a 'stage' mesh axis, data over the rest.
+            c.mesh = ml_collections.ConfigDict({"stage": stages[0], "data": -1})
     c.lock()
     return c
