@@ -2,13 +2,13 @@
 dense numpy reference; the layer's routing by hidden states, padding invariance, gradients;
 k-means centroids against Lloyd's algorithm in numpy; the causal error."""
 
-import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from xformers_jax.nn._arch import ClusterformerAttention, cluster_chunk_attention
+from tests.fast_jit import build, jit0
 from tests.tolerances import assert_close
 
 L, DK, CHUNK, K = 13, 8, 4, 3
@@ -32,7 +32,7 @@ def test_chunk_attention_matches_reference_with_padding():
     q, k = jax.random.normal(ks[0], (L, DK)), jax.random.normal(ks[1], (L, DK))
     v = jax.random.normal(ks[2], (L, DK))
     clusters = jax.random.randint(ks[3], (L,), 0, K)
-    f = jax.jit(lambda q, k, v, c, m: cluster_chunk_attention(q, k, v, c, K, chunk=CHUNK,
+    f = jit0(lambda q, k, v, c, m: cluster_chunk_attention(q, k, v, c, K, chunk=CHUNK,
                                                                kv_mask=m))
     assert_close(f(q, k, v, clusters, None), _ref(q, k, v, clusters, L))
     n = L - 3
@@ -43,10 +43,11 @@ def test_chunk_attention_matches_reference_with_padding():
 
 
 def test_layer_routing_padding_gradients_kmeans():
-    layer = ClusterformerAttention(16, 2, num_clusters=K, chunk=CHUNK, key=jax.random.PRNGKey(1))
+    layer = build(lambda key: ClusterformerAttention(16, 2, num_clusters=K, chunk=CHUNK, key=key),
+                  1)
     x = jax.random.normal(jax.random.PRNGKey(2), (2, L, 16))
-    layer = eqx.filter_jit(lambda m, x: m.with_centroids(x, key=jax.random.PRNGKey(3)))(layer, x)
-    run = eqx.filter_jit(lambda m, x, mask: m(x, kv_mask=mask))
+    layer = jit0(lambda m, x: m.with_centroids(x, key=jax.random.PRNGKey(3)))(layer, x)
+    run = jit0(lambda m, x, mask: m(x, kv_mask=mask))
     y = run(layer, x, None)
     # Each head is cluster_chunk_attention with the clusters of the hidden states.
     c = np.argmin(((np.asarray(x[0])[:, None] - np.asarray(layer.centroids)[None]) ** 2).sum(-1),
@@ -59,7 +60,7 @@ def test_layer_routing_padding_gradients_kmeans():
     mask = jnp.broadcast_to(jnp.arange(L) < n, (2, L))
     padded = run(layer, x.at[:, n:].set(3.0), mask)
     assert_close(padded[:, :n], run(layer, x[:, :n], None))
-    g = eqx.filter_jit(eqx.filter_grad(lambda m: jnp.sum(jnp.sin(m(x)))))(layer)
+    g = jit0(jax.grad(lambda m: jnp.sum(jnp.sin(m(x)))))(layer)
     assert float(jnp.abs(g.wq).max()) > 0 and float(jnp.abs(g.centroids).max()) == 0.0
     # Lloyd's algorithm in numpy from the same start.
     pts = np.asarray(x.reshape(-1, 16), np.float64)

@@ -3,7 +3,6 @@
 ``train.build_model``, and ``train.make_loss_fn`` gives the losses they train with (the ponder
 cost added, PABEE's weighted loss over the exits); the LRA configs take them; errors."""
 
-import equinox as eqx
 import jax
 import jax.numpy as jnp
 import ml_collections
@@ -13,6 +12,7 @@ import pytest
 
 from xformers_jax import nn, train
 from xformers_jax.train import _arch_models
+from tests.fast_jit import jit0
 from tests.tolerances import assert_close
 
 B, L, VOCAB, CLASSES = 2, 16, 20, 3
@@ -44,22 +44,22 @@ def test_configs_build_and_train(setting):
     else:
         c = _config(depth_mode=setting)
     train.validate_config(c)
-    model = train.build_model(c.model, TASK, jax.random.PRNGKey(0))
+    model = jit0(lambda k: train.build_model(c.model, TASK, k))(jax.random.PRNGKey(0))
     batch = _batch()
     loss_fn = train.make_loss_fn(TASK, aux_coefficients=dict(c.loss))
-    (loss, metrics), grads = eqx.filter_jit(eqx.filter_value_and_grad(
+    (loss, metrics), grads = jit0(jax.value_and_grad(
         lambda m: loss_fn(m, batch, None), has_aux=True))(model)
     assert np.isfinite(float(loss))
     assert all(bool(jnp.all(jnp.isfinite(g))) for g in jax.tree_util.tree_leaves(grads))
     mask = batch["inputs"] != 0
     if setting == "act":
         assert isinstance(model.stack, nn.ACTStack)
-        logits, aux = model(batch["inputs"], mask=mask)
+        logits, aux = jit0(lambda m: m(batch["inputs"], mask=mask))(model)
         ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]).mean()
         assert_close(loss, ce + c.loss.ponder * aux["ponder"])
         assert float(metrics["ponder"]) >= 1.0
     elif setting == "early_exit":
-        exits = model.model(batch["inputs"], mask=mask)
+        exits = jit0(lambda m: m.model(batch["inputs"], mask=mask))(model)
         assert exits.shape == (2, B, CLASSES)
         assert_close(loss, nn.early_exit_loss(exits, batch["targets"]))
     elif setting == "swin":

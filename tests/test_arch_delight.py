@@ -2,6 +2,8 @@
 reference of the DeLighT transformation's equations; the expand-reduce widths and groups;
 block-wise scaling (eq. 4); the stack's causal no-leak, padding invariance, gradients and bf16."""
 
+import functools
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -10,6 +12,7 @@ import pytest
 
 from xformers_jax.nn._arch import DeLighTStack, DeLighTTransform, GroupLinear, delight_scaling
 from xformers_jax.nn._arch._delight import delight_widths
+from tests.fast_jit import build, jit0
 from tests.tolerances import assert_close
 
 B, L, DIM = 2, 8, 16
@@ -59,25 +62,25 @@ def test_widths_groups_and_scaling():
 
 
 def test_transform_matches_equations():
-    t = DeLighTTransform(DIM, DIM // 2, depth=4, width_mult=2.0, max_groups=4,
-                         key=jax.random.PRNGKey(4))
+    t = build(functools.partial(DeLighTTransform, DIM, DIM // 2, depth=4, width_mult=2.0,
+                                max_groups=4), 4)
     t = jax.tree_util.tree_map(lambda a: a + 0.1 * np.cos(np.arange(a.size).reshape(a.shape))
                                if eqx.is_inexact_array(a) else a, t)
     x = np.random.default_rng(1).standard_normal((5, DIM)).astype(np.float32)
-    assert_close(eqx.filter_jit(lambda t, x: t(x))(t, x), _transform_ref(x, t))
+    assert_close(jit0(lambda t, x: t(x))(t, x), _transform_ref(x, t))
     assert len(t.layers) == 4 and t.widths[-1] == DIM // 2
 
 
 @pytest.fixture(scope="module")
 def stack():
-    return DeLighTStack(DIM, 2, min_depth=2, max_depth=4, width_mult=2.0, causal=True,
-                        max_len=L, key=jax.random.PRNGKey(3))
+    return build(functools.partial(DeLighTStack, DIM, 2, min_depth=2, max_depth=4,
+                                   width_mult=2.0, causal=True, max_len=L), 3)
 
 
 def test_stack_scaling_causal_padding_grads_bf16(stack):
     assert [len(b.transform.layers) for b in stack.blocks] == [2, 4]
     assert stack.scaling == ((2, 2.0), (4, 3.0))
-    run = eqx.filter_jit(lambda m, x, mask: m(x, kv_mask=mask))
+    run = jit0(lambda m, x, mask: m(x, kv_mask=mask))
     x = jax.random.normal(jax.random.PRNGKey(4), (B, L, DIM))
     full = jnp.ones((B, L), bool)
     y = run(stack, x, full)
@@ -91,7 +94,7 @@ def test_stack_scaling_causal_padding_grads_bf16(stack):
     junk = run(stack, x.at[1, L - 3:].set(7.0), mask)
     assert_close(junk[0], y[0])
     assert_close(junk[1, :L - 3], y[1, :L - 3])
-    grads = eqx.filter_jit(eqx.filter_grad(lambda m: jnp.sum(m(x, kv_mask=full) ** 2)))(stack)
+    grads = jit0(jax.grad(lambda m: jnp.sum(m(x, kv_mask=full) ** 2)))(stack)
     leaves = jax.tree_util.tree_leaves(grads)
     assert all(bool(jnp.all(jnp.isfinite(g))) for g in leaves)
     assert float(jnp.abs(grads.blocks[0].transform.layers[0].weight).max()) > 0

@@ -3,13 +3,13 @@
 with padding; the causal form (prefix block means) with no-leak; the reduction to the
 convolution with one block size; gradients; errors."""
 
-import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from xformers_jax.nn._arch import GBST
+from tests.fast_jit import jit0
 from tests.tolerances import assert_close
 
 B, L, D, M = 2, 11, 8, 3
@@ -64,7 +64,7 @@ def test_matches_reference_with_padding(causal):
     g = GBST(D, max_block=M, key=jax.random.PRNGKey(1), **kw)
     x, mask = _inputs()
     x = jnp.where(mask[..., None], x, 5.0)             # junk in the padding
-    run = eqx.filter_jit(lambda g, x, m: g(x, mask=m))
+    run = jit0(lambda g, x, m: g(x, mask=m))
     y, out_mask = run(g, x, mask)
     ref, counts = _ref(g, x, mask, causal)
     for bi in range(B):
@@ -81,11 +81,11 @@ def test_matches_reference_with_padding(causal):
 def test_one_block_size_is_the_convolution_and_gradients():
     g = GBST(D, max_block=1, conv_size=3, key=jax.random.PRNGKey(2))
     x, _ = _inputs()
-    y, _ = eqx.filter_jit(lambda g, x: g(x))(g, x)
+    y, _ = jit0(lambda g, x: g(x))(g, x)
     xp = np.pad(np.asarray(x), ((0, 0), (1, 1), (0, 0)))
     assert_close(y, sum(xp[:, j:j + L] * np.asarray(g.conv[j]) for j in range(3)))
     g3 = GBST(D, max_block=M, calibrate=True, key=jax.random.PRNGKey(3))
-    grads = eqx.filter_jit(eqx.filter_grad(lambda m: jnp.sum(jnp.sin(m(x)[0]))))(g3)
+    grads = jit0(jax.grad(lambda m: jnp.sum(jnp.sin(m(x)[0]))))(g3)
     assert float(jnp.abs(grads.score).min()) > 0 and bool(jnp.all(jnp.isfinite(grads.conv)))
     with pytest.raises(ValueError, match="causal=True cannot calibrate"):
         GBST(D, causal=True, downsample=2, key=jax.random.PRNGKey(0))

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from xformers_jax import nn
+from tests.fast_jit import build, jit0
 from tests.tolerances import assert_close
 
 L, DIM, HEADS, HIDDEN, LAYERS, VOCAB = 8, 16, 2, 32, 3, 17
@@ -28,11 +29,11 @@ def _spec(name):
 
 
 def _lm(spec, key=0):
-    return nn.CausalLM(VOCAB, DIM, LAYERS, HEADS, HIDDEN, max_len=L, block=dict(spec=spec),
-                       key=jax.random.PRNGKey(key))
+    return build(lambda key: nn.CausalLM(VOCAB, DIM, LAYERS, HEADS, HIDDEN, max_len=L,
+                                         block=dict(spec=spec), key=key), key)
 
 
-_run = eqx.filter_jit(lambda m, t: m(t))
+_run = jit0(lambda m, t: m(t))
 TOKENS = jax.random.randint(jax.random.PRNGKey(5), (2, L), 0, VOCAB)
 
 
@@ -62,17 +63,18 @@ def test_no_leak_and_padding_in_models(name):
     spec = _spec(name)
     t = L // 2
     changed = TOKENS.at[:, t].set((TOKENS[:, t] + 1) % VOCAB)
-    a, b = eqx.filter_jit(lambda m: (m(TOKENS), m(changed)))(_lm(spec))
+    a, b = jit0(lambda m: (m(TOKENS), m(changed)))(_lm(spec))
     np.testing.assert_allclose(np.asarray(a[:, :t]), np.asarray(b[:, :t]), atol=1e-5)
     assert not np.allclose(np.asarray(a[:, t:]), np.asarray(b[:, t:]))
-    enc = nn.EncoderClassifier(3, DIM, LAYERS, HEADS, HIDDEN, pooling="mean", vocab_size=VOCAB,
-                               max_len=L + 4, block=dict(spec=spec), key=jax.random.PRNGKey(1))
+    enc = build(lambda key: nn.EncoderClassifier(
+        3, DIM, LAYERS, HEADS, HIDDEN, pooling="mean", vocab_size=VOCAB, max_len=L + 4,
+        block=dict(spec=spec), key=key), 1)
     n = L - 3
     mask = jnp.broadcast_to(jnp.arange(L) < n, (2, L))
     junk = jnp.where(mask, TOKENS, 3)
     long = jnp.concatenate([TOKENS, jnp.full((2, 4), 5)], 1)
     long_mask = jnp.broadcast_to(jnp.arange(L + 4) < n, (2, L + 4))
-    p, q, r = eqx.filter_jit(lambda m: (m(TOKENS, mask=mask), m(junk, mask=mask),
+    p, q, r = jit0(lambda m: (m(TOKENS, mask=mask), m(junk, mask=mask),
                                         m(long, mask=long_mask)))(enc)
     assert_close(q, p)
     assert_close(r, p)
