@@ -50,6 +50,33 @@ CPU cores shared with other jobs (load average 11-17), one seed:
   (``electra_finetune.py``, 300 steps, batch 16, 128-byte windows, 512 test windows): 68.4%
   test accuracy against 72.7% for the same classifier from scratch: this short
   pre-training did not help (not the paper's result; longer pre-training not measured).
+
+Re-measured on this code with ``runlocal`` and 1000 test expressions
+(``--config.data.num_test=1000``: one example is 0.1 point), seeds 0, 1, 2 (``--config.seed``;
+the seed also draws the data), one run at a time with ``nice -n 5`` on the shared 2-core
+machine at load average 6-20 (62-230 s per run). Test accuracy in %, seeds 0 / 1 / 2, mean:
+
+- float32 (``teacher``): 24.3 / 22.4 / 21.9, 22.87 (majority class 11.4 / 11.5 / 10.9).
+- int8 PTQ of it (max-calibrated): 24.2 / 22.3 / 22.1, 22.87: within 1 point (met).
+- ``qat`` after conversion to int8: 23.2 / 22.2 / 20.9, 22.10 (fake-quantized float 23.3 / 22.7 /
+  21.3): 0.77 below float32 on the mean, so within 0.5 is **not met** (seeds -1.1, -0.2,
+  -1.0).
+- ``prune`` (50% per layer, gradual; best checkpoint from the final sparsity on): 23.3 / 23.4 /
+  22.6, 23.10: within 1 point (met; each seed within 1.0).
+- 25% of heads pruned by importance (in ``teacher``): 25.1 / 23.2 / 17.8, 22.03: a 0.83-point
+  drop on the mean, 4.1 points on seed 2.
+- Seed 0 only: weight-only int4 (``int4``) 23.2 (float32 24.3); ``lottery`` (50% one-shot at
+  step 200, rewound to step 50) 24.3; ``layerdrop`` (LayerDrop 0.2) 22.2 with both layers,
+  21.6 with one, 22.5 in int8; ``tinybert`` (dim 32, 1 layer, KD + TinyBERT from seed 0's
+  teacher) 21.0 test / 25.4 validation against ``tinybert_scratch`` 22.6 / 23.4: the
+  distilled student lost on the test split (its TinyBERT losses fell: attention 2.75 to 1.11,
+  hidden 3.53 to 0.31 over the run).
+- ``electra`` without ``runlocal`` (800 steps, batch 16; discriminator accuracy 85.9% on the
+  test windows), then ``electra_finetune.py --runlocal=False`` (300 steps): 66.8% against
+  72.7% from scratch: 4x longer pre-training still did not help (**not met**).
+
+These models reach only 22-24% (majority 11%), so the compression effects are small against
+seed-to-seed spread (float32 ranges 21.9-24.3).
 """
 
 from experiments.configs.lra import listops
