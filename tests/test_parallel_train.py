@@ -74,8 +74,8 @@ def _state_and_plan(config):
 def test_parameters_and_optimizer_state_carry_the_intended_shardings():
     config = _config(MESH)
     task, optimizer, state, plan = _state_and_plan(config)
-    assert dict(plan.mesh.shape) == {"data": 2, "fsdp": 2, "expert": 1, "sequence": 1,
-                                     "tensor": 2}
+    assert dict(plan.mesh.shape) == {"stage": 1, "data": 2, "fsdp": 2, "expert": 1,
+                                     "sequence": 1, "tensor": 2}
     step = train.make_train_step(train.make_loss_fn(task), optimizer, sharding=plan)
     batch = plan.place_batch(next(data.DataIterator(task.train, batch_size=8, seed=0)))
     assert batch["inputs"].sharding.is_equivalent_to(

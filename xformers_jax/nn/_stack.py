@@ -128,8 +128,8 @@ class LayerStack(eqx.Module):
         if memory is not None:
             return self._with_memory(x, memory, kv_mask=kv_mask, positions=positions, key=key)
         if X.mesh_axis_size(X.STAGE) > 1:
-            # A 'stage' mesh axis: the layers run as a GPipe pipeline (parallel._pipeline).
-            from ..parallel._pipeline import stack_on_stages
+            # A 'stage' mesh axis: the layers run as a GPipe pipeline (nn._pipeline).
+            from ._pipeline import stack_on_stages
             return stack_on_stages(self, x, state=state, kv_mask=kv_mask, context=context,
                                    positions=positions, key=key, inference=inference,
                                    return_aux=return_aux)

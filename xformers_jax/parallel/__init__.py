@@ -19,10 +19,10 @@ from ..attention import (
     sequence_parallel_linear_attention as sequence_parallel_linear_attention)
 from ._mesh import make_mesh as make_mesh
 from ..experts import expert_parallel_moe as expert_parallel_moe
-from ._pipeline import STAGE as STAGE
-from ._pipeline import bubble_fraction as bubble_fraction
-from ._pipeline import gpipe as gpipe
-from ._pipeline import pipeline_layers as pipeline_layers
+from ..nn._pipeline import STAGE as STAGE
+from ..nn._pipeline import bubble_fraction as bubble_fraction
+from ..nn._pipeline import gpipe as gpipe
+from ..nn._pipeline import pipeline_layers as pipeline_layers
 from ._mesh import resolve_mesh_shape as resolve_mesh_shape
 from ._mesh import use_mesh as use_mesh
 from ._multihost import global_batch as global_batch

@@ -26,7 +26,7 @@ BASE layers (kind ``base``) are not among the variants: their balanced assignmen
 whole batch, so they are not causal-safe and a causal LM refuses them.
 
 ``stages=S`` (e.g. ``dense,runlocal,stages=2``) puts a ``stage`` axis of size S in the mesh:
-every LayerStack then runs as a GPipe pipeline over it (``parallel._pipeline``; layers divisible
+every LayerStack then runs as a GPipe pipeline over it (``nn._pipeline``; layers divisible
 by S; not with the MoE variants, whose auxiliary losses the pipeline does not carry).
 
 Load balancing is added at Switch's 1e-2 (``config.loss.load_balancing``). ``runlocal``:
