@@ -51,6 +51,7 @@ def admin_initialize(stack: LayerStack, x, *, kv_mask=None) -> LayerStack:
     var = jnp.stack(variances)
     # The residual stream before sublayer i carries the (normalised, unit-variance) input plus
     # every earlier branch: omega_1 = 1, then it grows with the accumulated variance.
-    omega = jnp.sqrt(1.0 + jnp.cumsum(var) - var)
+    # (An exclusive cumulative sum: ``1 + cumsum(var) - var`` rounds omega_1 away from 1.)
+    omega = jnp.sqrt(1.0 + jnp.concatenate([jnp.zeros((1,), var.dtype), jnp.cumsum(var)[:-1]]))
     return eqx.tree_at(lambda s: s.layers.gains, stack,
                        omega.reshape(stack.num_layers, -1).astype(stack.layers.gains.dtype))
