@@ -120,7 +120,7 @@ COMPRESS_NAMES = {
     "fake_quant", "gradual_sparsity", "head_importance", "head_masks", "hidden_mse_loss",
     "hidden_states", "int8_matmul", "kd_loss", "layer_map", "lottery_ticket", "magnitude_masks",
     "masks_of", "model_bytes", "ones_masks", "prune_transform", "quantize", "quantize_model",
-    "rewind", "sparsity_report", "tinybert_loss",
+    "rewind", "sparsity_report", "tinybert_loss", "with_layerdrop",
 }
 
 
