@@ -43,7 +43,7 @@ from ._models import Embedder as Embedder
 from ._models import Encoder as Encoder
 from ._models import EncoderClassifier as EncoderClassifier
 from ._models import EncoderDecoder as EncoderDecoder
-from ._models import sample_tokens as sample_tokens
+from ._sampling import sample_tokens as sample_tokens
 from ._electra import Electra as Electra
 from ._feedback import FeedbackLM as FeedbackLM
 from ._feedback import FeedbackState as FeedbackState

@@ -41,6 +41,7 @@ import jax.numpy as jnp
 from .. import attention as A
 from ._attention import MultiHeadAttention
 from ._positions import BiasScheme, QKScheme, sinusoid
+from ._sampling import sample_tokens
 
 COMPRESSIONS = ("max", "mean", "conv", "dilated_conv", "most_used")
 # The attention kinds that take a memory: exact softmax over [memory; segment] with the causal
@@ -523,7 +524,6 @@ def generate_with_memory(model, prompt, max_new_tokens: int, *, segment_len: int
     :func:`~xformers_jax.nn.sample_tokens`' (greedy when ``key`` is None, else sampled from
     ``softmax(logits / temperature)`` over the ``top_k`` most likely). Memories have their
     evaluation lengths when ``inference``. Returns ``int[B, P + max_new_tokens]``."""
-    from ._models import sample_tokens  # _models builds blocks, which import this module
 
     b, p = prompt.shape
     if p < 1:
