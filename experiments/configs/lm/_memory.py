@@ -6,7 +6,7 @@ Sizes: a small byte-level Transformer-XL in the style of the paper's enwik8 mode
 (evaluation memory 1024), batch 32 streams, 50K steps. ``runlocal``: segment 64, memory 64
 (evaluation 256), a dim-64 2-layer model, 200 steps on 8 streams; every memory length (keys
 ending in ``_len``, and ``eval_mem_lens``) is a quarter. ``cpu``: segment 32, memory lengths
-an eighth, a dim-128 2-layer model, 3000 steps on 16 streams (the memory comparison on one
+an eighth, a dim-128 2-layer model, 1500 steps on 16 streams (the memory comparison on one
 CPU). Reported loss is nats per byte;
 evaluation also reports ``bits_per_byte``, and with ``eval_mem_lens`` (``data.eval_mem_lens``)
 the same metrics at each of those evaluation memory lengths (``bits_per_byte_mem{N}``), read
@@ -39,15 +39,15 @@ def config(memory: dict, size: str | None, *, eval_mem_lens=()):
                       checkpoint_every=100))
     elif size == "cpu":
         # The memory comparison at a size one CPU trains in minutes: segment 32, every memory
-        # length an eighth, a dim-128 2-layer model trained 3000 steps on 16 streams (long
+        # length an eighth, a dim-128 2-layer model trained 1500 steps on 16 streams (long
         # enough to learn to read the memory, which 200 steps of runlocal are not).
         c.data.update(dict(seq_len=32, num_eval=64, num_test=128,
                            eval_mem_lens=tuple(n // 8 for n in eval_mem_lens)))
         c.model.update(dict(dim=128, num_layers=2, num_heads=4, hidden=512))
         c.model.memory.update({k: v // 8 for k, v in memory.items() if k.endswith("_len")})
         c.optim.update(dict(learning_rate=1e-3, warmup_steps=100))
-        c.update(dict(batch_size=16, num_train_steps=3000, log_every=100, eval_every=1000,
-                      checkpoint_every=1000))
+        c.update(dict(batch_size=16, num_train_steps=1500, log_every=100, eval_every=500,
+                      checkpoint_every=500))
     elif size is not None:
         raise ValueError(f"size must be 'runlocal', 'cpu' or absent, got {size!r}")
     c.lock()
