@@ -8,6 +8,15 @@ with memory 0, 256, 512 and 2048: ``bits_per_byte_mem0``, ...) or ``none`` (the
 same model and relative positions without memory: the baseline of the paper's comparison).
 Other evaluation memory lengths: ``--config.data.eval_mem_lens="(0, 512)"``. Sizes in
 ``_memory.py``.
+
+Measured with ``xl,cpu`` and ``none,cpu`` (segment 32, training memory 32, evaluation memory
+128; dim 128, 2 layers, 1500 steps on 16 streams; shared 2-core CPU at load 7-14), bits per
+byte, validation / test: no memory 2.539 / 2.531; XL with evaluation memory 0: 2.931 / 3.013,
+32 (the training length): 2.501 / 2.478, 64: 2.494 / 2.467, 128: 2.516 / 2.491, 256: 2.561 /
+2.546. At step 500 the memoryless model was ahead (2.809 against XL's 2.888 at memory 32); XL
+passed it by step 1000 (2.618 against 2.641). Memory helps once trained to be read; an
+evaluation memory of twice the training one helps a little more, longer ones hurt (relative
+distances never seen in training).
 """
 
 from experiments.configs.lm import _memory
