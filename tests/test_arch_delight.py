@@ -55,6 +55,12 @@ def test_widths_groups_and_scaling():
     assert delight_widths(16, 8, 5, 2.0, 4)[1] == [1, 2, 4, 2, 1]
     # N^b = N_min + (N_max - N_min) b / (B - 1), w^b = w_m + (N_max - N_min) b / (N_min (B - 1))
     assert delight_scaling(4, 2, 8, 2.0) == [(2, 2.0), (4, 3.0), (6, 4.0), (8, 5.0)]
+    # Fractional depths (the paper's N_min = 4, N_max = 8 over B = 8 blocks): eq. 4 gives
+    # 4, 4.57, 5.14, 5.71, 6.29, 6.86, 7.43, 8, of which the integer part is taken.
+    scaled = delight_scaling(8, 4, 8, 2.0)
+    assert [n for n, _ in scaled] == [4, 4, 5, 5, 6, 6, 7, 8]
+    np.testing.assert_allclose([w for _, w in scaled], [2.0 + 4 * b / (4 * 7) for b in range(8)])
+    assert scaled[-1][1] == pytest.approx(2.0 + 8 / 4 - 1)  # w_m + N_max / N_min - 1
     with pytest.raises(ValueError, match="min_depth"):
         delight_scaling(3, 4, 2, 2.0)
     with pytest.raises(ValueError, match="divisible by groups"):

@@ -5,7 +5,9 @@
   :class:`GroupLinear`): the first ``ceil(N/2)`` layers expand the width linearly from ``d_m``
   to ``w_m d_m``, the rest reduce it linearly to ``d_o``. Layer ``l`` (1-based) has
   ``g^l = min(2^(l-1), g_max)`` groups for ``l <= ceil(N/2)`` and ``g^l = g^(N-l+1)`` after
-  (mirrored), each group a separate linear map of its slice of the features. Between layers
+  (mirrored; eq. 3 prints ``g^(N-l)``, one layer off, and the authors' code mirrors), each
+  group a separate linear map of its slice of the features (eq. 3's ``2^(l-1)``: the authors'
+  code starts at ``2^l``). Between layers
   the features are shuffled across groups, and the input mixer feeds every layer after the
   first the group-wise concatenation of the input ``X`` and the previous output
   ``Y^(l-1)``: ``Y^l = F(H(X, Y^(l-1)), W^l, g^l)``. A GELU follows every layer but the last.
@@ -16,7 +18,15 @@
   ``N^b = N_min + (N_max - N_min) b / (B - 1)`` and width multiplier
   ``w_m^b = w_m + (N_max - N_min) b / (N_min (B - 1))``: shallow and narrow near the input,
   deep and wide near the output (:class:`DeLighTStack`; the blocks differ in shape, so they
-  are a tuple run in order, not a scanned stack).
+  are a tuple run in order, not a scanned stack). Eq. 4 leaves ``N^b`` fractional; the
+  authors' code takes its integer part (``np.linspace(N_min, N_max, B, dtype=int)``) and
+  spaces the multipliers linearly from ``w_m`` to ``w_m + N_max / N_min - 1``, the same
+  values as eq. 4's ``w_m^b``; this module does both.
+
+The expansion widths between ``d_m`` and ``w_m d_m`` are "linear" in the paper without a
+formula; here layer ``l <= ceil(N/2)`` has width ``d_m + (w_m d_m - d_m) l / ceil(N/2)`` (the
+authors' code instead spaces ``ceil(N/2)`` widths from ``d_m`` itself to ``w_m d_m``, and
+wraps the GLTs in a linear input projection and a linear output layer over the mixed input).
 """
 
 from __future__ import annotations
@@ -166,7 +176,7 @@ class DeLighTBlock(eqx.Module):
 
 def delight_scaling(num_blocks: int, min_depth: int, max_depth: int, width_mult: float):
     """Block-wise scaling (Mehta et al., 2021, eq. 4): ``[(N^b, w_m^b)]`` for ``b = 0 ..
-    B-1``, the depth rounded to an int."""
+    B-1``, the depth's integer part (as the authors' code takes it)."""
     if num_blocks < 1 or not 1 <= min_depth <= max_depth:
         raise ValueError(f"delight_scaling: num_blocks={num_blocks} >= 1 and 1 <= min_depth="
                          f"{min_depth} <= max_depth={max_depth} expected")
@@ -175,7 +185,9 @@ def delight_scaling(num_blocks: int, min_depth: int, max_depth: int, width_mult:
     out = []
     for b in range(num_blocks):
         frac = b / (num_blocks - 1)
-        out.append((int(round(min_depth + (max_depth - min_depth) * frac)),
+        # The integer part of eq. 4's depth (the small margin keeps b / (B - 1) rounding
+        # error from taking 6 to 5.999...).
+        out.append((int(math.floor(min_depth + (max_depth - min_depth) * frac + 1e-9)),
                     width_mult + (max_depth - min_depth) * frac / min_depth))
     return out
 
