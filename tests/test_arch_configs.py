@@ -84,3 +84,48 @@ def test_lra_configs_and_errors():
         _arch_models.classifier(_config(arch="swin").model, train.Task(
             None, None, None, vocab_size=VOCAB, num_classes=2, seq_len=15, padded=False),
             jax.random.PRNGKey(0), block={}, max_len=15)
+
+
+def test_evaluate_exits_goes_through_the_trained_exits():
+    """``evaluate_exits`` over a split (two batches, the last short) equals the exits chosen
+    from every exit's logits by DeeBERT's rule; a threshold no entropy passes is the last
+    exit's accuracy at full depth (PABEE's exits are checked in test_adaptive.py)."""
+    import equinox as eqx
+    from xformers_jax.data import ArraySource
+
+    c = _config(depth_mode="early_exit")
+    model = jit0(lambda k: train.build_model(c.model, TASK, k))(jax.random.PRNGKey(2))
+    # Larger exit weights than at initialisation: confident, varied predictions to exit on.
+    model = eqx.tree_at(lambda m: m.model.heads, model, model.model.heads * 6)
+    n = 5
+    x = np.array(jax.random.randint(jax.random.PRNGKey(3), (n, L), 1, VOCAB))
+    x[1, 10:] = 0
+    x[3, 5:] = 0
+    y = np.array([0, 1, 2, 1, 0])
+    source = ArraySource({"inputs": x, "targets": y})
+    every = np.asarray(jit0(lambda m: m.model(x, mask=x != 0))(model))    # [2, n, C]
+    logp = jax.nn.log_softmax(every, -1)
+    entropy = np.asarray(-(jnp.exp(logp) * logp).sum(-1))
+    preds = every.argmax(-1)
+    threshold = float(np.median(entropy[0]))
+    first = entropy[0] < threshold
+    assert 0 < first.sum() < n, "test needs some examples exiting early and some not"
+    want = np.where(first, 1, 2)
+    cases = [("entropy", dict(threshold=threshold), want),
+             ("entropy", dict(threshold=-1.0), np.full(n, 2))]
+    for criterion, kw, layer in cases:
+        got = _arch_models.evaluate_exits(model, source, 3, padded=True, criterion=criterion,
+                                          **kw)
+        pred = preds[layer - 1, np.arange(n)]
+        np.testing.assert_allclose(got["accuracy"], np.mean(pred == y))
+        np.testing.assert_allclose(got["expected_layers"], layer.mean())
+        np.testing.assert_allclose(got["flops_saved"], 1 - layer.mean() / 2)
+        # Batches [0:3], [3:5] run until their last example exits.
+        batch = [layer[:3].max()] * 3 + [layer[3:].max()] * 2
+        np.testing.assert_allclose(got["batch_layers"], np.mean(batch))
+        assert got["exits"] == [int((layer == 1).sum()), int((layer == 2).sum())]
+    with pytest.raises(ValueError, match="needs an early-exit classifier"):
+        _arch_models.evaluate_exits(model.model.encoder, source, 3, padded=True)
+    with pytest.raises(ValueError, match="patience must be at least 1"):
+        _arch_models.evaluate_exits(model, source, 3, padded=True, criterion="patience",
+                                    patience=0)

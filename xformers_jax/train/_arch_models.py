@@ -10,7 +10,8 @@
   threshold ``model.act_threshold``; the mean ponder cost, weighted by ``loss.ponder``, joins
   the loss); ``"early_exit"`` (``nn.EarlyExitClassifier``: an exit classifier after every layer,
   trained with PABEE's weighted loss over the exits; training and evaluation report the last
-  exit's accuracy, and :meth:`nn.EarlyExitClassifier.exit` runs the early-exit inference).
+  exit's accuracy; :func:`evaluate_exits` evaluates a split through the trained exits with
+  :meth:`nn.EarlyExitClassifier.exit`, DeeBERT's entropy threshold or PABEE's patience).
 
 The models return ``(logits, aux)``; :func:`adaptive_loss` turns their aux into the loss
 terms.
@@ -24,8 +25,11 @@ import math
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from .. import nn
+from ..data import DataIterator
+from ..nn._adaptive import CRITERIA as EXIT_CRITERIA
 from ..nn._models import pool
 
 ARCHS = ("transformer", "swin")
@@ -140,3 +144,59 @@ def adaptive_loss(loss, aux: dict, labels, coefs) -> tuple:
         loss = loss + coefs.get("ponder", 1e-2) * ponder
         metrics["ponder"] = ponder
     return loss, aux, metrics
+
+
+@eqx.filter_jit
+def _exit_batch(model, inputs, mask, criterion, threshold, patience):
+    return model.exit(inputs, mask=mask, criterion=criterion, threshold=threshold,
+                      patience=patience)
+
+
+def evaluate_exits(model, source, batch_size: int, *, padded: bool, criterion: str = "entropy",
+                   threshold: float = 0.5, patience: int = 2) -> dict:
+    """Early-exit inference over a whole split (in order; the last batch may be short).
+
+    ``model`` is an early-exit classifier (``model.depth_mode='early_exit'``'s
+    :class:`ExitsClassifier` or an ``nn.EarlyExitClassifier``); each batch goes through
+    :meth:`nn.EarlyExitClassifier.exit` (``criterion``, ``threshold``, ``patience`` as there;
+    id 0 is padding when ``padded``). Returns::
+
+      accuracy         the exits' predictions against ``targets``
+      expected_layers  the mean exit layer over examples (what each example costs, DeeBERT's
+                       and PABEE's figure)
+      flops_saved      1 - expected_layers / num_layers (the layers' share of the compute)
+      batch_layers     the mean over examples of the layers their batch ran (a batch runs
+                       until its last example exits: the compute actually spent at this
+                       batch size)
+      exits            examples exiting after layer 1..num_layers (a list)
+    """
+    ee = model.model if isinstance(model, ExitsClassifier) else model
+    if not isinstance(ee, nn.EarlyExitClassifier):
+        raise ValueError(f"evaluate_exits needs an early-exit classifier "
+                         f"(model.depth_mode='early_exit'), got {type(model).__name__}")
+    if criterion not in EXIT_CRITERIA:
+        raise ValueError(f"evaluate_exits: criterion must be one of "
+                         f"{EXIT_CRITERIA}, got {criterion!r}")
+    if criterion == "patience" and patience < 1:
+        raise ValueError(f"evaluate_exits: patience must be at least 1, got {patience!r}")
+    n = ee.num_layers
+    # Arrays, so that every threshold and patience shares one compiled program per shape.
+    thr, pat = jnp.float32(threshold), jnp.int32(patience)
+    it = DataIterator(source, batch_size=min(batch_size, len(source)), shuffle=False,
+                      num_epochs=1, drop_remainder=False)
+    correct = count = layers = batch_layers = 0
+    exits = np.zeros(n, np.int64)
+    for batch in it:
+        x = jnp.asarray(batch["inputs"])
+        res = _exit_batch(ee, x, (x != 0) if padded else None, criterion, thr, pat)
+        targets = np.asarray(batch["targets"])
+        layer = np.asarray(res.exit_layer)
+        correct += int(np.sum(np.asarray(jnp.argmax(res.logits, -1)) == targets))
+        count += len(targets)
+        layers += int(layer.sum())
+        batch_layers += int(res.layers_run) * len(targets)
+        exits += np.bincount(layer - 1, minlength=n)
+    expected = layers / count
+    return {"accuracy": correct / count, "expected_layers": expected,
+            "flops_saved": 1.0 - expected / n, "batch_layers": batch_layers / count,
+            "exits": exits.tolist()}
