@@ -3,7 +3,9 @@
 (compiles), so one teacher run carries several switches: LayerDrop training and layer
 pruning, a lottery ticket (one-shot pruning with rewinding) interrupted and resumed, int8
 quantization (int8 arrays in the saved checkpoint); a student is then distilled from it,
-restored with orbax, with KD and TinyBERT's losses (which fall). The gradual schedule's
+restored with orbax, with KD and TinyBERT's losses (which fall); a half-depth student from every
+other teacher layer with the cosine loss (DistilBERT); QAT fine-tuned from the teacher's
+checkpoint (``init_from``). The gradual schedule's
 masks and resume are checked in test_compress_prune.py."""
 
 import os
@@ -167,3 +169,52 @@ def test_student_distilled_from_restored_teacher(teacher, tmp_path):
     init = C.TinyBertProjections(16, 32, 1, key=jax.random.fold_in(jax.random.PRNGKey(0), 1))
     restored = parallel.restore_checkpoint(state, init, prefix="model/projections")
     assert not np.allclose(restored.w, init.w)
+
+
+def test_qat_fine_tuned_from_the_float_checkpoint(teacher, tmp_path):
+    """``init_from``: QAT starts from the teacher's weights (the standard recipe), not afresh."""
+    _, _, teacher_dir = teacher
+    config = _config(steps=2, **{"quantize": "qat", "init_from": teacher_dir,
+                                 "optim.learning_rate": 1e-4,
+                                 "calibration.method": "dynamic"})
+    result = train.train_and_evaluate(config, str(tmp_path))
+    task = train.make_task(config.data, config.seed)
+    start = _compress.restore_model(teacher_dir, config.model, task, jax.random.PRNGKey(0))
+    fresh = train.build_model(config.model, task, jax.random.PRNGKey(0))
+    tuned = C.dequantize_model(_model(config, str(tmp_path), 2))
+    arrays = [jax.tree.leaves(eqx.filter(m, eqx.is_array)) for m in (start, tuned, fresh)]
+    # Two Adam steps of 1e-4 move each weight by at most ~2e-4; the fresh model is far off.
+    assert max(float(np.max(np.abs(a - b))) for a, b in zip(arrays[0], arrays[1])) < 1e-3
+    assert max(float(np.max(np.abs(a - b))) for a, b in zip(arrays[0], arrays[2])) > 0.1
+    assert 0 <= result["test_accuracy_int8"] <= 1
+    with pytest.raises(ValueError, match="init_from and distill.init"):
+        train.validate_config(_config(**{"init_from": teacher_dir,
+                                         "distill.teacher": teacher_dir,
+                                         "distill.init": "every_other"}))
+
+
+def test_distilbert_student_every_other_layer_with_cosine_loss(teacher, tmp_path):
+    """DistilBERT: the half-depth student starts from the teacher's layer 0 of 2 (and its
+    embeddings, norm and head), trained with KD and the cosine loss on the last hidden
+    states, which falls."""
+    _, _, teacher_dir = teacher
+    config = _config(model=dict(TEACHER, num_layers=1), steps=6, **{
+        "distill.teacher": teacher_dir, "distill.num_layers": 2, "distill.init": "every_other",
+        "distill.alpha": 0.5, "distill.cosine": 1.0, "optim.learning_rate": 1e-2})
+    task = train.make_task(config.data, config.seed)
+    key = jax.random.PRNGKey(0)
+    t = _compress.load_teacher(config, task, key)
+    s = _compress.prepare_model(config, train.build_model(config.model, task, key), t)
+    t_layers = jax.tree.leaves(eqx.filter(t.encoder.layers, eqx.is_array))
+    for a, b in zip(t_layers, jax.tree.leaves(eqx.filter(s.encoder.layers, eqx.is_array))):
+        np.testing.assert_array_equal(a[:1], b)  # stacked layers: the teacher's layer 0
+    np.testing.assert_array_equal(t.head, s.head)
+    workdir = str(tmp_path)
+    train.train_and_evaluate(config, workdir)
+    rows = [r for r in train.read_jsonl(os.path.join(workdir, "metrics.jsonl"))
+            if "train_cosine" in r]
+    assert len(rows) == 6
+    cos = [r["train_cosine"] for r in rows]
+    assert np.mean(cos[-2:]) < np.mean(cos[:2]), cos
+    assert all(r["train_loss"] == pytest.approx(
+        0.5 * r["train_ce"] + 0.5 * r["train_kd"] + r["train_cosine"], rel=1e-4) for r in rows)

@@ -4,7 +4,12 @@
   model is quantized, activations calibrated on ``calibration.num_batches`` training batches
   by ``calibration.method`` ``"max"``, ``"percentile"`` or ``"dynamic"`` (per token at run
   time), evaluated on the test split and saved to ``<workdir>/quantized``) or ``"qat"``
-  (trained with fake quantization, then quantized to int8 as above).
+  (trained with fake quantization, then quantized to int8 as above). Quantization-aware
+  training usually fine-tunes a trained float model for a fraction of its steps (Jacob et al.,
+  2018; Krishnamoorthi, 2018): ``init_from`` names that model.
+* ``init_from``: a trainer workdir (its best, else latest, step) or a checkpoint's ``state``
+  directory whose model, restored with orbax into this config's model, replaces the initial
+  weights (fine-tuning: QAT from a float checkpoint). The optimizer starts afresh.
 * ``prune``: ``sparsity > 0`` prunes the matmul weights by magnitude (``scope`` "layer" or
   "global") on Zhu & Gupta's schedule from ``begin_step`` to ``end_step`` (0: 3/4 of the
   run) every ``frequency`` steps; the masks are in the optimizer state (checkpointed, so pruned
@@ -53,6 +58,7 @@ DISTILL_INIT = ("none", "every_other")
 def add_defaults(c: ml_collections.ConfigDict) -> None:
     """The compression keys of ``base_config`` (all off by default)."""
     c.quantize = "none"
+    c.init_from = ""
     c.calibration = ml_collections.ConfigDict(dict(method="max", percentile=99.99,
                                                    num_batches=4))
     c.prune = ml_collections.ConfigDict(dict(sparsity=0.0, scope="layer", begin_step=0,
@@ -88,6 +94,8 @@ def validate(config) -> None:
     d = config.distill
     if d.init not in DISTILL_INIT:
         raise ValueError(f"distill.init must be one of {DISTILL_INIT}, got {d.init!r}")
+    if config.init_from and d.init != "none":
+        raise ValueError("init_from and distill.init both set the initial weights: use one")
     if d.init != "none" and not d.teacher:
         raise ValueError("distill.init needs distill.teacher")
     if not 0 <= d.alpha <= 1 or d.temperature <= 0:
@@ -136,6 +144,13 @@ def _state_dir(path: str) -> str:
     return path
 
 
+def restore_model(path: str, model_config, task, key):
+    """The model of ``model_config`` restored by path (orbax) from a trainer workdir's best
+    (else latest) step, or from a checkpoint's ``state`` directory."""
+    like = eqx.filter_eval_shape(build_model, model_config, task, key)
+    return parallel.restore_checkpoint(_state_dir(path), like, prefix="model")
+
+
 def load_teacher(config, task, key):
     """The frozen teacher: this config's model with ``distill``'s size overrides, restored
     by path from ``distill.teacher``."""
@@ -144,8 +159,7 @@ def load_teacher(config, task, key):
     for name in ("num_layers", "dim", "num_heads", "hidden"):
         if d[name]:
             m[name] = d[name]
-    like = eqx.filter_eval_shape(build_model, m, task, key)
-    return parallel.restore_checkpoint(_state_dir(d.teacher), like, prefix="model")
+    return restore_model(d.teacher, m, task, key)
 
 
 class Student(eqx.Module):
@@ -166,8 +180,11 @@ def student_of(model):
 
 
 def prepare_model(config, model, teacher):
-    """The model to train: initialised from the teacher (DistilBERT), fake-quantized (QAT),
-    with LayerDrop, and with TinyBERT's projections (:class:`Student`)."""
+    """The model to train: restored from ``init_from`` or initialised from the teacher
+    (DistilBERT), fake-quantized (QAT), with LayerDrop, and with TinyBERT's projections
+    (:class:`Student`)."""
+    if config.init_from:
+        model = parallel.restore_checkpoint(_state_dir(config.init_from), model, prefix="model")
     if config.distill.init == "every_other":
         student = C.distilbert_init(teacher)
         if jax.tree.structure(student) != jax.tree.structure(model) or any(
