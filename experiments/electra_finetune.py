@@ -9,12 +9,19 @@ Both classifiers are ``nn.Electra(...).classifier(2)`` (the discriminator's embe
 and final norm with mean pooling and a new head): one from the pre-trained checkpoint (its
 best step, restored by path with orbax), one freshly initialised. The task is ``text`` with
 the standard library's bytes (``data.StdlibBytesClassification``) at the pre-training window
-length. Prints one JSON line with both test accuracies.
+length. ``--pretrained_learning_rate`` sets the pre-trained model's own peak learning rate
+(fine-tuning usually uses a lower one than training from scratch; default: the same);
+``--num_train`` the labelled training windows. Prints one JSON line with both test
+accuracies and whether pre-training learned anything: the discriminator's last logged
+binary cross-entropy against the entropy of its labels' base rate (a discriminator that
+answers the base rate everywhere scores exactly that entropy), and appends it to ``--out``.
 """
 
 from __future__ import annotations
 
 import json
+import math
+import os
 
 import equinox as eqx
 import jax
@@ -29,7 +36,27 @@ _ELECTRA = flags.DEFINE_string("electra", "runs/electra", "The ELECTRA pre-train
 _STEPS = flags.DEFINE_integer("steps", 300, "Fine-tuning steps (both models).")
 _BATCH = flags.DEFINE_integer("batch_size", 16, "Batch size.")
 _LR = flags.DEFINE_float("learning_rate", 1e-3, "Peak learning rate (cosine, 30 warmup).")
+_PRE_LR = flags.DEFINE_float("pretrained_learning_rate", None,
+                             "The pre-trained model's peak learning rate (None: --learning_rate).")
+_NUM_TRAIN = flags.DEFINE_integer("num_train", 4000, "Labelled training windows.")
 _RUNLOCAL = flags.DEFINE_bool("runlocal", True, "The pre-training used the runlocal config.")
+_OUT = flags.DEFINE_string("out", "experiments/results/compress_electra.jsonl",
+                           "Where the result line is appended ('' for nowhere).")
+
+
+def pretraining_summary(workdir: str) -> dict:
+    """The last logged discriminator loss against the base-rate entropy of its labels."""
+    rows = [r for r in train.read_jsonl(os.path.join(workdir, "metrics.jsonl"))
+            if "train_disc" in r]
+    if not rows:
+        return {}
+    last = rows[-1]
+    p = last["train_replaced"]
+    entropy = -(p * math.log(p) + (1 - p) * math.log(1 - p))
+    return {"pretraining_steps": last["step"], "pretraining_disc_bce": last["train_disc"],
+            "pretraining_base_rate_entropy": entropy,
+            "pretraining_disc_accuracy": last["train_accuracy"],
+            "pretraining_mlm": last["train_mlm"]}
 
 
 def finetune(model, task, steps, batch_size, lr, seed=0):
@@ -54,16 +81,23 @@ def main(argv):
     pretrained = parallel.restore_checkpoint(_state_dir(_ELECTRA.value), like, prefix="model")
     fresh = train.build_model(ec.model, e_task, jax.random.PRNGKey(ec.seed + 1))
     tc = train.base_config("text")
-    tc.data.update(dict(source="stdlib", seq_len=ec.data.seq_len, num_train=4000,
+    tc.data.update(dict(source="stdlib", seq_len=ec.data.seq_len, num_train=_NUM_TRAIN.value,
                         num_eval=256, num_test=512))
     task = train.make_task(tc.data, 0)
-    out = {"steps": _STEPS.value, "batch_size": _BATCH.value, "seq_len": ec.data.seq_len}
-    for name, electra in (("electra", pretrained), ("scratch", fresh)):
+    pre_lr = _LR.value if _PRE_LR.value is None else _PRE_LR.value
+    out = {"electra": _ELECTRA.value, "steps": _STEPS.value, "batch_size": _BATCH.value,
+           "seq_len": ec.data.seq_len, "num_train": _NUM_TRAIN.value,
+           "learning_rate": _LR.value, "pretrained_learning_rate": pre_lr,
+           "load": os.getloadavg()[0]} | pretraining_summary(_ELECTRA.value)
+    for name, electra, lr in (("electra", pretrained, pre_lr), ("scratch", fresh, _LR.value)):
         clf = electra.classifier(task.num_classes, key=jax.random.PRNGKey(7))
-        result = finetune(clf, task, _STEPS.value, _BATCH.value, _LR.value)
+        result = finetune(clf, task, _STEPS.value, _BATCH.value, lr)
         out[f"{name}_test_accuracy"] = result["accuracy"]
         out[f"{name}_test_loss"] = result["loss"]
     print(json.dumps(out))
+    if _OUT.value:
+        with open(_OUT.value, "a") as f:
+            f.write(json.dumps(out) + "\n")
 
 
 if __name__ == "__main__":
