@@ -98,6 +98,35 @@ def test_act_decodes_step_by_step_as_the_parallel_form_and_leaks_nothing():
     assert float(jnp.abs(moved[:, t:] - par[:, t:]).max()) > 1e-3
 
 
+class _Counting(eqx.Module):
+    """The block, counting the times it is computed (a host callback runs only when the
+    branch holding it does)."""
+
+    block: eqx.Module
+
+    def __call__(self, x, *, kv_mask=None, key=None):
+        jax.debug.callback(lambda: _CALLS.append(1))
+        return self.block(x, kv_mask=kv_mask, key=key)
+
+
+_CALLS = []
+
+
+@pytest.mark.parametrize("halt_bias,threshold,slowest", [(30.0, 0.99, 1), (2.5, 0.7, 2)])
+def test_act_skips_the_steps_after_every_position_halted(halt_bias, threshold, slowest):
+    model, x = _act(halt_bias=halt_bias, threshold=threshold), _x()
+    counted = eqx.tree_at(lambda m: m.block, model, _Counting(model.block))
+    _CALLS.clear()
+    out, info = eqx.filter_jit(lambda m, x: m(x))(counted, x)
+    jax.effects_barrier()
+    # Positions halting after 1 (and 2) of 3 steps: the block runs only as often as the
+    # slowest position needs.
+    assert int(np.asarray(info.updates).max()) == slowest < STEPS
+    assert int(info.steps_run) == slowest == len(_CALLS)
+    ref, n, _ = eqx.filter_jit(_act_reference)(model, x)   # every step computed
+    assert_close(out, ref)
+
+
 def test_act_padding_changes_no_real_output():
     model, x = _act(halt_bias=-0.5, threshold=0.7), _x(3)
     n = L - 3

@@ -8,7 +8,13 @@
   tensor2tensor code interpolates ``s_n w_n + out (1 - w_n)`` instead, a different mix). The ponder cost ``N + R`` (updates plus
   remainder) is returned for the loss. Halted positions keep being transformed, so later
   positions can still attend to them (the Universal Transformer's form); their output is fixed.
-  Causal stacks decode token by token with one cache per step, equal to the parallel form.
+  A step after every real position of the batch has halted is not computed (``lax.cond``; it
+  would add nothing to any output), so a batch costs its slowest position's steps. A single
+  halted position cannot skip its compute: the attention of the positions still running reads
+  its state, and taking the running positions out of the ``[B, L]`` grid would give each step
+  a data-dependent shape. (Under ``vmap`` the cond becomes a select and every step runs.)
+  Causal stacks decode token by token with one cache per step, equal to the parallel form
+  (decoding runs every step: a later token still running attends to this token's states).
 * :class:`EarlyExitClassifier` (Xin et al., 2020, "DeeBERT: Dynamic Early Exiting for
   Accelerating BERT Inference"; Zhou et al., 2020, "BERT Loses Patience: Fast and Robust
   Inference with Early Exit"): a classifier after every layer. :meth:`EarlyExitClassifier.exit`
@@ -36,10 +42,12 @@ from ._positions import sinusoid
 class ACTInfo(NamedTuple):
     """Per-position ponder statistics ``[B, L]``: ``updates`` (N, steps taken), ``remainders``
     (R); the ponder cost is ``updates + remainders`` (mean it over real positions for the
-    loss)."""
+    loss). ``steps_run``: the steps the batch computed (int32; its slowest real position's
+    N)."""
 
     updates: jax.Array
     remainders: jax.Array
+    steps_run: jax.Array | None = None
 
     @property
     def ponder_cost(self):
@@ -106,14 +114,25 @@ class ACTStack(eqx.Module):
         state, out = x, jnp.zeros_like(x)
         # A Python loop over a static step count (max_steps is small): differentiable, and each
         # step's halting rule (the last step halts everything) is static.
+        real = jnp.ones((b, length), bool) if kv_mask is None else kv_mask.astype(bool)
+        steps_run = jnp.int32(0)
         for t in range(self.max_steps):
+            # Whether a real position still runs at this step (after its halting update a
+            # position that halts now still takes this step's output, with its remainder).
+            active = jnp.any((carry[0] < 1.0) & real)
             state = self._embed_step(state, t)
             weight, carry = self._halting(state, carry, t)
             k = None if key is None else jax.random.fold_in(key, t)
-            state = self.block(state, kv_mask=kv_mask, key=k)
+            if t == 0:  # every position takes the first step
+                state = self.block(state, kv_mask=kv_mask, key=k)
+            else:
+                state = jax.lax.cond(
+                    active, lambda s: self.block(s, kv_mask=kv_mask, key=k), lambda s: s,
+                    state)
+            steps_run = steps_run + active.astype(jnp.int32)
             w = weight[..., None].astype(x.dtype)
             out = out + w * state
-        return out, ACTInfo(carry[2], carry[1])
+        return out, ACTInfo(carry[2], carry[1], steps_run)
 
     def init_cache(self, batch: int, max_len: int, dtype=jnp.float32):
         """One decoding cache per step, stacked on a leading step axis."""
