@@ -10,7 +10,7 @@ import numpy as np
 import optax
 import pytest
 
-from xformers_jax import nn, train
+from xformers_jax import nn, parallel, train
 from xformers_jax.train import _arch_models
 from tests.fast_jit import jit0
 from tests.tolerances import assert_close
@@ -47,8 +47,12 @@ def test_configs_build_and_train(setting):
     model = jit0(lambda k: train.build_model(c.model, TASK, k))(jax.random.PRNGKey(0))
     batch = _batch()
     loss_fn = train.make_loss_fn(TASK, aux_coefficients=dict(c.loss))
-    (loss, metrics), grads = jit0(jax.value_and_grad(
-        lambda m: loss_fn(m, batch, None), has_aux=True))(model)
+    # Under a mesh, as the trainer runs it: the models' sharding constraints name their axes
+    # (Swin's 4D grid once reached the FFN's [batch, length, mlp] constraint there).
+    one = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("data",))
+    with parallel.use_mesh(one):
+        (loss, metrics), grads = jit0(jax.value_and_grad(
+            lambda m: loss_fn(m, batch, None), has_aux=True))(model)
     assert np.isfinite(float(loss))
     assert all(bool(jnp.all(jnp.isfinite(g))) for g in jax.tree_util.tree_leaves(grads))
     mask = batch["inputs"] != 0

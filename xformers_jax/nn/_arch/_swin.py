@@ -140,7 +140,9 @@ class SwinBlock(eqx.Module):
         # When the grid is one window, shifting would only wrap it: no shift (as the paper).
         shift = self.shift if min(x.shape[1], x.shape[2]) > self.attn.window else 0
         x = x + self.attn(self.norm1(x), shift)
-        return x + self.ffn(self.norm2(x))
+        # The FFN is per token: run it on [B, H W, C] (its sharding names a length axis).
+        b, h, w, c = x.shape
+        return x + self.ffn(self.norm2(x).reshape(b, h * w, c)).reshape(b, h, w, c)
 
 
 class PatchMerging(eqx.Module):
