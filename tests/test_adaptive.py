@@ -13,17 +13,23 @@ import pytest
 
 import xformers_jax.nn as nn
 from xformers_jax.nn._positions import sinusoid
+from tests.fast_jit import build
 from tests.tolerances import EXACT_GRAD, assert_close
 
 B, L, DIM, HEADS, HIDDEN, STEPS = 2, 8, 16, 2, 32, 3
 jit0 = functools.partial(jax.jit, compiler_options={"xla_backend_optimization_level": 0})
 
 
+@functools.lru_cache(maxsize=None)
 def _act(causal=False, halt_bias=0.0, threshold=0.99):
     make = lambda k: nn.TransformerBlock(DIM, HEADS, HIDDEN, causal=causal, max_len=L,  # noqa
                                          key=k)
-    return nn.ACTStack(make, DIM, STEPS, threshold=threshold, halt_bias=halt_bias,
-                       key=jax.random.PRNGKey(0))
+    return build(functools.partial(nn.ACTStack, make, DIM, STEPS, threshold=threshold,
+                                   halt_bias=halt_bias), 0)
+
+
+# Forward calls compiled as one program each (eager calls compile every operation).
+_fwd = eqx.filter_jit(lambda m, x, **kw: m(x, **kw))
 
 
 def _x(seed=1):
@@ -73,18 +79,18 @@ def test_act_matches_graves_reference_outputs_and_gradients():
 
 def test_act_that_always_halts_after_one_step_is_one_layer():
     model, x = _act(halt_bias=30.0), _x()
-    out, info = model(x)
-    one = model.block(x + sinusoid(jnp.asarray(0), DIM))
+    out, info = _fwd(model, x)
+    one = _fwd(model.block, x + sinusoid(jnp.asarray(0), DIM))
     assert_close(out, one)
     np.testing.assert_array_equal(np.asarray(info.updates), 1.0)
     # The same as a one-layer Universal-Transformer stack of that block.
     stack = nn.LayerStack(lambda k: model.block, 1, universal=True, key=jax.random.PRNGKey(3))
-    assert_close(out, stack(x))
+    assert_close(out, _fwd(stack, x))
 
 
 def test_act_decodes_step_by_step_as_the_parallel_form_and_leaks_nothing():
     model, x = _act(causal=True, halt_bias=-0.5, threshold=0.7), _x(2)
-    par, _ = model(x)
+    par, _ = _fwd(model, x)
     caches = model.init_cache(B, L)
     step = eqx.filter_jit(lambda x, c: model.decode(x, c))
     outs = []
@@ -93,7 +99,7 @@ def test_act_decodes_step_by_step_as_the_parallel_form_and_leaks_nothing():
         outs.append(y)
     assert_close(jnp.concatenate(outs, axis=1), par)
     t = L // 2
-    moved, _ = model(x.at[:, t].add(1.0))
+    moved, _ = _fwd(model, x.at[:, t].add(1.0))
     np.testing.assert_allclose(np.asarray(moved[:, :t]), np.asarray(par[:, :t]), atol=1e-6)
     assert float(jnp.abs(moved[:, t:] - par[:, t:]).max()) > 1e-3
 
@@ -132,9 +138,9 @@ def test_act_padding_changes_no_real_output():
     n = L - 3
     mask = jnp.arange(L)[None].repeat(B, 0) < n
     junk = x.at[:, n:].set(7.0)
-    a, info = model(x, kv_mask=mask)
-    b, _ = model(junk, kv_mask=mask)
-    c, _ = model(x[:, :n])
+    a, info = _fwd(model, x, kv_mask=mask)
+    b, _ = _fwd(model, junk, kv_mask=mask)
+    c, _ = _fwd(model, x[:, :n])
     assert_close(a[:, :n], b[:, :n])
     assert_close(a[:, :n], c)
     with pytest.raises(ValueError, match="max_steps must be a positive int"):
@@ -146,9 +152,10 @@ def test_act_padding_changes_no_real_output():
 NL = 3
 
 
+@functools.lru_cache(maxsize=None)
 def _exit_model():
-    m = nn.EarlyExitClassifier(4, DIM, NL, HEADS, HIDDEN, vocab_size=20, max_len=L,
-                               key=jax.random.PRNGKey(4))
+    m = build(functools.partial(nn.EarlyExitClassifier, 4, DIM, NL, HEADS, HIDDEN,
+                                vocab_size=20, max_len=L), 4)
     # Larger exit weights than at initialisation: confident, varied predictions to exit on.
     return eqx.tree_at(lambda m: m.heads, m, m.heads * 6)
 
@@ -168,7 +175,7 @@ def _run_exit(model, tokens, mask, criterion, arg):
 def test_early_exit_is_consistent_with_the_thresholds(criterion, arg):
     model, tokens = _exit_model(), _tokens()
     mask = jnp.arange(L)[None] < jnp.array([[L], [L], [L - 2], [L], [L - 4], [L]])
-    every = model(tokens, mask=mask)                       # [NL, B, C]
+    every = _fwd(model, tokens, mask=mask)                 # [NL, B, C]
     logp = jax.nn.log_softmax(every, -1)
     entropy = -(jnp.exp(logp) * logp).sum(-1)              # [NL, B]
     if criterion == "entropy":                              # thresholds at the 30%, 70% points
@@ -203,7 +210,7 @@ def test_early_exit_skips_the_layers_after_the_last_exit():
                            model, jax.tree_util.tree_map(
                                lambda a: a.at[1:].set(jnp.nan) if eqx.is_inexact_array(a) else a,
                                model.encoder.layers.layers.ffn))
-    res = poisoned.exit(tokens, criterion="entropy", threshold=100.0)
+    res = _run_exit(poisoned, tokens, None, "entropy", jnp.asarray(100.0))
     assert int(res.layers_run) == 1
     assert bool(jnp.isfinite(res.logits).all())
     np.testing.assert_allclose(float(res.flops_saved), 1 - 1 / NL, atol=1e-6)
@@ -226,20 +233,21 @@ def test_early_exit_loss_weights_the_exits():
 
 def _drop_stack(rate):
     make = lambda k: nn.TransformerBlock(DIM, HEADS, HIDDEN, max_len=L, key=k)  # noqa: E731
-    return nn.LayerStack(make, 4, layerdrop=rate, key=jax.random.PRNGKey(7))
+    return build(functools.partial(nn.LayerStack, make, 4, layerdrop=rate), 7)
 
 
 def test_layerdrop_skips_dropped_layers_and_prunes():
     stack, x = _drop_stack(0.5), _x(8)
+    drops = eqx.filter_jit(lambda s, k: s.dropped_layers(k))
     key = next(k for k in (jax.random.PRNGKey(i) for i in range(50))
-               if 0 < int(stack.dropped_layers(k).sum()) < 4)
-    dropped = np.asarray(stack.dropped_layers(key))
+               if 0 < int(drops(stack, k).sum()) < 4)
+    dropped = np.asarray(drops(stack, key))
     run = eqx.filter_jit(lambda s, x, k: s(x, key=k))
     out = run(stack, x, key)
     # The same as running only the kept layers.
     kept = stack.prune(np.flatnonzero(~dropped))
     assert kept.num_layers == int((~dropped).sum())
-    assert_close(out, kept(x))
+    assert_close(out, _fwd(kept, x))
     # A dropped layer is not computed: NaN parameters in it leave the output finite (a layer
     # multiplied by zero would give NaN), and in a kept layer they do not.
     poison = lambda which: eqx.tree_at(  # noqa: E731
@@ -254,7 +262,7 @@ def test_layerdrop_skips_dropped_layers_and_prunes():
     per_layer = np.asarray(jnp.abs(g.layers.ffn.w1).sum(axis=(1, 2)))
     np.testing.assert_array_equal(per_layer == 0, dropped)
     # No key or inference: every layer runs.
-    assert_close(stack(x), _drop_stack(0.0)(x))
+    assert_close(_fwd(stack, x), _fwd(_drop_stack(0.0), x))
     with pytest.raises(ValueError, match="layerdrop must be in"):
         _drop_stack(1.0)
     with pytest.raises(ValueError, match="keep must be layer indices"):
