@@ -54,6 +54,9 @@ _PYTHON = flags.DEFINE_string("python", None, "Python on the runners (default: t
                               "locally, python3 on a TPU).")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _DRY_RUN = flags.DEFINE_bool("dry_run", False, "Print the local commands, run nothing.")
+_RESUME = flags.DEFINE_bool("resume", False, "Locally, skip runs whose directory already "
+                            "holds a finished run's metrics (a test_accuracy record): resumes "
+                            "an interrupted sweep with the same arguments.")
 
 
 # The run key of a swept config argument (Hyper.args).
@@ -61,7 +64,14 @@ ARG = "config_arg"
 
 
 class Hyper:
-    """The ``hyper`` argument of ``get_hyper``: builds lists of ``{"config.KEY": value}``."""
+    """The ``hyper`` argument of ``get_hyper``: builds lists of ``{"config.KEY": value}``.
+
+    ``arg`` is the sweep's own config argument (``--config=FILE:ARG``; None without one), for
+    a sweep whose runs depend on it (e.g. a data directory that adds runs when it holds the
+    files)."""
+
+    def __init__(self, arg: str | None = None):
+        self.arg = arg
 
     @staticmethod
     def sweep(name: str, values) -> list[dict]:
@@ -100,14 +110,15 @@ class Hyper:
 
 
 def load_hyper(config: str) -> list[dict]:
-    """The runs ``get_hyper(Hyper())`` lists in ``config``'s file (one empty run without it)."""
-    path = config.split(":", 1)[0]
+    """The runs ``get_hyper(Hyper(ARG))`` lists in ``config``'s file (``FILE[:ARG]``; one empty
+    run without ``get_hyper``)."""
+    path, *arg = config.split(":", 1)
     spec = importlib.util.spec_from_file_location("_sweep_config", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     if not hasattr(module, "get_hyper"):
         return [{}]
-    return list(module.get_hyper(Hyper()))
+    return list(module.get_hyper(Hyper(arg[0] if arg else None)))
 
 
 def _value(v) -> str:
@@ -149,11 +160,28 @@ def tpu_commands(config: str, base: str, runs, overrides=(), *, tpu: str, zone: 
     return out
 
 
+def finished(path: str) -> bool:
+    """Whether the run directory ``path`` holds a finished run (a ``test_accuracy`` record in
+    its ``metrics.jsonl``)."""
+    path = os.path.join(path, "metrics.jsonl")
+    if not os.path.exists(path):
+        return False
+    with open(path) as fh:
+        return any("test_accuracy" in json.loads(line) for line in fh if line.strip())
+
+
 def run_local(config: str, base: str, runs, overrides=(), *, num_processes: int = 1,
-              python: str = sys.executable, log=print) -> list[int]:
-    """Runs every run, ``num_processes`` at a time; returns their exit codes."""
+              python: str = sys.executable, log=print, resume: bool = False) -> list[int]:
+    """Runs every run, ``num_processes`` at a time; returns their exit codes. With
+    ``resume``, a run whose directory already holds a finished run is not run again (code 0)."""
     pending = list(enumerate(runs))
     active, codes = {}, {}
+    if resume:
+        for i, _ in list(pending):
+            if finished(run_dir(base, i)):
+                log(f"[sweep] run {i:03d} already finished in {run_dir(base, i)}: kept")
+                codes[i] = 0
+        pending = [(i, run) for i, run in pending if i not in codes]
     while pending or active:
         while pending and len(active) < num_processes:
             i, run = pending.pop(0)
@@ -226,7 +254,7 @@ def main(argv):
                                                             _SET.value, python=python)))
         return
     codes = run_local(config, base, runs, _SET.value, num_processes=_NUM_PROCESSES.value,
-                      python=python)
+                      python=python, resume=_RESUME.value)
     rows = gather(base, runs)
     for row, code in zip(rows, codes):
         row["exit_code"] = code

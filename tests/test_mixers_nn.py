@@ -182,15 +182,25 @@ def test_lra_and_lm_configs_take_every_mixer():
     assert listops.get_config("s4d").optim.ssm_learning_rate == 1e-3
 
 
-def test_mixer_table_sweep_lists_every_task_and_variant():
+def test_mixer_table_sweep_lists_every_task_and_variant(tmp_path):
     from experiments import sweep
     from experiments.configs.lra import mixer_table
 
     path = mixer_table.__file__
+    variants = ("transformer", "s4d", "mamba2", "gmlp", "fnet")
     runs = sweep.load_hyper(path)
-    assert [r[sweep.ARG] for r in runs] == [f"{t},{v}" for t in ("listops", "image")
-                                           for v in ("transformer", "s4d", "mamba2", "gmlp",
-                                                     "fnet")]
+    assert [r[sweep.ARG] for r in runs] == [f"{t},{v}" for t in ("listops", "pathfinder")
+                                           for v in variants]
+    # LRA Image joins when the sweep's argument is a directory with the CIFAR-10 batches.
+    data = tmp_path / "data"
+    with pytest.raises(FileNotFoundError, match="cifar-10-batches-py"):
+        sweep.load_hyper(f"{path}:{data}")
+    (data / "cifar-10-batches-py").mkdir(parents=True)
+    (data / "cifar-10-batches-py" / "data_batch_1").write_bytes(b"")
+    with_image = sweep.load_hyper(f"{path}:{data}")
+    assert with_image[:len(runs)] == runs and with_image[len(runs):] == [
+        {sweep.ARG: f"image,{v}", "config.data.data_dir": str(data)} for v in variants]
+    runs = with_image
     args = sweep.run_args(path, "/tmp/x", runs[1], ["num_train_steps=5"], python="py")
     assert args[3] == f"--config={path}:listops,s4d" and args[-1] == "--config.num_train_steps=5"
     steps = {}

@@ -81,3 +81,20 @@ def test_tiny_local_sweep_gathers_a_table(tmp_path):
     text = sweep.table(rows)
     assert text.splitlines()[0].startswith("| run | optim.learning_rate | model.pooling |")
     assert "| 001 | 0.003 | mean |" in text
+
+
+def test_resume_keeps_finished_runs(tmp_path):
+    # A run whose directory holds a finished run's metrics is not started again; any other
+    # is (here it fails: the config file does not exist).
+    base = str(tmp_path / "runs")
+    runs = [{"config.a": 1}, {"config.a": 2}]
+    (tmp_path / "runs" / "000").mkdir(parents=True)
+    (tmp_path / "runs" / "000" / "metrics.jsonl").write_text(
+        '{"step": 2, "train_loss": 1.0}\n{"step": 2, "test_accuracy": 0.5}\n')
+    logs = []
+    codes = sweep.run_local(str(tmp_path / "missing.py"), base, runs, resume=True,
+                            log=logs.append)
+    assert codes[0] == 0 and codes[1] != 0
+    assert any("000 already finished" in line for line in logs)
+    assert not any("start 000" in line for line in logs)
+    assert [r.get("test_accuracy") for r in sweep.gather(base, runs)] == [0.5, None]
