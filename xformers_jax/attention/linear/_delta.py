@@ -36,7 +36,7 @@ from jaxtyping import Array, Bool, Float
 from .. import _contract as C
 from ._feature_maps import resolve_feature_map
 from ._linear import _guard, check_implementation, check_per_position
-from ...kernels._tiles import pad_to
+from ._scan import GROUP_POSITIONS, chunk_groups
 
 
 def _features(fm, x, arrays, root_scale, eps):
@@ -117,21 +117,13 @@ def unit_lower_inverse(strict):
     return inv[..., 0, :c, :c]
 
 
-def gated_delta_chunked(fq, fk, v, beta, ld=None, chunk_size: int = 64):
-    """The same recurrence as :func:`gated_delta_recurrent`, chunkwise: a unit lower-triangular
-    solve per chunk (the WY form, see the module docstring) and a scan over chunks.
-
-    Args: as :func:`gated_delta_recurrent`; chunk_size: positions per chunk (padding writes
-    nothing and does not decay). Returns ``[L, E]``.
-    """
-    length, dv = v.shape
-    ld = jnp.zeros_like(beta) if ld is None else ld
-    c = min(chunk_size, length)
-    n = -(-length // c)
-    fq, fk, v, beta, ld = (pad_to(x, n * c) for x in (fq, fk, v, beta, ld))
-    fq, fk, v = (x.reshape(n, c, x.shape[-1]) for x in (fq, fk, v))
-    beta = beta.reshape(n, c, 1)
-    b = jnp.cumsum(ld.reshape(n, c), axis=1)  # within-chunk cumulative log-decays, <= 0
+def _delta_chunks(fq, fk, v, beta, ld, s0):
+    """The chunkwise (gated) delta rule over ``n`` chunks (``[n, c, ...]`` arrays) starting
+    from the state ``s0``: (out ``[n, c, E]``, final state)."""
+    dv = v.shape[-1]
+    c = v.shape[1]
+    beta = beta[..., None]
+    b = jnp.cumsum(ld, axis=1)  # within-chunk cumulative log-decays, <= 0
     causal = jnp.tril(jnp.ones((c, c), bool))
     # exp(b_t - b_j) for j <= t only: the inner where keeps exp off the positive differences.
     diff = b[:, :, None] - b[:, None, :]
@@ -150,9 +142,26 @@ def gated_delta_chunked(fq, fk, v, beta, ld=None, chunk_size: int = 64):
         pseudo = u_n - w_n @ s
         return t_n * s + k_n.T @ pseudo, q_n @ s + p_n @ pseudo
 
-    init = jnp.zeros((fk.shape[-1], dv), jnp.result_type(fk, v))
-    out = lax.scan(chunk, init, (qg, kg, u, w, scores, total))[1]
-    return out.reshape(n * c, dv)[:length]
+    s_end, out = lax.scan(chunk, s0, (qg, kg, u, w, scores, total))
+    return out, s_end
+
+
+def gated_delta_chunked(fq, fk, v, beta, ld=None, chunk_size: int = 64,
+                        group_positions: int = GROUP_POSITIONS):
+    """The same recurrence as :func:`gated_delta_recurrent`, chunkwise: a unit lower-triangular
+    solve per chunk (the WY form, see the module docstring) and a scan over chunks.
+
+    Chunks go in groups of about ``group_positions`` positions through the chunked scan's
+    :func:`~._scan.chunk_groups`: the chunk systems' inverses (``log2 c`` levels of ``[c, c]``
+    blocks per chunk) are built for one group at a time and rebuilt in the backward pass,
+    so neither they nor what their backward needs are ever held for the whole sequence.
+
+    Args: as :func:`gated_delta_recurrent`; chunk_size: positions per chunk (padding writes
+    nothing and does not decay); group_positions: positions per group. Returns ``[L, E]``.
+    """
+    ld = jnp.zeros_like(beta) if ld is None else ld
+    s0 = jnp.zeros((fk.shape[-1], v.shape[-1]), jnp.result_type(fk, v))
+    return chunk_groups(_delta_chunks, (fq, fk, v, beta, ld), s0, chunk_size, group_positions)
 
 
 def delta_rule_attention(

@@ -153,28 +153,70 @@ GROUP_POSITIONS = 2048
 def _chunks(fq, fk, v, b, s0):
     """Chunkwise form over ``n`` chunks starting from the state ``s0``: (out, final state)."""
     total = b[:, -1]
-    # Per-step decays broadcast over the features; per-feature ones already have that axis.
-    feat = (lambda a: a[..., None]) if b.ndim == 2 else (lambda a: a)
     # Each chunk's addition to the state at its end, then the states at chunk starts.
-    kv = jnp.einsum("ncm,nce->nme", fk * feat(jnp.exp(total[:, None] - b)), v)
+    if b.ndim == 2:
+        # A per-step decay is a scalar per position: it scales v_j's row of the addition
+        # and out_t's row of the inter-chunk term. Applying it on that side leaves fk and fq
+        # untouched, so heads that share them (Mamba-2's B and C, vmapped over heads with
+        # their own decays) contract them once against all heads' values in one matmul.
+        kv = jnp.einsum("ncm,nce->nme", fk, v * jnp.exp(total[:, None] - b)[..., None])
+    else:
+        kv = jnp.einsum("ncm,nce->nme", fk * jnp.exp(total[:, None, :] - b), v)
 
     def carry(s, x):
         total_n, kv_n = x
         return _decay(total_n) * s + kv_n, s
 
     s_end, starts = lax.scan(carry, s0, (total, kv))
-    inter = jnp.einsum("ncm,nme->nce", fq * feat(jnp.exp(b)), starts)
+    if b.ndim == 2:
+        inter = jnp.einsum("ncm,nme->nce", fq, starts) * jnp.exp(b)[..., None]
+    else:
+        inter = jnp.einsum("ncm,nme->nce", fq * jnp.exp(b), starts)
     return inter + _intra_chunk(fq, fk, v, b), s_end
+
+
+def chunk_groups(fn, arrays, s0, chunk_size: int, group_positions: int = GROUP_POSITIONS):
+    """Runs a chunkwise recurrence over groups of whole chunks, carrying its state.
+
+    ``arrays`` (each ``[L, ...]``) are padded with zeros to whole chunks of ``c =
+    min(chunk_size, L)`` and whole groups of about ``group_positions`` positions, and reshaped
+    to ``[groups, per_group, c, ...]``. ``fn(*group_arrays, s) -> (out [per_group, c, E], s)``
+    computes a group's chunks at once from the state ``s`` at its start; a ``lax.scan`` over
+    groups carries the state, and each group is rematerialised in the backward pass, so what
+    a group materialises (``[c, c]`` tiles per chunk, and whatever else ``fn`` builds) exists
+    for one group at a time: memory ``O(L (M + E) + (L/c) M E)`` plus one group's working
+    set, which stays in cache and keeps the time linear in L on CPUs.
+
+    Returns ``[L, E]``.
+    """
+    length = arrays[0].shape[0]
+    c = min(chunk_size, length)
+    n = -(-length // c)
+    per_group = max(1, min(n, group_positions // c))
+    groups = -(-n // per_group)
+    n = groups * per_group
+    arrays = [pad_to(x, n * c).reshape(groups, per_group, c, *x.shape[1:]) for x in arrays]
+
+    @functools.partial(jax.checkpoint, prevent_cse=False)
+    def group(s, x):
+        out, s = fn(*x, s)
+        return s, out
+
+    if groups == 1:
+        out = fn(*(x[0] for x in arrays), s0)[0]
+    else:
+        out = lax.scan(group, s0, arrays)[1]
+    return out.reshape(n * c, -1)[:length]
 
 
 def causal_chunked(fq, fk, v, ld, chunk_size: int, group_positions: int = GROUP_POSITIONS):
     """The same recurrence as :func:`causal_recurrent`, chunkwise parallel.
 
-    Chunks are processed in groups of about ``group_positions`` positions: a ``lax.scan``
-    over groups carries the state, and within a group every chunk is computed at once. Each
-    group is rematerialised in the backward pass, so memory stays
-    ``O(L (M + E) + (L/c) M E)`` and the working set stays in cache, which keeps the time
-    linear in L on CPUs.
+    Chunks are processed in groups of about ``group_positions`` positions
+    (:func:`chunk_groups`): a ``lax.scan`` over groups carries the state, and within a group
+    every chunk is computed at once. Each group is rematerialised in the backward pass, so
+    memory stays ``O(L (M + E) + (L/c) M E)`` and the working set stays in cache, which keeps
+    the time linear in L on CPUs.
 
     Args:
       fq: ``[L, M]``, fk: ``[L, M]``, v: ``[L, E]``, ld: ``[L]`` or ``[L, M]`` as in
@@ -185,27 +227,12 @@ def causal_chunked(fq, fk, v, ld, chunk_size: int, group_positions: int = GROUP_
     Returns:
       ``[L, E]``.
     """
-    length = fq.shape[0]
-    c = min(chunk_size, length)
-    n = -(-length // c)
-    per_group = max(1, min(n, group_positions // c))
-    groups = -(-n // per_group)
-    n = groups * per_group
-    fq, fk, v, ld = (pad_to(x, n * c) for x in (fq, fk, v, ld))
-    fq, fk, v = (x.reshape(groups, per_group, c, x.shape[-1]) for x in (fq, fk, v))
-    b = jnp.cumsum(ld.reshape(groups, per_group, c, *ld.shape[1:]), axis=2)  # within-chunk
+
+    def chunks(fq, fk, v, ld, s):
+        return _chunks(fq, fk, v, jnp.cumsum(ld, axis=1), s)  # within-chunk cumulative decays
+
     s0 = jnp.zeros((fk.shape[-1], v.shape[-1]), jnp.result_type(fk, v))
-
-    @functools.partial(jax.checkpoint, prevent_cse=False)
-    def group(s, x):
-        out, s = _chunks(*x, s)
-        return s, out
-
-    if groups == 1:
-        out = _chunks(fq[0], fk[0], v[0], b[0], s0)[0]
-    else:
-        out = lax.scan(group, s0, (fq, fk, v, b))[1]
-    return out.reshape(n * c, -1)[:length]
+    return chunk_groups(chunks, (fq, fk, v, ld), s0, chunk_size, group_positions)
 
 
 def causal_parallel(fq, fk, v, ld):
