@@ -33,7 +33,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from ._grouped import TILE, default_backend, grouped_matmul
+from ._grouped import TILE, block_layout, block_matmul, default_backend, grouped_matmul
 from ._routers import ExpertChoice, Routing
 
 ACTIVATIONS = {"relu": jax.nn.relu, "gelu": jax.nn.gelu, "swish": jax.nn.swish}
@@ -172,8 +172,9 @@ _take_rows.defvjp(_take_rows_fwd, _take_rows_bwd)
 def _dropless_tiled(x, routing: Routing, weights: ExpertWeights, active, activation, tile):
     """Dropless dispatch in MegaBlocks' padded block layout, end to end: each active
     assignment gets a row of a buffer where every expert's rows start on a ``tile`` boundary;
-    the whole expert MLP runs there as batched matmuls of ``[tile, d]`` blocks by their
-    expert's weights (the hidden activations never leave the layout); the outputs come back by
+    the whole expert MLP runs there as one ``[tile, d]`` matmul per used block by its expert's
+    weights (:func:`~._grouped.block_matmul`; the hidden activations never leave the layout,
+    each weight gradient is accumulated per expert); the outputs come back by
     one gather per assignment. Every row move is a gather whose transpose is the inverse
     gather (:func:`_take_rows`), so forward and backward have no scatter of activations."""
     t, d = x.shape
@@ -183,9 +184,7 @@ def _dropless_tiled(x, routing: Routing, weights: ExpertWeights, active, activat
     key = jnp.where(active, routing.experts, e).reshape(-1)  # inactive assignments: "expert" e
     sizes = jnp.bincount(key, length=e + 1)[:e].astype(jnp.int32)
     starts = jnp.cumsum(sizes) - sizes
-    padded = (sizes + tile - 1) // tile * tile
-    pstarts = jnp.cumsum(padded) - padded
-    n_tiles = -(-(n + e * (tile - 1)) // tile)  # static bound on the padded rows
+    pstarts, tile_group, n_used, n_tiles = block_layout(sizes, n, tile)
     rows = n_tiles * tile
     order = jnp.argsort(key, stable=True)
     rank = jnp.zeros((n,), jnp.int32).at[order].set(jnp.arange(n, dtype=jnp.int32))
@@ -193,13 +192,11 @@ def _dropless_tiled(x, routing: Routing, weights: ExpertWeights, active, activat
     dest = jnp.where(key < e, pstarts[kc] + rank - starts[kc], rows)  # buffer row per assignment
     src = jnp.full((rows,), n, jnp.int32).at[dest].set(jnp.arange(n, dtype=jnp.int32),
                                                        mode="drop")
-    tile_group = jnp.minimum(jnp.searchsorted(jnp.cumsum(padded), jnp.arange(n_tiles) * tile,
-                                              side="right"), e - 1)
-    buf = _take_rows(jnp.repeat(x, k, axis=0), src, dest).reshape(n_tiles, tile, d)
-    per_tile = lambda a, w: jnp.einsum(  # noqa: E731
-        "ntk,nkm->ntm", a, w.astype(a.dtype)[tile_group])
+    buf = _take_rows(jnp.repeat(x, k, axis=0), src, dest)
+    per_tile = lambda a, w: block_matmul(  # noqa: E731
+        a, w.astype(a.dtype), tile_group, n_used, tile)
     out = _mlp(buf, weights.w1, weights.w2, weights.w_gate, activation, per_tile)
-    y = _take_rows(out.reshape(rows, d), dest, src).reshape(t, k, d)
+    y = _take_rows(out, dest, src).reshape(t, k, d)
     return (y * (routing.gates * active).astype(x.dtype)[..., None]).sum(1)
 
 

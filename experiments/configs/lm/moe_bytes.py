@@ -31,6 +31,10 @@ by S; not with the MoE variants, whose auxiliary losses the pipeline does not ca
 
 Load balancing is added at Switch's 1e-2 (``config.loss.load_balancing``). ``runlocal``:
 ``stdlib_bytes.py``'s runlocal sizes (dim 64, 2 layers, MLP 256, 128-byte windows, 200 steps).
+``cpu``: the Switch-vs-dense comparison on one CPU: 128-byte windows, batch 16, a dim-128
+2-layer model (dense MLP 512; Switch 8 experts of 512), 1500 steps, learning rate 1e-3
+(product_key uses the small table). Results: ``experiments/results/moe_lm.md`` (written by
+``python -m experiments.moe_lm_table``).
 """
 
 import ml_collections
@@ -38,6 +42,8 @@ import ml_collections
 from experiments.configs.lm import stdlib_bytes
 
 VARIANTS = ("dense", "switch", "gshard", "st_moe", "glam", "hash", "product_key")
+SIZES = ("runlocal", "cpu")
+CPU_STEPS = 1500
 
 
 def ffn_config(variant: str, hidden: int, small: bool) -> dict:
@@ -60,15 +66,24 @@ def ffn_config(variant: str, hidden: int, small: bool) -> dict:
 
 def get_config(arg=None):
     parts = [p for p in (arg or "switch").split(",") if p]
-    size = "runlocal" if "runlocal" in parts else None
+    sizes = [p for p in parts if p in SIZES]
+    size = sizes[0] if sizes else None
     stages = [int(p.split("=")[1]) for p in parts if p.startswith("stages=")]
-    names = [p for p in parts if p != "runlocal" and not p.startswith("stages=")]
+    names = [p for p in parts if p not in SIZES and not p.startswith("stages=")]
     variant = names[0] if names else "switch"
-    if len(names) > 1 or variant not in VARIANTS:
-        raise ValueError(f"config arg must be 'VARIANT[,runlocal][,stages=S]' with VARIANT in "
-                         f"{VARIANTS}, got {arg!r}")
+    if len(names) > 1 or len(sizes) > 1 or variant not in VARIANTS:
+        raise ValueError(f"config arg must be 'VARIANT[,runlocal|,cpu][,stages=S]' with VARIANT "
+                         f"in {VARIANTS}, got {arg!r}")
     c = stdlib_bytes.get_config("transformer" + (",runlocal" if size else ""))
     with c.unlocked():
+        if size == "cpu":
+            # The Switch-vs-dense comparison at a size one shared CPU trains in minutes:
+            # runlocal's data and schedule, a dim-128 2-layer model, longer training.
+            c.data.update(dict(seq_len=128, num_eval=128, num_test=128))
+            c.model.update(dict(dim=128, num_layers=2, num_heads=4, hidden=512))
+            c.optim.update(dict(learning_rate=1e-3, warmup_steps=100))
+            c.update(dict(batch_size=16, num_train_steps=CPU_STEPS, log_every=100,
+                          eval_every=250, checkpoint_every=500))
         hidden = c.model.hidden
         if variant in ("gshard", "st_moe"):
             # Two experts per token: half-width experts keep the active parameters.
