@@ -7,7 +7,8 @@ run on whatever machine it runs on.
   B=1, H=4, D=64, fwd and fwd+bwd (the gradient of the output's sum), causal and not.
 - A training step of an LRA-Text-sized classifier (vocab 256 + CLS, dim 256, 4 heads, MLP
   1024, 2 pre-norm GELU layers, CLS pooling, B=2, AdamW, fp32, no dropout): ours is
-  ``nn.EncoderClassifier`` with ``flash`` attention stepped by the trainer's
+  ``nn.EncoderClassifier`` with ``flash`` attention and its layers unrolled (also measured
+  with the default scan over layers) stepped by the trainer's
   ``train.make_train_step`` (state donated, fed back every call); PyTorch's is
   ``nn.TransformerEncoder(norm_first=True, activation="gelu")`` with the same embedding,
   positions, pooling and head, ``torch.optim.AdamW``.
@@ -175,7 +176,7 @@ def _torch_step(L: int, B: int):
     return step
 
 
-def _jax_step(L: int, B: int):
+def _jax_step(L: int, B: int, scan: bool = False):
     import jax
     import jax.numpy as jnp
     import optax
@@ -185,7 +186,7 @@ def _jax_step(L: int, B: int):
     model = nn.EncoderClassifier(CLASSES, DIM, LAYERS, HEADS, HIDDEN, pooling="cls",
                                  vocab_size=VOCAB + 1, max_len=L + 1,
                                  block=dict(spec=nn.AttentionSpec("flash", {})),
-                                 key=jax.random.PRNGKey(0))
+                                 stack=dict(scan=scan), key=jax.random.PRNGKey(0))
     optimizer = optax.adamw(1e-4)
 
     def loss_fn(m, batch, key):
@@ -205,10 +206,18 @@ def _jax_step(L: int, B: int):
     return step
 
 
-def build_step(framework: str, L: int, B: int = 2):
-    """One training step (forward, backward, AdamW update) of the classifier above."""
-    make = {"torch": _torch_step, "ours": _jax_step}[framework]
-    return Workload(None, (), native=lambda mode: make(L, B))
+def build_step(framework: str, L: int, B: int = 2, scan: bool = False):
+    """One training step (forward, backward, AdamW update) of the classifier above.
+
+    Ours runs its two layers unrolled (``LayerStack(scan=False)``) unless ``scan``: under a
+    ``lax.scan`` over layers XLA:CPU stacks every layer's saved activations into ``[layers,
+    ...]`` buffers with dynamic-update-slices and reads them back with dynamic slices, about
+    100 ms of the 810 ms step at L=2048 on a 2-core Sapphire Rapids (see BUILD.md, "Performance
+    on CPU"); the scanned case is measured beside it.
+    """
+    if framework == "torch":
+        return Workload(None, (), native=lambda mode: _torch_step(L, B))
+    return Workload(None, (), native=lambda mode: _jax_step(L, B, scan))
 
 
 # -- cases and checks ----------------------------------------------------------------------
@@ -232,6 +241,8 @@ def cases(quick: bool) -> list[Case]:
     for L in (128,) if quick else STEP_LENGTHS:
         for f in ("ours", "torch"):
             out.append(Case(f"train step ({f})", _STEP, dict(framework=f, L=L), ("step",)))
+        out.append(Case("train step (ours, scanned layers)", _STEP,
+                        dict(framework="ours", L=L, scan=True), ("step",)))
     return out
 
 
@@ -276,6 +287,10 @@ def checks(r: Results):
                                r.value("cpu_s", "train step (torch)", "step", L=L),
                                r.value("cpu_s", "train step (ours)", "step", L=L),
                                at_least=1.0))
+    for L in (STEP_LENGTHS if lengths == LENGTHS else (128,)):
+        out.append(ratio_check(f"(why) our training step with scanned / unrolled layers at L={L}",
+                               r.time("train step (ours, scanned layers)", "step", L=L),
+                               r.time("train step (ours)", "step", L=L), at_least=0.0))
     out.append(ratio_check("(why) PyTorch matmul rate / XLA matmul rate (2048^2 fp32)",
                            r.value("gflops", "matmul", "fwd", framework="torch"), xla,
                            at_least=0.0))

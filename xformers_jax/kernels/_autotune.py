@@ -45,7 +45,7 @@ ENV = "XFORMERS_JAX_TILES"
 DEFAULT_TILE_COST = {512: 1.0, 256: 1.69, 128: 2.1, 64: 2.79}
 TILE_SIZES = tuple(sorted(DEFAULT_TILE_COST, reverse=True))
 _PROBE_LEN = 1024
-_CACHE_VERSION = 1
+_CACHE_VERSION = 2  # 1: tables timed in process CPU time (wrong for small tiles)
 _NOISE = 0.25
 
 
@@ -95,10 +95,14 @@ def measure_tile_costs(sizes=TILE_SIZES, length: int = _PROBE_LEN, heads: int = 
     ``multihead`` runs them, D=64) at ``length`` keys with square tiles of each size; returns
     the cost per score element relative to the cheapest.
 
-    Time is this process's CPU time (all its threads), not wall time: on a shared machine
-    other processes' load stretches wall time by whatever share of the cores they take, while
-    the CPU time the kernel needs changes far less. The sizes are timed in interleaved rounds
-    and each keeps its least time, so a burst of load hits every size alike rather than one.
+    Time is wall time, each size keeping its least time over interleaved rounds, so a burst
+    of load from other processes hits every size alike and the minimum discards it. Not CPU
+    time: a small tile's matmuls and reductions are too small for XLA:CPU to split across
+    threads, so it runs mostly on one core and spends less CPU time per element while taking
+    more wall time. On a 2-core Intel Xeon (Sapphire Rapids) CPU time named 64 the cheapest
+    size (64: 1.00, 512: 1.08), and the ``peers`` suite's training step at L=2048 took 1578 ms
+    on those 64 tiles against 825 ms on 512 tiles; wall time gave 512: 1.00, 256: 1.49, 128:
+    1.89, 64: 1.91.
     """
     import jax
     import jax.numpy as jnp
@@ -120,9 +124,9 @@ def measure_tile_costs(sizes=TILE_SIZES, length: int = _PROBE_LEN, heads: int = 
     best_time = {t: float("inf") for t in steps}
     for _ in range(rounds):
         for t, (f, _) in steps.items():
-            t0 = time.process_time()
+            t0 = time.perf_counter()
             jax.block_until_ready(f(q, k, v))
-            best_time[t] = min(best_time[t], time.process_time() - t0)
+            best_time[t] = min(best_time[t], time.perf_counter() - t0)
     per_element = {t: best_time[t] / area for t, (_, area) in steps.items()}
     best = min(per_element.values())
     return {t: round(c / best, 3) for t, c in per_element.items()}
