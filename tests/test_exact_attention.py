@@ -20,11 +20,13 @@ BLOCKS = dict(block_q=16, block_k=8)  # small tiles so every case spans many of 
 @pytest.fixture(params=["natural", "transposed"])
 def orientation(request, monkeypatch):
     """Runs a test with the backward pass computing tiles in each orientation (large tiles are
-    computed transposed, small ones not: see ``kernels._tiled._TRANSPOSE_FROM``)."""
+    computed transposed, small ones not: see ``kernels._tiled._TRANSPOSE_FROM``), one tile
+    per scan step (row gathering, which has no transposed form, is tested on its own below)."""
     from xformers_jax.kernels import _tiled
 
     monkeypatch.setattr(_tiled, "_TRANSPOSE_FROM", 0 if request.param == "transposed"
                         else 2**62)
+    monkeypatch.setattr(_tiled, "_GATHER_MAX_BK", 0)
     return request.param
 
 
@@ -87,6 +89,50 @@ def test_flash_equals_reference(key, case, lq, lk, dv, orientation):
                      argnums)(*args)
     for a, b in zip(g_out, g_ref):
         assert_close(a, b, EXACT_GRAD)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_row_gathered_tiles_equal_reference(key, case):
+    """Small tiles run row-gathered (several key tiles of a query block per scan step, rows
+    padded with masked tiles): outputs and gradients still equal the reference, and the
+    kernel really gathers here."""
+    from xformers_jax.kernels import _tiled
+
+    lq = lk = 45
+    q, k, v = _qkv(key, lq, lk, dv=24)
+    kw = _materialise(CASES[case], jax.random.fold_in(key, 7), lq, lk)
+    pattern = kw.pop("pattern", None)
+    causal = kw.get("causal", False)
+    layout = (pattern or Local(lq, lk)).layout(lq, lk, 8, 8) if not causal else None
+    if layout is not None:
+        assert _tiled._gather_width(layout) > 1
+    array_bias = "bias" in kw and not callable(kw["bias"])
+
+    def loss(fn, q, k, v, b):
+        extra = dict(kw, bias=b) if array_bias else kw
+        return jnp.sum(jnp.sin(fn(q, k, v, pattern=pattern, **extra)))
+
+    flash = functools.partial(flash_attention, block_q=8, block_k=8)
+    assert_close(flash(q, k, v, pattern=pattern, **kw),
+                 dot_product_attention(q, k, v, pattern=pattern, **kw))
+    args = (q, k, v, kw.get("bias") if array_bias else None)
+    argnums = (0, 1, 2, 3) if array_bias else (0, 1, 2)
+    g_ref = jax.grad(functools.partial(loss, dot_product_attention), argnums)(*args)
+    g_out = jax.grad(functools.partial(loss, flash), argnums)(*args)
+    for a, b in zip(g_out, g_ref):
+        assert_close(a, b, EXACT_GRAD)
+
+
+def test_gather_width_rule():
+    """The group size trades padded tiles against scan steps (``_tiled._gather_width``)."""
+    from xformers_jax.attention.patterns import BigBird
+    from xformers_jax.kernels import _tiled
+
+    assert _tiled._gather_width(Local(256, 256).layout(8192, 8192, 64, 64)) == 5
+    big = BigBird(64, num_window_blocks=3, num_global_blocks=2, num_random_blocks=3, seed=0)
+    assert _tiled._gather_width(big.layout(8192, 8192, 64, 64)) == 8
+    assert _tiled._gather_width(Local(256, 256).layout(8192, 8192, 256, 256)) == 0  # big tiles
+    assert _tiled._gather_width(Local(0, 0).layout(64, 64, 8, 8)) == 0  # one tile per row
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])

@@ -262,9 +262,21 @@ def test_function_causal_no_leak_or_clear_error(name):
     f = jax.jit(lambda q, k, v: _as_tuple(fn(q, k, v, causal=True))[0],
                 compiler_options=_LEVEL0)
     a, b = np.asarray(f(q, k, v)), np.asarray(f(*changed))
-    np.testing.assert_array_equal(a[:t], b[:t], err_msg=f"{name}: a token changed an earlier "
-                                  "output")
+    if name in _REORDERS:
+        # A later token's cluster moves earlier queries to other slots of the sorted chunks:
+        # the same keys, summed in another order (differences of ~1e-7 on AVX-512 matmul
+        # kernels); a leak changes outputs by orders of magnitude more.
+        np.testing.assert_allclose(a[:t], b[:t], rtol=1e-6, atol=1e-6,
+                                   err_msg=f"{name}: a token changed an earlier output")
+    else:
+        np.testing.assert_array_equal(a[:t], b[:t], err_msg=f"{name}: a token changed an "
+                                      "earlier output")
     assert not np.allclose(a[t], b[t])
+
+
+# Causal kinds whose chunking depends on every token (routing sorts by cluster), so a later
+# token may change the order in which an earlier output's terms are summed.
+_REORDERS = ("routing",)
 
 
 def test_q_mask_defaults_and_errors():
