@@ -123,6 +123,25 @@ def test_row_gathered_tiles_equal_reference(key, case):
         assert_close(a, b, EXACT_GRAD)
 
 
+def test_row_gathered_callable_bias_with_parameters(key):
+    """A callable bias traced at one tile's shape (an explicit broadcast) still runs over a
+    row-gathered group, and its closed-over parameter gets the reference's gradient."""
+    q, k, v = _qkv(key, 40, 40)
+    pattern = Local(12, 12)
+
+    def loss(fn, w):
+        bias = lambda i, j: (w[0] * jnp.abs(i - j).astype(jnp.float32)  # noqa: E731
+                             + jnp.zeros((i.shape[0], j.shape[1])))  # fixed at trace time
+        return jnp.sum(jnp.sin(fn(q, k, v, pattern=pattern, bias=bias)))
+
+    w = jnp.array([-0.1])
+    flash = functools.partial(flash_attention, block_q=8, block_k=8)
+    val, g = jax.value_and_grad(functools.partial(loss, flash))(w)
+    val_ref, g_ref = jax.value_and_grad(functools.partial(loss, dot_product_attention))(w)
+    assert_close(val, val_ref)
+    assert_close(g, g_ref, EXACT_GRAD)
+
+
 def test_gather_width_rule():
     """The group size trades padded tiles against scan steps (``_tiled._gather_width``)."""
     from xformers_jax.attention.patterns import BigBird

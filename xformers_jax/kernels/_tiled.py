@@ -121,7 +121,7 @@ class _Tile:
                 (self.q0, self.k0), (bq, bk))
             s = s + jax.lax.dynamic_slice(bias, at, size).astype(STATS_DTYPE)
         elif st.bias_fn is not None:
-            b = st.bias_fn(*self.positions, bias, self.bias_data)
+            b = self.callable_bias(st, bias)
             s = s + (b.T if transposed else b).astype(STATS_DTYPE)
         self.s = s if mask is None else jnp.where(mask, s, -jnp.inf)
         self.keep = (
@@ -129,6 +129,17 @@ class _Tile:
             if st.dropout_rate > 0.0
             else None
         )
+
+    def callable_bias(self, st: _Static, consts):
+        """The callable bias over this tile's positions, ``[bq, keys]``. A gathered tile
+        evaluates it per key tile: its jaxpr was traced at ``[bq, 1] x [1, bk]``."""
+        q_pos, k_pos = self.positions
+        bk = st.layout.block_k
+        if k_pos.shape[1] == bk:
+            return st.bias_fn(q_pos, k_pos, consts, self.bias_data)
+        return jnp.concatenate(
+            [st.bias_fn(q_pos, k_pos[:, i : i + bk], consts, self.bias_data)
+             for i in range(0, k_pos.shape[1], bk)], axis=1)
 
     def dropped(self, p, rate):
         return p if self.keep is None else jnp.where(self.keep, p / (1.0 - rate), 0.0)
@@ -368,7 +379,7 @@ def _backward(st: _Static, q, k, v, bias, dyn, out, lse, d_out, d_lse):
                     d_bias, ds, (t.k0, t.q0) if tr else (t.q0, t.k0))
             elif st.bias_fn is not None and d_bias:
                 _, pull = jax.vjp(
-                    lambda *c: st.bias_fn(*t.positions, list(c), t.bias_data), *bias)
+                    lambda *c: t.callable_bias(st, list(c)), *bias)
                 d_bias = jax.tree_util.tree_map(
                     lambda a, g: a + g.astype(STATS_DTYPE), d_bias,
                     list(pull(ds.T if tr else ds))
