@@ -102,6 +102,50 @@ def test_gpipe_layer_stack_equals_unpipelined():
                                  num_microbatches=2)
 
 
+def test_gpipe_moe_aux_is_the_mean_over_microbatches():
+    """A pipelined MoE stack (capacity dispatch, so each micro-batch's capacity decides what is
+    dropped) equals the unpipelined stack run on each micro-batch: outputs, every layer's aux
+    outputs averaged over the micro-batches, and gradients of a loss that uses both."""
+    import xformers_jax.nn as nn
+    from jax.sharding import Mesh
+
+    spec = nn.FFNSpec("switch", dict(num_experts=4, mode="capacity", capacity_factor=1.0,
+                                     jitter=0.0))
+    stack = nn.LayerStack(lambda k: nn.TransformerBlock(8, 2, 16, ffn=spec, key=k), 4,
+                          key=jax.random.key(7))
+    x = jax.random.normal(jax.random.key(8), (4, 6, 8))
+    mask = jnp.arange(6)[None] < jnp.array([[6], [5], [4], [6]])
+    mesh = Mesh(np.array(jax.devices()[:4]), (parallel.STAGE,))
+
+    def run(s, x):
+        return parallel.pipeline_layers(s, x, mesh=mesh, num_microbatches=2, kv_mask=mask,
+                                        return_aux=True)
+
+    def ref(s, x):
+        parts = [s(x[i : i + 2], kv_mask=mask[i : i + 2], return_aux=True) for i in (0, 2)]
+        y = jnp.concatenate([p[0] for p in parts])
+        return y, jax.tree.map(lambda a, b: (a + b) / 2, parts[0][1], parts[1][1])
+
+    def loss(f):
+        def fn(s, x):
+            y, aux = f(s, x)
+            return (jnp.sin(y) * jnp.arange(8)).mean() + 0.1 * nn.aux_losses(aux)[
+                "load_balancing"]
+        return fn
+
+    both = lambda f: jax.jit(  # noqa: E731
+        lambda s, x: (f(s, x), jax.grad(loss(f), argnums=(0, 1))(s, x)), **_O0)
+    (y1, aux1), g1 = both(run)(stack, x)
+    (y0, aux0), g0 = both(ref)(stack, x)
+    assert_close(y1, y0)
+    assert set(aux1) == set(aux0) and aux1["expert_load"].shape[0] == 4
+    assert float(aux0["dropped_fraction"].max()) > 0  # capacity 1.0 drops some tokens here
+    for name in aux0:
+        assert_close(aux1[name], aux0[name])
+    for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g0)):
+        assert_close(a, b, EXACT_GRAD)
+
+
 def test_moe_model_under_an_expert_mesh_equals_one_device():
     """A causal LM with an MoE FFN under parallel.use_mesh (expert=4, fsdp=2) runs the
     expert-parallel form, its parameters placed by the default rules (expert weights split

@@ -6,6 +6,14 @@ runs micro-batch ``t - s``, handing its output to stage ``s + 1`` with a ``pperm
 fraction ``(S - 1) / (M + S - 1)`` of them (:func:`bubble_fraction`). Gradients come from
 differentiating the forward schedule (the ``ppermute`` transposes to the reverse shift), i.e.
 GPipe's all-forward-then-all-backward order; activations of every tick are kept.
+
+Auxiliary outputs of the layers (a mixture of experts' router losses, tokens dropped, expert
+load) are computed per micro-batch and averaged over the micro-batches, layer by layer: a
+micro-batch is a routing group, as in GShard's grouped dispatch (``experts.grouped_moe``
+averages its groups' aux the same way). Capacity and balance statistics are those of each
+micro-batch, so a pipelined MoE stack equals the unpipelined stack run on each micro-batch
+separately (not on the whole batch at once, unless dispatch is dropless and there is one
+micro-batch).
 """
 
 from __future__ import annotations
@@ -23,11 +31,16 @@ def bubble_fraction(num_stages: int, num_microbatches: int) -> float:
     return (num_stages - 1) / (num_microbatches + num_stages - 1)
 
 
-def gpipe(stage_fn, stage_params, x, *, mesh, num_microbatches: int, axis: str = STAGE):
+def gpipe(stage_fn, stage_params, x, *, mesh, num_microbatches: int, axis: str = STAGE,
+          with_aux: bool = False):
     """Runs ``x`` through ``S`` stages: ``y = f_{S-1}(... f_0(x))`` with
     ``f_s = stage_fn(stage_params[s], .)`` (a pytree with a leading stage axis ``S`` = the size
     of ``axis``), pipelined over ``num_microbatches`` equal micro-batches of the leading batch
-    axis of ``x``. ``stage_fn`` must keep the shape of its input. Returns ``y`` (replicated)."""
+    axis of ``x``. ``stage_fn`` must keep the shape of its input. Returns ``y`` (replicated).
+
+    With ``with_aux``, ``stage_fn`` returns ``(y, aux)`` (a pytree of arrays) and the result is
+    ``(y, aux)`` with each leaf the mean over micro-batches of that stage's aux, stacked on a
+    leading stage axis ``[S, ...]``. Idle ticks' aux is not counted."""
     s_count = dict(mesh.shape).get(axis, 1)
     leaves = jax.tree.leaves(stage_params)
     if not leaves or any(a.shape[0] != s_count for a in leaves):
@@ -46,33 +59,53 @@ def gpipe(stage_fn, stage_params, x, *, mesh, num_microbatches: int, axis: str =
         last = s == s_count - 1
 
         def tick(carry, t):
-            held, outs = carry
+            held, outs, aux_sum = carry
             inp = jnp.where(s == 0, xs[jnp.minimum(t, m - 1)], held)
             out = stage_fn(params, inp)
+            if with_aux:
+                out, aux = out
+                busy = (t >= s) & (t - s < m)  # this stage holds micro-batch t - s
+                aux_sum = jax.tree.map(lambda a, b: a + jnp.where(busy, b, 0).astype(a.dtype),
+                                       aux_sum, aux)
             i = t - (s_count - 1)
             write = last & (i >= 0)
             outs = outs.at[jnp.maximum(i, 0)].set(
                 jnp.where(write, out, outs[jnp.maximum(i, 0)]))
             held = jax.lax.ppermute(out, axis, perm) if perm else out
-            return (held, outs), None
+            return (held, outs, aux_sum), None
 
-        init = (jnp.zeros_like(xs[0]), jnp.zeros_like(xs))
-        (_, outs), _ = jax.lax.scan(tick, init, jnp.arange(m + s_count - 1))
-        return jax.lax.psum(jnp.where(last, outs, 0), axis)
+        aux0 = None
+        if with_aux:
+            shapes = jax.eval_shape(stage_fn, params, xs[0])[1]
+            aux0 = jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.promote_types(
+                a.dtype, jnp.float32)), shapes)
+        init = (jnp.zeros_like(xs[0]), jnp.zeros_like(xs), aux0)
+        (_, outs, aux_sum), _ = jax.lax.scan(tick, init, jnp.arange(m + s_count - 1))
+        y = jax.lax.psum(jnp.where(last, outs, 0), axis)
+        if not with_aux:
+            return y
+        return y, jax.tree.map(lambda a: (a / m)[None], aux_sum)
 
-    fn = jax.shard_map(body, mesh=mesh, in_specs=(P(axis), P()), out_specs=P(),
+    out_specs = (P(), P(axis)) if with_aux else P()
+    fn = jax.shard_map(body, mesh=mesh, in_specs=(P(axis), P()), out_specs=out_specs,
                        axis_names=frozenset({axis}), check_vma=False)
-    return fn(stage_params, xs).reshape(x.shape)
+    if not with_aux:
+        return fn(stage_params, xs).reshape(x.shape)
+    y, aux = fn(stage_params, xs)
+    return y.reshape(x.shape), aux
 
 
 def pipeline_layers(stack, x, *, mesh, num_microbatches: int, kv_mask=None,
-                    axis: str = STAGE, key=None, inference: bool = False):
+                    axis: str = STAGE, key=None, inference: bool = False,
+                    return_aux: bool = False):
     """An ``nn.LayerStack`` (``num_layers`` divisible by the stage count, no stateful layers)
     run as a GPipe pipeline over ``axis``: stage ``s`` runs layers
     ``[s * n / S, (s + 1) * n / S)``. ``x [B, L, dim]`` -> ``[B, L, dim]`` (equal to
     ``stack(x, kv_mask=kv_mask)``; ``kv_mask [B, L]`` is split into the same micro-batches).
     With a ``key`` (training: dropout, router noise) layer ``i`` gets the ``i``-th of
-    ``split(key, num_layers)``, shared by the micro-batches."""
+    ``split(key, num_layers)``, shared by the micro-batches. With ``return_aux`` the result
+    is ``(y, aux)``: every layer's FFN auxiliary outputs on a leading layer axis, as the stack
+    returns them, each the mean over micro-batches (see the module docstring)."""
     s_count = dict(mesh.shape).get(axis, 1)
     if stack.num_layers % s_count:
         raise ValueError(f"pipeline_layers: {stack.num_layers} layers do not split into "
@@ -91,14 +124,21 @@ def pipeline_layers(stack, x, *, mesh, num_microbatches: int, kv_mask=None,
         def layer(h, pk):
             p, k = pk
             k = None if k is None else jax.random.wrap_key_data(k)
-            return eqx.combine(p, static)(h, kv_mask=m, key=k, inference=inference), None
+            out = eqx.combine(p, static)(h, kv_mask=m, key=k, inference=inference,
+                                         return_aux=return_aux)
+            return (out[0], out[1]) if return_aux else (out, None)
 
-        h, _ = jax.lax.scan(layer, h, params)
-        return h if m is None else jnp.concatenate([h, m[..., None].astype(h.dtype)], -1)
+        h, aux = jax.lax.scan(layer, h, params)
+        h = h if m is None else jnp.concatenate([h, m[..., None].astype(h.dtype)], -1)
+        return (h, aux) if return_aux else h
 
     y = gpipe(stage_fn, staged, packed, mesh=mesh, num_microbatches=num_microbatches,
-              axis=axis)
-    return y if kv_mask is None else y[..., :-1]
+              axis=axis, with_aux=return_aux)
+    if return_aux:
+        y, aux = y
+        aux = jax.tree.map(lambda a: a.reshape(stack.num_layers, *a.shape[2:]), aux)
+    y_out = y if kv_mask is None else y[..., :-1]
+    return (y_out, aux) if return_aux else y_out
 
 
 def microbatches_for(batch: int, stages: int) -> int:
@@ -117,15 +157,14 @@ def stack_on_stages(stack, x, *, state=None, kv_mask=None, context=None, positio
     stack runs as :func:`pipeline_layers` with :func:`microbatches_for` micro-batches, so a
     trainer whose ``mesh`` config names a ``stage`` size pipelines its model. Supports plain
     stacks of blocks without FFN auxiliary outputs (raises for state, cross attention,
-    positions, reversible/universal stacks, LayerDrop and MoE FFNs)."""
+    positions, reversible/universal stacks and LayerDrop). A mixture of experts' auxiliary
+    outputs are per micro-batch, averaged (see the module docstring)."""
     from ..axes import activated, active
 
-    block_aux = jax.eval_shape(lambda: _first_block_aux(stack, x, kv_mask))
     bad = [name for name, on in (
         ("stateful layers", state is not None), ("cross attention", context is not None),
         ("positions", positions is not None), ("reversible", stack.reversible),
-        ("universal", stack.universal), ("layerdrop", bool(stack.layerdrop)),
-        ("FFN auxiliary outputs (mixtures of experts)", bool(block_aux))) if on]
+        ("universal", stack.universal), ("layerdrop", bool(stack.layerdrop))) if on]
     if bad:
         raise ValueError(f"LayerStack on a 'stage' mesh axis (GPipe) does not support {bad}")
     mesh = active().mesh
@@ -133,12 +172,5 @@ def stack_on_stages(stack, x, *, state=None, kv_mask=None, context=None, positio
     # Inside the stage shard_map the blocks' activation constraints are left to XLA (the
     # logical rules name axes of the whole mesh, of which 'stage' is manual there).
     with activated(None):
-        y = pipeline_layers(stack, x, mesh=mesh, num_microbatches=m, kv_mask=kv_mask,
-                            key=key, inference=inference)
-    return (y, {}) if return_aux else y
-
-
-def _first_block_aux(stack, x, kv_mask):
-    dynamic, static = stack.per_layer()
-    block = eqx.combine(jax.tree.map(lambda a: a[0], dynamic), static)
-    return block(x, kv_mask=kv_mask, return_aux=True)[1]
+        return pipeline_layers(stack, x, mesh=mesh, num_microbatches=m, kv_mask=kv_mask,
+                               key=key, inference=inference, return_aux=return_aux)

@@ -27,7 +27,8 @@ whole batch, so they are not causal-safe and a causal LM refuses them.
 
 ``stages=S`` (e.g. ``dense,runlocal,stages=2``) puts a ``stage`` axis of size S in the mesh:
 every LayerStack then runs as a GPipe pipeline over it (``nn._pipeline``; layers divisible
-by S; not with the MoE variants, whose auxiliary losses the pipeline does not carry).
+by S). Under it an MoE layer routes, drops and computes its auxiliary losses per
+micro-batch, averaged over the micro-batches (a micro-batch is a routing group).
 
 Load balancing is added at Switch's 1e-2 (``config.loss.load_balancing``). ``runlocal``:
 ``stdlib_bytes.py``'s runlocal sizes (dim 64, 2 layers, MLP 256, 128-byte windows, 200 steps).
