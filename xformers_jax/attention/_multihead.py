@@ -163,18 +163,12 @@ def multihead(
                 kw["key"] = key1
             return fn(q1, k1, v1, *pos, **kw, **static_kwargs)
 
-        # Head-major copies ([B, Hkv, G, L, D] and [B, Hkv, L, D]), made once: mapped over the
-        # heads axis in place, every row slice a tiled kernel takes of a [L, H, D] array is a
-        # strided gather that XLA:CPU copies at each scan step (flash attention at L=4096,
-        # H=4 on a 2-core Sapphire Rapids: forward 133 against 110 ms, fwd+bwd 406 against
-        # 365 ms with the copies made once).
-        qg = jnp.moveaxis(q.reshape(q.shape[0], q.shape[1], hkv, groups, q.shape[3]), 1, 3)
-        kh, vh = jnp.moveaxis(k, 1, 2), jnp.moveaxis(v, 1, 2)
+        qg = q.reshape(q.shape[0], q.shape[1], hkv, groups, q.shape[3])
         # Innermost: query heads of one group share k and v. Then kv heads, then batch.
-        f = _map_level(one, groups, (0, None, None, keys_in[2], *[a[2] for a in args_in]))
-        f = _map_level(f, hkv, (0, 0, 0, keys_in[1], *[a[1] for a in args_in]))
+        f = _map_level(one, groups, (1, None, None, keys_in[2], *[a[2] for a in args_in]))
+        f = _map_level(f, hkv, (1, 1, 1, keys_in[1], *[a[1] for a in args_in]))
         f = _map_level(f, b, (0, 0, 0, keys_in[0], *[a[0] for a in args_in]))
-        result = f(qg, kh, vh, keys, *mapped_args, *kw_mapped.values())
+        result = f(qg, k, v, keys, *mapped_args, *kw_mapped.values())
 
         def merge_heads(x):  # [B, Hkv, G, ...] -> [B, H, ...]
             return x.reshape(x.shape[0], h, *x.shape[3:])
