@@ -162,6 +162,10 @@ def test_memory_config_files_build():
         assert small.data.eval_mem_lens == tuple(n // 4 for n in full.data.eval_mem_lens)
     assert transformer_xl.get_config("xl,runlocal").data.eval_mem_lens == (0, 64, 128, 512)
     assert transformer_xl.get_config("xl,cpu").data.eval_mem_lens == (0, 32, 64, 256)
+    full_lengths = transformer_xl.get_config("xl,cpu256")
+    assert full_lengths.data.seq_len == 256 and full_lengths.model.dim == 128
+    assert full_lengths.model.memory.mem_len == 256
+    assert full_lengths.model.memory.eval_mem_len == 1024
     assert feedback.get_config("runlocal").model.memory.mem_len == 64
     assert memformer.get_config("runlocal").model.memory.to_dict() == dict(
         kind="memformer", num_slots=16, segments=4)
@@ -212,3 +216,20 @@ def test_evaluation_reports_each_evaluation_memory_length():
     assert got["loss_mem0"] == want["loss"] != got["loss"]
     assert got["bits_per_byte_mem0"] == want["loss"] / math.log(2)
     assert got["bits_per_byte"] == got["loss"] / math.log(2)
+
+
+def test_memory_lm_table_reads_every_evaluation_memory():
+    from experiments import memory_lm_table
+
+    runs = {
+        "none": [{"step": 10, "validation_bits_per_byte": 2.5},
+                 {"step": 20, "validation_bits_per_byte": 2.4, "test_bits_per_byte": 2.45}],
+        "xl": [{"step": 20, "validation_bits_per_byte": 2.2, "validation_bits_per_byte_mem0": 2.6,
+                "validation_bits_per_byte_mem256": 2.3, "test_bits_per_byte": 2.25,
+                "test_bits_per_byte_mem0": 2.65, "test_bits_per_byte_mem256": 2.35}],
+    }
+    text = memory_lm_table.table(runs, {"none": 0, "xl": 1024})
+    assert "| model | steps | mem 0 | mem 256 | mem 1024 |" in text
+    assert "| none | 20 | 2.400 |  |  |" in text  # no memory: its figure under 0
+    assert "| xl | 20 | 2.600 | 2.300 | 2.200 |" in text
+    assert "| xl | 20 | 2.650 | 2.350 | 2.250 |" in text  # the test split
