@@ -82,7 +82,7 @@ class _Tile:
             self.k0 = None
             self.kj = kj
             k_rows = (kj[:, None] * bk + jnp.arange(bk, dtype=jnp.int32)).reshape(-1)
-            keys = lambda x: gather_blocks(x, kj, bk)  # noqa: E731
+            keys = lambda x: _gather_blocks(x, kj, bk)  # noqa: E731
         else:
             self.k0 = kj * bk
             k_rows = self.k0 + jnp.arange(bk, dtype=jnp.int32)
@@ -155,7 +155,7 @@ def _tile_groups(layout: BlockLayout):
     )
 
 
-def gather_blocks(x, idx, size: int):
+def _gather_blocks(x, idx, size: int):
     """Rows ``idx[i] * size ... + size`` of ``x`` for each ``i``, side by side:
     ``[len(idx) * size, ...]``. One dynamic slice per block: XLA:CPU runs these as copies,
     where a gather of whole blocks was slower."""
@@ -163,7 +163,7 @@ def gather_blocks(x, idx, size: int):
         [jax.lax.dynamic_slice_in_dim(x, idx[i] * size, size) for i in range(idx.shape[0])])
 
 
-def add_blocks(x, idx, size: int, upd):
+def _add_blocks(x, idx, size: int, upd):
     """``x`` with ``upd [len(idx) * size, ...]`` added to the blocks ``idx`` (repeats add),
     one read-modify-write per block (no scatter)."""
     for i in range(idx.shape[0]):
@@ -369,7 +369,7 @@ def _backward(st: _Static, q, k, v, bias, dyn, out, lse, d_out, d_lse):
             dq = add(dq, dq_t * st.scale, t.q0, q_axis)
             dk_t = dk_t * k_scale if k_scale != 1.0 else dk_t
             if gathered:
-                dk, dv = add_blocks(dk, t.kj, bk, dk_t), add_blocks(dv, t.kj, bk, dv_t)
+                dk, dv = _add_blocks(dk, t.kj, bk, dk_t), _add_blocks(dv, t.kj, bk, dv_t)
             else:
                 dk, dv = add(dk, dk_t, t.k0), add(dv, dv_t, t.k0)
             if st.bias_is_array and gathered:
@@ -421,10 +421,9 @@ def _convert_bias(bias, block_q: int, block_k: int):
             [c for c, f in zip(consts, is_float) if not f])
 
 
-def _prepare(q, k, v, layout, *, kv_mask, segments, bias, scale, dropout_rate, key,
-             gather: bool = True):
+def _prepare(q, k, v, layout, *, kv_mask, segments, bias, scale, dropout_rate, key):
     """Pads checked inputs to whole tiles and gathers the static and dynamic kernel inputs."""
-    gather = _gather_width(layout) if gather else 0
+    gather = _gather_width(layout)
     lq_p = layout.num_q_blocks * layout.block_q
     lk_p = layout.num_k_blocks * layout.block_k
     padded = (pad_to(q, lq_p), pad_to(k, lk_p), pad_to(v, lk_p))
@@ -456,16 +455,15 @@ def _prepare(q, k, v, layout, *, kv_mask, segments, bias, scale, dropout_rate, k
 
 
 def attend_layout(q, k, v, layout: BlockLayout, *, kv_mask=None, segments=None, bias=None,
-                  scale: float, dropout_rate: float = 0.0, key=None, gather: bool = True):
+                  scale: float, dropout_rate: float = 0.0, key=None):
     """Runs the tiled kernel on checked inputs. Returns ``(out [Lq, Dv], lse f32[Lq])``.
 
     Both outputs are differentiable (a cotangent on ``lse`` is honoured). Inputs are padded to
-    whole tiles here; the layout already masks keys past ``lk``. ``gather=False`` runs one
-    tile per scan step even where the layout's tiles would be row-gathered.
+    whole tiles here; the layout already masks keys past ``lk``.
     """
     st, (q_p, k_p, v_p), bias_arg, dyn = _prepare(
         q, k, v, layout, kv_mask=kv_mask, segments=segments, bias=bias, scale=scale,
-        dropout_rate=dropout_rate, key=key, gather=gather)
+        dropout_rate=dropout_rate, key=key)
     out, lse = _attend(st, q_p, k_p, v_p, bias_arg, dyn)
     return out[: q.shape[0]].astype(q.dtype), lse[: q.shape[0]]
 
