@@ -92,6 +92,33 @@ def test_shaw_clipping():
                                   [2, 1, 0, 0, 0, 0])
 
 
+@pytest.mark.parametrize("dk", [DK, 7])
+def test_transformer_xl_terms_equal_the_paper_at_any_positions(dk):
+    # q_i . R_{i-j} W + u1 . k_j + u2 . R_{i-j} W with R_d = sinusoid(d), read directly from
+    # the distance, at positions that restart (packed), jump (padding at 0) and go negative
+    # (memory): the rotated form must not assume contiguous positions. Odd Dk: a last sine
+    # with no cosine.
+    from xformers_jax.nn._positions import sinusoid
+    kq, kk, ku = jax.random.split(KEY, 3)
+    q = jax.random.normal(kq, (B, L, H, dk))
+    k = jax.random.normal(kk, (B, L, H, dk))
+    xl = nn.TransformerXLRelative(H, dk, 64, key=KEY)
+    xl = eqx.tree_at(lambda p: (p.u1, p.u2), xl, tuple(jax.random.normal(ku, (2, H, dk))))
+    q_pos = jnp.array([[40, 41, 42, 43, 0, 1, 2, 3, 4, 0, 0, 0]])
+    k_pos = jnp.array([[-5, -4, -3, 9, 10, 11, 0, 1, 2, 3, 4, 0]])
+    bias = xl.bias(q, k, q_pos, k_pos, 1.0 / np.sqrt(dk))
+    dist = np.asarray(q_pos[0])[:, None] - np.asarray(k_pos[0])[None, :]
+    r = np.asarray(sinusoid(jnp.asarray(dist), dk))  # [L, L, dk]
+    for h in range(H):
+        got = jax.tree_util.tree_map(lambda a, h=h: a[0, h], bias)(
+            jnp.arange(L)[:, None], jnp.arange(L)[None, :])
+        rw = r @ np.asarray(xl.w_r[h])
+        qu = np.asarray(q[0, :, h]) + np.asarray(xl.u2[h])
+        want = (np.einsum("id,ijd->ij", qu, rw) + np.asarray(k[0, :, h]) @ np.asarray(xl.u1[h])
+                ) / np.sqrt(dk)
+        np.testing.assert_allclose(np.asarray(got), want, atol=2e-5, rtol=2e-5)
+
+
 @pytest.mark.parametrize("make", RELATIVE_BIASES + [lambda: nn.TUPE(H, DK, 64, key=KEY)])
 def test_grouped_kv_heads_bias_equals_repeated_heads(make):
     """A kv head shared by a group of query heads gives each of them the bias it would get

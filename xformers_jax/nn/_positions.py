@@ -372,8 +372,18 @@ class DeBERTaRelative(BiasScheme):
 @final
 class TransformerXLRelative(BiasScheme):
     """Transformer-XL's relative terms (Dai et al., 2019): ``q_i . R_{i-j} W + u1 . k_j +
-    u2 . R_{i-j} W`` with sinusoidal ``R``. ``R W`` is a ``[2 max_len - 1, Dk]`` table; a tile
-    gathers its rows, so the cost per tile is ``bq * bk * Dk`` and no ``L x L`` array exists."""
+    u2 . R_{i-j} W`` with sinusoidal ``R`` (``R_d = sinusoid(d)``, :func:`sinusoid`).
+
+    No table of distances is gathered: by ``sin(a - b) = sin a cos b - cos a sin b`` (and the
+    same for cos), ``g . R_{i-j}`` with ``g = (q_i + u2) W^T`` is the dot product of ``g``
+    rotated by position ``i``'s angles with the sinusoid ``[cos, sin]`` of position ``j``, so a
+    tile's relative term is one ``[bq, Dk] x [Dk, bk]`` matmul (the paper's "relative shift"
+    without the shift, and exact for any positions: packed, padded, memories at negative
+    offsets). Angles are taken relative to each sequence's first query position, so their
+    size (and float32 rounding) follows the distances, not the absolute positions.
+
+    ``max_len`` bounds the distances the model was built for (configs size it to segment plus
+    memory); the sinusoid itself is defined at every distance, so nothing is clipped."""
 
     w_r: jax.Array
     u1: jax.Array
@@ -391,15 +401,24 @@ class TransformerXLRelative(BiasScheme):
 
     def arrays(self, q, k, q_pos, k_pos, head, scale):
         w_r, u1, u2 = head
-        dist = jnp.arange(-(self.max_len - 1), self.max_len)
-        rw = sinusoid(dist, w_r.shape[0]) @ w_r
-        qu = (q.astype(jnp.float32) + u2) * scale
+        dk = w_r.shape[0]
+        # g_i . sinusoid(i - j): g's interleaved (sin, cos) pairs rotated by i's angles, read
+        # against j's (cos, sin). An odd Dk has a last sine with no cosine: pad g with a zero.
+        g = ((q.astype(jnp.float32) + u2) * scale) @ w_r.T
+        g = jnp.pad(g, ((0, 0), (0, dk % 2))).reshape(g.shape[0], -1, 2)
+        freqs = 10000.0 ** (-np.arange(0, dk, 2, dtype=np.float32) / dk)
+        origin = q_pos[:1]
+        a = (q_pos - origin).astype(jnp.float32)[:, None] * freqs
+        b = (k_pos - origin).astype(jnp.float32)[:, None] * freqs
+        gs, gc = g[..., 0], g[..., 1]
+        qr = jnp.stack([gs * jnp.sin(a) + gc * jnp.cos(a),
+                        gc * jnp.sin(a) - gs * jnp.cos(a)], -1).reshape(q.shape[0], -1)
+        kr = jnp.stack([jnp.cos(b), jnp.sin(b)], -1).reshape(k.shape[0], -1)
         uk = (k.astype(jnp.float32) @ u1) * scale
-        return (rw, qu, uk)
+        return (qr, jax.lax.stop_gradient(kr), uk)
 
-    def score(self, qp, kp, i, j, rw, qu, uk):
-        rel = _take(rw, qp - kp + self.max_len - 1)
-        return jnp.einsum("qd,qkd->qk", _take(qu, i[:, 0]), rel) + _take(uk, j[0])[None, :]
+    def score(self, qp, kp, i, j, qr, kr, uk):
+        return _take(qr, i[:, 0]) @ _take(kr, j[0]).T + _take(uk, j[0])[None, :]
 
 
 @final
