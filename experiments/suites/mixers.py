@@ -22,6 +22,7 @@ import jax.numpy as jnp
 from experiments.bench_lib import Case, Workload, ratio_check
 from experiments.suites.attention import attention_flops, qkv
 from xformers_jax import mixers as M
+from xformers_jax.mixers import _recurrences
 from xformers_jax.attention import flash_attention, multihead
 
 TITLE = "Token mixers vs flash attention of the same width (fp32, B=1, dim 256)"
@@ -34,9 +35,8 @@ QUICK_SHORT, QUICK_LONG = 256, 2048
 DIM, HEADS, HEAD_DIM = 256, 4, 64
 RECURRENCES = ("s4d", "retnet", "gla", "mamba2", "gated_deltanet", "mamba")
 CHUNK = 64
-# GLA's intra-chunk scores carry a [c, c, key] decay tensor: smaller chunks (its paper uses
-# a secondary level of 16).
-GLA_CHUNK = 16
+# GLA's intra-chunk scores carry a [c, c, key] decay tensor: its own default, smaller chunks.
+GLA_CHUNK = _recurrences.GLA_CHUNK
 
 
 def _normal(i, *shape):

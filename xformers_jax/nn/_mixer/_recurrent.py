@@ -21,6 +21,7 @@ import jax.numpy as jnp
 from ... import mixers as M
 from ...attention.linear._delta import gated_delta_step
 from ...attention.linear._scan import causal_step
+from ...mixers._recurrences import GLA_CHUNK
 from ...mixers._ssm import selective_step
 from ._registry import (MixerModule, both_ways, check_mask, dense, log_uniform, recurrent_cache,
                         zero_padded)
@@ -166,7 +167,8 @@ class RetNet(_QKVRecurrence):
 class GLA(_QKVRecurrence):
     """Gated linear attention (Yang et al. 2024): keys of width ``head_dim / 2``, low-rank
     data-dependent gates ``alpha = sigmoid(x W1 W2 + b)^(1/16)``, a swish output gate and
-    per-head RMS normalisation. Hyperparameters: ``chunk_size``, ``implementation``."""
+    per-head RMS normalisation. Hyperparameters: ``chunk_size`` (default 16,
+    ``mixers._recurrences.GLA_CHUNK``), ``implementation``."""
 
     wa1: jax.Array
     wa2: jax.Array
@@ -177,7 +179,7 @@ class GLA(_QKVRecurrence):
     TEMPERATURE = 16.0
     GATE_RANK = 16
 
-    def __init__(self, dim, num_heads, *, causal, max_len, key, chunk_size=64,
+    def __init__(self, dim, num_heads, *, causal, max_len, key, chunk_size=GLA_CHUNK,
                  implementation="chunked"):
         if dim % (2 * num_heads):
             raise ValueError(f"GLA: dim={dim} must be divisible by 2 * num_heads={num_heads}")
