@@ -309,5 +309,16 @@ def test_product_keys_equal_brute_force():
     touched = np.flatnonzero(np.abs(np.asarray(gv)).sum(-1))
     np.testing.assert_array_equal(touched, np.unique(top))
     assert len(touched) < v.shape[0]
+    # Every gradient (through the softmax weights to q and the sub-keys, and into the values)
+    # equals the lookup written as one gather of the [T, H, k, dv] rows.
+    def gathered(q, k1, k2, v):
+        sc, sl = M.product_key_topk(q, k1, k2, kk)
+        return jnp.einsum("thk,thkv->tv", jax.nn.softmax(sc, -1), v[sl])
+
+    loss = lambda f: lambda *a: (f(*a) * jnp.arange(5.0)).sum()  # noqa: E731
+    got = _jit(jax.grad(loss(lambda *a: M.product_key_lookup(*a, kk)), argnums=(0, 1, 2, 3)))(
+        q, k1, k2, v)
+    assert_close(got, _jit(jax.grad(loss(gathered), argnums=(0, 1, 2, 3)))(q, k1, k2, v),
+                 EXACT_GRAD)
     with pytest.raises(ValueError, match=r"values must be \[n\^2 = 36"):
         M.product_key_lookup(q, k1, k2, v[:30], kk)

@@ -6,7 +6,13 @@ A query ``q`` (per head, width ``dk``) is split into halves ``q1, q2``; two sub-
 Cartesian product of each half's top-``k``, so the lookup scores ``2 n`` sub-keys and ``k^2``
 candidates instead of ``N`` keys. The ``k`` selected slots' values are averaged with the
 softmax of their scores; heads are summed. The value table's gradient touches only the
-selected rows (a gather).
+selected rows.
+
+The weighted sum of the selected rows (:func:`weighted_rows`, an "embedding bag") never
+materialises the ``[T, H, k, dv]`` block of gathered rows: it walks the ``H k`` slots, one
+``[T, dv]`` gather at a time, and its backward scatters into the value gradient the same way.
+At 4K tokens, 2 heads, k = 32 and values of width 256 that block is 268 MB, written and read
+again in the forward and once more as its cotangent in the backward.
 """
 
 from __future__ import annotations
@@ -49,11 +55,53 @@ def product_key_topk(q, keys1, keys2, k: int):
     return best, jnp.take_along_axis(slots, which, -1).astype(jnp.int32)
 
 
+@jax.custom_vjp
+def weighted_rows(w, slots, values):
+    """``w [T, S]``, ``slots int[T, S]``, ``values [N, dv]`` -> ``[T, dv]``: ``sum_s w[t, s]
+    values[slots[t, s]]``, one slot at a time (no ``[T, S, dv]`` gather). Accumulates in the
+    promoted dtype of ``w`` and ``values``."""
+    return _weighted_rows(w, slots, values)
+
+
+def _weighted_rows(w, slots, values):
+    dtype = jnp.result_type(w, values)
+
+    def body(acc, x):
+        w_s, slot_s = x
+        rows = jnp.take(values, slot_s, axis=0, mode="clip")  # slots are in range
+        return acc + w_s[:, None].astype(dtype) * rows, None
+
+    acc = jnp.zeros((w.shape[0], values.shape[1]), dtype)
+    return jax.lax.scan(body, acc, (w.T, slots.T))[0]
+
+
+def _weighted_rows_fwd(w, slots, values):
+    return _weighted_rows(w, slots, values), (w, slots, values)
+
+
+def _weighted_rows_bwd(res, g):
+    w, slots, values = res
+
+    def body(d_values, x):
+        w_s, slot_s = x
+        rows = jnp.take(values, slot_s, axis=0, mode="clip")
+        dw_s = jnp.sum(rows.astype(g.dtype) * g, axis=-1)
+        d_values = d_values.at[slot_s].add((w_s[:, None] * g).astype(d_values.dtype),
+                                         mode="promise_in_bounds")
+        return d_values, dw_s
+
+    d_values, dw = jax.lax.scan(body, jnp.zeros_like(values), (w.T, slots.T))
+    return dw.T.astype(w.dtype), None, d_values
+
+
+weighted_rows.defvjp(_weighted_rows_fwd, _weighted_rows_bwd)
+
+
 def product_key_lookup(q, keys1, keys2, values, k: int):
     """``q [T, H, dk]``, ``keys1, keys2 [H, n, dk/2]``, ``values [n^2, dv]`` -> ``[T, dv]``:
     ``sum_h sum_{s in top-k} softmax(scores)_s * values[s]``."""
     _check(q, keys1, keys2, values, k)
     scores, slots = product_key_topk(q, keys1, keys2, k)
     w = jax.nn.softmax(scores.astype(jnp.float32), axis=-1).astype(values.dtype)
-    rows = values[slots]  # [T, H, k, dv]
-    return jnp.einsum("thk,thkv->tv", w, rows)
+    t = q.shape[0]
+    return weighted_rows(w.reshape(t, -1), slots.reshape(t, -1), values)
