@@ -9,7 +9,7 @@ ending in ``_len``, and ``eval_mem_lens``) is a quarter. ``cpu``: segment 32, me
 an eighth, a dim-128 2-layer model, 1500 steps on 16 streams (the memory comparison on one
 CPU). ``cpu256``: the ``cpu`` model (dim 128, 2 layers, 16 streams) at the full lengths,
 segment 256 with the memory lengths unscaled (Transformer-XL: memory 256, evaluation memory
-1024), 1000 steps (0.88 steps/s without memory and 0.45 with Transformer-XL's on a quiet
+1024), 1000 steps (3.3 steps/s without memory and 2.2 with Transformer-XL's on a quiet
 2-core Sapphire Rapids). Reported loss is nats per byte;
 evaluation also reports ``bits_per_byte``, and with ``eval_mem_lens`` (``data.eval_mem_lens``)
 the same metrics at each of those evaluation memory lengths (``bits_per_byte_mem{N}``), read
