@@ -21,12 +21,20 @@ import re
 
 from absl import app, flags
 
-_RUNS = flags.DEFINE_string("runs", "none=/tmp/xl_lm/none,xl=/tmp/xl_lm/xl",
-                            "VARIANT=WORKDIR pairs (variants of transformer_xl.py), "
-                            "comma-separated, in table order.")
-_SIZE = flags.DEFINE_string("size", "cpu256", "The runs' config size.")
-_OUT = flags.DEFINE_string("out", "experiments/results", "Where the table goes.")
-_NAME = flags.DEFINE_string("name", "memory_lm", "The table's file name, without .md.")
+FLAGS = flags.FLAGS
+
+
+def _define_flags():
+    # Defined when run as a script only: tests import this module beside other scripts that
+    # define flags of the same names (``--out``) in the same process.
+    flags.DEFINE_string("runs", "none=/tmp/xl_lm/none,xl=/tmp/xl_lm/xl",
+                        "VARIANT=WORKDIR pairs (variants of transformer_xl.py), "
+                        "comma-separated, in table order.")
+    flags.DEFINE_string("size", "cpu256", "The runs' config size.")
+    flags.DEFINE_string("out", "experiments/results", "Where the table goes.")
+    flags.DEFINE_string("name", "memory_lm", "The table's file name, without .md.")
+
+
 _CONFIG = "experiments/configs/lm/transformer_xl.py"
 
 
@@ -77,25 +85,26 @@ def table(runs: dict[str, list[dict]], eval_mems: dict[str, int], size: str = "c
 def main(argv):
     del argv
     runs, eval_mems = {}, {}
-    for pair in _RUNS.value.split(","):
+    for pair in FLAGS.runs.split(","):
         name, workdir = pair.split("=", 1)
         runs[name] = _metrics(workdir)
-        eval_mems[name] = _eval_mem(name)
-    os.makedirs(_OUT.value, exist_ok=True)
-    path = os.path.join(_OUT.value, f"{_NAME.value}.md")
+        eval_mems[name] = _eval_mem(name, FLAGS.size)
+    os.makedirs(FLAGS.out, exist_ok=True)
+    path = os.path.join(FLAGS.out, f"{FLAGS.name}.md")
     with open(path, "w") as f:
-        f.write(table(runs, eval_mems, _SIZE.value))
+        f.write(table(runs, eval_mems, FLAGS.size))
     print(open(path).read())
 
 
-def _eval_mem(variant: str) -> int:
+def _eval_mem(variant: str, size: str) -> int:
     """The evaluation memory the trainer's plain ``bits_per_byte`` of ``variant`` was read
     with (0 without memory), from the config."""
     from experiments.configs.lm import transformer_xl
 
-    memory = transformer_xl.get_config(f"{variant},{_SIZE.value}").model.memory
+    memory = transformer_xl.get_config(f"{variant},{size}").model.memory
     return 0 if memory.kind == "none" else int(memory.eval_mem_len)
 
 
 if __name__ == "__main__":
+    _define_flags()
     app.run(main)
