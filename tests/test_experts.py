@@ -191,6 +191,28 @@ def test_grouped_matmul_backends_agree_and_zero_tail():
         M.grouped_matmul(x, w[:, :4], sizes)
 
 
+@pytest.mark.parametrize("merge", [1, 3])
+def test_block_matmul_runs_of_tiles_equal_dense(merge):
+    # Tiles of 2 rows; groups of 7, 0, 12 and 1 rows pad to 4, 0, 6 and 1 tiles, so with runs
+    # of 3 tiles there are merged runs (groups 0 and 2), leftover single tiles (groups 0 and
+    # 3) and unused tiles at the end of the static bound.
+    from xformers_jax.experts import _grouped as G
+    sizes = jnp.array([7, 0, 12, 1], jnp.int32)
+    k = jax.random.split(jax.random.key(6), 3)
+    x = jax.random.normal(k[0], (24, 5))
+    w = jax.random.normal(k[1], (4, 5, 3))
+    cot = jax.random.normal(k[2], (24, 3))
+    dense = lambda x, w: G._dense(x, w, sizes)  # noqa: E731
+    tiled = lambda x, w: G._tiled(x, w, sizes, tile=2, merge=merge)  # noqa: E731
+    assert_close(_jit(tiled)(x, w), dense(x, w))
+    grads = [_jit(jax.grad(lambda x, w, f=f: (f(x, w) * cot).sum(), argnums=(0, 1)))(x, w)
+             for f in (tiled, dense)]
+    assert_close(grads[0], grads[1], EXACT_GRAD)
+    runs = G._runs(*G.block_layout(sizes, 24, 2)[1:3], 4, merge)
+    if merge == 3:
+        assert [int(r[2]) for r in runs] == [3, 2]  # runs of 3 tiles: 1 + 2; single tiles: 1 + 1
+
+
 @functools.partial(_jit, static_argnums=(3, 4))
 def _masked_run(x, wr, w, mode, n, mask):
     r = M.top_k_route(M.router_logits(x[:n], wr), 2, mask=mask[:n])
