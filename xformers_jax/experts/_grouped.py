@@ -70,21 +70,28 @@ def _runs(tile_group, n_used, groups: int, merge: int):
     return out
 
 
+def _over_runs(runs, tile: int, step, carry):
+    """``carry = step(carry, row0, rows, group)`` for every run (:func:`_runs`), ``rows`` (a
+    static row count) from row ``row0`` belonging to ``group``."""
+    for starts, groups, count, length in runs:
+        def body(i, c, starts=starts, groups=groups, rows=length * tile):
+            return step(c, starts[i] * tile, rows, groups[i])
+
+        carry = jax.lax.fori_loop(0, count, body, carry)
+    return carry
+
+
 def _block_loop(a, w, runs, tile: int, contract_w: int):
     """``out[rows of run i] = a[rows of run i] @ w[group of run i]`` (``contract_w = 0``) or
     ``@ w[...].T`` (``contract_w = 1``) for every run (:func:`_runs`); other rows are 0."""
-    m = w.shape[2 - contract_w]
-    out = jnp.zeros((a.shape[0], m), a.dtype)
-    for starts, groups, count, length in runs:
-        def body(i, out, starts=starts, groups=groups, rows=length * tile):
-            blk = jax.lax.dynamic_slice_in_dim(a, starts[i] * tile, rows, 0)
-            wi = jax.lax.dynamic_index_in_dim(w, groups[i], 0, keepdims=False)
-            y = jax.lax.dot_general(blk, wi, (((1,), (contract_w,)), ((), ())))
-            return jax.lax.dynamic_update_slice_in_dim(out, y.astype(out.dtype),
-                                                       starts[i] * tile, 0)
+    def step(out, row0, rows, group):
+        blk = jax.lax.dynamic_slice_in_dim(a, row0, rows, 0)
+        wi = jax.lax.dynamic_index_in_dim(w, group, 0, keepdims=False)
+        y = jax.lax.dot_general(blk, wi, (((1,), (contract_w,)), ((), ())))
+        return jax.lax.dynamic_update_slice_in_dim(out, y.astype(out.dtype), row0, 0)
 
-        out = jax.lax.fori_loop(0, count, body, out)
-    return out
+    return _over_runs(runs, tile, step, jnp.zeros((a.shape[0], w.shape[2 - contract_w]),
+                                                  a.dtype))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
@@ -111,18 +118,16 @@ def _block_matmul_fwd(a, w, tile_group, n_used, tile, merge):
 def _block_matmul_bwd(tile, merge, res, g):
     a, w, runs = res
     da = _block_loop(g, w, runs, tile, 1)
-    dw = jnp.zeros(w.shape, jnp.float32)
-    for starts, groups, count, length in runs:
-        def body(i, dw, starts=starts, groups=groups, rows=length * tile):
-            blk = jax.lax.dynamic_slice_in_dim(a, starts[i] * tile, rows, 0)
-            gb = jax.lax.dynamic_slice_in_dim(g, starts[i] * tile, rows, 0)
-            part = jax.lax.dot_general(blk, gb, (((0,), (0,)), ((), ())),
-                                       preferred_element_type=jnp.float32)
-            j = groups[i]
-            return jax.lax.dynamic_update_index_in_dim(
-                dw, jax.lax.dynamic_index_in_dim(dw, j, 0, keepdims=False) + part, j, 0)
 
-        dw = jax.lax.fori_loop(0, count, body, dw)
+    def step(dw, row0, rows, group):
+        blk = jax.lax.dynamic_slice_in_dim(a, row0, rows, 0)
+        gb = jax.lax.dynamic_slice_in_dim(g, row0, rows, 0)
+        part = jax.lax.dot_general(blk, gb, (((0,), (0,)), ((), ())),
+                                   preferred_element_type=jnp.float32)
+        return jax.lax.dynamic_update_index_in_dim(
+            dw, jax.lax.dynamic_index_in_dim(dw, group, 0, keepdims=False) + part, group, 0)
+
+    dw = _over_runs(runs, tile, step, jnp.zeros(w.shape, jnp.float32))
     return da, dw.astype(w.dtype), None, None
 
 

@@ -39,8 +39,12 @@ from ..attention._contract import STATS_DTYPE
 def sinusoid(positions, dim: int, base: float = 10000.0):
     """``PE(t)_{2i} = sin(t w_i)``, ``PE(t)_{2i+1} = cos(t w_i)``, ``w_i = base^(-2i/dim)``
     (Vaswani et al., 2017). positions: int ``[...]`` -> float32 ``[..., dim]``."""
-    freqs = base ** (-np.arange(0, dim, 2, dtype=np.float32) / dim)
-    return _interleave(positions.astype(jnp.float32)[..., None] * freqs, dim)
+    return _interleave(positions.astype(jnp.float32)[..., None] * _freqs(dim, base), dim)
+
+
+def _freqs(dim: int, base: float = 10000.0) -> np.ndarray:
+    """The sinusoid's ``ceil(dim / 2)`` frequencies ``w_i = base^(-2i/dim)``."""
+    return base ** (-np.arange(0, dim, 2, dtype=np.float32) / dim)
 
 
 def _interleave(angles, dim):
@@ -406,7 +410,7 @@ class TransformerXLRelative(BiasScheme):
         # against j's (cos, sin). An odd Dk has a last sine with no cosine: pad g with a zero.
         g = ((q.astype(jnp.float32) + u2) * scale) @ w_r.T
         g = jnp.pad(g, ((0, 0), (0, dk % 2))).reshape(g.shape[0], -1, 2)
-        freqs = 10000.0 ** (-np.arange(0, dk, 2, dtype=np.float32) / dk)
+        freqs = _freqs(dk)
         origin = q_pos[:1]
         a = (q_pos - origin).astype(jnp.float32)[:, None] * freqs
         b = (k_pos - origin).astype(jnp.float32)[:, None] * freqs
