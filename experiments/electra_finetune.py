@@ -9,7 +9,8 @@ Both classifiers are ``nn.Electra(...).classifier(2)`` (the discriminator's embe
 and final norm with mean pooling and a new head): one from the pre-trained checkpoint (its
 best step, restored by path with orbax), one freshly initialised. The task is ``text`` with
 the standard library's bytes (``data.StdlibBytesClassification``) at the pre-training window
-length. ``--pretrained_learning_rate`` sets the pre-trained model's own peak learning rate
+length, each fine-tuned once per ``--seeds`` entry (head initialisation and batch order),
+the mean and every seed's accuracy reported. ``--pretrained_learning_rate`` sets the pre-trained model's own peak learning rate
 (fine-tuning usually uses a lower one than training from scratch; default: the same);
 ``--num_train`` the labelled training windows. Prints one JSON line with both test
 accuracies and whether pre-training learned anything: the discriminator's last logged
@@ -25,6 +26,7 @@ import os
 
 import equinox as eqx
 import jax
+import numpy as np
 from absl import app, flags
 
 from experiments.configs import compress as configs
@@ -39,6 +41,9 @@ _LR = flags.DEFINE_float("learning_rate", 1e-3, "Peak learning rate (cosine, 30 
 _PRE_LR = flags.DEFINE_float("pretrained_learning_rate", None,
                              "The pre-trained model's peak learning rate (None: --learning_rate).")
 _NUM_TRAIN = flags.DEFINE_integer("num_train", 4000, "Labelled training windows.")
+_SEEDS = flags.DEFINE_string("seeds", "0,1,2",
+                             "Fine-tuning seeds (the new head's initialisation and the batch "
+                             "order); each model is fine-tuned once per seed.")
 _RUNLOCAL = flags.DEFINE_bool("runlocal", True, "The pre-training used the runlocal config.")
 _OUT = flags.DEFINE_string("out", "experiments/results/compress_electra.jsonl",
                            "Where the result line is appended ('' for nowhere).")
@@ -59,7 +64,7 @@ def pretraining_summary(workdir: str) -> dict:
             "pretraining_mlm": last["train_mlm"]}
 
 
-def finetune(model, task, steps, batch_size, lr, seed=0):
+def finetune(model, task, steps, batch_size, lr, seed):
     schedule = train.make_schedule("cosine", learning_rate=lr, warmup_steps=30,
                                    total_steps=steps)
     optimizer = train.make_optimizer(schedule, weight_decay=0.01, grad_clip_norm=1.0)
@@ -79,7 +84,9 @@ def main(argv):
     key = jax.random.PRNGKey(ec.seed)
     like = eqx.filter_eval_shape(train.build_model, ec.model, e_task, key)
     pretrained = parallel.restore_checkpoint(_state_dir(_ELECTRA.value), like, prefix="model")
-    fresh = train.build_model(ec.model, e_task, jax.random.PRNGKey(ec.seed + 1))
+
+    def fresh(seed):  # the same architecture, freshly initialised for each seed
+        return train.build_model(ec.model, e_task, jax.random.PRNGKey(ec.seed + 1 + seed))
     tc = train.base_config("text")
     tc.data.update(dict(source="stdlib", seq_len=ec.data.seq_len, num_train=_NUM_TRAIN.value,
                         num_eval=256, num_test=512))
@@ -89,11 +96,19 @@ def main(argv):
            "seq_len": ec.data.seq_len, "num_train": _NUM_TRAIN.value,
            "learning_rate": _LR.value, "pretrained_learning_rate": pre_lr,
            "load": os.getloadavg()[0]} | pretraining_summary(_ELECTRA.value)
-    for name, electra, lr in (("electra", pretrained, pre_lr), ("scratch", fresh, _LR.value)):
-        clf = electra.classifier(task.num_classes, key=jax.random.PRNGKey(7))
-        result = finetune(clf, task, _STEPS.value, _BATCH.value, lr)
-        out[f"{name}_test_accuracy"] = result["accuracy"]
-        out[f"{name}_test_loss"] = result["loss"]
+    seeds = [int(s) for s in _SEEDS.value.split(",")]
+    out["seeds"] = seeds
+    def pretrained_copy(seed):  # the train step donates its state: a fresh copy per seed
+        return jax.tree.map(lambda a: a.copy() if eqx.is_array(a) else a, pretrained)
+    for name, electra, lr in (("electra", pretrained_copy, pre_lr),
+                              ("scratch", fresh, _LR.value)):
+        results = []
+        for seed in seeds:
+            clf = electra(seed).classifier(task.num_classes, key=jax.random.PRNGKey(7 + seed))
+            results.append(finetune(clf, task, _STEPS.value, _BATCH.value, lr, seed))
+        out[f"{name}_test_accuracies"] = [r["accuracy"] for r in results]
+        out[f"{name}_test_accuracy"] = float(np.mean(out[f"{name}_test_accuracies"]))
+        out[f"{name}_test_loss"] = float(np.mean([r["loss"] for r in results]))
     print(json.dumps(out))
     if _OUT.value:
         with open(_OUT.value, "a") as f:

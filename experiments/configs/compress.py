@@ -32,7 +32,8 @@ CPU cores; the models reach about 30%). METHOD:
   KD and TinyBERT's attention-map and projected hidden-state losses (weight 1 each);
   ``tinybert_scratch``: the same student without a teacher.
 - ``electra``: ELECTRA pre-training (``nn.Electra``, generator at a quarter width,
-  discriminator weight 50) on the standard library's bytes, 128-byte windows;
+  discriminator weight 50, rotary positions) on the standard library's bytes, 128-byte
+  windows, 5000 steps of batch 16 (about 7 minutes on 2 CPU cores; runlocal 200);
   ``experiments/electra_finetune.py`` then fine-tunes its discriminator on the byte
   classification task against the same classifier from scratch.
 
@@ -54,8 +55,9 @@ def _electra(runlocal: bool):
     c.model.update(dict(dim=64, num_layers=2, num_heads=4, hidden=128))
     c.optim.update(dict(learning_rate=1e-3, warmup_steps=50, schedule="cosine",
                         weight_decay=0.01))
-    c.update(dict(batch_size=16, num_train_steps=200 if runlocal else 800, log_every=20,
-                  eval_every=100, checkpoint_every=100))
+    c.update(dict(batch_size=16, num_train_steps=200 if runlocal else 5000, log_every=20,
+                  eval_every=100 if runlocal else 1000,
+                  checkpoint_every=100 if runlocal else 1000))
     c.lock()
     return c
 
@@ -74,8 +76,8 @@ def get_config(arg=None):
     if "long" in sizes:
         c.data.update(dict(num_train=8000, num_eval=500, num_test=1000))
         c.optim.update(dict(learning_rate=2e-3, warmup_steps=100))
-        c.update(dict(num_train_steps=1200, log_every=50, eval_every=200,
-                      checkpoint_every=200))
+        c.update(dict(num_train_steps=3000, log_every=50, eval_every=500,
+                      checkpoint_every=500))
     c.calibration.num_batches = 4
     if method in ("teacher", "int4"):
         c.quantize = "int8" if method == "teacher" else "int4"

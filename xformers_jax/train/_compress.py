@@ -360,9 +360,14 @@ def finish(config, task, model, run_eval, eval_step, workdir: str) -> dict:
 # -- ELECTRA pre-training on byte-level text ----------------------------------------------------
 
 def _electra(m, task, key):
-    # The paper's generator: a quarter of the discriminator's width, heads and FFN.
+    # The paper's generator: a quarter of the discriminator's width, heads and FFN (so both
+    # have the same head width and can share one rotary scheme). Positions are rotary, not
+    # BERT's absolute ones: both objectives are decided by a token's neighbours, and with
+    # sinusoids added to the inputs the small byte-level models sat at the unigram MLM loss
+    # and the base-rate discriminator loss for hundreds of steps before finding them.
     return nn.Electra(task.vocab_size, m.dim, m.num_layers, m.num_heads, m.hidden,
-                      max_len=task.seq_len, block=dict(spec=_spec(m)), key=key)
+                      max_len=task.seq_len, positions=nn.NoPositions(),
+                      block=dict(spec=_spec(m), position=nn.RotaryPositions()), key=key)
 
 
 def _electra_loss(model, batch, task, key):
