@@ -22,6 +22,7 @@ import time
 import numpy as np
 from absl import app, flags
 
+from experiments import bench_lib
 from experiments.configs import compress as configs
 from xformers_jax import train
 
@@ -75,8 +76,10 @@ def run_one(method, size, seed, workdir) -> dict:
     config = _config(method, size, seed, workdir)
     load0, t0 = _load(), time.time()
     result = train.train_and_evaluate(config, path)
+    machine = bench_lib.machine_info()
     out = dict(method=method, seed=seed, size=size, steps=config.num_train_steps,
                seconds=round(time.time() - t0, 1), load_start=load0, load_end=_load(),
+               cpu=machine["cpu"], cores=machine["cores"],
                result={k: v for k, v in result.items() if np.isscalar(v)})
     with open(done, "w") as f:
         json.dump(out, f)
@@ -96,14 +99,15 @@ def _runs(workdir, methods, seeds):
 
 def _setting(size) -> str:
     c = configs.get_config(f"teacher,{size}" if size != "main" else "teacher")
+    student = configs.get_config(f"student,{size}" if size != "main" else "student")
     d, m = c.data, c.model
     return (f"Setting: ListOps expressions of {d.min_length}-{d.max_length} tokens, depth <= "
             f"{d.max_depth}, {d.num_train} training / {d.num_test} test (drawn by the seed); "
             f"teacher {m.num_layers} layers, dim {m.dim}, {m.num_heads} heads, MLP {m.hidden}, "
             f"dense attention, {c.num_train_steps} steps of batch {c.batch_size}, peak learning "
             f"rate {c.optim.learning_rate} (cosine). QAT: {c.num_train_steps // 4} steps from the "
-            f"teacher at a tenth of its learning rate. Students: {m.num_layers // 2} layer(s), "
-            f"{c.num_train_steps} steps; distilled with KD (alpha 0.5, T 2), DistilBERT's "
+            f"teacher at a tenth of its learning rate. Students: {student.model.num_layers} "
+            f"layer(s), {student.num_train_steps} steps, with and without the teacher; distilled with KD (alpha 0.5, T 2), DistilBERT's "
             f"every-other-layer initialisation and cosine loss.")
 
 
@@ -153,11 +157,12 @@ def report(workdir, size, seeds, out_dir) -> str:
         lines.append(f"| {label} | " + " | ".join(cells) + f" | {mean:.2f} | {dcell} | "
                      + ("" if dmean is None or not dcell else f"{dmean:+.2f}")
                      + f" | {verdict} |")
-    lines += ["", "Runs (`nice -n 19` on a shared 2-core CPU, sometimes two or three of these at "
-              "once; load = 1-minute load average at start / end):", ""]
+    lines += ["", "Runs (wall time; load = 1-minute load average at start / end; runs of this "
+              "sweep share the machine with whatever else ran):", ""]
     for (m, s), r in sorted(runs.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+        where = f", {r['cpu']} ({r['cores']} cores)" if "cpu" in r else ""
         lines.append(f"- {m} seed {s}: {r['steps']} steps, {r['seconds']:.0f} s, load "
-                     f"{r['load_start']:.1f} / {r['load_end']:.1f}")
+                     f"{r['load_start']:.1f} / {r['load_end']:.1f}{where}")
     text = "\n".join(lines) + "\n"
     os.makedirs(out_dir, exist_ok=True)
     base = os.path.join(out_dir, f"compress_listops_{size}")

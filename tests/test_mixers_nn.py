@@ -184,7 +184,7 @@ def test_lra_and_lm_configs_take_every_mixer():
 
 def test_mixer_table_sweep_lists_every_task_and_variant(tmp_path):
     from experiments import sweep
-    from experiments.configs.lra import mixer_table
+    from experiments.configs.lra import listops, mixer_table
 
     path = mixer_table.__file__
     variants = ("transformer", "s4d", "mamba2", "gmlp", "fnet")
@@ -210,6 +210,9 @@ def test_mixer_table_sweep_lists_every_task_and_variant(tmp_path):
         task, variant = run[sweep.ARG].split(",")
         steps.setdefault(task, set()).add((c.num_train_steps, c.batch_size))
         assert c.model.mixer.kind == ("none" if variant == "transformer" else variant)
+        if task == "listops":  # the README main job's data and steps
+            main = listops.get_config(f"{variant},main")
+            assert (c.data, c.num_train_steps) == (main.data, main.num_train_steps)
     assert all(len(s) == 1 for s in steps.values()), steps  # the same steps within a task
     with pytest.raises(ValueError, match="TASK"):
         mixer_table.get_config("text,s4d")

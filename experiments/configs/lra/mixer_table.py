@@ -1,6 +1,7 @@
 """The token-mixer table: LRA ListOps and LRA's image tasks with a Transformer, S4D, Mamba-2,
-gMLP and FNet, each task's runs after the same number of steps (the tasks' ``runlocal`` sizes
-and settings; mixers as in ``_common.MIXERS`` / ``SMALL_MIXERS``). One sweep, one table::
+gMLP and FNet, each task's runs after the same number of steps (ListOps at the README main
+job's size and settings, the image tasks at their ``runlocal`` ones; mixers as in
+``_common.MIXERS`` / ``SMALL_MIXERS``). One sweep, one table::
 
   nice -n 5 python -m experiments.sweep --config=experiments/configs/lra/mixer_table.py \\
       --workdir=/tmp/mixer_table --num_processes=1
@@ -27,6 +28,9 @@ VARIANTS = ("transformer", "s4d", "mamba2", "gmlp", "fnet")
 # Steps of the table's runs where they differ from the task's runlocal config: Pathfinder's
 # 300 steps over 1024 pixels take about an hour per model on 2 shared CPU cores.
 TABLE_STEPS = {"pathfinder": 100}
+# ListOps at the README main job's size (32-128 tokens, depth 4, 6000 expressions, 800 steps);
+# the image tasks at their runlocal sizes.
+TABLE_SIZE = {"listops": "main"}
 
 
 def get_config(arg=None):
@@ -35,7 +39,7 @@ def get_config(arg=None):
         raise ValueError(f"mixer_table: config arg must be 'TASK[,VARIANT]' with TASK in "
                          f"{sorted(TASKS)}, got {arg!r}")
     variant = parts[1] if len(parts) == 2 else "transformer"
-    c = TASKS[parts[0]].get_config(f"{variant},runlocal")
+    c = TASKS[parts[0]].get_config(f"{variant},{TABLE_SIZE.get(parts[0], 'runlocal')}")
     if parts[0] in TABLE_STEPS:
         with c.unlocked():
             steps = TABLE_STEPS[parts[0]]

@@ -124,23 +124,64 @@ def _recurrent_bwd(res, dout):
 causal_recurrent.defvjp(_recurrent_fwd, _recurrent_bwd)
 
 
-@functools.partial(jax.checkpoint, prevent_cse=False)
-def _intra_chunk(fq, fk, v, b):
-    """Within-chunk outputs: ``sum_{j<=t} exp(b_t - b_j) (fq_t . fk_j) v_j`` per chunk
-    (``b: [n, c]``), or ``sum_{j<=t} sum_m fq_tm fk_jm exp(b_tm - b_jm) v_j`` (``b: [n, c, M]``)."""
-    c = fq.shape[1]
+def _intra_decay(b):
+    """``exp(b_t - b_j)`` for ``j <= t`` and 0 above the diagonal: ``[n, c, c]`` from ``b:
+    [n, c]`` or ``[n, c, c, M]`` from ``b: [n, c, M]``."""
+    c = b.shape[1]
     causal = jnp.tril(jnp.ones((c, c), bool))
     if b.ndim == 3:
         causal = causal[..., None]
     diff = b[:, :, None] - b[:, None, :]
     # The inner where keeps exp off the (positive) differences above the diagonal, whose
     # overflow would turn the masked-out gradient into NaN.
-    decay = jnp.where(causal, jnp.exp(jnp.where(causal, diff, 0.0)), 0.0)
+    return jnp.where(causal, jnp.exp(jnp.where(causal, diff, 0.0)), 0.0)
+
+
+def _intra_chunk(fq, fk, v, b):
+    """Within-chunk outputs: ``sum_{j<=t} exp(b_t - b_j) (fq_t . fk_j) v_j`` per chunk
+    (``b: [n, c]``), or ``sum_{j<=t} sum_m fq_tm fk_jm exp(b_tm - b_jm) v_j`` (``b: [n, c, M]``).
+    Rematerialised in the backward pass."""
     if b.ndim == 3:
-        scores = jnp.einsum("ncm,ndm,ncdm->ncd", fq, fk, decay)
-    else:
-        scores = jnp.einsum("ncm,ndm->ncd", fq, fk) * decay
+        return _intra_gated(fq, fk, v, b)
+    return _intra_scalar(fq, fk, v, b)
+
+
+@functools.partial(jax.checkpoint, prevent_cse=False)
+def _intra_scalar(fq, fk, v, b):
+    scores = jnp.einsum("ncm,ndm->ncd", fq, fk) * _intra_decay(b)
     return jnp.einsum("ncd,nde->nce", scores, v)
+
+
+def _gated_scores(fq, fk, decay):
+    # One fused product-and-sum over the minor (feature) axis: as an einsum, XLA:CPU laid
+    # the [n, c, c, M] terms out again for each contraction of the backward pass.
+    return jnp.sum(fq[:, :, None] * fk[:, None] * decay, axis=-1)
+
+
+@jax.custom_vjp
+def _intra_gated(fq, fk, v, b):
+    """:func:`_intra_chunk` with per-feature decays (GLA). Its VJP recomputes the decays and
+    needs only ``dfq`` and ``dfk``: ``b`` enters as a rescaling of ``fq_t`` by ``exp(b_t)``
+    and of ``fk_j`` by ``exp(-b_j)``, so ``db = fq * dfq - fk * dfk`` (as in
+    :func:`causal_recurrent`)."""
+    return jnp.einsum("ncd,nde->nce", _gated_scores(fq, fk, _intra_decay(b)), v)
+
+
+def _intra_gated_fwd(fq, fk, v, b):
+    return _intra_gated(fq, fk, v, b), (fq, fk, v, b)
+
+
+def _intra_gated_bwd(res, dout):
+    fq, fk, v, b = res
+    decay = _intra_decay(b)
+    dv = jnp.einsum("ncd,nce->nde", _gated_scores(fq, fk, decay), dout)
+    p = decay * jnp.einsum("nce,nde->ncd", dout, v)[..., None]  # zero above the diagonal
+    dfq = jnp.sum(p * fk[:, None], axis=2)
+    dfk = jnp.sum(p * fq[:, :, None], axis=1)
+    return dfq, dfk, dv, fq * dfq - fk * dfk
+
+
+_intra_gated.defvjp(_intra_gated_fwd, _intra_gated_bwd)
 
 
 # Positions per group of chunks (see causal_chunked): 2048 positions keep a group's working
