@@ -108,8 +108,8 @@ def retention(q, k, v, log_gamma, *, kv_mask=None, implementation: str = "chunke
 # are smaller than the scalar-decay recurrences' 64 (the paper's secondary chunks are 16).
 # fwd+bwd of 4 heads (keys 32, values 64) at L=8192 on a 2-core Sapphire Rapids, separate
 # processes: chunks of 8 / 16 / 64 took 186-195 / 189-200 / 487 ms with autodiff of the
-# intra-chunk product; with its own VJP (attention/linear/_scan.py), 8 / 16 / 32 take
-# 134-142 / 131-133 / about 300 ms (interleaved in one process).
+# intra-chunk product; with its own VJP (attention/linear/_scan.py), 8 / 16 take 134-142 /
+# 131-133 ms (interleaved in one process).
 GLA_CHUNK = 16
 
 
