@@ -34,7 +34,7 @@ run on 2 CPU cores; the models reach about 33-35%). METHOD:
   ``tinybert_scratch``: the same student without a teacher.
 - ``electra``: ELECTRA pre-training (``nn.Electra``, generator at a quarter width,
   discriminator weight 50, rotary positions) on the standard library's bytes, 128-byte
-  windows, 5000 steps of batch 16 (about 7 minutes on 2 CPU cores; runlocal 200);
+  windows, 5000 steps of batch 16 (about 8 minutes on 2 CPU cores; runlocal 200);
   ``experiments/electra_finetune.py`` then fine-tunes its discriminator on the byte
   classification task against the same classifier from scratch.
 
