@@ -107,8 +107,9 @@ def _setting(size) -> str:
             f"dense attention, {c.num_train_steps} steps of batch {c.batch_size}, peak learning "
             f"rate {c.optim.learning_rate} (cosine). QAT: {c.num_train_steps // 4} steps from the "
             f"teacher at a tenth of its learning rate. Students: {student.model.num_layers} "
-            f"layer(s), {student.num_train_steps} steps, with and without the teacher; distilled with KD (alpha 0.5, T 2), DistilBERT's "
-            f"every-other-layer initialisation and cosine loss.")
+            f"layer(s), {student.num_train_steps} steps, with and without the teacher; "
+            f"distilled with KD (alpha 0.5, T 2), DistilBERT's every-other-layer "
+            f"initialisation and cosine loss.")
 
 
 def report(workdir, size, seeds, out_dir) -> str:

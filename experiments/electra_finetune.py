@@ -10,8 +10,9 @@ and final norm with mean pooling and a new head): one from the pre-trained check
 best step, restored by path with orbax), one freshly initialised. The task is ``text`` with
 the standard library's bytes (``data.StdlibBytesClassification``) at the pre-training window
 length, each fine-tuned once per ``--seeds`` entry (head initialisation and batch order),
-the mean and every seed's accuracy reported. ``--pretrained_learning_rate`` sets the pre-trained model's own peak learning rate
-(fine-tuning usually uses a lower one than training from scratch; default: the same);
+the mean and every seed's accuracy reported. ``--pretrained_learning_rate`` sets the
+pre-trained model's own peak learning rate (fine-tuning usually uses a lower one than
+training from scratch; default: the same);
 ``--num_train`` the labelled training windows. Prints one JSON line with both test
 accuracies and whether pre-training learned anything: the discriminator's last logged
 binary cross-entropy against the entropy of its labels' base rate (a discriminator that
@@ -87,6 +88,7 @@ def main(argv):
 
     def fresh(seed):  # the same architecture, freshly initialised for each seed
         return train.build_model(ec.model, e_task, jax.random.PRNGKey(ec.seed + 1 + seed))
+
     tc = train.base_config("text")
     tc.data.update(dict(source="stdlib", seq_len=ec.data.seq_len, num_train=_NUM_TRAIN.value,
                         num_eval=256, num_test=512))
@@ -98,6 +100,7 @@ def main(argv):
            "load": os.getloadavg()[0]} | pretraining_summary(_ELECTRA.value)
     seeds = [int(s) for s in _SEEDS.value.split(",")]
     out["seeds"] = seeds
+
     def pretrained_copy(seed):  # the train step donates its state: a fresh copy per seed
         return jax.tree.map(lambda a: a.copy() if eqx.is_array(a) else a, pretrained)
     for name, electra, lr in (("electra", pretrained_copy, pre_lr),
