@@ -144,6 +144,20 @@ def test_memory_configs_build_and_bad_ones_fail():
                           jax.random.PRNGKey(0))
     with pytest.raises(ValueError, match="memory.kind"):
         train.build_model(_config(dict(kind="lstm")).model, task, jax.random.PRNGKey(0))
+    # Relative distances are clamped at the longest one training sees (segment + memories - 1)
+    # unless clamp_len says otherwise (-1: none).
+    for memory, clamp in ((dict(kind="xl", mem_len=4), SEG + 3),
+                          (dict(kind="compressive", mem_len=4, cmem_len=2), SEG + 5),
+                          (dict(kind="xl", mem_len=4, clamp_len=20), 20),
+                          (dict(kind="xl", mem_len=4, clamp_len=-1), None)):
+        model = train.build_model(_config(memory).model, task, jax.random.PRNGKey(0))
+        schemes = [x for x in jax.tree.leaves(
+            model, is_leaf=lambda x: isinstance(x, nn.TransformerXLRelative))
+            if isinstance(x, nn.TransformerXLRelative)]
+        assert schemes and all(x.clamp_len == clamp for x in schemes)
+    with pytest.raises(ValueError, match="clamp_len must be -1.*got -2"):
+        train.build_model(_config(dict(kind="xl", mem_len=4, clamp_len=-2)).model, task,
+                          jax.random.PRNGKey(0))
     linear = _config(dict(kind="xl", mem_len=4)).model.unlock()
     linear.attention = ml_collections.ConfigDict(dict(kind="linear"))
     with pytest.raises(ValueError, match="exact softmax attention.*'linear'"):

@@ -92,22 +92,25 @@ def test_shaw_clipping():
                                   [2, 1, 0, 0, 0, 0])
 
 
-@pytest.mark.parametrize("dk", [DK, 7])
-def test_transformer_xl_terms_equal_the_paper_at_any_positions(dk):
+@pytest.mark.parametrize("dk,clamp", [(DK, None), (7, None), (DK, 5), (7, 0)])
+def test_transformer_xl_terms_equal_the_paper_at_any_positions(dk, clamp):
     # q_i . R_{i-j} W + u1 . k_j + u2 . R_{i-j} W with R_d = sinusoid(d), read directly from
     # the distance, at positions that restart (packed), jump (padding at 0) and go negative
     # (memory): the rotated form must not assume contiguous positions. Odd Dk: a last sine
-    # with no cosine.
+    # with no cosine. With clamp_len, R at min(i - j, clamp_len) (negative distances kept).
     from xformers_jax.nn._positions import sinusoid
     kq, kk, ku = jax.random.split(KEY, 3)
     q = jax.random.normal(kq, (B, L, H, dk))
     k = jax.random.normal(kk, (B, L, H, dk))
-    xl = nn.TransformerXLRelative(H, dk, 64, key=KEY)
+    xl = nn.TransformerXLRelative(H, dk, 64, clamp_len=clamp, key=KEY)
     xl = eqx.tree_at(lambda p: (p.u1, p.u2), xl, tuple(jax.random.normal(ku, (2, H, dk))))
     q_pos = jnp.array([[40, 41, 42, 43, 0, 1, 2, 3, 4, 0, 0, 0]])
     k_pos = jnp.array([[-5, -4, -3, 9, 10, 11, 0, 1, 2, 3, 4, 0]])
     bias = xl.bias(q, k, q_pos, k_pos, 1.0 / np.sqrt(dk))
     dist = np.asarray(q_pos[0])[:, None] - np.asarray(k_pos[0])[None, :]
+    if clamp is not None:
+        assert (dist > clamp).any() and (dist <= clamp).any()
+        dist = np.minimum(dist, clamp)
     r = np.asarray(sinusoid(jnp.asarray(dist), dk))  # [L, L, dk]
     for h in range(H):
         got = jax.tree_util.tree_map(lambda a, h=h: a[0, h], bias)(
@@ -117,6 +120,11 @@ def test_transformer_xl_terms_equal_the_paper_at_any_positions(dk):
         want = (np.einsum("id,ijd->ij", qu, rw) + np.asarray(k[0, :, h]) @ np.asarray(xl.u1[h])
                 ) / np.sqrt(dk)
         np.testing.assert_allclose(np.asarray(got), want, atol=2e-5, rtol=2e-5)
+
+
+def test_transformer_xl_clamp_len_must_be_a_distance():
+    with pytest.raises(ValueError, match="clamp_len must be None or an integer >= 0, got -1"):
+        nn.TransformerXLRelative(H, DK, 64, clamp_len=-1, key=KEY)
 
 
 @pytest.mark.parametrize("make", RELATIVE_BIASES + [lambda: nn.TUPE(H, DK, 64, key=KEY)])

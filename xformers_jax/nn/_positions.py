@@ -387,18 +387,29 @@ class TransformerXLRelative(BiasScheme):
     size (and float32 rounding) follows the distances, not the absolute positions.
 
     ``max_len`` bounds the distances the model was built for (configs size it to segment plus
-    memory); the sinusoid itself is defined at every distance, so nothing is clipped."""
+    memory); the sinusoid itself is defined at every distance, so nothing is clipped unless
+    ``clamp_len`` is given: then a distance ``i - j > clamp_len`` reads ``R_{clamp_len}`` (the
+    authors' ``clamp_len``, which their evaluation with memories longer than training's uses:
+    distances never seen in training read as the longest one that was). A clamped score is
+    one value per query, ``g_i . R_{clamp_len}``, selected where the distance exceeds it."""
 
     w_r: jax.Array
     u1: jax.Array
     u2: jax.Array
     max_len: int = eqx.field(static=True)
+    clamp_len: int | None = eqx.field(static=True)
 
-    def __init__(self, num_heads: int, head_dim: int, max_len: int, *, key):
+    def __init__(self, num_heads: int, head_dim: int, max_len: int,
+                 clamp_len: int | None = None, *, key):
+        if clamp_len is not None and (isinstance(clamp_len, bool)
+                                      or not isinstance(clamp_len, int) or clamp_len < 0):
+            raise ValueError(f"TransformerXLRelative: clamp_len must be None or an integer "
+                             f">= 0, got {clamp_len!r}")
         self.w_r = jax.random.normal(key, (num_heads, head_dim, head_dim)) / math.sqrt(head_dim)
         self.u1 = jnp.zeros((num_heads, head_dim))
         self.u2 = jnp.zeros((num_heads, head_dim))
         self.max_len = max_len
+        self.clamp_len = clamp_len
 
     def per_head_arrays(self):
         return (self.w_r, self.u1, self.u2)
@@ -419,10 +430,17 @@ class TransformerXLRelative(BiasScheme):
                         gc * jnp.sin(a) - gs * jnp.cos(a)], -1).reshape(q.shape[0], -1)
         kr = jnp.stack([jnp.cos(b), jnp.sin(b)], -1).reshape(k.shape[0], -1)
         uk = (k.astype(jnp.float32) @ u1) * scale
-        return (qr, jax.lax.stop_gradient(kr), uk)
+        if self.clamp_len is None:
+            return (qr, jax.lax.stop_gradient(kr), uk)
+        c = self.clamp_len * freqs
+        clamped = (gs * np.sin(c) + gc * np.cos(c)).sum(-1)  # g_i . R_{clamp_len}
+        return (qr, jax.lax.stop_gradient(kr), uk, clamped)
 
-    def score(self, qp, kp, i, j, qr, kr, uk):
-        return _take(qr, i[:, 0]) @ _take(kr, j[0]).T + _take(uk, j[0])[None, :]
+    def score(self, qp, kp, i, j, qr, kr, uk, clamped=None):
+        s = _take(qr, i[:, 0]) @ _take(kr, j[0]).T
+        if clamped is not None:
+            s = jnp.where(qp - kp > self.clamp_len, _take(clamped, i[:, 0])[:, None], s)
+        return s + _take(uk, j[0])[None, :]
 
 
 @final

@@ -244,10 +244,10 @@ def _make_memory(mem, dim):
     kind = mem.get("kind", "none")
     if kind not in MEMORY_KINDS:
         raise ValueError(f"model.memory.kind must be one of {MEMORY_KINDS}, got {kind!r}")
-    known = {"none": {"kind"}, "xl": {"kind", "mem_len", "eval_mem_len"},
-             "ernie": {"kind", "mem_len", "eval_mem_len"},
+    known = {"none": {"kind"}, "xl": {"kind", "mem_len", "eval_mem_len", "clamp_len"},
+             "ernie": {"kind", "mem_len", "eval_mem_len", "clamp_len"},
              "compressive": {"kind", "mem_len", "eval_mem_len", "cmem_len", "eval_cmem_len",
-                             "rate", "compression"},
+                             "rate", "compression", "clamp_len"},
              "feedback": {"kind", "mem_len"}, "memformer": {"kind", "num_slots", "segments"},
              }[kind]
     if set(mem) - known:
@@ -282,7 +282,14 @@ def _stream_lm(m, task, key):
     em = max([em, *getattr(task.validation, "eval_mem_lens", ())])
     longest = task.seq_len + max(em, mm) + max(ec, cc)
     head_dim = m.dim // m.num_heads
+    # Distances past the longest one training sees read as it (Transformer-XL's clamp_len):
+    # a no-op in training, and what lets a longer evaluation memory help (-1: no clamp).
+    clamp = int(mem.get("clamp_len", task.seq_len + mm + cc - 1))
+    if clamp < -1:
+        raise ValueError(f"model.memory.clamp_len must be -1 (no clamp) or a distance >= 0, "
+                         f"got {clamp}")
     position = nn.TransformerXLRelative(m.num_heads, head_dim, longest,
+                                        clamp_len=None if clamp == -1 else clamp,
                                         key=jax.random.fold_in(key, 1))
     block = dict(spec=_spec(m), position=position)
     memory = _make_memory(mem, m.dim)

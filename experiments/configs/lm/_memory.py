@@ -9,8 +9,8 @@ ending in ``_len``, and ``eval_mem_lens``) is a quarter. ``cpu``: segment 32, me
 an eighth, a dim-128 2-layer model, 1500 steps on 16 streams (the memory comparison on one
 CPU). ``cpu256``: the ``cpu`` model (dim 128, 2 layers, 16 streams) at the full lengths,
 segment 256 with the memory lengths unscaled (Transformer-XL: memory 256, evaluation memory
-1024), 3000 steps (3.3 steps/s without memory and 2.2 with Transformer-XL's on a quiet
-2-core Sapphire Rapids; evaluation every 1000 steps). Reported loss is nats per byte;
+1024), 6000 steps (3.3 steps/s without memory and 2.2 with Transformer-XL's on a quiet
+2-core Sapphire Rapids; evaluation every 2000 steps). Reported loss is nats per byte;
 evaluation also reports ``bits_per_byte``, and with ``eval_mem_lens`` (``data.eval_mem_lens``)
 the same metrics at each of those evaluation memory lengths (``bits_per_byte_mem{N}``), read
 in the same run.
@@ -44,16 +44,15 @@ def config(memory: dict, size: str | None, *, eval_mem_lens=()):
         # The memory comparison on one CPU: a dim-128 2-layer model on 16 streams, trained
         # long enough to learn to read the memory (200 steps of runlocal are not); ``cpu``:
         # segment 32, every memory length an eighth, 1500 steps; ``cpu256``: the full lengths,
-        # 3000 steps (each ~8x the cost of a ``cpu`` step; at 1000 the memoryless model still
-        # led by 0.03-0.06 bits per byte).
+        # 6000 steps (each ~8x the cost of a ``cpu`` step; after 3000 the two were level).
         div = 8 if size == "cpu" else 1
         c.data.update(dict(seq_len=256 // div, num_eval=64, num_test=128,
                            eval_mem_lens=tuple(n // div for n in eval_mem_lens)))
         c.model.update(dict(dim=128, num_layers=2, num_heads=4, hidden=512))
         c.model.memory.update({k: v // div for k, v in memory.items() if k.endswith("_len")})
         c.optim.update(dict(learning_rate=1e-3, warmup_steps=100))
-        every = 500 if size == "cpu" else 1000
-        c.update(dict(batch_size=16, num_train_steps=1500 if size == "cpu" else 3000,
+        every = 500 if size == "cpu" else 2000
+        c.update(dict(batch_size=16, num_train_steps=1500 if size == "cpu" else 6000,
                       log_every=100, eval_every=every, checkpoint_every=every))
     elif size is not None:
         raise ValueError(f"size must be 'runlocal', 'cpu', 'cpu256' or absent, got {size!r}")
