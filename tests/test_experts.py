@@ -213,6 +213,41 @@ def test_block_matmul_runs_of_tiles_equal_dense(merge):
         assert [int(r[2]) for r in runs] == [3, 2]  # runs of 3 tiles: 1 + 2; single tiles: 1 + 1
 
 
+@pytest.mark.parametrize("merge,gated,act", [(1, False, "gelu"), (3, True, "gelu"),
+                                              (3, False, "relu")])
+def test_block_mlp_equals_the_mlp_of_block_matmuls(merge, gated, act):
+    # The fused expert MLP (both matmuls per run, activation recomputed in the backward)
+    # against the MLP built from block_matmul per weight, and against the dense form, on the
+    # layout of the test above: merged runs, leftover tiles and unused tiles (0 out, 0 da).
+    from xformers_jax.experts import _grouped as G
+    sizes = jnp.array([7, 0, 12, 1], jnp.int32)
+    k = jax.random.split(jax.random.key(7), 5)
+    w = M.init_expert_weights(k[0], 4, 5, 6, gated=gated)
+    w = jax.tree.map(lambda a: a * 2.0, w)  # larger pre-activations: relu's kink is crossed
+    pstarts, tile_group, n_used, n_tiles = G.block_layout(sizes, 24, 2)
+    used_rows = np.repeat(np.asarray(tile_group < 4) & (np.arange(n_tiles) < int(n_used)), 2)
+    x = jax.random.normal(k[1], (n_tiles * 2, 5)) * used_rows[:, None]
+    cot = jax.random.normal(k[2], (n_tiles * 2, 5))
+    fn = M._dispatch.ACTIVATIONS[act]
+
+    def fused(x, w):
+        return G.block_mlp(x, w.w1, w.w2, w.w_gate, tile_group, n_used, fn, 2, merge)
+
+    def unfused(x, w):
+        per = lambda a, wi: G.block_matmul(a, wi, tile_group, n_used, 2, merge)  # noqa
+        return M._dispatch._mlp(x, w.w1, w.w2, w.w_gate, act, per)
+
+    loss = lambda f: jax.grad(lambda x, w: (f(x, w) * cot).sum(), argnums=(0, 1))  # noqa
+    out, ref = _jit(fused)(x, w), _jit(unfused)(x, w)
+    assert_close(out, ref)
+    assert not np.asarray(out)[~used_rows].any() and np.asarray(out)[used_rows].any()
+    got, want = _jit(loss(fused))(x, w), _jit(loss(unfused))(x, w)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        assert_close(a, b, EXACT_GRAD)
+    assert not np.asarray(got[0])[~used_rows].any()
+    assert len(jax.tree.leaves(got[1])) == (3 if gated else 2)
+
+
 @functools.partial(_jit, static_argnums=(3, 4))
 def _masked_run(x, wr, w, mode, n, mask):
     r = M.top_k_route(M.router_logits(x[:n], wr), 2, mask=mask[:n])

@@ -33,7 +33,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from ._grouped import TILE, block_layout, block_matmul, default_backend, grouped_matmul
+from ._grouped import TILE, block_layout, block_mlp, default_backend, grouped_matmul
 from ._routers import ExpertChoice, Routing
 
 ACTIVATIONS = {"relu": jax.nn.relu, "gelu": jax.nn.gelu, "swish": jax.nn.swish}
@@ -172,10 +172,10 @@ _take_rows.defvjp(_take_rows_fwd, _take_rows_bwd)
 def _dropless_tiled(x, routing: Routing, weights: ExpertWeights, active, activation, tile):
     """Dropless dispatch in MegaBlocks' padded block layout, end to end: each active
     assignment gets a row of a buffer where every expert's rows start on a ``tile`` boundary;
-    the whole expert MLP runs there as one ``[tile, d]`` matmul per used block by its expert's
-    weights (:func:`~._grouped.block_matmul`; the hidden activations never leave the layout,
-    each weight gradient is accumulated per expert); the outputs come back by
-    one gather per assignment. Every row move is a gather whose transpose is the inverse
+    the whole expert MLP runs there, both matmuls per run of blocks by its expert's weights
+    (:func:`~._grouped.block_mlp`: the hidden activations never leave the run's blocks, each
+    weight gradient is accumulated per expert); the outputs come back by one gather per
+    assignment. Every row move is a gather whose transpose is the inverse
     gather (:func:`_take_rows`), so forward and backward have no scatter of activations."""
     t, d = x.shape
     e = weights.w1.shape[0]
@@ -193,9 +193,9 @@ def _dropless_tiled(x, routing: Routing, weights: ExpertWeights, active, activat
     src = jnp.full((rows,), n, jnp.int32).at[dest].set(jnp.arange(n, dtype=jnp.int32),
                                                        mode="drop")
     buf = _take_rows(jnp.repeat(x, k, axis=0), src, dest)
-    per_tile = lambda a, w: block_matmul(  # noqa: E731
-        a, w.astype(a.dtype), tile_group, n_used, tile)
-    out = _mlp(buf, weights.w1, weights.w2, weights.w_gate, activation, per_tile)
+    cast = lambda w: None if w is None else w.astype(buf.dtype)  # noqa: E731
+    out = block_mlp(buf, cast(weights.w1), cast(weights.w2), cast(weights.w_gate), tile_group,
+                    n_used, ACTIVATIONS[activation], tile)
     y = _take_rows(out, dest, src).reshape(t, k, d)
     return (y * (routing.gates * active).astype(x.dtype)[..., None]).sum(1)
 

@@ -14,6 +14,9 @@
 * ``"dense"``: a masked einsum computing every group on every row (the reference).
 
 A Pallas kernel registers itself with :func:`register_grouped_matmul` and is picked by name.
+
+:func:`block_mlp` is the CPU dropless layer's whole expert MLP on the ``"tiled"`` layout: both
+matmuls of a run of blocks in one loop step, so its hidden activations stay in cache.
 """
 
 from __future__ import annotations
@@ -132,6 +135,87 @@ def _block_matmul_bwd(tile, merge, res, g):
 
 
 block_matmul.defvjp(_block_matmul_fwd, _block_matmul_bwd)
+
+
+def _mlp_block(blk, w1, w2, wg, act):
+    """One run of the expert MLP: pre-activations, gate and ``act(blk w1) [* (blk wg)] w2``."""
+    pre = blk @ w1
+    gate = None if wg is None else blk @ wg
+    h = act(pre) if gate is None else act(pre) * gate
+    return pre, gate, h @ w2
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8))
+def block_mlp(a, w1, w2, wg, tile_group, n_used, act, tile: int = TILE, merge: int = MERGE):
+    """The whole expert MLP in the block layout: ``act(a W1[g]) [* (a Wg[g])] W2[g]`` for each
+    run of rows (:func:`block_matmul`'s layout and runs; ``a [n_tiles * tile, d]``, ``w1, wg
+    [G, d, h]``, ``w2 [G, h, d]``, ``wg`` None for an ungated MLP, ``act`` elementwise) ->
+    ``[n_tiles * tile, d]``, unused tiles 0. Equal to :func:`block_matmul` applied per weight,
+    but each run goes through both matmuls while its hidden block is in cache: the forward
+    keeps only the pre-activations (and gate) as residuals, and the backward walks the runs
+    once, recomputing ``act`` per run and forming ``da`` and every weight gradient from
+    blocks in cache, so no ``[rows, h]`` array of hidden gradients, activations or copied
+    slices is ever written."""
+    return _block_mlp_fwd(a, w1, w2, wg, tile_group, n_used, act, tile, merge)[0]
+
+
+def _block_mlp_fwd(a, w1, w2, wg, tile_group, n_used, act, tile, merge):
+    runs = _runs(tile_group, n_used, w1.shape[0], merge)
+    rows, hidden = a.shape[0], w1.shape[2]
+
+    def step(carry, row0, r, group):
+        pick = lambda w: jax.lax.dynamic_index_in_dim(w, group, 0, keepdims=False)  # noqa
+        blk = jax.lax.dynamic_slice_in_dim(a, row0, r, 0)
+        pre, gate, y = _mlp_block(blk, pick(w1), pick(w2), None if wg is None else pick(wg),
+                                  act)
+        put = lambda buf, v: jax.lax.dynamic_update_slice_in_dim(  # noqa: E731
+            buf, v.astype(buf.dtype), row0, 0)
+        out, pres, gates = carry
+        return put(out, y), put(pres, pre), None if wg is None else put(gates, gate)
+
+    zeros = lambda n: jnp.zeros((rows, n), a.dtype)  # noqa: E731
+    out, pres, gates = _over_runs(runs, tile, step,
+                                  (zeros(a.shape[1]), zeros(hidden),
+                                   None if wg is None else zeros(hidden)))
+    return out, (a, w1, w2, wg, pres, gates, runs)
+
+
+def _block_mlp_bwd(act, tile, merge, res, g):
+    a, w1, w2, wg, pres, gates, runs = res
+    tn = (((0,), (0,)), ((), ()))  # x^T y, accumulated in float32
+    nt = (((1,), (1,)), ((), ()))  # x y^T
+
+    def step(carry, row0, r, group):
+        da, dw1, dw2, dwg = carry
+        pick = lambda w: jax.lax.dynamic_index_in_dim(w, group, 0, keepdims=False)  # noqa
+        rows = lambda v: jax.lax.dynamic_slice_in_dim(v, row0, r, 0)  # noqa: E731
+        blk, pre, gb = rows(a), rows(pres), rows(g)
+        act_out, act_vjp = jax.vjp(act, pre)
+        gate = None if wg is None else rows(gates)
+        h = act_out if gate is None else act_out * gate
+        dh = jax.lax.dot_general(gb, pick(w2), nt)
+        d_act = dh if gate is None else dh * gate
+        (dpre,) = act_vjp(d_act.astype(pre.dtype))
+        dblk = jax.lax.dot_general(dpre, pick(w1), nt)
+        add = lambda acc, x, y: jax.lax.dynamic_update_index_in_dim(  # noqa: E731
+            acc, pick(acc) + jax.lax.dot_general(x, y, tn, preferred_element_type=jnp.float32),
+            group, 0)
+        dw1, dw2 = add(dw1, blk, dpre), add(dw2, h, gb)
+        if wg is not None:
+            dgate = (dh * act_out).astype(blk.dtype)
+            dblk = dblk + jax.lax.dot_general(dgate, pick(wg), nt)
+            dwg = add(dwg, blk, dgate)
+        da = jax.lax.dynamic_update_slice_in_dim(da, dblk.astype(da.dtype), row0, 0)
+        return da, dw1, dw2, dwg
+
+    f32 = lambda w: None if w is None else jnp.zeros(w.shape, jnp.float32)  # noqa: E731
+    da, dw1, dw2, dwg = _over_runs(runs, tile, step,
+                                   (jnp.zeros_like(a), f32(w1), f32(w2), f32(wg)))
+    cast = lambda d, w: None if w is None else d.astype(w.dtype)  # noqa: E731
+    return da, cast(dw1, w1), cast(dw2, w2), cast(dwg, wg), None, None
+
+
+block_mlp.defvjp(_block_mlp_fwd, _block_mlp_bwd)
 
 
 def block_layout(sizes, num_rows: int, tile: int = TILE):
