@@ -247,3 +247,6 @@ def test_memory_lm_table_reads_every_evaluation_memory():
     assert "| none | 20 | 2.400 |  |  |" in text  # no memory: its figure under 0
     assert "| xl | 20 | 2.600 | 2.300 | 2.200 |" in text
     assert "| xl | 20 | 2.650 | 2.350 | 2.250 |" in text  # the test split
+    assert "| model | mem | step 10 | step 20 |" in text  # the validation curves
+    assert "| none | 0 | 2.500 | 2.400 |" in text
+    assert "| xl | 256 |  | 2.300 |" in text and "| xl | 1024 |  | 2.200 |" in text
