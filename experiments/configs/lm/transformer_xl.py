@@ -10,19 +10,21 @@ Other evaluation memory lengths: ``--config.data.eval_mem_lens="(0, 512)"``. Siz
 ``_memory.py``.
 
 Measured with ``xl,cpu`` and ``none,cpu`` (segment 32, training memory 32, evaluation memory
-128; dim 128, 2 layers, 1500 steps on 16 streams; shared 2-core CPU at load 7-14), bits per
-byte, validation / test: no memory 2.539 / 2.531; XL with evaluation memory 0: 2.931 / 3.013,
-32 (the training length): 2.501 / 2.478, 64: 2.494 / 2.467, 128: 2.516 / 2.491, 256: 2.561 /
-2.546. At step 500 the memoryless model was ahead (2.809 against XL's 2.888 at memory 32); XL
-passed it by step 1000 (2.618 against 2.641). Memory helps once trained to be read; an
-evaluation memory of twice the training one helps a little more, longer ones hurt (relative
-distances never seen in training).
+128; dim 128, 2 layers, 1500 steps on 16 streams; shared 2-core CPU at load 7-14; before
+relative distances were clamped at the training length), bits per byte, validation / test: no
+memory 2.539 / 2.531; XL with evaluation memory 0: 2.931 / 3.013, 32 (the training length):
+2.501 / 2.478, 64: 2.494 / 2.467, 128: 2.516 / 2.491, 256: 2.561 / 2.546.
 
 At the issue's lengths (``xl,cpu256`` and ``none,cpu256``: segment 256, training memory 256,
-3000 steps; ``experiments/results/memory_lm.md``) the two end level on validation (1.974 with
-memory 256 against 1.973 without), XL slightly ahead on test (2.085 against 2.100), and longer
-evaluation memories do not help (1024: 1.987; 2048: 2.022). The memoryless model led by 0.06
-bits per byte at step 1000 and 0.02 at 2000: memory is learned slowly at this size.
+6000 steps; ``experiments/results/memory_lm.md``, one seed each), validation bits per byte:
+no memory 1.823; XL with evaluation memory 256 (the training length) 1.712, 512 1.705, 1024
+(the configured evaluation memory) 1.709, 2048 1.724, 0 2.073 (test: 1.995 against 1.878,
+1.874, 1.879, 1.896). XL led at every evaluation (steps 2000 and 4000: 2.154 and 1.877
+against 2.160 and 1.954). Longer evaluation memories need the distances clamped at the
+longest one training saw (511; ``model.memory.clamp_len``): on the 3000-step checkpoint of an
+earlier run, evaluation memory 1024 scored 1.987 unclamped and 1.972 clamped, against 1.974
+at 256. A 3000-step schedule had ended with the two models level (1.974 against 1.973): memory
+is learned slowly at this size.
 """
 
 from experiments.configs.lm import _memory
