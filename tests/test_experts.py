@@ -246,6 +246,11 @@ def test_block_mlp_equals_the_mlp_of_block_matmuls(merge, gated, act):
         assert_close(a, b, EXACT_GRAD)
     assert not np.asarray(got[0])[~used_rows].any()
     assert len(jax.tree.leaves(got[1])) == (3 if gated else 2)
+    # bf16 inputs and weights: bf16 gradients (weight gradients accumulated in float32).
+    bf = lambda t: jax.tree.map(lambda a: a.astype(jnp.bfloat16), t)  # noqa: E731
+    got_bf = _jit(loss(fused))(bf(x), bf(w))
+    assert all(a.dtype == jnp.bfloat16 for a in jax.tree.leaves(got_bf))
+    assert_close(got_bf, want, EXACT_GRAD, dtype=jnp.bfloat16)
 
 
 @functools.partial(_jit, static_argnums=(3, 4))
