@@ -33,7 +33,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from ._grouped import TILE, block_layout, block_mlp, default_backend, grouped_matmul
+from ._grouped import (TILE, block_layout, block_mlp, default_backend, grouped_matmul,
+                       mlp_parts)
 from ._routers import ExpertChoice, Routing
 
 ACTIVATIONS = {"relu": jax.nn.relu, "gelu": jax.nn.gelu, "swish": jax.nn.swish}
@@ -71,10 +72,7 @@ def _check(x, weights: ExpertWeights, activation: str):
 
 
 def _mlp(x, w1, w2, wg, activation, matmul):
-    h = ACTIVATIONS[activation](matmul(x, w1))
-    if wg is not None:
-        h = h * matmul(x, wg)
-    return matmul(h, w2)
+    return mlp_parts(x, w1, w2, wg, ACTIVATIONS[activation], matmul)[2]
 
 
 def moe_reference(x, routing: Routing, weights: ExpertWeights, *, activation: str = "gelu",

@@ -137,12 +137,13 @@ def _block_matmul_bwd(tile, merge, res, g):
 block_matmul.defvjp(_block_matmul_fwd, _block_matmul_bwd)
 
 
-def _mlp_block(blk, w1, w2, wg, act):
-    """One run of the expert MLP: pre-activations, gate and ``act(blk w1) [* (blk wg)] w2``."""
-    pre = blk @ w1
-    gate = None if wg is None else blk @ wg
+def mlp_parts(x, w1, w2, wg, act, matmul=jnp.matmul):
+    """The expert MLP ``act(x w1) [* (x wg)] w2`` (Shazeer, 2020, when gated) with ``matmul``:
+    ``(pre-activation, gate or None, output)``."""
+    pre = matmul(x, w1)
+    gate = None if wg is None else matmul(x, wg)
     h = act(pre) if gate is None else act(pre) * gate
-    return pre, gate, h @ w2
+    return pre, gate, matmul(h, w2)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8))
@@ -166,8 +167,8 @@ def _block_mlp_fwd(a, w1, w2, wg, tile_group, n_used, act, tile, merge):
     def step(carry, row0, r, group):
         pick = lambda w: jax.lax.dynamic_index_in_dim(w, group, 0, keepdims=False)  # noqa
         blk = jax.lax.dynamic_slice_in_dim(a, row0, r, 0)
-        pre, gate, y = _mlp_block(blk, pick(w1), pick(w2), None if wg is None else pick(wg),
-                                  act)
+        pre, gate, y = mlp_parts(blk, pick(w1), pick(w2), None if wg is None else pick(wg),
+                                 act)
         put = lambda buf, v: jax.lax.dynamic_update_slice_in_dim(  # noqa: E731
             buf, v.astype(buf.dtype), row0, 0)
         out, pres, gates = carry
