@@ -173,6 +173,17 @@ def _timed(f, args, min_repeats: int, budget_s: float):
     return statistics.median(times), warm, len(times), statistics.median(cpu)
 
 
+def _memory_mb(compiled) -> float | None:
+    try:
+        m = compiled.memory_analysis()
+    except Exception:  # noqa: BLE001 - a backend (or a deserialised executable) without it
+        return None
+    if m is None:
+        return None
+    return (m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
+            - m.alias_size_in_bytes) / 2**20
+
+
 def compiled_memory_mb(f, args) -> float | None:
     """The memory XLA's buffer assignment gives the compiled step: arguments + outputs +
     temporaries (live-range packed), less donated aliases, in MiB.
@@ -182,20 +193,46 @@ def compiled_memory_mb(f, args) -> float | None:
     None where the backend does not report it.
     """
     try:
-        m = f.lower(*args).compile().memory_analysis()
+        compiled = f.lower(*args).compile()
     except Exception:  # noqa: BLE001 - a backend without the analysis
         return None
-    if m is None:
-        return None
-    total = (m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
-             - m.alias_size_in_bytes)
-    return total / 2**20
+    return _memory_mb(compiled)
+
+
+def program(work: Workload, mode: str):
+    """``(f, args)``: the jitted function a case times for ``mode`` (``fwd``, ``step`` or
+    ``fwdbwd``) and its arguments. Every runner builds it here (subprocess workers, in-process
+    runs and compile-only shards), so a program compiled in one process is the one another
+    finds in JAX's persistent compilation cache."""
+    import jax
+    import jax.numpy as jnp
+
+    if mode in ("fwd", "step"):  # "step": ``fn`` is a whole training step, jitted as is
+        return jax.jit(work.fn), work.args
+    argnums = work.grad_argnums
+    if argnums is None:
+        argnums = tuple(
+            i for i, a in enumerate(work.args)
+            if hasattr(a, "dtype") and jnp.issubdtype(a.dtype, jnp.floating)
+        )
+
+    def loss(*args):
+        out = work.fn(*args)
+        return sum(jnp.sum(x.astype(jnp.float32)) for x in jax.tree_util.tree_leaves(out))
+
+    return jax.jit(jax.grad(loss, argnums=argnums)), work.args
+
+
+def _finish(record: dict, work: Workload, mode: str) -> dict:
+    if work.flops:
+        flops = work.flops * (FWDBWD_FLOP_FACTOR if mode == "fwdbwd" else 1.0)
+        record["gflops"] = flops / record["time_s"] / 1e9
+    return record
 
 
 def run_worker(case_json: str, mode: str, min_repeats: int, budget_s: float) -> dict:
     """Measures one case in this (fresh) process; returns a JSON-able record."""
     import jax
-    import jax.numpy as jnp
 
     jax.devices()  # initialise the backend before the baseline reading
     baseline = _max_rss_mb()
@@ -204,23 +241,8 @@ def run_worker(case_json: str, mode: str, min_repeats: int, budget_s: float) -> 
     if work.native is not None:
         step = work.native(mode)
         f, args = (lambda: step()), ()
-    elif mode in ("fwd", "step"):  # "step": ``fn`` is a whole training step, jitted as is
-        f = jax.jit(work.fn)
     else:
-        argnums = work.grad_argnums
-        if argnums is None:
-            argnums = tuple(
-                i for i, a in enumerate(work.args)
-                if hasattr(a, "dtype") and jnp.issubdtype(a.dtype, jnp.floating)
-            )
-
-        def loss(*args):
-            out = work.fn(*args)
-            return sum(jnp.sum(x.astype(jnp.float32)) for x in jax.tree_util.tree_leaves(out))
-
-        f = jax.jit(jax.grad(loss, argnums=argnums))
-    if work.native is None:
-        args = work.args
+        f, args = program(work, mode)
     median, warm, n, cpu = _timed(f, args, min_repeats, budget_s)
     # cpu_s: the process's CPU time per call (all threads); on a machine shared with other
     # jobs it is stretched far less than wall time by their load.
@@ -233,10 +255,68 @@ def run_worker(case_json: str, mode: str, min_repeats: int, budget_s: float) -> 
     stats = jax.devices()[0].memory_stats() if jax.default_backend() != "cpu" else None
     if stats and "peak_bytes_in_use" in stats:
         record["device_peak_mb"] = stats["peak_bytes_in_use"] / 2**20
-    if work.flops:
-        flops = work.flops * (FWDBWD_FLOP_FACTOR if mode == "fwdbwd" else 1.0)
-        record["gflops"] = flops / median / 1e9
+    return _finish(record, work, mode)
+
+
+def measure_here(case: Case, mode: str, *, min_repeats: int, budget_s: float) -> dict:
+    """Measures one case in this process: for accelerators, where a fresh process per case
+    spends seconds starting the device and its compilers. The program is compiled once
+    (ahead of time; a hit in JAX's persistent compilation cache when a compile-only shard
+    filled it) and that executable is timed. No RSS figures (the process holds every earlier
+    case's compiler state); ``compiled_mb`` is the executable's own memory from XLA's buffer
+    assignment, which on a device is the step's device memory. Failures become records with
+    an ``error``, as in :func:`measure`."""
+    import gc
+
+    import jax
+
+    record = dict(name=case.name, mode=mode, params=case.params)
+    work = None
+    try:
+        work = _import(case.builder)(**case.params)
+        if work.native is not None:
+            step = work.native(mode)
+            f, args, compile_s = (lambda: step()), (), None
+        else:
+            jitted, args = program(work, mode)
+            t0 = time.perf_counter()
+            f = jitted.lower(*args).compile()
+            compile_s = time.perf_counter() - t0
+            memory = _memory_mb(f)
+            if memory is not None:
+                record["compiled_mb"] = memory
+        median, warm, n, cpu = _timed(f, args, min_repeats, budget_s)
+        record.update(time_s=median, cpu_s=cpu, warmup_s=warm, repeats=n, compile_s=compile_s)
+        _finish(record, work, mode)
+    except Exception as e:  # noqa: BLE001 - recorded, as a failed subprocess would be
+        record["error"] = _error(e)
+    finally:
+        del work
+        gc.collect()
     return record
+
+
+def compile_only(case: Case, mode: str) -> dict:
+    """Builds, lowers and compiles one case without running it (filling JAX's persistent
+    compilation cache when one is configured); returns ``compiled_mb`` and ``compile_s`` or
+    an ``error``."""
+    record = dict(name=case.name, mode=mode, params=case.params)
+    try:
+        work = _import(case.builder)(**case.params)
+        if work.native is None:
+            jitted, args = program(work, mode)
+            t0 = time.perf_counter()
+            compiled = jitted.lower(*args).compile()
+            record["compile_s"] = time.perf_counter() - t0
+            record["compiled_mb"] = _memory_mb(compiled)
+    except Exception as e:  # noqa: BLE001
+        record["error"] = _error(e)
+    return record
+
+
+def _error(e: Exception) -> str:
+    lines = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {lines[0][:300] if lines else ''}"
 
 
 def matmul_workload(n: int = 2048) -> Workload:

@@ -7,6 +7,14 @@ checks, and plots when matplotlib is installed) from every suite's stored result
   python -m experiments.benchmark --suite=attention          # one suite, full size
   python -m experiments.benchmark --suite=attention,sparse   # several
   python -m experiments.benchmark --suite=all --quick        # every suite shrunk to seconds
+  python -m experiments.benchmark --render_only              # BENCHMARKS.md from stored JSON
+
+On an accelerator (the ``gpu_*`` suites; ``experiments/gpu_session.sh`` runs them all),
+``--in_process`` measures every case in one process (a fresh process per case would spend
+seconds starting the device each time), and ``--compile_only=I/N`` compiles the I-th of N
+shares of the cases without running them, so that N processes fill JAX's persistent
+compilation cache (``JAX_COMPILATION_CACHE_DIR``) in parallel before the one timing process
+reads it.
 
 ``--quick`` writes to a temporary directory and leaves BENCHMARKS.md alone unless
 ``--markdown`` is given explicitly: quick figures are smoke tests, not measurements.
@@ -19,6 +27,7 @@ import importlib
 import json
 import os
 import pkgutil
+import re
 import sys
 import tempfile
 
@@ -45,6 +54,18 @@ _MALLOC_TOP_PAD_MB = flags.DEFINE_integer(
     "hundreds of MB pays fresh page faults on every call (at L=32K this made Sinkhorn's "
     "fwd+bwd ~30% slower); a pad keeps it, as a long training process with tcmalloc or "
     "jemalloc would. Recorded in each suite's machine info.")
+_IN_PROCESS = flags.DEFINE_bool(
+    "in_process", False, "Measure every case in this process (accelerators); no RSS figures.")
+_COMPILE_ONLY = flags.DEFINE_string(
+    "compile_only", None, "I/N: only compile the I-th of N shares of the suites' cases (to "
+    "fill JAX's persistent compilation cache from N processes); writes "
+    "<results_dir>/compile_I.json.")
+_ONLY = flags.DEFINE_string(
+    "only", None, "Regular expression on case names: measure only these, keeping the stored "
+    "results of the others (to re-run a few cases).")
+_RENDER_ONLY = flags.DEFINE_bool(
+    "render_only", False, "Regenerate BENCHMARKS.md from the stored JSON; measure nothing.")
+_PLOTS = flags.DEFINE_bool("plots", True, "Write each suite's plot (results_dir/<suite>.png).")
 _WORKER = flags.DEFINE_bool("worker", False, "Internal: measure one case in this process.")
 _CASE = flags.DEFINE_string("case", None, "Internal: the case (JSON) for --worker.")
 _MODE = flags.DEFINE_string("mode", "fwd", "Internal: fwd or fwdbwd for --worker.")
@@ -61,6 +82,16 @@ def available_suites() -> list[str]:
     return sorted(names, key=lambda n: (ORDER.index(n) if n in ORDER else len(ORDER), n))
 
 
+def runs_here(name: str) -> bool:
+    """Whether ``--suite=all`` measures suite ``name`` on this backend: a suite may name the
+    backends it is for (``PLATFORMS = ("gpu",)``: full-size GPU cases would take hours on a
+    CPU); every suite runs in ``--quick`` mode."""
+    import jax
+
+    platforms = getattr(load_suite(name), "PLATFORMS", None)
+    return platforms is None or jax.default_backend() in platforms
+
+
 def load_suite(name: str):
     if name not in available_suites():
         raise app.UsageError(f"unknown suite {name!r}; available: {available_suites()}")
@@ -70,32 +101,71 @@ def load_suite(name: str):
 def run_suite(name: str, *, quick: bool, results_dir: str, log=print) -> dict:
     suite = load_suite(name)
     pad = _MALLOC_TOP_PAD_MB.value
+    in_process = _IN_PROCESS.value
     opts = dict(min_repeats=1 if quick else _MIN_REPEATS.value,
-                budget_s=0.0 if quick else _BUDGET_S.value, timeout_s=_TIMEOUT_S.value,
-                env={"MALLOC_TOP_PAD_": str(pad * 2**20)} if pad else None)
-    matmul = bench_lib.measure(bench_lib.MATMUL_CASE, "fwd", **opts)
+                budget_s=0.0 if quick else _BUDGET_S.value)
+    sub = dict(timeout_s=_TIMEOUT_S.value,
+               env={"MALLOC_TOP_PAD_": str(pad * 2**20)} if pad else None)
+
+    def run(case, mode):
+        if in_process:
+            return bench_lib.measure_here(case, mode, **opts)
+        return bench_lib.measure(case, mode, **opts, **sub)
+
+    path = os.path.join(results_dir, f"{name}.json")
+    kept = []
+    if _ONLY.value and os.path.exists(path):
+        with open(path) as f:
+            kept = json.load(f)["records"]
+    only = re.compile(_ONLY.value) if _ONLY.value else None
+    matmul = run(bench_lib.MATMUL_CASE, "fwd")
     rate = matmul.get("gflops")
     log(f"[{name}] matmul reference: {rate and round(rate, 1)} GFLOP/s")
-    records = []
+    machine = {**bench_lib.machine_info(), "malloc_top_pad_mb": None if in_process else pad,
+               "in_process": in_process}
+    payload = dict(suite=name, title=suite.TITLE, note=getattr(suite, "NOTE", None), quick=quick,
+                   machine=machine, matmul_gflops=rate, records=[], checks=[])
+    records = {json.dumps([r["name"], r["mode"], r["params"]], sort_keys=True): r for r in kept}
+    os.makedirs(results_dir, exist_ok=True)
     for case in suite.cases(quick):
+        if only and not only.search(case.name):
+            continue
         for mode in case.modes:
-            r = bench_lib.measure(case, mode, **opts)
+            r = run(case, mode)
             if rate and r.get("gflops"):
                 r["matmul_fraction"] = r["gflops"] / rate
-            records.append(r)
+            records[case.key(mode)] = r
             log(f"[{name}] {_row(r)}")
-    results = bench_lib.Results(records, rate)
-    checks = [dataclasses.asdict(c) for c in suite.checks(results)]
-    for c in checks:
+            payload["records"] = list(records.values())
+            _write(path, payload)  # after every case: a run cut short keeps what it measured
+    results = bench_lib.Results(payload["records"], rate)
+    payload["checks"] = [dataclasses.asdict(c) for c in suite.checks(results)]
+    for c in payload["checks"]:
         log(f"[{name}] check: {c['figure']}: {c['measured']} (target {c['target']}) "
             f"{'OK' if c['ok'] else 'MISSED' if c['ok'] is False else 'n/a'}")
-    payload = dict(suite=name, title=suite.TITLE, note=getattr(suite, "NOTE", None), quick=quick,
-                   machine={**bench_lib.machine_info(), "malloc_top_pad_mb": pad},
-                   matmul_gflops=rate, records=records, checks=checks)
-    os.makedirs(results_dir, exist_ok=True)
-    with open(os.path.join(results_dir, f"{name}.json"), "w") as f:
-        json.dump(payload, f, indent=1)
+    _write(path, payload)
     return payload
+
+
+def _write(path: str, payload: dict) -> None:
+    with open(path + ".tmp", "w") as f:
+        json.dump(payload, f, indent=1)
+    os.replace(path + ".tmp", path)
+
+
+def compile_share(names: Sequence[str], share: str, results_dir: str, log=print) -> None:
+    """Compiles the ``I``-th of ``N`` shares (``share = "I/N"``) of the suites' cases."""
+    i, n = (int(x) for x in share.split("/"))
+    jobs = [(case, mode) for name in names for case in load_suite(name).cases(_QUICK.value)
+            for mode in case.modes]
+    out = []
+    for case, mode in jobs[i::n]:
+        r = bench_lib.compile_only(case, mode)
+        done = r.get("error") or f"{r.get('compile_s', 0.0):.1f} s"
+        log(f"[compile {share}] {case.name} {case.params} {mode}: {done}")
+        out.append(r)
+        os.makedirs(results_dir, exist_ok=True)
+        _write(os.path.join(results_dir, f"compile_{i}.json"), dict(share=share, records=out))
 
 
 def _fmt(x, spec):
@@ -106,9 +176,10 @@ def _row(r: dict) -> str:
     params = " ".join(f"{k}={v}" for k, v in r["params"].items())
     if r.get("error"):
         return f"{r['name']:<28} {params:<40} {r['mode']:<7} ERROR {r['error']}"
+    memory = (f"peak {r['peak_rss_mb']:8.0f} MB (+{r['delta_rss_mb']:.0f})"
+              if "peak_rss_mb" in r else f"XLA {_fmt(r.get('compiled_mb'), '.0f')} MB")
     return (f"{r['name']:<28} {params:<40} {r['mode']:<7} {r['time_s'] * 1e3:10.2f} ms "
-            f"{_fmt(r.get('gflops'), '8.1f')} GFLOP/s  peak {r['peak_rss_mb']:8.0f} MB "
-            f"(+{r['delta_rss_mb']:.0f})")
+            f"{_fmt(r.get('gflops'), '8.1f')} GFLOP/s  {memory}")
 
 
 def _plot(payload: dict, path: str) -> bool:
@@ -146,7 +217,17 @@ def _plot(payload: dict, path: str) -> bool:
     return True
 
 
-def render_markdown(results_dir: str, markdown_path: str) -> str:
+def _device(m: dict) -> str:
+    """The machine a suite ran on, for its header: the CPU, and the accelerator if any."""
+    where = f"{m['cpu']} ({m['cores']} cores, backend {m['backend']})"
+    if m["backend"] != "cpu" and m.get("devices"):
+        where = f"{m['devices'][0]} (backend {m['backend']}; host {m['cpu']}, {m['cores']} cores)"
+    if m.get("in_process"):
+        where += ", every case in one process (no RSS figures; 'XLA' is the device memory)"
+    return where
+
+
+def render_markdown(results_dir: str, markdown_path: str, plots: bool = True) -> str:
     """BENCHMARKS.md from every suite JSON in ``results_dir`` (generated; do not edit)."""
     payloads = []
     for name in available_suites():
@@ -172,7 +253,7 @@ def render_markdown(results_dir: str, markdown_path: str) -> str:
         out += [
             f"## `{p['suite']}`: {p['title']}",
             "",
-            f"Run {m['date']} on {m['cpu']} ({m['cores']} cores, backend {m['backend']}), "
+            f"Run {m['date']} on {_device(m)}, "
             f"JAX {m['jax']}; matmul reference {_fmt(p['matmul_gflops'], '.1f')} GFLOP/s; "
             f"glibc MALLOC_TOP_PAD_ {m.get('malloc_top_pad_mb') or 'default'}"
             f"{' MiB' if m.get('malloc_top_pad_mb') else ''}."
@@ -202,13 +283,13 @@ def render_markdown(results_dir: str, markdown_path: str) -> str:
                 cells += [
                     f"{r['time_s'] * 1e3:.1f}", _fmt(r.get("gflops"), ".1f"),
                     "" if frac is None else f"{100 * frac:.0f}%",
-                    f"{r['peak_rss_mb']:.0f}", f"{r['delta_rss_mb']:.0f}",
+                    _fmt(r.get("peak_rss_mb"), ".0f"), _fmt(r.get("delta_rss_mb"), ".0f"),
                     _fmt(r.get("compiled_mb"), ".0f"),
                 ]
             out.append("| " + " | ".join(cells) + " |")
         out.append("")
         png = os.path.join(results_dir, f"{p['suite']}.png")
-        if _plot(p, png):
+        if plots and _plot(p, png):
             rel = os.path.relpath(png, os.path.dirname(os.path.abspath(markdown_path)))
             out += [f"![{p['suite']}]({rel})", ""]
     text = "\n".join(out)
@@ -224,19 +305,28 @@ def main(argv: Sequence[str]) -> None:
                                       _BUDGET_S.value)
         print("RESULT " + json.dumps(record), flush=True)
         return
-    names = available_suites() if _SUITE.value == "all" else _SUITE.value.split(",")
-    for n in names:
-        load_suite(n)  # fail fast on a typo
     results_dir = _RESULTS_DIR.value or (
         tempfile.mkdtemp(prefix="xformers_jax_bench_") if _QUICK.value
         else os.path.join(ROOT, "experiments", "results"))
     markdown = _MARKDOWN.value or (None if _QUICK.value else os.path.join(ROOT, "BENCHMARKS.md"))
+    if _RENDER_ONLY.value:
+        render_markdown(results_dir, markdown or os.path.join(ROOT, "BENCHMARKS.md"))
+        return
+    if _SUITE.value == "all":
+        names = [n for n in available_suites() if _QUICK.value or runs_here(n)]
+    else:
+        names = _SUITE.value.split(",")
+    for n in names:
+        load_suite(n)  # fail fast on a typo
+    if _COMPILE_ONLY.value:
+        compile_share(names, _COMPILE_ONLY.value, results_dir)
+        return
     failed_checks = []
     for n in names:
         payload = run_suite(n, quick=_QUICK.value, results_dir=results_dir)
         failed_checks += [c for c in payload["checks"] if c["ok"] is False]
     if markdown:
-        render_markdown(results_dir, markdown)
+        render_markdown(results_dir, markdown, plots=_PLOTS.value)
         print(f"wrote {markdown} and {results_dir}/*.json")
     else:
         print(f"wrote {results_dir}/*.json")

@@ -3,17 +3,27 @@
 import gc
 import os
 
+# XFORMERS_JAX_TEST_PLATFORM re-targets the suite (default "cpu", what CI runs): "cuda" runs
+# it on a GPU, where the Pallas kernels run compiled instead of in interpret mode
+# (experiments/gpu_session.sh runs the kernel and exact/sparse attention tests that way).
+PLATFORM = os.environ.get("XFORMERS_JAX_TEST_PLATFORM", "cpu")
 # Must happen before JAX initialises its backends.
 os.environ.setdefault("XLA_FLAGS", "")
-if "--xla_force_host_platform_device_count" not in os.environ["XLA_FLAGS"]:
-    os.environ["XLA_FLAGS"] += " --xla_force_host_platform_device_count=8"
-# XLA:CPU's backend (LLVM) optimisation level 0: the suite's shapes are tiny, so compiling
-# dominates its time, and level 0 compiles much faster (test_nn_layers.py: 48 s of CPU against
-# 69-79 s at the default level). The HLO passes (fusion, layout, simplification) still run; only
-# machine-code optimisation is skipped, which changes float results at most by rounding.
-if "--xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]:
-    os.environ["XLA_FLAGS"] += " --xla_backend_optimization_level=0"
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
+if PLATFORM == "cpu":
+    if "--xla_force_host_platform_device_count" not in os.environ["XLA_FLAGS"]:
+        os.environ["XLA_FLAGS"] += " --xla_force_host_platform_device_count=8"
+    # XLA:CPU's backend (LLVM) optimisation level 0: the suite's shapes are tiny, so compiling
+    # dominates its time, and level 0 compiles much faster (test_nn_layers.py: 48 s of CPU
+    # against 69-79 s at the default level). The HLO passes (fusion, layout, simplification)
+    # still run; only machine-code optimisation is skipped, which changes float results at
+    # most by rounding.
+    if "--xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]:
+        os.environ["XLA_FLAGS"] += " --xla_backend_optimization_level=0"
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+else:
+    os.environ["JAX_PLATFORMS"] = PLATFORM
+    # Several test processes share one GPU: none may take most of its memory up front.
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 # The fixed tile cost table, never one measured on this machine (kernels/_autotune.py): tests
 # are deterministic and never spend time autotuning.
 os.environ["XFORMERS_JAX_TILES"] = "default"
@@ -22,6 +32,11 @@ import jax  # noqa: E402
 import pytest  # noqa: E402
 
 from hypothesis import settings  # noqa: E402
+
+if PLATFORM != "cpu":
+    # The tolerance table's float32 entries are for float32 arithmetic; on a GPU, XLA's and
+    # Triton's default for a float32 matmul is TF32 (about 1e-3 relative).
+    jax.config.update("jax_default_matmul_precision", "highest")
 
 settings.register_profile("ci", max_examples=15, deadline=None, derandomize=True)
 settings.load_profile("ci")

@@ -18,14 +18,19 @@ import pallas_kernels
 from pallas_kernels import _gpu_blocksparse, _tpu_blocksparse
 from pallas_kernels._common import PallasAttention
 from tests.tolerances import EXACT, EXACT_GRAD, assert_close
-from xformers_jax.attention import block_sparse_attention, flash_attention
+from xformers_jax.attention import block_sparse_attention, flash_attention, multihead
 from xformers_jax.attention import patterns as P
 from xformers_jax.kernels import _dispatch, _planner
 from xformers_jax.kernels._tiled import attend_layout
 from xformers_jax.attention.patterns._base import EMPTY, FULL, PARTIAL
 
-GPU = PallasAttention("gpu", "gpu", _gpu_blocksparse, 32, 32, interpret=True)
+# On a GPU (XFORMERS_JAX_TEST_PLATFORM=cuda, see conftest.py) the Triton kernels run compiled;
+# elsewhere in interpret mode. The Mosaic (TPU) kernels run in interpret mode on the CPU only.
+ON_GPU = jax.default_backend() == "gpu"
+GPU = PallasAttention("gpu", "gpu", _gpu_blocksparse, 32, 32, interpret=not ON_GPU)
 TPU = PallasAttention("tpu", "tpu", _tpu_blocksparse, 32, 128, interpret=True)
+cpu_only = pytest.mark.skipif(jax.default_backend() != "cpu", reason="interpret mode: CPU only")
+gpu_only = pytest.mark.skipif(not ON_GPU, reason="needs a GPU")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -174,12 +179,13 @@ CASES = {
     "random_bf16": (RandomBlocks(32, 0.3, 3) | P.Local(4, 4), 128, 128, 64, jnp.bfloat16, True,
                     True, False),
 }
-KERNEL_CASES = [("gpu", c) for c in CASES] + [
-    ("tpu", "causal_padding_segments_odd"), ("tpu", "bigbird_vmap"), ("tpu", "random_bf16")
+KERNEL_CASES = [pytest.param("gpu", c, id=f"gpu-{c}") for c in CASES] + [
+    pytest.param("tpu", c, marks=cpu_only, id=f"tpu-{c}")
+    for c in ("causal_padding_segments_odd", "bigbird_vmap", "random_bf16")
 ]
 
 
-@pytest.mark.parametrize("backend, case", KERNEL_CASES, ids=[f"{b}-{c}" for b, c in KERNEL_CASES])
+@pytest.mark.parametrize("backend, case", KERNEL_CASES)
 def test_kernel_matches_xla_path(backend, case):
     pattern, lq, lk, d, dtype, with_kv_mask, with_segments, batched = CASES[case]
     kernel = GPU if backend == "gpu" else TPU
@@ -239,6 +245,7 @@ def test_query_that_sees_nothing_gives_zero_and_finite_grads():
 # -- dispatch --------------------------------------------------------------------------------
 
 
+@cpu_only
 def test_registered_and_reasons_on_cpu():
     for op in ("flash_attention", "block_sparse_attention"):
         names = [kern.name for kern in pallas_kernels.kernels_for(op)]
@@ -270,6 +277,32 @@ def test_dispatch_runs_a_registered_kernel(monkeypatch):
     assert seen, "the Pallas kernel was not called"
     assert_close(out, block_sparse_attention(q, k, v, pattern, block_q=32, block_k=32,
                                              implementation="xla"))
+
+
+@gpu_only
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_public_api_runs_the_kernel_on_gpu(dtype):
+    """On a GPU, implementation=None and "pallas" both take the Triton kernel, through
+    ``multihead`` (vmapped grid axes), with padding, and equal the XLA path."""
+    ks = jax.random.split(jax.random.PRNGKey(3), 3)
+    q, k, v = (jax.random.normal(kk, (2, 200, 3, 64), jnp.float32).astype(dtype) for kk in ks)
+    kv_mask = jnp.arange(200)[None, :] < jnp.array([[200], [150]])
+    for call in (
+        lambda impl: multihead(flash_attention)(q, k, v, causal=True, kv_mask=kv_mask,
+                                                implementation=impl),
+        lambda impl: multihead(block_sparse_attention)(q, k, v, bigbird(), block_q=32,
+                                                       block_k=32, implementation=impl),
+    ):
+        want = jax.jit(jax.value_and_grad(
+            lambda q: jnp.sum(call("xla").astype(jnp.float32) ** 2)))(q)
+        for impl in (None, "pallas"):
+            got = jax.jit(jax.value_and_grad(
+                lambda q: jnp.sum(call(impl).astype(jnp.float32) ** 2)))(q)
+            assert_close(got[0], want[0], EXACT, dtype)
+            assert_close(got[1], want[1], EXACT_GRAD, dtype)
+    kernels = [k.name for k in pallas_kernels.kernels_for("flash_attention")]
+    call = dict(dtype=dtype, dropout_rate=0.0, bias="none", dk=64, dv=64, backend="gpu")
+    assert not pallas_kernels.kernels_for("flash_attention")[0].unsupported(call), kernels
 
 
 def _spy(fn, seen):

@@ -75,7 +75,9 @@ def _features(L: int, H: int, D: int):
     return jax.jit(jax.vmap(one))(q, k, v)
 
 
-def build(variant: str, L: int, B: int = 1, H: int = 4, D: int = 64, chunk_size: int = 64):
+def build(variant: str, L: int, B: int = 1, H: int = 4, D: int = 64, chunk_size: int = 64,
+          dtype: str = "float32"):
+    """A case; ``dtype`` is the inputs' (the recurrence's states are float32 either way)."""
     if variant == "batched matmul":
         n = H * (L // chunk_size)
         a = jax.random.normal(jax.random.PRNGKey(0), (n, chunk_size, NUM_FEATURES))
@@ -91,7 +93,7 @@ def build(variant: str, L: int, B: int = 1, H: int = 4, D: int = 64, chunk_size:
         # The decays come from the key stabiliser, which the step does not differentiate.
         return Workload(core, (fq, fk, v_aug, ld), grad_argnums=(0, 1, 2),
                         flops=chunked_flops(L, H, NUM_FEATURES, D + 1, chunk_size))
-    q, k, v = qkv(L, B, H, D)
+    q, k, v = qkv(L, B, H, D, dtype)
     if variant == "flash causal":
         return Workload(lambda q, k, v: multihead(flash_attention)(q, k, v, causal=True),
                         (q, k, v))
