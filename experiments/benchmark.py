@@ -61,7 +61,8 @@ _COMPILE_ONLY = flags.DEFINE_string(
     "fill JAX's persistent compilation cache from N processes); writes "
     "<results_dir>/compile_I.json.")
 _ONLY = flags.DEFINE_string(
-    "only", None, "Regular expression on case names: measure only these, keeping the stored "
+    "only", None, "Regular expression searched in each case's name and parameters (as JSON: "
+    "'[\"name\", {\"L\": 4096, ...}]'): measure (or compile) only these, keeping the stored "
     "results of the others (to re-run a few cases).")
 _RENDER_ONLY = flags.DEFINE_bool(
     "render_only", False, "Regenerate BENCHMARKS.md from the stored JSON; measure nothing.")
@@ -128,7 +129,7 @@ def run_suite(name: str, *, quick: bool, results_dir: str, log=print) -> dict:
     records = {json.dumps([r["name"], r["mode"], r["params"]], sort_keys=True): r for r in kept}
     os.makedirs(results_dir, exist_ok=True)
     for case in suite.cases(quick):
-        if only and not only.search(case.name):
+        if only and not _selected(only, case):
             continue
         for mode in case.modes:
             r = run(case, mode)
@@ -147,6 +148,10 @@ def run_suite(name: str, *, quick: bool, results_dir: str, log=print) -> dict:
     return payload
 
 
+def _selected(only: "re.Pattern", case: Case) -> bool:
+    return bool(only.search(json.dumps([case.name, case.params])))
+
+
 def _write(path: str, payload: dict) -> None:
     with open(path + ".tmp", "w") as f:
         json.dump(payload, f, indent=1)
@@ -156,8 +161,9 @@ def _write(path: str, payload: dict) -> None:
 def compile_share(names: Sequence[str], share: str, results_dir: str, log=print) -> None:
     """Compiles the ``I``-th of ``N`` shares (``share = "I/N"``) of the suites' cases."""
     i, n = (int(x) for x in share.split("/"))
+    only = re.compile(_ONLY.value) if _ONLY.value else None
     jobs = [(case, mode) for name in names for case in load_suite(name).cases(_QUICK.value)
-            for mode in case.modes]
+            if only is None or _selected(only, case) for mode in case.modes]
     out = []
     for case, mode in jobs[i::n]:
         r = bench_lib.compile_only(case, mode)

@@ -41,7 +41,9 @@ log() { echo "[$(( $(date +%s) - t0 )) s] $*" | tee -a "$OUT/session.log"; }
   $PY -m pip list 2>/dev/null | grep -i -E "^(jax|jaxlib|jax-cuda.*|equinox|optax|triton|tokamax|numpy|chex) "
 } > "$OUT/session.log" 2>&1
 
-# A re-run of some cases (ONLY=regex) keeps the other cases of an earlier run's JSON files.
+# A re-run of some cases (ONLY=regex for every suite, ONLY_<SUITE> for one; matched against
+# each case's name and parameters) keeps the other cases of the earlier run's JSON files
+# found in the folder PREVIOUS.
 if [ -n "${PREVIOUS:-}" ]; then cp "$PREVIOUS"/gpu_*.json "$OUT/"; fi
 
 if [ "${SKIP_PHASE1:-0}" != 1 ]; then
@@ -49,7 +51,8 @@ if [ "${SKIP_PHASE1:-0}" != 1 ]; then
   for i in $(seq 0 $((SHARES - 1))); do
     XLA_PYTHON_CLIENT_PREALLOCATE=false timeout "${COMPILE_TIMEOUT:-240}" \
       $PY -m experiments.benchmark --suite="$SUITES" --compile_only="$i/$SHARES" \
-      --results_dir="$WORK/compile" ${QUICK:+--quick} > "$WORK/compile_$i.log" 2>&1 &
+      --results_dir="$WORK/compile" ${QUICK:+--quick} ${ONLY:+--only="$ONLY"} \
+      > "$WORK/compile_$i.log" 2>&1 &
   done
   if [ -n "$TESTS" ]; then
     XFORMERS_JAX_TEST_PLATFORM=${TEST_PLATFORM:-cuda} timeout "${TEST_TIMEOUT:-240}" \
@@ -64,16 +67,18 @@ fi
 # Results go straight to $OUT, rewritten after every case: a suite cut short by its time
 # limit keeps what it measured.
 for s in ${SUITES//,/ }; do
-  limit=TIME_TIMEOUT_${s^^}
+  limit=TIME_TIMEOUT_${s^^} only=ONLY_${s^^}
+  only=${!only:-${ONLY:-}}
   timeout "${!limit:-${TIME_TIMEOUT:-200}}" $PY -m experiments.benchmark --suite="$s" \
     --in_process --budget_s="${BUDGET_S:-0.5}" --results_dir="$OUT" --noplots \
-    --markdown="$WORK/BENCHMARKS.md" ${ONLY:+--only="$ONLY"} ${QUICK:+--quick} 2>&1 \
+    --markdown="$WORK/BENCHMARKS.md" ${only:+--only="$only"} ${QUICK:+--quick} 2>&1 \
     | grep -v "^[IW][0-9]" >> "$OUT/session.log"
   log "$s done"
 done
 
 if [ "${PROFILE:-1}" = 1 ]; then
   timeout "${PROFILE_TIMEOUT:-90}" $PY -m experiments.gpu_profile --out="$OUT/profile.txt" \
+    ${PROFILE_CASES:+--cases="$PROFILE_CASES"} \
     2>&1 | grep -v "^[IW][0-9]" >> "$OUT/session.log"
   log "profile done"
 fi

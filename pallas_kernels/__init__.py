@@ -18,10 +18,9 @@ def _register_builtin() -> None:
     from . import _gpu_blocksparse, _tpu_blocksparse
     from ._common import PallasAttention
 
-    gpu = PallasAttention("pallas_gpu_blocksparse", "gpu", _gpu_blocksparse,
-                          _gpu_blocksparse.DEFAULT_BLOCK_Q, _gpu_blocksparse.DEFAULT_BLOCK_K)
-    tpu = PallasAttention("pallas_tpu_blocksparse", "tpu", _tpu_blocksparse,
-                          _tpu_blocksparse.DEFAULT_BLOCK_Q, _tpu_blocksparse.DEFAULT_BLOCK_K)
+    # Tiles: each backend's default for the call's head dims (``default_blocks``).
+    gpu = PallasAttention("pallas_gpu_blocksparse", "gpu", _gpu_blocksparse)
+    tpu = PallasAttention("pallas_tpu_blocksparse", "tpu", _tpu_blocksparse)
     for op in ("flash_attention", "block_sparse_attention"):
         register(op, gpu)
         register(op, tpu)

@@ -87,6 +87,9 @@ class Config(_tiles.TileConfig):
     block_k: int
     interpret: bool
     extra: tuple = ()
+    num_warps: int | None = None
+    num_stages: int | None = None
+    runs: bool = True
 
 
 
@@ -119,16 +122,28 @@ class PallasAttention:
 
     Attributes:
       name: shown in dispatch errors. platform: ``"gpu"`` or ``"tpu"``. backend: the module
-      with ``forward``/``backward``/``head_dim``/``check_blocks``. block_q, block_k: tiles.
+      with ``forward``/``backward``/``head_dim``/``block_problems``/``default_blocks``.
+      block_q, block_k: tiles; None takes the backend's default for the call's head dims.
+      num_warps, num_stages: Triton's launch options (None: the backend's default).
+      runs: walk consecutive listed blocks by position (``Blocks.runs``) where the plan
+        allows, rather than loading each block index (False: always load; for comparison).
     """
 
     name: str
     platform: str
     backend: Any
-    block_q: int
-    block_k: int
+    block_q: int | None = None
+    block_k: int | None = None
     interpret: bool = False
     extra: tuple = ()
+    num_warps: int | None = None
+    num_stages: int | None = None
+    runs: bool = True
+
+    def blocks(self, dk: int, dv: int) -> tuple[int, int]:
+        """The tiles used for head dims ``dk``, ``dv``."""
+        bq, bk = self.backend.default_blocks(dk, dv)
+        return self.block_q or bq, self.block_k or bk
 
     def with_options(self, **changes) -> "PallasAttention":
         """A copy with other tiles or ``interpret`` (e.g. ``interpret=True`` for CPU tests)."""
@@ -146,7 +161,7 @@ class PallasAttention:
         if call.get("bias", "none") != "none":
             why.append(f"a {call['bias']} bias is not implemented in the kernel")
         why += self.backend.head_dim_problems(call["dk"], call["dv"])
-        why += self.backend.block_problems(self.block_q, self.block_k)
+        why += self.backend.block_problems(*self.blocks(call["dk"], call["dv"]))
         return why
 
     def __call__(self, q, k, v, layout, *, kv_mask=None, segments=None, bias=None, scale,
@@ -158,7 +173,8 @@ class PallasAttention:
         why = self.unsupported(call)
         if why:
             raise NotImplementedError(f"{self.name}: " + "; ".join(why))
-        plan = _planner.plan(layout, self.block_q, self.block_k)
+        block_q, block_k = self.blocks(q.shape[1], v.shape[1])
+        plan = _planner.plan(layout, block_q, block_k)
         lq, lk = q.shape[0], k.shape[0]
         lq_p, lk_p = plan.nq * plan.block_q, plan.nk * plan.block_k
         dk_p = self.backend.head_dim(q.shape[1])
@@ -172,9 +188,10 @@ class PallasAttention:
             segs = (_tiles.pad_to(segments[0], lq_p, 0, -1),
                     _tiles.pad_to(segments[1], lk_p, 0, -2))
         cfg = Config(
-            scale=float(scale), block_q=self.block_q, block_k=self.block_k,
+            scale=float(scale), block_q=block_q, block_k=block_k,
             has_kv_mask=kv_mask is not None, has_segments=segments is not None,
-            interpret=self.interpret, extra=self.extra,
+            interpret=self.interpret, extra=self.extra, num_warps=self.num_warps,
+            num_stages=self.num_stages, runs=self.runs,
         )
         out, lse = _attend((self.backend, cfg, plan), q_p, k_p, v_p, (), (kv_valid, segs))
         return out[:lq, : v.shape[1]].astype(q.dtype), lse[:lq]

@@ -17,6 +17,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
@@ -27,6 +28,17 @@ from . import _common as C
 MAX_HEAD_DIM = 256
 DEFAULT_BLOCK_Q = 64
 DEFAULT_BLOCK_K = 64
+# Head dims above 64: 128-row query tiles. Measured on an H200 (bf16, B·H = 32, L = 8192,
+# ``experiments/suites/gpu_attention.py``): at D = 128, fwd+bwd took 24.0 ms with 64 x 64
+# tiles, 13.9 ms with 128 x 64, 14.6 ms with 128 x 128 and 24.4 ms with 64 x 128; at D = 64,
+# 64 x 64 was the fastest fwd+bwd (8.2 ms; 128 x 64: 10.7, 128 x 128: 21.4).
+WIDE_BLOCK_Q = 128
+
+
+def default_blocks(dk: int, dv: int) -> tuple[int, int]:
+    """The default tiles for head dims ``dk``, ``dv`` (see ``WIDE_BLOCK_Q``)."""
+    wide = max(head_dim(dk), head_dim(dv)) > 64
+    return (WIDE_BLOCK_Q if wide else DEFAULT_BLOCK_Q), DEFAULT_BLOCK_K
 
 
 def head_dim(d: int) -> int:
@@ -45,15 +57,40 @@ def block_problems(bq: int, bk: int) -> list[str]:
     ]
 
 
-def _params(d: int):
-    return plgpu.CompilerParams(num_warps=4 if d <= 64 else 8, num_stages=2)
+def _params(cfg, d: int):
+    return plgpu.CompilerParams(num_warps=cfg.num_warps or (4 if d <= 64 else 8),
+                                num_stages=cfg.num_stages or 2)
 
 
-def _loop(counts_ref, full_ref, r, step, carry):
-    """Runs ``step(t, carry, partial)`` over row ``r``'s FULL then PARTIAL listed blocks."""
+def _tables(blocks):
+    """The plan tables as flat int32 arrays: listed blocks, mask ids, counts, FULL counts and
+    the runs' starts (``Blocks.starts``)."""
+    return (*C.tables(blocks, fetch=False),
+            jnp.asarray(np.ascontiguousarray(blocks.starts).reshape(-1)))
+
+
+def _loop(cfg, blocks, tables, r, step, carry):
+    """Runs ``step(t, b, carry, partial)`` over row ``r``'s FULL then PARTIAL listed blocks,
+    ``b`` being the ``t``-th listed block: computed from the run's start when the rows are
+    runs (``Blocks.runs``), so every load of the step depends on ``t`` alone and Triton's
+    pipeliner can issue the next step's loads early; else loaded from the table."""
+    blocks_ref, _, counts_ref, full_ref, starts_ref = tables
     n_full, n = full_ref[r], counts_ref[r]
-    carry = jax.lax.fori_loop(0, n_full, functools.partial(step, partial=False), carry)
-    return jax.lax.fori_loop(n_full, n, functools.partial(step, partial=True), carry)
+    if blocks.runs and cfg.runs:
+        first_full, first_partial = starts_ref[2 * r], starts_ref[2 * r + 1]
+
+        def index(t, partial):
+            return first_partial + (t - n_full) if partial else first_full + t
+    else:
+        def index(t, partial):
+            del partial
+            return blocks_ref[r * blocks.width + t]
+
+    def body(partial):
+        return lambda t, c: step(t, index(t, partial), c, partial)
+
+    carry = jax.lax.fori_loop(0, n_full, body(False), carry)
+    return jax.lax.fori_loop(n_full, n, body(True), carry)
 
 
 class _Inputs:
@@ -88,18 +125,19 @@ class _Inputs:
                            kv_valid=kv_valid, q_seg=q_seg, k_seg=k_seg)
 
 
-def _fwd_kernel(blocks_ref, mids_ref, counts_ref, full_ref, q_ref, k_ref, v_ref, *refs, cfg,
-                plan):
+def _fwd_kernel(blocks_ref, mids_ref, counts_ref, full_ref, starts_ref, q_ref, k_ref, v_ref,
+                *refs, cfg, plan):
     ins = _Inputs(cfg, plan, refs)
     o_ref, lse_ref = ins.rest
     bq, bk, width = plan.block_q, plan.block_k, plan.rows.width
     i = pl.program_id(0)
     q0 = i * bq
     q = q_ref[...]
+    tables = (blocks_ref, mids_ref, counts_ref, full_ref, starts_ref)
 
-    def step(t, carry, partial):
+    def step(t, b, carry, partial):
         m, l, acc = carry
-        k0 = pl.multiple_of(blocks_ref[i * width + t] * bk, bk)
+        k0 = pl.multiple_of(b * bk, bk)
         mask = ins.mask(plan, q0, k0, mids_ref[i * width + t], partial)
         s = C.scores(cfg, q, k_ref[pl.ds(k0, bk), :], mask)
         return C.online_step(s, v_ref[pl.ds(k0, bk), :], m, l, acc)
@@ -109,44 +147,46 @@ def _fwd_kernel(blocks_ref, mids_ref, counts_ref, full_ref, q_ref, k_ref, v_ref,
         jnp.zeros((bq, 1), STATS_DTYPE),
         jnp.zeros((bq, o_ref.shape[-1]), STATS_DTYPE),
     )
-    out, lse = C.finish(*_loop(counts_ref, full_ref, i, step, init))
+    out, lse = C.finish(*_loop(cfg, plan.rows, tables, i, step, init))
     o_ref[...] = out.astype(o_ref.dtype)
     lse_ref[...] = lse
 
 
-def _dq_kernel(blocks_ref, mids_ref, counts_ref, full_ref, q_ref, k_ref, v_ref, do_ref, lse_ref,
-               delta_ref, *refs, cfg, plan):
+def _dq_kernel(blocks_ref, mids_ref, counts_ref, full_ref, starts_ref, q_ref, k_ref, v_ref,
+               do_ref, lse_ref, delta_ref, *refs, cfg, plan):
     ins = _Inputs(cfg, plan, refs)
     (dq_ref,) = ins.rest
     bq, bk, width = plan.block_q, plan.block_k, plan.rows.width
     i = pl.program_id(0)
     q0 = i * bq
     q, d_out, lse, delta = q_ref[...], do_ref[...], lse_ref[...], delta_ref[...]
+    tables = (blocks_ref, mids_ref, counts_ref, full_ref, starts_ref)
 
-    def step(t, dq, partial):
-        k0 = pl.multiple_of(blocks_ref[i * width + t] * bk, bk)
+    def step(t, b, dq, partial):
+        k0 = pl.multiple_of(b * bk, bk)
         k = k_ref[pl.ds(k0, bk), :]
         mask = ins.mask(plan, q0, k0, mids_ref[i * width + t], partial)
         s = C.scores(cfg, q, k, mask)
         ds, _ = C.tile_grads(s, v_ref[pl.ds(k0, bk), :], d_out, lse, delta)
         return dq + C.dot(ds.astype(k.dtype), k, C._NN)
 
-    dq = _loop(counts_ref, full_ref, i, step, jnp.zeros(q.shape, STATS_DTYPE))
+    dq = _loop(cfg, plan.rows, tables, i, step, jnp.zeros(q.shape, STATS_DTYPE))
     dq_ref[...] = (dq * cfg.scale).astype(dq_ref.dtype)
 
 
-def _dkv_kernel(blocks_ref, mids_ref, counts_ref, full_ref, q_ref, k_ref, v_ref, do_ref, lse_ref,
-                delta_ref, *refs, cfg, plan):
+def _dkv_kernel(blocks_ref, mids_ref, counts_ref, full_ref, starts_ref, q_ref, k_ref, v_ref,
+                do_ref, lse_ref, delta_ref, *refs, cfg, plan):
     ins = _Inputs(cfg, plan, refs)
     dk_ref, dv_ref = ins.rest
     bq, bk, width = plan.block_q, plan.block_k, plan.cols.width
     j = pl.program_id(0)
     k0 = j * bk
     k, v = k_ref[...], v_ref[...]
+    tables = (blocks_ref, mids_ref, counts_ref, full_ref, starts_ref)
 
-    def step(t, carry, partial):
+    def step(t, b, carry, partial):
         dk, dv = carry
-        q0 = pl.multiple_of(blocks_ref[j * width + t] * bq, bq)
+        q0 = pl.multiple_of(b * bq, bq)
         q = q_ref[pl.ds(q0, bq), :]
         d_out = do_ref[pl.ds(q0, bq), :]
         mask = ins.mask(plan, q0, k0, mids_ref[j * width + t], partial)
@@ -158,7 +198,7 @@ def _dkv_kernel(blocks_ref, mids_ref, counts_ref, full_ref, q_ref, k_ref, v_ref,
         return dk, dv
 
     init = (jnp.zeros(k.shape, STATS_DTYPE), jnp.zeros(v.shape, STATS_DTYPE))
-    dk, dv = _loop(counts_ref, full_ref, j, step, init)
+    dk, dv = _loop(cfg, plan.cols, tables, j, step, init)
     dk_ref[...] = (dk * cfg.scale).astype(dk_ref.dtype)
     dv_ref[...] = dv.astype(dv_ref.dtype)
 
@@ -174,9 +214,9 @@ def _by_block(size, width):
 def forward(cfg, plan, q, k, v, dyn):
     bq, lq_p, dv = plan.block_q, q.shape[0], v.shape[1]
     extra = _Inputs.arrays(cfg, plan, dyn)
-    args = [*C.tables(plan.rows, fetch=False), q, k, v, *extra]
+    args = [*_tables(plan.rows), q, k, v, *extra]
     specs = [_whole(a) for a in args]
-    specs[4] = _by_block(bq, q.shape[1])
+    specs[5] = _by_block(bq, q.shape[1])
     out, lse = pl.pallas_call(
         functools.partial(_fwd_kernel, cfg=cfg, plan=plan),
         grid=(plan.nq,),
@@ -184,7 +224,7 @@ def forward(cfg, plan, q, k, v, dyn):
         out_specs=[_by_block(bq, dv), _by_block(bq, 1)],
         out_shape=[jax.ShapeDtypeStruct((lq_p, dv), q.dtype),
                    jax.ShapeDtypeStruct((lq_p, 1), STATS_DTYPE)],
-        compiler_params=_params(max(q.shape[1], dv)),
+        compiler_params=_params(cfg, max(q.shape[1], dv)),
         interpret=cfg.interpret,
         name="xformers_blocksparse_fwd",
     )(*args)
@@ -195,11 +235,11 @@ def backward(cfg, plan, q, k, v, dyn, lse, delta, d_out):
     bq, bk = plan.block_q, plan.block_k
     extra = _Inputs.arrays(cfg, plan, dyn)
     stats = [lse[:, None], delta[:, None]]
-    params = _params(max(q.shape[1], v.shape[1]))
+    params = _params(cfg, max(q.shape[1], v.shape[1]))
 
-    args = [*C.tables(plan.rows, fetch=False), q, k, v, d_out, *stats, *extra]
+    args = [*_tables(plan.rows), q, k, v, d_out, *stats, *extra]
     specs = [_whole(a) for a in args]
-    for n in (4, 7, 8, 9):  # q, dO, lse, delta: this program's query block
+    for n in (5, 8, 9, 10):  # q, dO, lse, delta: this program's query block
         specs[n] = _by_block(bq, args[n].shape[1])
     dq = pl.pallas_call(
         functools.partial(_dq_kernel, cfg=cfg, plan=plan),
@@ -212,9 +252,9 @@ def backward(cfg, plan, q, k, v, dyn, lse, delta, d_out):
         name="xformers_blocksparse_dq",
     )(*args)
 
-    args = [*C.tables(plan.cols, fetch=False), q, k, v, d_out, *stats, *extra]
+    args = [*_tables(plan.cols), q, k, v, d_out, *stats, *extra]
     specs = [_whole(a) for a in args]
-    for n in (5, 6):  # k, v: this program's key block
+    for n in (6, 7):  # k, v: this program's key block
         specs[n] = _by_block(bk, args[n].shape[1])
     dk, dv = pl.pallas_call(
         functools.partial(_dkv_kernel, cfg=cfg, plan=plan),

@@ -33,6 +33,12 @@ DEFAULT_BLOCK_Q = 128
 DEFAULT_BLOCK_K = 128
 
 
+def default_blocks(dk: int, dv: int) -> tuple[int, int]:
+    """The default tiles (not yet measured on a TPU: the same for every head dim)."""
+    del dk, dv
+    return DEFAULT_BLOCK_Q, DEFAULT_BLOCK_K
+
+
 def head_dim(d: int) -> int:
     return d  # a block spanning the whole head dim is always a legal TPU block
 

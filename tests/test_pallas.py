@@ -131,6 +131,20 @@ def test_planner_matches_brute_force(pattern, band, tiles):
         n = plan.cols.counts[b]
         assert sorted(plan.cols.blocks[b, :n].tolist()) == np.flatnonzero(plan.kinds[:, b]).tolist()
         assert plan.cols.full[b] == np.count_nonzero(plan.kinds[:, b] == FULL)
+    # Runs: where every row's FULL and PARTIAL blocks are consecutive, the kernels compute
+    # the t-th listed block from the run's start instead of loading it.
+    for blocks in (plan.rows, plan.cols):
+        consecutive = True
+        for r in range(blocks.blocks.shape[0]):
+            n, n_full = blocks.counts[r], blocks.full[r]
+            f, p = blocks.blocks[r, :n_full], blocks.blocks[r, n_full:n]
+            consecutive &= bool((np.diff(f) == 1).all() and (np.diff(p) == 1).all())
+            if blocks.runs:
+                np.testing.assert_array_equal(f, blocks.starts[r, 0] + np.arange(len(f)))
+                np.testing.assert_array_equal(p, blocks.starts[r, 1] + np.arange(len(p)))
+        assert blocks.runs == consecutive
+    if band:
+        assert plan.rows.runs and plan.cols.runs
     # Partial masks are de-duplicated.
     flat = {m.tobytes() for m in plan.masks}
     assert len(flat) == len(plan.masks)
@@ -180,6 +194,9 @@ CASES = {
                     True, False),
 }
 KERNEL_CASES = [pytest.param("gpu", c, id=f"gpu-{c}") for c in CASES] + [
+    # The same kernels loading every listed block's index instead of computing it from runs.
+    pytest.param("gpu_tables", "causal_padding_segments_odd", id="gpu_tables-causal"),
+] + [
     pytest.param("tpu", c, marks=cpu_only, id=f"tpu-{c}")
     for c in ("causal_padding_segments_odd", "bigbird_vmap", "random_bf16")
 ]
@@ -188,7 +205,7 @@ KERNEL_CASES = [pytest.param("gpu", c, id=f"gpu-{c}") for c in CASES] + [
 @pytest.mark.parametrize("backend, case", KERNEL_CASES)
 def test_kernel_matches_xla_path(backend, case):
     pattern, lq, lk, d, dtype, with_kv_mask, with_segments, batched = CASES[case]
-    kernel = GPU if backend == "gpu" else TPU
+    kernel = {"gpu": GPU, "gpu_tables": GPU.with_options(runs=False), "tpu": TPU}[backend]
     layout = pattern.layout(lq, lk, 64, 64)
     batch = 2 if batched else None
     q, k, v, w = _inputs(lq, lk, d, dtype, batch)

@@ -13,8 +13,9 @@ side by side in one run:
 - ``pallas sparse 10%``: ``block_sparse_attention(..., implementation="pallas")`` over a fixed
   random layout keeping 10% of its 128 x 128 tiles (the diagonal included, so every query
   sees a key), against ``pallas flash`` at the same size;
-- ``pallas tiles BQxBK``: the kernel object called directly with other tiles, at 8K, to pick
-  the GPU default;
+- ``pallas tiles BQxBK sN``: the kernel object called directly with other tiles and
+  pipelining depths (``num_stages``), at 8K, to pick the GPU defaults; ``tables``: block
+  indices loaded per step even where the plan's rows are runs (``Blocks.runs``);
 - ``matmul bf16``: one 8192 x 8192 x 8192 bf16 product, the tensor cores' rate in this run.
 
 GFLOP/s count the useful work (half for causal; 10% of it for the sparse layout). The
@@ -47,7 +48,11 @@ LENGTHS = (2048, 4096, 8192, 16384)
 HEAD_DIMS = (64, 128)
 DENSITY = 0.1
 SPARSE_TILE = 128
-TILES = ((64, 64), (128, 64), (64, 128), (128, 128))
+# (block_q, block_k, num_stages, runs) per head dim; the first is the default.
+TILES = {64: ((64, 64, 2, True), (64, 64, 3, True), (64, 64, 2, False), (64, 128, 2, True),
+              (128, 64, 2, True)),
+         128: ((128, 64, 2, True), (128, 64, 3, True), (128, 64, 2, False),
+               (128, 128, 2, True), (64, 64, 2, True))}
 TILE_L = 8192
 
 
@@ -89,7 +94,7 @@ def _direct(kernel, L: int, causal: bool):
 
 
 def build(impl: str, L: int, D: int = 64, causal: bool = False, B: int = 4, H: int = 8,
-          bq: int = 64, bk: int = 64):
+          bq: int = 64, bk: int = 64, stages: int = 2, runs: bool = True):
     if impl == "matmul":  # the tensor cores' rate in this run: one L x L x L bf16 product
         a, b = jax.random.normal(jax.random.PRNGKey(0), (2, L, L), jnp.bfloat16)
         return Workload(lambda a, b: a @ b, (a, b), flops=2.0 * L**3)
@@ -102,7 +107,9 @@ def build(impl: str, L: int, D: int = 64, causal: bool = False, B: int = 4, H: i
         if not _on_gpu():
             fn = _direct(_gpu_kernel(), L, causal)
     elif impl == "pallas tiles":
-        fn = _direct(_gpu_kernel().with_options(block_q=bq, block_k=bk), L, causal)
+        kernel = _gpu_kernel().with_options(block_q=bq, block_k=bk, num_stages=stages,
+                                            runs=runs)
+        fn = _direct(kernel, L, causal)
     elif impl == "xla flash":
         lifted = multihead(flash_attention)
         fn = lambda q, k, v: lifted(q, k, v, causal=causal, implementation="xla")  # noqa: E731
@@ -146,11 +153,11 @@ def cases(quick: bool) -> list[Case]:
             out.append(Case("pallas sparse 10%", _BUILD,
                             dict(impl="pallas sparse", L=L, D=D, causal=False)))
         out.append(Case("xla flash", _BUILD, dict(impl="xla flash", L=4096, D=D, causal=False)))
-        for bq, bk in TILES:
-            if (bq, bk) != (64, 64):
-                out.append(Case(f"pallas tiles {bq}x{bk}", _BUILD,
-                                dict(impl="pallas tiles", L=TILE_L, D=D, causal=False, bq=bq,
-                                     bk=bk)))
+        for bq, bk, stages, runs in TILES[D][1:]:
+            name = f"pallas tiles {bq}x{bk} s{stages}" + ("" if runs else " tables")
+            out.append(Case(name, _BUILD, dict(impl="pallas tiles", L=TILE_L, D=D,
+                                               causal=False, bq=bq, bk=bk, stages=stages,
+                                               runs=runs)))
     return out
 
 

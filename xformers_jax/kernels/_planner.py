@@ -43,6 +43,12 @@ class Blocks:
         the row (0 at first), the mask block a pipelined kernel copies at each step.
       counts: ``int32[rows]``: how many blocks are listed. full: ``int32[rows]``: how many of
         them are FULL.
+      starts: ``int32[rows, 2]``: the first FULL and the first PARTIAL block of each row (0
+        where there is none).
+      runs: True when in every row the FULL blocks, and the PARTIAL ones, are consecutive
+        (dense, causal, local windows): a kernel can then compute the ``t``-th listed block
+        as ``starts + t`` instead of loading it, so its loads depend only on the loop step and
+        can be issued ahead (software pipelining).
     """
 
     blocks: np.ndarray
@@ -50,6 +56,8 @@ class Blocks:
     fetch_ids: np.ndarray
     counts: np.ndarray
     full: np.ndarray
+    starts: np.ndarray
+    runs: bool
 
     @property
     def width(self) -> int:
@@ -179,12 +187,16 @@ def _blocks(kinds: np.ndarray, mask_index: np.ndarray) -> Blocks:
     fetch_ids = np.zeros((rows, width), np.int32)
     counts = np.zeros(rows, np.int32)
     full = np.zeros(rows, np.int32)
+    starts = np.zeros((rows, 2), np.int32)
+    runs = True
     for r in range(rows):
         f = np.flatnonzero(kinds[r] == FULL)
         p = np.flatnonzero(kinds[r] == PARTIAL)
         listed = np.concatenate([f, p]).astype(np.int32)
         n = len(listed)
         counts[r], full[r] = n, len(f)
+        starts[r] = (f[0] if len(f) else 0, p[0] if len(p) else 0)
+        runs = runs and bool((np.diff(f) == 1).all() and (np.diff(p) == 1).all())
         if n == 0:
             continue
         blocks[r, :n] = listed
@@ -195,9 +207,9 @@ def _blocks(kinds: np.ndarray, mask_index: np.ndarray) -> Blocks:
         for t in range(width):
             last = mask_ids[r, t] if mask_ids[r, t] >= 0 else last
             fetch_ids[r, t] = last
-    for arr in (blocks, mask_ids, fetch_ids, counts, full):
+    for arr in (blocks, mask_ids, fetch_ids, counts, full, starts):
         arr.setflags(write=False)
-    return Blocks(blocks, mask_ids, fetch_ids, counts, full)
+    return Blocks(blocks, mask_ids, fetch_ids, counts, full, starts, runs)
 
 
 @functools.lru_cache(maxsize=256)
