@@ -8,6 +8,7 @@ checks, and plots when matplotlib is installed) from every suite's stored result
   python -m experiments.benchmark --suite=attention,sparse   # several
   python -m experiments.benchmark --suite=all --quick        # every suite shrunk to seconds
   python -m experiments.benchmark --render_only              # BENCHMARKS.md from stored JSON
+  python -m experiments.benchmark --render_only --recheck=gpu_attention  # checks recomputed
 
 On an accelerator (the ``gpu_*`` suites; ``experiments/gpu_session.sh`` runs them all),
 ``--in_process`` measures every case in one process (a fresh process per case would spend
@@ -67,6 +68,9 @@ _ONLY = flags.DEFINE_string(
 _RENDER_ONLY = flags.DEFINE_bool(
     "render_only", False, "Regenerate BENCHMARKS.md from the stored JSON; measure nothing.")
 _PLOTS = flags.DEFINE_bool("plots", True, "Write each suite's plot (results_dir/<suite>.png).")
+_RECHECK = flags.DEFINE_string(
+    "recheck", None, "With --render_only: suites whose checks are recomputed from their stored "
+    "records with the suite's current code (after a change to how a figure is judged).")
 _WORKER = flags.DEFINE_bool("worker", False, "Internal: measure one case in this process.")
 _CASE = flags.DEFINE_string("case", None, "Internal: the case (JSON) for --worker.")
 _MODE = flags.DEFINE_string("mode", "fwd", "Internal: fwd or fwdbwd for --worker.")
@@ -233,6 +237,27 @@ def _device(m: dict) -> str:
     return where
 
 
+def _refresh(payload: dict) -> None:
+    """The suite's current note (documentation, not a measurement) for stored records."""
+    try:
+        suite = load_suite(payload["suite"])
+    except Exception:  # noqa: BLE001 - a suite that no longer exists: as stored
+        return
+    payload["note"] = getattr(suite, "NOTE", None) or payload.get("note")
+
+
+def recheck(name: str, results_dir: str) -> None:
+    """Recomputes suite ``name``'s checks from its stored records with the suite's current
+    code and stores them (``--recheck``: after a change to how a figure is judged, without
+    measuring again)."""
+    path = os.path.join(results_dir, f"{name}.json")
+    with open(path) as f:
+        payload = json.load(f)
+    results = bench_lib.Results(payload["records"], payload["matmul_gflops"])
+    payload["checks"] = [dataclasses.asdict(c) for c in load_suite(name).checks(results)]
+    _write(path, payload)
+
+
 def render_markdown(results_dir: str, markdown_path: str, plots: bool = True) -> str:
     """BENCHMARKS.md from every suite JSON in ``results_dir`` (generated; do not edit)."""
     payloads = []
@@ -256,6 +281,7 @@ def render_markdown(results_dir: str, markdown_path: str, plots: bool = True) ->
     ]
     for p in payloads:
         m = p["machine"]
+        _refresh(p)
         out += [
             f"## `{p['suite']}`: {p['title']}",
             "",
@@ -316,6 +342,8 @@ def main(argv: Sequence[str]) -> None:
         else os.path.join(ROOT, "experiments", "results"))
     markdown = _MARKDOWN.value or (None if _QUICK.value else os.path.join(ROOT, "BENCHMARKS.md"))
     if _RENDER_ONLY.value:
+        for name in filter(None, (_RECHECK.value or "").split(",")):
+            recheck(name, results_dir)
         render_markdown(results_dir, markdown or os.path.join(ROOT, "BENCHMARKS.md"))
         return
     if _SUITE.value == "all":

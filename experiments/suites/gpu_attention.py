@@ -21,7 +21,8 @@ side by side in one run:
 GFLOP/s count the useful work (half for causal; 10% of it for the sparse layout). The
 figures (issue: "On a real GPU"): our flash kernel at least 0.8x cuDNN's throughput; the
 10%-dense block-sparse kernel at least 5x faster than our dense flash kernel; causal at most
-0.6x the non-causal time. Each figure is checked at every length and reported at the worst.
+0.6x the non-causal time. Each figure is checked over a range of lengths and reported at the
+worst; the sparse and causal figures separately at 2K-4K and at 8K-16K (see ``NOTE``).
 
 Off a GPU (``--quick`` in the CPU test suite) the Pallas cases run the same kernels in
 interpret mode and ``cudnn`` runs XLA's implementation: a smoke test, not a measurement.
@@ -42,6 +43,13 @@ from xformers_jax.attention.patterns import EMPTY, FULL, BlockLayout, Causal, Fu
 
 TITLE = ("GPU attention kernels: Pallas flash and block-sparse against cuDNN (bf16, B=4, H=8, "
          "D=64/128)")
+NOTE = ("Times are wall time per call (dispatch, kernels, synchronisation), the median over "
+        "repeats. Below 1 ms that includes about 0.1 ms of host dispatch and synchronisation: "
+        "a profile of the 2K causal forward (D=64) puts its kernels at 0.11 ms of device time "
+        "against 0.24 ms per call (experiments/results/gpu/profile_2.txt). So at 2K-4K the "
+        "sparse and causal ratios are bounded by that overhead, not by the kernels, and they "
+        "are checked separately from 8K-16K. 'tokamax' (tokamax 0.0.12's Mosaic GPU flash "
+        "attention) failed to trace with this JAX: the error is in its rows.")
 PLATFORMS = ("gpu",)
 _BUILD = "experiments.suites.gpu_attention:build"
 LENGTHS = (2048, 4096, 8192, 16384)
@@ -176,6 +184,7 @@ def checks(r: Results):
     if quick:
         return []
     out = []
+    short, long = LENGTHS[:2], LENGTHS[2:]
     for D in HEAD_DIMS:
         for mode in ("fwd", "fwdbwd"):
             for causal in (False, True):
@@ -185,14 +194,16 @@ def checks(r: Results):
                     [(L, r.time("cudnn", mode, L=L, D=D, causal=causal),
                       r.time("pallas flash", mode, L=L, D=D, causal=causal)) for L in LENGTHS],
                     at_least=0.8))
-            out.append(_worst(
-                f"10%-dense block-sparse speed-up over pallas flash, D={D}, {mode}, L=2K-16K",
-                [(L, r.time("pallas flash", mode, L=L, D=D, causal=False),
-                  r.time("pallas sparse 10%", mode, L=L, D=D, causal=False)) for L in LENGTHS],
-                at_least=5))
-            out.append(_worst(
-                f"pallas flash causal / non-causal time, D={D}, {mode}, L=2K-16K",
-                [(L, r.time("pallas flash", mode, L=L, D=D, causal=True),
-                  r.time("pallas flash", mode, L=L, D=D, causal=False)) for L in LENGTHS],
-                at_most=0.6))
+            for lengths in (short, long):
+                span = f"L={lengths[0] // 1024}K-{lengths[-1] // 1024}K"
+                out.append(_worst(
+                    f"10%-dense block-sparse speed-up over pallas flash, D={D}, {mode}, {span}",
+                    [(L, r.time("pallas flash", mode, L=L, D=D, causal=False),
+                      r.time("pallas sparse 10%", mode, L=L, D=D, causal=False))
+                     for L in lengths], at_least=5))
+                out.append(_worst(
+                    f"pallas flash causal / non-causal time, D={D}, {mode}, {span}",
+                    [(L, r.time("pallas flash", mode, L=L, D=D, causal=True),
+                      r.time("pallas flash", mode, L=L, D=D, causal=False)) for L in lengths],
+                    at_most=0.6))
     return out
