@@ -54,3 +54,44 @@ def test_unknown_suite_is_an_error():
     proc = subprocess.run([sys.executable, "-m", "experiments.benchmark", "--suite=nope"],
                           capture_output=True, text=True)
     assert proc.returncode != 0 and "unknown suite" in proc.stderr
+
+
+def test_in_process_compile_only_and_rerun_of_some_cases(tmp_path):
+    """The accelerator modes: compile-only shares, one-process timing, --only re-runs that
+    keep the other stored cases, and --render_only --recheck."""
+    case = bench_lib.Case("flash", "experiments.suites.attention:build",
+                          dict(variant="flash", L=64))
+    compiled = bench_lib.compile_only(case, "fwdbwd")
+    assert "error" not in compiled and compiled["compile_s"] > 0 and compiled["compiled_mb"] > 0
+    here = bench_lib.measure_here(case, "fwdbwd", min_repeats=2, budget_s=0.0)
+    assert "error" not in here and here["time_s"] > 0 and here["compiled_mb"] > 0
+    assert "peak_rss_mb" not in here and here["gflops"] > 0
+    broken = bench_lib.measure_here(bench_lib.Case("x", case.builder, dict(variant="nope", L=8)),
+                                    "fwd", min_repeats=1, budget_s=0.0)
+    assert broken["error"].startswith("KeyError")
+
+    run = [sys.executable, "-m", "experiments.benchmark", "--suite=gpu_linear", "--quick",
+           f"--results_dir={tmp_path}", f"--markdown={tmp_path / 'B.md'}", "--noplots"]
+    share = subprocess.run(run + ["--compile_only=1/2"], capture_output=True, text=True)
+    assert share.returncode == 0, share.stderr[-2000:]
+    done = json.loads((tmp_path / "compile_1.json").read_text())["records"]
+    assert len(done) == 2 and all("compile_s" in r for r in done)  # every other of 4 jobs
+    first = subprocess.run(run + ["--in_process"], capture_output=True, text=True)
+    assert first.returncode == 0, first.stderr[-2000:]
+    stored = json.loads((tmp_path / "gpu_linear.json").read_text())
+    assert len(stored["records"]) == 4 and stored["machine"]["in_process"]
+    again = subprocess.run(run + ["--in_process", '--only="variant": "recurrent"'],
+                           capture_output=True, text=True)
+    assert again.returncode == 0, again.stderr[-2000:]
+    rerun = json.loads((tmp_path / "gpu_linear.json").read_text())["records"]
+    by_name = {(r["name"], r["mode"]): r for r in rerun}
+    old = {(r["name"], r["mode"]): r for r in stored["records"]}
+    assert by_name.keys() == old.keys()
+    assert by_name[("chunked", "fwd")] == old[("chunked", "fwd")]  # kept, not re-measured
+    assert by_name[("recurrent", "fwd")]["time_s"] != old[("recurrent", "fwd")]["time_s"]
+    render = subprocess.run(
+        [sys.executable, "-m", "experiments.benchmark", "--render_only", "--recheck=gpu_linear",
+         f"--results_dir={tmp_path}", f"--markdown={tmp_path / 'R.md'}", "--noplots"],
+        capture_output=True, text=True)
+    assert render.returncode == 0, render.stderr[-2000:]
+    assert "| chunked |" in (tmp_path / "R.md").read_text()
