@@ -286,9 +286,10 @@ def render_markdown(results_dir: str, markdown_path: str, plots: bool = True) ->
             f"## `{p['suite']}`: {p['title']}",
             "",
             f"Run {m['date']} on {_device(m)}, "
-            f"JAX {m['jax']}; matmul reference {_fmt(p['matmul_gflops'], '.1f')} GFLOP/s; "
-            f"glibc MALLOC_TOP_PAD_ {m.get('malloc_top_pad_mb') or 'default'}"
-            f"{' MiB' if m.get('malloc_top_pad_mb') else ''}."
+            f"JAX {m['jax']}; matmul reference {_fmt(p['matmul_gflops'], '.1f')} GFLOP/s"
+            + ("." if m.get("in_process") else
+               f"; glibc MALLOC_TOP_PAD_ {m.get('malloc_top_pad_mb') or 'default'}"
+               f"{' MiB' if m.get('malloc_top_pad_mb') else ''}.")
             + (" **Quick mode: smoke-test sizes, not measurements.**" if p["quick"] else ""),
             "",
         ]
