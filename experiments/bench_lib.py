@@ -258,6 +258,14 @@ def run_worker(case_json: str, mode: str, min_repeats: int, budget_s: float) -> 
     return _finish(record, work, mode)
 
 
+def _compile(work: Workload, mode: str):
+    """``(executable, args, seconds)``: the case's program compiled ahead of time."""
+    jitted, args = program(work, mode)
+    t0 = time.perf_counter()
+    compiled = jitted.lower(*args).compile()
+    return compiled, args, time.perf_counter() - t0
+
+
 def measure_here(case: Case, mode: str, *, min_repeats: int, budget_s: float) -> dict:
     """Measures one case in this process: for accelerators, where a fresh process per case
     spends seconds starting the device and its compilers. The program is compiled once
@@ -278,10 +286,7 @@ def measure_here(case: Case, mode: str, *, min_repeats: int, budget_s: float) ->
             step = work.native(mode)
             f, args, compile_s = (lambda: step()), (), None
         else:
-            jitted, args = program(work, mode)
-            t0 = time.perf_counter()
-            f = jitted.lower(*args).compile()
-            compile_s = time.perf_counter() - t0
+            f, args, compile_s = _compile(work, mode)
             memory = _memory_mb(f)
             if memory is not None:
                 record["compiled_mb"] = memory
@@ -304,10 +309,7 @@ def compile_only(case: Case, mode: str) -> dict:
     try:
         work = _import(case.builder)(**case.params)
         if work.native is None:
-            jitted, args = program(work, mode)
-            t0 = time.perf_counter()
-            compiled = jitted.lower(*args).compile()
-            record["compile_s"] = time.perf_counter() - t0
+            compiled, _, record["compile_s"] = _compile(work, mode)
             record["compiled_mb"] = _memory_mb(compiled)
     except Exception as e:  # noqa: BLE001
         record["error"] = _error(e)

@@ -67,8 +67,7 @@ def profile_case(spec: str, steps: int, top: int) -> list[str]:
 
     suite, builder, params, mode = _parse(spec)
     work = bench_lib._import(builder)(**params)
-    jitted, args = bench_lib.program(work, mode)
-    f = jitted.lower(*args).compile()
+    f, args, _ = bench_lib._compile(work, mode)
     for _ in range(2):
         jax.block_until_ready(f(*args))
     trace_dir = tempfile.mkdtemp(prefix="xformers_jax_profile_")

@@ -90,10 +90,12 @@ def _gpu_kernel():
     return kernel if _on_gpu() else kernel.with_options(interpret=True)
 
 
-def _direct(kernel, L: int, causal: bool):
-    """``[B, L, H, D]`` attention through the kernel object itself (other tiles)."""
-    t = min(512, L)
-    layout = (Causal() if causal else Full()).layout(L, L, t, t)
+def _direct(kernel, L: int, causal: bool, layout=None):
+    """``[B, L, H, D]`` attention through the kernel object itself (other tiles, or interpret
+    mode off a GPU) over ``layout`` (default: full or causal)."""
+    if layout is None:
+        t = min(512, L)
+        layout = (Causal() if causal else Full()).layout(L, L, t, t)
 
     def one(q, k, v):
         return kernel(q, k, v, layout, scale=q.shape[-1] ** -0.5)[0]
@@ -108,10 +110,9 @@ def build(impl: str, L: int, D: int = 64, causal: bool = False, B: int = 4, H: i
         return Workload(lambda a, b: a @ b, (a, b), flops=2.0 * L**3)
     q, k, v = qkv(L, B, H, D, "bfloat16")
     flops = attention_flops(L, B, H, D, causal)
-    pallas = "pallas" if _on_gpu() else "xla"
     if impl == "pallas flash":
         lifted = multihead(flash_attention)
-        fn = lambda q, k, v: lifted(q, k, v, causal=causal, implementation=pallas)  # noqa: E731
+        fn = lambda q, k, v: lifted(q, k, v, causal=causal, implementation="pallas")  # noqa
         if not _on_gpu():
             fn = _direct(_gpu_kernel(), L, causal)
     elif impl == "pallas tiles":
@@ -124,10 +125,9 @@ def build(impl: str, L: int, D: int = 64, causal: bool = False, B: int = 4, H: i
     elif impl == "pallas sparse":
         layout = random_layout(L)
         lifted = multihead(block_sparse_attention)
-        fn = lambda q, k, v: lifted(q, k, v, layout, implementation=pallas)  # noqa: E731
+        fn = lambda q, k, v: lifted(q, k, v, layout, implementation="pallas")  # noqa: E731
         if not _on_gpu():
-            one = lambda q, k, v: _gpu_kernel()(q, k, v, layout, scale=D ** -0.5)[0]  # noqa
-            fn = jax.vmap(jax.vmap(one, in_axes=(1, 1, 1), out_axes=1))
+            fn = _direct(_gpu_kernel(), L, False, layout)
         flops = attention_flops(L, B, H, D) * float((layout.kinds != EMPTY).mean())
     elif impl == "cudnn":
         which = "cudnn" if _on_gpu() else "xla"
