@@ -121,7 +121,10 @@ def run_suite(name: str, *, quick: bool, results_dir: str, log=print) -> dict:
     kept = []
     if _ONLY.value and os.path.exists(path):
         with open(path) as f:
-            kept = json.load(f)["records"]
+            stored = json.load(f)
+        kept = stored["records"]
+        for r in kept:  # which run measured a kept row (shown in BENCHMARKS.md)
+            r.setdefault("run", stored["machine"]["date"])
     only = re.compile(_ONLY.value) if _ONLY.value else None
     matmul = run(bench_lib.MATMUL_CASE, "fwd")
     rate = matmul.get("gflops")
@@ -136,7 +139,7 @@ def run_suite(name: str, *, quick: bool, results_dir: str, log=print) -> dict:
         if only and not _selected(only, case):
             continue
         for mode in case.modes:
-            r = run(case, mode)
+            r = dict(run(case, mode), run=machine["date"])
             if rate and r.get("gflops"):
                 r["matmul_fraction"] = r["gflops"] / rate
             records[case.key(mode)] = r
@@ -293,6 +296,14 @@ def render_markdown(results_dir: str, markdown_path: str, plots: bool = True) ->
             + (" **Quick mode: smoke-test sizes, not measurements.**" if p["quick"] else ""),
             "",
         ]
+        earlier = {}
+        for r in p["records"]:
+            if r.get("run", m["date"]) != m["date"]:
+                earlier.setdefault(r["run"], []).append(f"{r['name']} {r['mode']}")
+        if earlier:
+            out += ["Rows kept from earlier runs (a re-run of some cases with `--only`): "
+                    + "; ".join(f"{d}: {', '.join(rows)}" for d, rows in sorted(earlier.items()))
+                    + ".", ""]
         if p.get("note"):
             out += [p["note"], ""]
         if p["checks"]:

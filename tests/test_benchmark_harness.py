@@ -89,9 +89,17 @@ def test_in_process_compile_only_and_rerun_of_some_cases(tmp_path):
     assert by_name.keys() == old.keys()
     assert by_name[("chunked", "fwd")] == old[("chunked", "fwd")]  # kept, not re-measured
     assert by_name[("recurrent", "fwd")]["time_s"] != old[("recurrent", "fwd")]["time_s"]
+    assert by_name[("chunked", "fwd")]["run"] == stored["machine"]["date"]
+    payload = json.loads((tmp_path / "gpu_linear.json").read_text())
+    for r in payload["records"]:  # as if the kept rows came from an earlier day's run
+        if r["name"] == "chunked":
+            r["run"] = "2000-01-01 00:00"
+    (tmp_path / "gpu_linear.json").write_text(json.dumps(payload))
     render = subprocess.run(
         [sys.executable, "-m", "experiments.benchmark", "--render_only", "--recheck=gpu_linear",
          f"--results_dir={tmp_path}", f"--markdown={tmp_path / 'R.md'}", "--noplots"],
         capture_output=True, text=True)
     assert render.returncode == 0, render.stderr[-2000:]
-    assert "| chunked |" in (tmp_path / "R.md").read_text()
+    text = (tmp_path / "R.md").read_text()
+    assert "| chunked |" in text
+    assert "Rows kept from earlier runs" in text and "2000-01-01 00:00: chunked fwd" in text

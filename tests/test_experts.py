@@ -349,8 +349,9 @@ def _pkm_setup(n=6, heads=2, dk=8, dv=5, t=7):
             jax.random.normal(k[2], (heads, n, dk // 2)), jax.random.normal(k[3], (n * n, dv)))
 
 
-def test_product_keys_equal_brute_force():
-    q, k1, k2, v = _pkm_setup()
+@pytest.mark.parametrize("n", [6, 16])  # 16: rows reordered before top_k (_largest_first)
+def test_product_keys_equal_brute_force(n):
+    q, k1, k2, v = _pkm_setup(n=n)
     kk = 3
     n = k1.shape[1]
     full_keys = np.concatenate([np.repeat(np.asarray(k1), n, 1), np.tile(np.asarray(k2), (1, n, 1))],
@@ -360,6 +361,7 @@ def test_product_keys_equal_brute_force():
     s, slots = _jit(M.product_key_topk, static_argnums=3)(q, k1, k2, kk)
     np.testing.assert_array_equal(np.sort(np.asarray(slots), -1), np.sort(top, -1))
     assert_close(s, np.take_along_axis(scores, top, -1))
+    assert (np.diff(np.asarray(s), axis=-1) <= 0).all()  # in decreasing order
     sv = np.take_along_axis(scores, top, -1)
     wts = np.exp(sv - sv.max(-1, keepdims=True))
     wts /= wts.sum(-1, keepdims=True)
@@ -382,5 +384,5 @@ def test_product_keys_equal_brute_force():
         q, k1, k2, v)
     assert_close(got, _jit(jax.grad(loss(gathered), argnums=(0, 1, 2, 3)))(q, k1, k2, v),
                  EXACT_GRAD)
-    with pytest.raises(ValueError, match=r"values must be \[n\^2 = 36"):
+    with pytest.raises(ValueError, match=rf"values must be \[n\^2 = {n * n}"):
         M.product_key_lookup(q, k1, k2, v[:30], kk)

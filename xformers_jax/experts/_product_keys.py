@@ -39,20 +39,68 @@ def _check(q, keys1, keys2, values, k):
         raise ValueError(f"product_key_lookup: k must be in [1, n = {n}], got {k}")
 
 
+# A sorting network for 4 inputs (five comparators; Knuth, TAOCP vol. 3, 5.3.4).
+_SORT4 = ((0, 1), (2, 3), (0, 2), (1, 3), (1, 2))
+_GROUP = 4
+
+
+def _largest_first(s):
+    """``(s', index)``: each row of ``s [..., n]`` (``n`` a multiple of 4) rearranged so that
+    every group of 4 neighbours' largest comes before any group's second largest, and so on;
+    ``index`` maps a position of ``s'`` back to ``s``.
+
+    XLA:CPU's ``top_k`` keeps a heap of the ``k`` best seen so far and pays for every element
+    that enters it; on rows of random scores most of its time goes there (on a 2-core Xeon:
+    52 ms for 8192 rows of 512 with k = 32, 8 ms on rows already sorted). Rows in this order
+    put the likely winners first: 52 -> 45 ms, and the exact same top-k values.
+    """
+    *batch, n = s.shape
+    g = s.reshape(*batch, n // _GROUP, _GROUP)
+    vals = [g[..., i] for i in range(_GROUP)]
+    base = jnp.arange(n // _GROUP, dtype=jnp.int32) * _GROUP
+    idx = [jnp.broadcast_to(base + i, vals[0].shape) for i in range(_GROUP)]
+    for a, b in _SORT4:  # descending: the larger goes to position a
+        swap = vals[b] > vals[a]
+        vals[a], vals[b] = jnp.where(swap, vals[b], vals[a]), jnp.where(swap, vals[a], vals[b])
+        idx[a], idx[b] = jnp.where(swap, idx[b], idx[a]), jnp.where(swap, idx[a], idx[b])
+    return jnp.stack(vals, -2).reshape(*batch, n), jnp.stack(idx, -2).reshape(*batch, n)
+
+
+def _top_k(s, k: int):
+    """``lax.top_k`` over the last axis, on rows rearranged by :func:`_largest_first` where
+    that pays (``n`` a multiple of 4 and larger than ``k``). Equal scores may come out in
+    another order than ``lax.top_k``'s (which puts the lower index first)."""
+    n = s.shape[-1]
+    if n % _GROUP or n <= k:
+        return jax.lax.top_k(s, k)
+    rows, index = _largest_first(s)
+    v, pos = jax.lax.top_k(rows, k)
+    return v, jnp.take_along_axis(index, pos, -1)
+
+
 def product_key_topk(q, keys1, keys2, k: int):
     """``(scores float[T, H, k], slots int32[T, H, k])``: the top-``k`` of the ``n^2``
-    product-key scores per query and head, in decreasing order (``slot = i * n + j``)."""
+    product-key scores per query and head, in decreasing order (``slot = i * n + j``).
+
+    Scores are laid out head-major (``[H, T, n]``): the sub-key products are then ``H``
+    plain matmuls (2.7x faster on XLA:CPU than the ``[T, H, n]`` einsum at 4K tokens).
+    Among exactly equal scores the choice and order may differ from a brute-force
+    ``top_k`` over all ``n^2`` scores; each is a top-``k``.
+    """
     t, h, dk = q.shape
     n = keys1.shape[1]
-    q1, q2 = q[..., : dk // 2], q[..., dk // 2:]
-    s1 = jnp.einsum("thd,hnd->thn", q1, keys1.astype(q.dtype))
-    s2 = jnp.einsum("thd,hnd->thn", q2, keys2.astype(q.dtype))
-    v1, i1 = jax.lax.top_k(s1, k)
-    v2, i2 = jax.lax.top_k(s2, k)
-    cand = (v1[..., :, None] + v2[..., None, :]).reshape(t, h, k * k)
-    slots = (i1[..., :, None] * n + i2[..., None, :]).reshape(t, h, k * k)
+    qh = jnp.swapaxes(q, 0, 1)  # [H, T, dk]
+    s1 = jnp.einsum("htd,hnd->htn", qh[..., : dk // 2], keys1.astype(q.dtype))
+    s2 = jnp.einsum("htd,hnd->htn", qh[..., dk // 2:], keys2.astype(q.dtype))
+    v1, i1 = _top_k(s1, k)
+    v2, i2 = _top_k(s2, k)
+    # The Cartesian product of two sorted lists, row-major: its largest sums come first,
+    # which is the order top_k is fastest on.
+    cand = (v1[..., :, None] + v2[..., None, :]).reshape(h, t, k * k)
+    slots = (i1[..., :, None] * n + i2[..., None, :]).reshape(h, t, k * k)
     best, which = jax.lax.top_k(cand, k)
-    return best, jnp.take_along_axis(slots, which, -1).astype(jnp.int32)
+    slots = jnp.take_along_axis(slots, which, -1).astype(jnp.int32)
+    return jnp.swapaxes(best, 0, 1), jnp.swapaxes(slots, 0, 1)
 
 
 @jax.custom_vjp
