@@ -93,19 +93,40 @@ class Config(_tiles.TileConfig):
 
 
 
+def _extent(plan) -> tuple[int, int]:
+    """The query and key rows ``plan``'s tiles cover."""
+    return plan.nq * plan.block_q, plan.nk * plan.block_k
+
+
+def _fit(plan, q, k, v, dyn):
+    """The padded inputs cut to the rows ``plan`` covers: the forward and the backward kernels
+    may have different tiles, and the inputs are padded for the larger of the two."""
+    lq, lk = _extent(plan)
+    kv_valid, segs = dyn
+    dyn = (None if kv_valid is None else kv_valid[:lk],
+           None if segs is None else (segs[0][:lq], segs[1][:lk]))
+    return q[:lq], k[:lk], v[:lk], dyn
+
+
 def _forward(static, q, k, v, extra, dyn):
-    backend, cfg, plan = static
-    return backend.forward(cfg, plan, q, k, v, dyn)
+    backend, cfg, plan, fwd_cfg, fwd_plan = static
+    out, lse = backend.forward(fwd_cfg, fwd_plan, *_fit(fwd_plan, q, k, v, dyn))
+    # Rows past the forward's tiles are padding: they saw nothing (out 0, lse -inf).
+    return (_tiles.pad_to(out, q.shape[0], 0),
+            _tiles.pad_to(lse, q.shape[0], 0, -jnp.inf))
 
 
 def _backward(static, q, k, v, extra, dyn, out, lse, d_out, d_lse):
-    backend, cfg, plan = static
+    backend, cfg, plan, fwd_cfg, fwd_plan = static
     # A cotangent on the log-sum-exp (callers that merge partial attentions by it, such as
     # Long-Short or ring attention) enters delta, as in the XLA path.
     d_out = d_out.astype(q.dtype)
     lse, delta = _tiles.backward_stats(out, lse, d_out, d_lse)
-    dq, dk, dv = backend.backward(cfg, plan, q, k, v, dyn, lse, delta, d_out)
-    return dq, dk, dv, extra
+    lq, _ = _extent(plan)
+    dq, dk, dv = backend.backward(cfg, plan, *_fit(plan, q, k, v, dyn), lse[:lq], delta[:lq],
+                                  d_out[:lq])
+    return (_tiles.pad_to(dq, q.shape[0], 0), _tiles.pad_to(dk, k.shape[0], 0),
+            _tiles.pad_to(dv, v.shape[0], 0), extra)
 
 
 _attend = lse_vjp(_forward, _backward)
@@ -124,7 +145,12 @@ class PallasAttention:
       name: shown in dispatch errors. platform: ``"gpu"`` or ``"tpu"``. backend: the module
       with ``forward``/``backward``/``head_dim``/``block_problems``/``default_blocks``.
       block_q, block_k: tiles; None takes the backend's default for the call's head dims.
+        Tiles given here are every kernel's unless ``forward_blocks`` is given.
+      forward_blocks: ``(block_q, block_k)`` of the forward kernel alone; None: the tiles
+        above when given, else the backend's forward default (``default_forward``).
       num_warps, num_stages: Triton's launch options (None: the backend's default).
+      forward_num_stages: the forward kernel's ``num_stages`` (None: ``num_stages``, else
+        the backend's forward default).
       runs: walk consecutive listed blocks by position (``Blocks.runs``) where the plan
         allows, rather than loading each block index (False: always load; for comparison).
     """
@@ -139,11 +165,22 @@ class PallasAttention:
     num_warps: int | None = None
     num_stages: int | None = None
     runs: bool = True
+    forward_blocks: tuple[int, int] | None = None
+    forward_num_stages: int | None = None
 
     def blocks(self, dk: int, dv: int) -> tuple[int, int]:
-        """The tiles used for head dims ``dk``, ``dv``."""
+        """The backward kernels' tiles for head dims ``dk``, ``dv``."""
         bq, bk = self.backend.default_blocks(dk, dv)
         return self.block_q or bq, self.block_k or bk
+
+    def forward_options(self, dk: int, dv: int) -> tuple[int, int, int | None]:
+        """The forward kernel's ``(block_q, block_k, num_stages)`` for head dims ``dk``, ``dv``."""
+        bq, bk, stages = self.backend.default_forward(dk, dv)
+        if self.forward_blocks is not None:
+            bq, bk = self.forward_blocks
+        elif self.block_q or self.block_k:
+            bq, bk = self.blocks(dk, dv)
+        return bq, bk, self.forward_num_stages or self.num_stages or stages
 
     def with_options(self, **changes) -> "PallasAttention":
         """A copy with other tiles or ``interpret`` (e.g. ``interpret=True`` for CPU tests)."""
@@ -161,7 +198,11 @@ class PallasAttention:
         if call.get("bias", "none") != "none":
             why.append(f"a {call['bias']} bias is not implemented in the kernel")
         why += self.backend.head_dim_problems(call["dk"], call["dv"])
-        why += self.backend.block_problems(*self.blocks(call["dk"], call["dv"]))
+        tiles = self.blocks(call["dk"], call["dv"])
+        forward = self.forward_options(call["dk"], call["dv"])[:2]
+        why += self.backend.block_problems(*tiles)
+        if forward != tiles:
+            why += [f"forward {w}" for w in self.backend.block_problems(*forward)]
         return why
 
     def __call__(self, q, k, v, layout, *, kv_mask=None, segments=None, bias=None, scale,
@@ -174,9 +215,11 @@ class PallasAttention:
         if why:
             raise NotImplementedError(f"{self.name}: " + "; ".join(why))
         block_q, block_k = self.blocks(q.shape[1], v.shape[1])
+        fwd_q, fwd_k, fwd_stages = self.forward_options(q.shape[1], v.shape[1])
         plan = _planner.plan(layout, block_q, block_k)
+        fwd_plan = _planner.plan(layout, fwd_q, fwd_k)
         lq, lk = q.shape[0], k.shape[0]
-        lq_p, lk_p = plan.nq * plan.block_q, plan.nk * plan.block_k
+        lq_p, lk_p = (max(a, b) for a, b in zip(_extent(plan), _extent(fwd_plan)))
         dk_p = self.backend.head_dim(q.shape[1])
         dv_p = self.backend.head_dim(v.shape[1])
         q_p = _tiles.pad_to(_tiles.pad_to(q, lq_p, 0), dk_p, 1)
@@ -193,7 +236,9 @@ class PallasAttention:
             interpret=self.interpret, extra=self.extra, num_warps=self.num_warps,
             num_stages=self.num_stages, runs=self.runs,
         )
-        out, lse = _attend((self.backend, cfg, plan), q_p, k_p, v_p, (), (kv_valid, segs))
+        fwd_cfg = dataclasses.replace(cfg, block_q=fwd_q, block_k=fwd_k, num_stages=fwd_stages)
+        out, lse = _attend((self.backend, cfg, plan, fwd_cfg, fwd_plan), q_p, k_p, v_p, (),
+                           (kv_valid, segs))
         return out[:lq, : v.shape[1]].astype(q.dtype), lse[:lq]
 
 

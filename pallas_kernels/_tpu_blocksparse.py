@@ -39,6 +39,11 @@ def default_blocks(dk: int, dv: int) -> tuple[int, int]:
     return DEFAULT_BLOCK_Q, DEFAULT_BLOCK_K
 
 
+def default_forward(dk: int, dv: int) -> tuple[int, int, None]:
+    """The forward kernel's default ``(block_q, block_k, num_stages)``: the backward's tiles."""
+    return (*default_blocks(dk, dv), None)
+
+
 def head_dim(d: int) -> int:
     return d  # a block spanning the whole head dim is always a legal TPU block
 

@@ -8,6 +8,7 @@ vmap) into one jitted value-and-gradient computation.
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
@@ -196,6 +197,10 @@ CASES = {
 KERNEL_CASES = [pytest.param("gpu", c, id=f"gpu-{c}") for c in CASES] + [
     # The same kernels loading every listed block's index instead of computing it from runs.
     pytest.param("gpu_tables", "causal_padding_segments_odd", id="gpu_tables-causal"),
+    # The forward with its own tiles (16 x 64 against the backward's 32 x 32): the two plans
+    # cover different padded lengths (queries 80 and 96, keys 128 and 96 at L = 75).
+    pytest.param("gpu_split", "causal_padding_segments_odd", id="gpu_split-causal"),
+    pytest.param("gpu_split", "strided_cross_padding", id="gpu_split-strided"),
 ] + [
     pytest.param("tpu", c, marks=cpu_only, id=f"tpu-{c}")
     for c in ("causal_padding_segments_odd", "bigbird_vmap", "random_bf16")
@@ -205,7 +210,8 @@ KERNEL_CASES = [pytest.param("gpu", c, id=f"gpu-{c}") for c in CASES] + [
 @pytest.mark.parametrize("backend, case", KERNEL_CASES)
 def test_kernel_matches_xla_path(backend, case):
     pattern, lq, lk, d, dtype, with_kv_mask, with_segments, batched = CASES[case]
-    kernel = {"gpu": GPU, "gpu_tables": GPU.with_options(runs=False), "tpu": TPU}[backend]
+    kernel = {"gpu": GPU, "gpu_tables": GPU.with_options(runs=False),
+              "gpu_split": GPU.with_options(forward_blocks=(16, 64)), "tpu": TPU}[backend]
     layout = pattern.layout(lq, lk, 64, 64)
     batch = 2 if batched else None
     q, k, v, w = _inputs(lq, lk, d, dtype, batch)
@@ -322,6 +328,28 @@ def test_public_api_runs_the_kernel_on_gpu(dtype):
     assert not pallas_kernels.kernels_for("flash_attention")[0].unsupported(call), kernels
 
 
+def test_forward_and_backward_kernels_run_on_their_own_tiles(monkeypatch):
+    """``forward_blocks`` gives the forward kernel its own plan; each kernel gets the padded
+    inputs cut to the rows its own tiles cover (75 rows: 80 and 128 for 16 x 64 tiles, 96 and
+    96 for 32 x 32)."""
+    seen = {}
+
+    def record(name, fn):
+        def wrapped(cfg, plan, q, k, *rest):
+            seen[name] = (plan.block_q, plan.block_k, cfg.num_stages, q.shape[0], k.shape[0])
+            return fn(cfg, plan, q, k, *rest)
+        return wrapped
+
+    for name in ("forward", "backward"):
+        monkeypatch.setattr(GPU.backend, name, record(name, getattr(GPU.backend, name)))
+    kernel = GPU.with_options(forward_blocks=(16, 64), forward_num_stages=3)
+    layout = P.Causal().layout(75, 75, 64, 64)
+    q, k, v, w = _inputs(75, 75, 32, jnp.float32)
+    jax.eval_shape(lambda q, k, v: _value_and_grads(kernel, layout, q, k, v, w,
+                                                    jnp.arange(75) < 70, None, False), q, k, v)
+    assert seen == {"forward": (16, 64, 3, 80, 128), "backward": (32, 32, None, 96, 96)}
+
+
 def _spy(fn, seen):
     def wrapped(*a, **kw):
         seen.append(True)
@@ -333,10 +361,10 @@ def _spy(fn, seen):
 # -- cross-lowering ----------------------------------------------------------------------------
 
 
-def _lower(kernel, platform, pattern, dtype, *, with_extras):
+def _lower(kernel, platform, pattern, dtype, *, with_extras, d=64):
     lq = lk = 256
     layout = pattern.layout(lq, lk, 128, 128)
-    q, k, v, w = _inputs(lq, lk, 64, dtype, batch=2)
+    q, k, v, w = _inputs(lq, lk, d, dtype, batch=2)
     kv_mask = jnp.ones((2, lk), bool) if with_extras else None
     ids = jnp.zeros((2, lq), jnp.int32)
     segments = (ids, ids) if with_extras else None
@@ -371,9 +399,27 @@ def test_lowers_for_hardware(kernel, platform, name, pattern, dtype, extras):
     assert text.count(marker) >= 3, text[:2000]
 
 
+@pytest.mark.parametrize("d", [56, 120])  # values d + 8 wide: head dims 64 and 128
+def test_default_tiles_lower_for_cuda(d):
+    """The registered kernel's defaults: the forward has its own tiles (and, above head dim
+    64, three pipeline stages), and all three kernels lower for CUDA."""
+    kernel = GPU.with_options(interpret=False, block_q=None, block_k=None)
+    dv = d + 8  # _inputs' value width
+    forward, backward = kernel.forward_options(d, dv), kernel.blocks(d, dv)
+    assert forward == ((64, 128, None) if d == 56 else (128, 64, 3))
+    assert backward == ((64, 64) if d == 56 else (128, 64))
+    text = _lower(kernel, "cuda", P.Causal(), jnp.bfloat16, with_extras=True, d=d)
+    assert text.count("__gpu$xla.gpu.triton") >= 3, text[:2000]
+    stages = set(re.findall(r"num_stages = (\d+)", text))
+    assert stages == ({"2"} if d == 56 else {"2", "3"}), stages
+
+
 def test_triton_kernel_cannot_lower_for_tpu():
     # By construction: Triton compiler params (num_warps, num_stages) are GPU-only, and the
     # Mosaic kernel is the TPU one. Recorded so a change in this behaviour is noticed.
     kernel = GPU.with_options(interpret=False, block_q=64, block_k=64)
+    # Pallas registers the Triton lowering (and so learns that its params are CUDA's) on the
+    # first CUDA lowering in the process; without one the TPU lowering fails on an assert.
+    _lower(kernel, "cuda", P.Causal(), jnp.float32, with_extras=False)
     with pytest.raises(ValueError, match="cannot be used for tpu lowering"):
         _lower(kernel, "tpu", P.Causal(), jnp.float32, with_extras=False)

@@ -5,7 +5,7 @@ side by side in one run:
 
 - ``pallas flash``: ``flash_attention(..., implementation="pallas")`` through the public API
   (``multihead``), the Triton kernel of ``pallas_kernels._gpu_blocksparse`` with its default
-  tiles;
+  tiles (the forward kernel's own, ``default_forward``, and the backward's);
 - ``cudnn``: ``jax.nn.dot_product_attention(..., implementation="cudnn")``;
 - ``tokamax``: ``tokamax.dot_product_attention(..., implementation="mosaic")``, another
   Pallas library's flash attention (Mosaic GPU), where it installs;
@@ -13,9 +13,11 @@ side by side in one run:
 - ``pallas sparse 10%``: ``block_sparse_attention(..., implementation="pallas")`` over a fixed
   random layout keeping 10% of its 128 x 128 tiles (the diagonal included, so every query
   sees a key), against ``pallas flash`` at the same size;
-- ``pallas tiles BQxBK sN``: the kernel object called directly with other tiles and
-  pipelining depths (``num_stages``), at 8K, to pick the GPU defaults; ``tables``: block
-  indices loaded per step even where the plan's rows are runs (``Blocks.runs``);
+- ``pallas tiles BQxBK sN``: the kernel object called directly with one tiling and
+  pipelining depth (``num_stages``) for all three kernels, at 8K, to pick the GPU defaults
+  (the first per head dim is the default from before the forward had its own tiles);
+  ``tables``: block indices loaded per step even where the plan's rows are runs
+  (``Blocks.runs``);
 - ``matmul bf16``: one 8192 x 8192 x 8192 bf16 product, the tensor cores' rate in this run.
 
 GFLOP/s count the useful work (half for causal; 10% of it for the sparse layout). The
@@ -49,14 +51,16 @@ NOTE = ("Times are wall time per call (dispatch, kernels, synchronisation), the 
         "against 0.24 ms per call (experiments/results/gpu/profile_2.txt). So at 2K-4K the "
         "sparse and causal ratios are bounded by that overhead, not by the kernels, and they "
         "are checked separately from 8K-16K. 'tokamax' (tokamax 0.0.12's Mosaic GPU flash "
-        "attention) failed to trace with this JAX: the error is in its rows.")
+        "attention) failed to trace with this JAX: the error is in its rows. Rows of runs "
+        "dated 2026-11-26 predate the forward kernel's own tiles (BUILD.md, 'On a GPU'): "
+        "there 'pallas flash' and 'pallas sparse' ran one tiling for all three kernels.")
 PLATFORMS = ("gpu",)
 _BUILD = "experiments.suites.gpu_attention:build"
 LENGTHS = (2048, 4096, 8192, 16384)
 HEAD_DIMS = (64, 128)
 DENSITY = 0.1
 SPARSE_TILE = 128
-# (block_q, block_k, num_stages, runs) per head dim; the first is the default.
+# (block_q, block_k, num_stages, runs) per head dim, for all three kernels.
 TILES = {64: ((64, 64, 2, True), (64, 64, 3, True), (64, 64, 2, False), (64, 128, 2, True),
               (128, 64, 2, True)),
          128: ((128, 64, 2, True), (128, 64, 3, True), (128, 64, 2, False),
@@ -161,7 +165,7 @@ def cases(quick: bool) -> list[Case]:
             out.append(Case("pallas sparse 10%", _BUILD,
                             dict(impl="pallas sparse", L=L, D=D, causal=False)))
         out.append(Case("xla flash", _BUILD, dict(impl="xla flash", L=4096, D=D, causal=False)))
-        for bq, bk, stages, runs in TILES[D][1:]:
+        for bq, bk, stages, runs in TILES[D]:
             name = f"pallas tiles {bq}x{bk} s{stages}" + ("" if runs else " tables")
             out.append(Case(name, _BUILD, dict(impl="pallas tiles", L=TILE_L, D=D,
                                                causal=False, bq=bq, bk=bk, stages=stages,
