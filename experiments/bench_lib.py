@@ -266,14 +266,59 @@ def _compile(work: Workload, mode: str):
     return compiled, args, time.perf_counter() - t0
 
 
-def measure_here(case: Case, mode: str, *, min_repeats: int, budget_s: float) -> dict:
+DEVICE_STEPS = 5  # calls traced for a device time
+
+
+def device_events(data) -> tuple[dict, dict]:
+    """``(nanoseconds, calls)`` per kernel name, summed over the device planes' stream lines of
+    a profiler trace (``jax._src.lib._profile_data.ProfileData``): kernels and copies as the
+    device ran them, without host dispatch. Empty on a backend whose trace has no device plane
+    (the CPU)."""
+    import collections
+
+    ns: dict = collections.Counter()
+    calls: dict = collections.Counter()
+    for plane in data.planes:
+        if not plane.name.startswith("/device:"):
+            continue
+        for line in plane.lines:
+            if "stream" not in line.name.lower():  # kernels and copies, not derived lines
+                continue
+            for ev in line.events:
+                ns[ev.name] += ev.duration_ns
+                calls[ev.name] += 1
+    return ns, calls
+
+
+def trace_device(f, args, steps: int):
+    """Runs ``f(*args)`` ``steps`` times under ``jax.profiler.trace``; returns the trace's
+    :func:`device_events` and the trace itself."""
+    import glob
+    import tempfile
+
+    import jax
+    from jax._src.lib import _profile_data
+
+    trace_dir = tempfile.mkdtemp(prefix="xformers_jax_profile_")
+    with jax.profiler.trace(trace_dir):
+        for _ in range(steps):
+            jax.block_until_ready(f(*args))
+    path = sorted(glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True))[-1]
+    data = _profile_data.ProfileData.from_file(path)
+    return (*device_events(data), data)
+
+
+def measure_here(case: Case, mode: str, *, min_repeats: int, budget_s: float,
+                 device_time: bool = False) -> dict:
     """Measures one case in this process: for accelerators, where a fresh process per case
     spends seconds starting the device and its compilers. The program is compiled once
     (ahead of time; a hit in JAX's persistent compilation cache when a compile-only shard
     filled it) and that executable is timed. No RSS figures (the process holds every earlier
     case's compiler state); ``compiled_mb`` is the executable's own memory from XLA's buffer
-    assignment, which on a device is the step's device memory. Failures become records with
-    an ``error``, as in :func:`measure`."""
+    assignment, which on a device is the step's device memory. With ``device_time``,
+    ``device_s`` is the device's kernel time per call from a profiler trace (where the trace
+    has a device plane): for calls so short that dispatch and synchronisation are a large part
+    of the wall time. Failures become records with an ``error``, as in :func:`measure`."""
     import gc
 
     import jax
@@ -292,6 +337,10 @@ def measure_here(case: Case, mode: str, *, min_repeats: int, budget_s: float) ->
                 record["compiled_mb"] = memory
         median, warm, n, cpu = _timed(f, args, min_repeats, budget_s)
         record.update(time_s=median, cpu_s=cpu, warmup_s=warm, repeats=n, compile_s=compile_s)
+        if device_time:
+            ns = trace_device(f, args, DEVICE_STEPS)[0]
+            if ns:
+                record["device_s"] = sum(ns.values()) / DEVICE_STEPS / 1e9
         _finish(record, work, mode)
     except Exception as e:  # noqa: BLE001 - recorded, as a failed subprocess would be
         record["error"] = _error(e)

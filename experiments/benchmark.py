@@ -114,7 +114,9 @@ def run_suite(name: str, *, quick: bool, results_dir: str, log=print) -> dict:
 
     def run(case, mode):
         if in_process:
-            return bench_lib.measure_here(case, mode, **opts)
+            timed = getattr(suite, "device_timed", None)  # cases that also get a device time
+            return bench_lib.measure_here(case, mode, **opts,
+                                          device_time=bool(timed and timed(case)))
         return bench_lib.measure(case, mode, **opts, **sub)
 
     path = os.path.join(results_dir, f"{name}.json")

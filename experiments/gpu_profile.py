@@ -13,11 +13,7 @@ no device plane and only the host's totals are printed.
 
 from __future__ import annotations
 
-import collections
-import glob
-import os
 import sys
-import tempfile
 
 from absl import app, flags
 
@@ -63,30 +59,13 @@ def profile_case(spec: str, steps: int, top: int) -> list[str]:
     import jax
 
     from experiments import bench_lib
-    from jax._src.lib import _profile_data
 
     suite, builder, params, mode = _parse(spec)
     work = bench_lib._import(builder)(**params)
     f, args, _ = bench_lib._compile(work, mode)
     for _ in range(2):
         jax.block_until_ready(f(*args))
-    trace_dir = tempfile.mkdtemp(prefix="xformers_jax_profile_")
-    with jax.profiler.trace(trace_dir):
-        for _ in range(steps):
-            jax.block_until_ready(f(*args))
-    path = sorted(glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True))[-1]
-    data = _profile_data.ProfileData.from_file(path)
-    by_kernel: dict = collections.Counter()
-    count: dict = collections.Counter()
-    for plane in data.planes:
-        if not plane.name.startswith("/device:"):
-            continue
-        for line in plane.lines:
-            if "stream" not in line.name.lower():  # kernels and copies, not derived lines
-                continue
-            for ev in line.events:
-                by_kernel[ev.name] += ev.duration_ns
-                count[ev.name] += 1
+    by_kernel, count, data = bench_lib.trace_device(f, args, steps)
     if not by_kernel:  # another trace layout: say what the device planes hold
         found = [f"{plane.name}: {[line.name for line in plane.lines]}" for plane in data.planes]
         return [f"## {spec}", "  no stream lines in device planes; planes: " + "; ".join(found)]

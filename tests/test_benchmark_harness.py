@@ -103,3 +103,46 @@ def test_in_process_compile_only_and_rerun_of_some_cases(tmp_path):
     text = (tmp_path / "R.md").read_text()
     assert "| chunked |" in text
     assert "Rows kept from earlier runs" in text and "2000-01-01 00:00: chunked fwd" in text
+
+
+def test_device_time_from_a_trace_and_its_checks():
+    """Device time per call: kernels and copies on the device planes' stream lines only; none
+    on the CPU (no device plane); the GPU suite checks its short lengths on it when recorded."""
+    from types import SimpleNamespace as NS
+
+    from experiments.suites import gpu_attention as G
+
+    def line(name, *events):
+        return NS(name=name, events=[NS(name=n, duration_ns=d) for n, d in events])
+
+    data = NS(planes=[
+        NS(name="/device:GPU:0", lines=[line("Stream #13(Compute)", ("fwd", 100), ("fwd", 50),
+                                             ("copy", 7)),
+                                        line("XLA Ops", ("fwd", 1000))]),
+        NS(name="/host:CPU", lines=[line("stream of the host", ("dispatch", 900))]),
+    ])
+    ns, calls = bench_lib.device_events(data)
+    assert dict(ns) == {"fwd": 150, "copy": 7} and dict(calls) == {"fwd": 2, "copy": 1}
+
+    case = bench_lib.Case("flash", "experiments.suites.attention:build",
+                          dict(variant="flash", L=64))
+    here = bench_lib.measure_here(case, "fwd", min_repeats=1, budget_s=0.0, device_time=True)
+    assert "error" not in here and "device_s" not in here  # the CPU trace has no device plane
+
+    assert G.device_timed(bench_lib.Case("f", "", dict(impl="pallas flash", L=4096)))
+    assert not G.device_timed(bench_lib.Case("f", "", dict(impl="pallas flash", L=8192)))
+    assert not G.device_timed(bench_lib.Case("c", "", dict(impl="cudnn", L=2048)))
+    records = []
+    for L in (2048, 4096):
+        for name, causal, wall, dev in (("pallas flash", False, 1.0, 0.5),
+                                        ("pallas flash", True, 0.9, 0.2 if L == 2048 else 0.3),
+                                        ("pallas sparse 10%", False, 0.5, 0.05)):
+            records.append(dict(name=name, mode="fwd", time_s=wall, device_s=dev,
+                                params=dict(impl="x", L=L, D=64, causal=causal)))
+    checks = G._device_checks(bench_lib.Results(records, None), 64, "fwd", [2048, 4096])
+    assert [c.measured for c in checks] == ["10.00x (worst, at L=2048)",
+                                            "0.60x (worst, at L=4096)"]
+    assert [c.ok for c in checks] == [True, True]
+    for r in records:
+        del r["device_s"]
+    assert G._device_checks(bench_lib.Results(records, None), 64, "fwd", [2048, 4096]) == []

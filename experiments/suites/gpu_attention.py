@@ -50,7 +50,9 @@ NOTE = ("Times are wall time per call (dispatch, kernels, synchronisation), the 
         "a profile of the 2K causal forward (D=64) puts its kernels at 0.11 ms of device time "
         "against 0.24 ms per call (experiments/results/gpu/profile_2.txt). So at 2K-4K the "
         "sparse and causal ratios are bounded by that overhead, not by the kernels, and they "
-        "are checked separately from 8K-16K. 'tokamax' (tokamax 0.0.12's Mosaic GPU flash "
+        "are checked separately from 8K-16K; where a run recorded the kernels' device time "
+        "(a profiler trace of 5 calls, runs after 2026-11-26) they are also checked on it, "
+        "in the '(device time)' rows. 'tokamax' (tokamax 0.0.12's Mosaic GPU flash "
         "attention) failed to trace with this JAX: the error is in its rows. Rows of runs "
         "dated 2026-11-26 predate the forward kernel's own tiles (BUILD.md, 'On a GPU'): "
         "there 'pallas flash' and 'pallas sparse' ran one tiling for all three kernels.")
@@ -66,6 +68,7 @@ TILES = {64: ((64, 64, 2, True), (64, 64, 3, True), (64, 64, 2, False), (64, 128
          128: ((128, 64, 2, True), (128, 64, 3, True), (128, 64, 2, False),
                (128, 128, 2, True), (64, 64, 2, True))}
 TILE_L = 8192
+SHORT = 4096  # up to this length the sparse and causal figures are also checked on device time
 
 
 def _on_gpu() -> bool:
@@ -147,6 +150,13 @@ def build(impl: str, L: int, D: int = 64, causal: bool = False, B: int = 4, H: i
     return Workload(fn, (q, k, v), flops=flops)
 
 
+def device_timed(case: Case) -> bool:
+    """Cases that also get the device's kernel time per call (``device_s``, in-process runs):
+    the short flash and sparse calls, whose wall time is partly dispatch (see ``NOTE``)."""
+    return (case.params.get("impl") in ("pallas flash", "pallas sparse")
+            and case.params.get("L", 0) <= SHORT)
+
+
 def cases(quick: bool) -> list[Case]:
     if quick:
         return [Case("pallas flash", _BUILD, dict(impl="pallas flash", L=128, D=64, B=1, H=2)),
@@ -188,7 +198,8 @@ def checks(r: Results):
     if quick:
         return []
     out = []
-    short, long = LENGTHS[:2], LENGTHS[2:]
+    short = [L for L in LENGTHS if L <= SHORT]
+    long = [L for L in LENGTHS if L > SHORT]
     for D in HEAD_DIMS:
         for mode in ("fwd", "fwdbwd"):
             for causal in (False, True):
@@ -210,4 +221,25 @@ def checks(r: Results):
                     [(L, r.time("pallas flash", mode, L=L, D=D, causal=True),
                       r.time("pallas flash", mode, L=L, D=D, causal=False)) for L in lengths],
                     at_most=0.6))
+            out += _device_checks(r, D, mode, short)
     return out
+
+
+def _device_checks(r: Results, D: int, mode: str, lengths) -> list:
+    """The sparse and causal figures on the kernels' device time (``device_s``), where the run
+    recorded it."""
+    def dev(name, causal, L):
+        return r.value("device_s", name, mode, L=L, D=D, causal=causal)
+
+    if not any(dev("pallas flash", False, L) for L in lengths):
+        return []
+    span = f"L={lengths[0] // 1024}K-{lengths[-1] // 1024}K"
+    return [
+        _worst(f"(device time) 10%-dense block-sparse speed-up over pallas flash, D={D}, "
+               f"{mode}, {span}",
+               [(L, dev("pallas flash", False, L), dev("pallas sparse 10%", False, L))
+                for L in lengths], at_least=5),
+        _worst(f"(device time) pallas flash causal / non-causal, D={D}, {mode}, {span}",
+               [(L, dev("pallas flash", True, L), dev("pallas flash", False, L))
+                for L in lengths], at_most=0.6),
+    ]
