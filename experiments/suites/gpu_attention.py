@@ -9,6 +9,10 @@ side by side in one run:
 - ``cudnn``: ``jax.nn.dot_product_attention(..., implementation="cudnn")``;
 - ``tokamax``: ``tokamax.dot_product_attention(..., implementation="mosaic")``, another
   Pallas library's flash attention (Mosaic GPU), where it installs;
+- ``jax mgpu``: JAX's own Mosaic GPU flash attention for Hopper (``wgmma``, TMA;
+  ``jax.experimental.pallas.ops.gpu.attention_mgpu``, 64 x 128 forward tiles, 64 x 64
+  backward tiles, q scaled outside the kernel): what a Hopper-specific Pallas kernel reaches
+  (its backward has no causal form: those rows hold the error);
 - ``xla flash``: our XLA tiled path on the same GPU (the fallback), at 4K only;
 - ``pallas sparse 10%``: ``block_sparse_attention(..., implementation="pallas")`` over a fixed
   random layout keeping 10% of its 128 x 128 tiles (the diagonal included, so every query
@@ -140,6 +144,13 @@ def build(impl: str, L: int, D: int = 64, causal: bool = False, B: int = 4, H: i
         which = "cudnn" if _on_gpu() else "xla"
         fn = lambda q, k, v: jax.nn.dot_product_attention(  # noqa: E731
             q, k, v, is_causal=causal, implementation=which)
+    elif impl == "jax mgpu":
+        from jax.experimental.pallas.ops.gpu import attention_mgpu as mgpu
+
+        config = mgpu.TuningConfig(block_q=64, block_kv=128, max_concurrent_steps=2,
+                                   causal=causal, block_q_dkv=64, block_kv_dkv=64,
+                                   block_q_dq=64, block_kv_dq=64)
+        fn = lambda q, k, v: mgpu.attention(q * D ** -0.5, k, v, config)  # noqa: E731
     elif impl == "tokamax":
         import tokamax  # not a dependency: installed (or carried) for this comparison only
 
@@ -170,7 +181,8 @@ def cases(quick: bool) -> list[Case]:
                 p = dict(L=L, D=D, causal=causal)
                 out += [Case("pallas flash", _BUILD, dict(impl="pallas flash", **p)),
                         Case("cudnn", _BUILD, dict(impl="cudnn", **p)),
-                        Case("tokamax", _BUILD, dict(impl="tokamax", **p))]
+                        Case("tokamax", _BUILD, dict(impl="tokamax", **p)),
+                        Case("jax mgpu", _BUILD, dict(impl="jax mgpu", **p))]
         for L in LENGTHS:
             out.append(Case("pallas sparse 10%", _BUILD,
                             dict(impl="pallas sparse", L=L, D=D, causal=False)))
@@ -222,6 +234,11 @@ def checks(r: Results):
                       r.time("pallas flash", mode, L=L, D=D, causal=False)) for L in lengths],
                     at_most=0.6))
             out += _device_checks(r, D, mode, short)
+            out.append(_worst(
+                f"(why) JAX's Mosaic GPU flash attention throughput / cuDNN's, D={D}, {mode}, "
+                f"L=2K-16K", [(L, r.time("cudnn", mode, L=L, D=D, causal=False),
+                               r.time("jax mgpu", mode, L=L, D=D, causal=False))
+                              for L in LENGTHS], at_least=0.0))
     return out
 
 
