@@ -93,6 +93,16 @@ class Config(_tiles.TileConfig):
 
 
 
+# The backend's default forward tiles are used while they compute at most this much more of
+# the score matrix than the backward's tiles (dense and causal layouts: under 1% more at 8K).
+FORWARD_AREA_SLACK = 1.1
+
+
+def _area(plan) -> int:
+    """Score elements the plan's listed tiles cover."""
+    return int(plan.rows.counts.sum()) * plan.block_q * plan.block_k
+
+
 def _extent(plan) -> tuple[int, int]:
     """The query and key rows ``plan``'s tiles cover."""
     return plan.nq * plan.block_q, plan.nk * plan.block_k
@@ -143,11 +153,14 @@ class PallasAttention:
 
     Attributes:
       name: shown in dispatch errors. platform: ``"gpu"`` or ``"tpu"``. backend: the module
-      with ``forward``/``backward``/``head_dim``/``block_problems``/``default_blocks``.
+      with ``forward``/``backward``/``head_dim``/``block_problems``/``default_blocks``/
+      ``default_forward``.
       block_q, block_k: tiles; None takes the backend's default for the call's head dims.
         Tiles given here are every kernel's unless ``forward_blocks`` is given.
       forward_blocks: ``(block_q, block_k)`` of the forward kernel alone; None: the tiles
-        above when given, else the backend's forward default (``default_forward``).
+        above when given, else the backend's forward default (``default_forward``) unless
+        that computes over ``FORWARD_AREA_SLACK`` times the backward tiles' score area
+        (a fine-grained sparse layout), where the forward keeps the backward's tiles.
       num_warps, num_stages: Triton's launch options (None: the backend's default).
       forward_num_stages: the forward kernel's ``num_stages`` (None: ``num_stages``, else
         the backend's forward default).
@@ -218,6 +231,10 @@ class PallasAttention:
         fwd_q, fwd_k, fwd_stages = self.forward_options(q.shape[1], v.shape[1])
         plan = _planner.plan(layout, block_q, block_k)
         fwd_plan = _planner.plan(layout, fwd_q, fwd_k)
+        if self.forward_blocks is None and _area(fwd_plan) > FORWARD_AREA_SLACK * _area(plan):
+            # The default forward tiles cover more of a fine-grained sparse layout than the
+            # backward's (half-empty wider tiles): keep the backward's tiles there.
+            fwd_q, fwd_k, fwd_plan = block_q, block_k, plan
         lq, lk = q.shape[0], k.shape[0]
         lq_p, lk_p = (max(a, b) for a, b in zip(_extent(plan), _extent(fwd_plan)))
         dk_p = self.backend.head_dim(q.shape[1])

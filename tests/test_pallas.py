@@ -350,6 +350,26 @@ def test_forward_and_backward_kernels_run_on_their_own_tiles(monkeypatch):
     assert seen == {"forward": (16, 64, 3, 80, 128), "backward": (32, 32, None, 96, 96)}
 
 
+@pytest.mark.parametrize("pattern, lq, want", [
+    (P.Full(), 256, (64, 128)),
+    (RandomBlocks(64, 0.3, 1), 512, (64, 64)),  # 64 x 128 tiles: half-empty, more area
+])
+def test_default_forward_tiles_only_where_they_add_no_work(monkeypatch, pattern, lq, want):
+    seen = []
+
+    def record(cfg, plan, *rest):
+        seen.append((plan.block_q, plan.block_k))
+        rows = rest[0].shape[0]  # the forward's padded queries
+        return jnp.zeros((rows, 64), rest[0].dtype), jnp.zeros((rows,), jnp.float32)
+
+    monkeypatch.setattr(GPU.backend, "forward", record)
+    kernel = GPU.with_options(block_q=None, block_k=None)
+    q, k, v, _ = _inputs(lq, lq, 56, jnp.float32)
+    jax.eval_shape(lambda q, k, v: kernel(q, k, v[:, :56], pattern.layout(lq, lq, 64, 64),
+                                          scale=0.1), q, k, v)
+    assert seen == [want]
+
+
 def _spy(fn, seen):
     def wrapped(*a, **kw):
         seen.append(True)
