@@ -61,6 +61,26 @@ def test_fsdp_sequence_run_follows_the_one_device_loss_curve(runs):
     assert_close(seq["test_loss"], one["test_loss"], EXACT_GRAD)
 
 
+def test_pipelined_run_follows_the_one_device_loss_curve_and_reports_its_bubble(tmp_path):
+    """A 'stage' mesh axis pipelines the layer stack (GPipe); the run reports its bubble."""
+    def two_layers(mesh):
+        c = _config(mesh)
+        with c.unlocked():
+            c.model.num_layers = 2
+        return c
+
+    one = train.train_and_evaluate(two_layers({"data": 1}), str(tmp_path / "one"))
+    staged = train.train_and_evaluate(two_layers({"stage": 2, "data": 4}),
+                                      str(tmp_path / "staged"))
+    assert "pipeline_bubble" not in one
+    # 8 rows in 2 gradient micro-batches of 4, each pipelined as 2 x 2 stages = 4 micro-batches.
+    assert (staged["pipeline_stages"], staged["pipeline_microbatches"]) == (2, 4)
+    assert staged["pipeline_bubble"] == pytest.approx(1 / 5)
+    assert_close(np.array(_losses(str(tmp_path / "staged"))),
+                 np.array(_losses(str(tmp_path / "one"))), EXACT_GRAD)
+    assert_close(staged["test_loss"], one["test_loss"], EXACT_GRAD)
+
+
 def _state_and_plan(config):
     task = train.make_task(config.data, config.seed)
     model = train.build_model(config.model, task, jax.random.PRNGKey(0))

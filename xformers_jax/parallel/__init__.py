@@ -6,7 +6,8 @@ and ``jax.shard_map`` inside the attention kinds that run sharded over the seque
 attention and the sequence-parallel linear scan live in their families, ``attention._ring`` and
 ``attention.linear._sequence_parallel``, so models can reach them; they are re-exported here).
 The axis vocabulary is :mod:`xformers_jax.axes`. Without an active mesh every sharding call is
-a no-op.
+a no-op. Pipeline parallelism (GPipe over the ``stage`` axis: ``gpipe``, ``pipeline_layers``,
+``microbatches_for``, ``bubble_fraction``) lives with the layer stacks in ``nn._pipeline``.
 """
 
 from .. import axes as axes
@@ -21,6 +22,7 @@ from ._mesh import make_mesh as make_mesh
 from ..experts import expert_parallel_moe as expert_parallel_moe
 from ..nn._pipeline import STAGE as STAGE
 from ..nn._pipeline import bubble_fraction as bubble_fraction
+from ..nn._pipeline import microbatches_for as microbatches_for
 from ..nn._pipeline import gpipe as gpipe
 from ..nn._pipeline import pipeline_layers as pipeline_layers
 from ._mesh import resolve_mesh_shape as resolve_mesh_shape

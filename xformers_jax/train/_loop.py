@@ -116,6 +116,11 @@ def train_and_evaluate(config, workdir: str, *, on_step=None) -> dict:
     if config.batch_size % plan.batch_shards:
         raise ValueError(f"batch_size={config.batch_size} is not divisible by the "
                          f"{plan.batch_shards} batch shards of the mesh")
+    pipeline = plan.pipeline_report(config.batch_size // config.num_microbatches)
+    if pipeline:
+        logging.info("GPipe over %d stages, %d micro-batches per step: bubble fraction %.3f",
+                     pipeline["pipeline_stages"], pipeline["pipeline_microbatches"],
+                     pipeline["pipeline_bubble"])
     # config.batch_size is the global batch: each process reads its share.
     train_iter = DataIterator(task.train, batch_size=config.batch_size // jax.process_count(),
                               seed=config.seed, process_index=jax.process_index(),
@@ -191,7 +196,7 @@ def train_and_evaluate(config, workdir: str, *, on_step=None) -> dict:
         test = run_eval(eval_step, best_state.model, task.test, config.batch_size)
         writer.write(step, {f"test_{k}": v for k, v in test.items()})
         bar.close()
-        result = {"step": step, "best_step": int(best_state.step)}
+        result = {"step": step, "best_step": int(best_state.step), **pipeline}
         result |= {f"validation_{k}": v for k, v in validation.items()}
         result |= {f"test_{k}": v for k, v in test.items()}
         result |= C.finish(config, task, best_state.model, run_eval, eval_step, workdir)

@@ -63,6 +63,18 @@ class ShardingPlan(NamedTuple):
         """How many pieces the ``sequence`` mesh axis splits each sequence into."""
         return self.mesh.shape.get(A.SEQUENCE, 1)
 
+    def pipeline_report(self, step_batch: int) -> dict:
+        """With a ``stage`` mesh axis of ``S > 1`` (the layer stacks run as GPipe pipelines):
+        ``pipeline_stages``, ``pipeline_microbatches`` (``M``, as the stack picks them for a
+        step over ``step_batch`` rows) and ``pipeline_bubble``, the fraction ``(S - 1) /
+        (M + S - 1)`` of each device's ticks spent idle. Empty without a pipeline."""
+        stages = self.mesh.shape.get(A.STAGE, 1)
+        if stages == 1:
+            return {}
+        m = parallel.microbatches_for(step_batch, stages)
+        return {"pipeline_stages": stages, "pipeline_microbatches": m,
+                "pipeline_bubble": parallel.bubble_fraction(stages, m)}
+
     def context(self):
         """``parallel.use_mesh`` with this plan's mesh and rules (open it around tracing)."""
         return parallel.use_mesh(self.mesh, self.compute_rules, self.param_rules)
