@@ -3,8 +3,8 @@
 A query ``q`` (per head, width ``dk``) is split into halves ``q1, q2``; two sub-key tables of
 ``n`` keys each (width ``dk / 2``) index ``N = n^2`` memory slots, slot ``(i, j)`` having key
 ``[K1_i, K2_j]`` and score ``q1.K1_i + q2.K2_j``. The top-``k`` of the ``N`` scores lie in the
-Cartesian product of each half's top-``k``, so the lookup scores ``2 n`` sub-keys and ``k^2``
-candidates instead of ``N`` keys. The ``k`` selected slots' values are averaged with the
+Cartesian product of each half's top-``k``, so the lookup scores ``2 n`` sub-keys and at most
+``k^2`` candidates instead of ``N`` keys (fewer: :func:`_pairs`). The ``k`` selected slots' values are averaged with the
 softmax of their scores; heads are summed. The value table's gradient touches only the
 selected rows.
 
@@ -17,8 +17,11 @@ again in the forward and once more as its cotangent in the backward.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 
 def _check(q, keys1, keys2, values, k):
@@ -78,6 +81,24 @@ def _top_k(s, k: int):
     return v, jnp.take_along_axis(index, pos, -1)
 
 
+@functools.lru_cache(maxsize=None)
+def _pairs(k: int) -> tuple[np.ndarray, np.ndarray]:
+    """The pairs ``(i, j)`` of the two halves' sorted top-``k`` lists that can be among the
+    ``k`` best sums: ``(i + 1)(j + 1) <= k`` (the pairs ``(i' <= i, j' <= j)`` all sum at
+    least as high, so any other pair has ``k`` at least as good; Lample et al.'s ``k^2``
+    candidates shrink to ``k (1 + 1/2 + ... + 1/k)``: 119 for k = 32). Ordered by
+    ``(i + 1)(j + 1)``, likely winners first, the order XLA:CPU's top_k is fastest on
+    (at 4K tokens, 2 heads, k = 32: 126 -> 109 ms for the whole top-k)."""
+    i, j = np.nonzero(np.multiply.outer(np.arange(1, k + 1), np.arange(1, k + 1)) <= k)
+    order = np.lexsort((i, (i + 1) * (j + 1)))
+    return i[order].astype(np.int32), j[order].astype(np.int32)
+
+
+def _one_hot(index: np.ndarray, k: int, dtype) -> jax.Array:
+    """``[k, len(index)]``: column ``p`` is the one-hot vector of ``index[p]``."""
+    return jnp.asarray(np.arange(k)[:, None] == index[None, :], dtype)
+
+
 def product_key_topk(q, keys1, keys2, k: int):
     """``(scores float[T, H, k], slots int32[T, H, k])``: the top-``k`` of the ``n^2``
     product-key scores per query and head, in decreasing order (``slot = i * n + j``).
@@ -94,10 +115,14 @@ def product_key_topk(q, keys1, keys2, k: int):
     s2 = jnp.einsum("htd,hnd->htn", qh[..., dk // 2:], keys2.astype(q.dtype))
     v1, i1 = _top_k(s1, k)
     v2, i2 = _top_k(s2, k)
-    # The Cartesian product of two sorted lists, row-major: its largest sums come first,
-    # which is the order top_k is fastest on.
-    cand = (v1[..., :, None] + v2[..., None, :]).reshape(h, t, k * k)
-    slots = (i1[..., :, None] * n + i2[..., None, :]).reshape(h, t, k * k)
+    a, b = _pairs(k)
+    # The candidates' scores as products with one-hot columns rather than gathers: the same
+    # values exactly (one nonzero term each, at full precision), and a backward that is a
+    # small matmul instead of XLA's scatter-add.
+    pick = jax.lax.Precision.HIGHEST
+    cand = (jnp.einsum("htk,km->htm", v1, _one_hot(a, k, v1.dtype), precision=pick)
+            + jnp.einsum("htk,km->htm", v2, _one_hot(b, k, v2.dtype), precision=pick))
+    slots = i1[..., a] * n + i2[..., b]
     best, which = jax.lax.top_k(cand, k)
     slots = jnp.take_along_axis(slots, which, -1).astype(jnp.int32)
     return jnp.swapaxes(best, 0, 1), jnp.swapaxes(slots, 0, 1)
