@@ -384,5 +384,15 @@ def test_product_keys_equal_brute_force(n):
         q, k1, k2, v)
     assert_close(got, _jit(jax.grad(loss(gathered), argnums=(0, 1, 2, 3)))(q, k1, k2, v),
                  EXACT_GRAD)
+
+    # ... and the brute force over all n^2 keys, differentiated at the selected slots (no
+    # product-key code on this path).
+    def brute(q, k1, k2, v):
+        keys = jnp.concatenate([jnp.repeat(k1, n, 1), jnp.tile(k2, (1, n, 1))], -1)
+        sc = jnp.take_along_axis(jnp.einsum("thd,hnd->thn", q, keys), top, -1)
+        return jnp.einsum("thk,thkv->tv", jax.nn.softmax(sc, -1), v[top])
+
+    assert_close(got, _jit(jax.grad(loss(brute), argnums=(0, 1, 2, 3)))(q, k1, k2, v),
+                 EXACT_GRAD)
     with pytest.raises(ValueError, match=rf"values must be \[n\^2 = {n * n}"):
         M.product_key_lookup(q, k1, k2, v[:30], kk)
