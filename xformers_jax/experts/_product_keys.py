@@ -4,9 +4,9 @@ A query ``q`` (per head, width ``dk``) is split into halves ``q1, q2``; two sub-
 ``n`` keys each (width ``dk / 2``) index ``N = n^2`` memory slots, slot ``(i, j)`` having key
 ``[K1_i, K2_j]`` and score ``q1.K1_i + q2.K2_j``. The top-``k`` of the ``N`` scores lie in the
 Cartesian product of each half's top-``k``, so the lookup scores ``2 n`` sub-keys and at most
-``k^2`` candidates instead of ``N`` keys (fewer: :func:`_pairs`). The ``k`` selected slots' values are averaged with the
-softmax of their scores; heads are summed. The value table's gradient touches only the
-selected rows.
+``k^2`` candidates instead of ``N`` keys (fewer: :func:`_pairs`). The ``k`` selected slots'
+values are averaged with the softmax of their scores; heads are summed. The value table's
+gradient touches only the selected rows.
 
 The weighted sum of the selected rows (:func:`weighted_rows`, an "embedding bag") never
 materialises the ``[T, H, k, dv]`` block of gathered rows: it walks the ``H k`` slots, one
@@ -88,11 +88,12 @@ def _top_k(s, k: int):
 @functools.lru_cache(maxsize=None)
 def _pairs(k: int) -> tuple[np.ndarray, np.ndarray]:
     """The pairs ``(i, j)`` of the two halves' sorted top-``k`` lists that can be among the
-    ``k`` best sums: ``(i + 1)(j + 1) <= k`` (the pairs ``(i' <= i, j' <= j)`` all sum at
-    least as high, so any other pair has ``k`` at least as good; Lample et al.'s ``k^2``
-    candidates shrink to ``k (1 + 1/2 + ... + 1/k)``: 119 for k = 32). Ordered by
-    ``(i + 1)(j + 1)``, likely winners first, the order XLA:CPU's top_k is fastest on
-    (at 4K tokens, 2 heads, k = 32: 126 -> 109 ms for the whole top-k)."""
+    ``k`` best sums: ``(i + 1)(j + 1) <= k``. The ``(i + 1)(j + 1)`` pairs ``(i' <= i,
+    j' <= j)`` all sum at least as high as ``(i, j)``, so a pair past that bound has ``k``
+    others at least as good. Lample et al.'s ``k^2`` candidates shrink to about
+    ``k (1 + 1/2 + ... + 1/k)``: 119 for k = 32. Ordered by ``(i + 1)(j + 1)``, likely
+    winners first, the order XLA:CPU's top_k is fastest on (4K tokens, 2 heads, k = 32, in
+    one process: 126 -> 109 ms for the whole top-k)."""
     i, j = np.nonzero(np.multiply.outer(np.arange(1, k + 1), np.arange(1, k + 1)) <= k)
     order = np.lexsort((i, (i + 1) * (j + 1)))
     return i[order].astype(np.int32), j[order].astype(np.int32)
