@@ -20,6 +20,7 @@ from absl import app, flags
 DEFAULT_CASES = (
     "gpu_attention:impl=pallas flash,L=8192,D=64,mode=fwdbwd",
     "gpu_attention:impl=cudnn,L=8192,D=64,mode=fwdbwd",
+    "gpu_attention:impl=jax mgpu,L=8192,D=64,mode=fwdbwd",
     "gpu_attention:impl=pallas flash,L=8192,D=128,mode=fwdbwd",
     "gpu_attention:impl=pallas flash,L=8192,D=64,causal=1,mode=fwdbwd",
     "gpu_linear:variant=chunked,L=8192,mode=fwdbwd",
