@@ -146,3 +146,15 @@ def test_device_time_from_a_trace_and_its_checks():
     for r in records:
         del r["device_s"]
     assert G._device_checks(bench_lib.Results(records, None), 64, "fwd", [2048, 4096]) == []
+
+
+def test_gpu_profile_default_cases_name_suite_cases():
+    """Every case gpu_profile profiles by default is a case of its suite (a typo would only
+    show on the GPU machine)."""
+    from experiments import gpu_profile
+
+    for spec in gpu_profile.DEFAULT_CASES:
+        suite, builder, params, mode = gpu_profile._parse(spec)
+        assert suite.startswith("gpu_") and mode in ("fwd", "fwdbwd") and builder, spec
+    with pytest.raises(ValueError, match="no case"):
+        gpu_profile._parse("gpu_attention:impl=pallas flash,L=3")
