@@ -338,7 +338,10 @@ def measure_here(case: Case, mode: str, *, min_repeats: int, budget_s: float,
         median, warm, n, cpu = _timed(f, args, min_repeats, budget_s)
         record.update(time_s=median, cpu_s=cpu, warmup_s=warm, repeats=n, compile_s=compile_s)
         if device_time:
-            ns = trace_device(f, args, DEVICE_STEPS)[0]
+            try:  # a profiler that fails (no CUPTI, say) costs the device time, not the case
+                ns = trace_device(f, args, DEVICE_STEPS)[0]
+            except Exception as e:  # noqa: BLE001
+                ns, record["device_error"] = {}, _error(e)
             if ns:
                 record["device_s"] = sum(ns.values()) / DEVICE_STEPS / 1e9
         _finish(record, work, mode)

@@ -105,7 +105,7 @@ def test_in_process_compile_only_and_rerun_of_some_cases(tmp_path):
     assert "Rows kept from earlier runs" in text and "2000-01-01 00:00: chunked fwd" in text
 
 
-def test_device_time_from_a_trace_and_its_checks():
+def test_device_time_from_a_trace_and_its_checks(monkeypatch):
     """Device time per call: kernels and copies on the device planes' stream lines only; none
     on the CPU (no device plane); the GPU suite checks its short lengths on it when recorded."""
     from types import SimpleNamespace as NS
@@ -128,6 +128,13 @@ def test_device_time_from_a_trace_and_its_checks():
                           dict(variant="flash", L=64))
     here = bench_lib.measure_here(case, "fwd", min_repeats=1, budget_s=0.0, device_time=True)
     assert "error" not in here and "device_s" not in here  # the CPU trace has no device plane
+
+    def broken_trace(*_):
+        raise RuntimeError("no profiler here")
+
+    monkeypatch.setattr(bench_lib, "trace_device", broken_trace)
+    kept = bench_lib.measure_here(case, "fwd", min_repeats=1, budget_s=0.0, device_time=True)
+    assert kept["time_s"] > 0 and "error" not in kept and "no profiler" in kept["device_error"]
 
     assert G.device_timed(bench_lib.Case("f", "", dict(impl="pallas flash", L=4096)))
     assert not G.device_timed(bench_lib.Case("f", "", dict(impl="pallas flash", L=8192)))
