@@ -56,9 +56,12 @@ def default_blocks(dk: int, dv: int) -> tuple[int, int]:
 
 def default_forward(dk: int, dv: int) -> tuple[int, int, int | None]:
     """The forward kernel's default ``(block_q, block_k, num_stages)`` (``FORWARD_BLOCK_K``;
-    None: the launch default)."""
+    None: the launch default). Three stages only up to head dim 128: at 256 the query tile
+    and three stages of key and value tiles (bf16: 64 + 3 x 64 KB) exceed a Hopper SM's
+    228 KB of shared memory."""
     if _wide(dk, dv):
-        return WIDE_BLOCK_Q, DEFAULT_BLOCK_K, WIDE_FORWARD_STAGES
+        deep = max(head_dim(dk), head_dim(dv)) <= 128
+        return WIDE_BLOCK_Q, DEFAULT_BLOCK_K, WIDE_FORWARD_STAGES if deep else None
     return DEFAULT_BLOCK_Q, FORWARD_BLOCK_K, None
 
 

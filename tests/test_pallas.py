@@ -428,6 +428,7 @@ def test_default_tiles_lower_for_cuda(d):
     forward, backward = kernel.forward_options(d, dv), kernel.blocks(d, dv)
     assert forward == ((64, 128, None) if d == 56 else (128, 64, 3))
     assert backward == ((64, 64) if d == 56 else (128, 64))
+    assert kernel.forward_options(256, 256) == (128, 64, None)  # 3 stages would not fit
     text = _lower(kernel, "cuda", P.Causal(), jnp.bfloat16, with_extras=True, d=d)
     assert text.count("__gpu$xla.gpu.triton") >= 3, text[:2000]
     stages = set(re.findall(r"num_stages = (\d+)", text))
