@@ -186,9 +186,11 @@ class PallasAttention:
         bq, bk = self.backend.default_blocks(dk, dv)
         return self.block_q or bq, self.block_k or bk
 
-    def forward_options(self, dk: int, dv: int) -> tuple[int, int, int | None]:
-        """The forward kernel's ``(block_q, block_k, num_stages)`` for head dims ``dk``, ``dv``."""
-        bq, bk, stages = self.backend.default_forward(dk, dv)
+    def forward_options(self, dk: int, dv: int,
+                        dtype=jnp.bfloat16) -> tuple[int, int, int | None]:
+        """The forward kernel's ``(block_q, block_k, num_stages)`` for head dims ``dk``, ``dv``
+        and inputs of ``dtype``."""
+        bq, bk, stages = self.backend.default_forward(dk, dv, jnp.dtype(dtype).itemsize)
         if self.forward_blocks is not None:
             bq, bk = self.forward_blocks
         elif self.block_q or self.block_k:
@@ -212,7 +214,7 @@ class PallasAttention:
             why.append(f"a {call['bias']} bias is not implemented in the kernel")
         why += self.backend.head_dim_problems(call["dk"], call["dv"])
         tiles = self.blocks(call["dk"], call["dv"])
-        forward = self.forward_options(call["dk"], call["dv"])[:2]
+        forward = self.forward_options(call["dk"], call["dv"], call["dtype"])[:2]
         why += self.backend.block_problems(*tiles)
         if forward != tiles:
             why += [f"forward {w}" for w in self.backend.block_problems(*forward)]
@@ -228,7 +230,7 @@ class PallasAttention:
         if why:
             raise NotImplementedError(f"{self.name}: " + "; ".join(why))
         block_q, block_k = self.blocks(q.shape[1], v.shape[1])
-        fwd_q, fwd_k, fwd_stages = self.forward_options(q.shape[1], v.shape[1])
+        fwd_q, fwd_k, fwd_stages = self.forward_options(q.shape[1], v.shape[1], q.dtype)
         plan = _planner.plan(layout, block_q, block_k)
         fwd_plan = _planner.plan(layout, fwd_q, fwd_k)
         if self.forward_blocks is None and _area(fwd_plan) > FORWARD_AREA_SLACK * _area(plan):

@@ -54,11 +54,14 @@ def default_blocks(dk: int, dv: int) -> tuple[int, int]:
     return (WIDE_BLOCK_Q if _wide(dk, dv) else DEFAULT_BLOCK_Q), DEFAULT_BLOCK_K
 
 
-def default_forward(dk: int, dv: int) -> tuple[int, int, int | None]:
-    """The forward kernel's default ``(block_q, block_k, num_stages)`` (``FORWARD_BLOCK_K``;
-    None: the launch default). Three stages only up to head dim 128: at 256 the query tile
-    and three stages of key and value tiles (bf16: 64 + 3 x 64 KB) exceed a Hopper SM's
-    228 KB of shared memory."""
+def default_forward(dk: int, dv: int, itemsize: int = 2) -> tuple[int, int, int | None]:
+    """The forward kernel's default ``(block_q, block_k, num_stages)`` for inputs of
+    ``itemsize`` bytes (``FORWARD_BLOCK_K``; None: the launch default). Measured for 16-bit
+    inputs only; float32 keeps the backward's tiles. Three stages only up to head dim 128:
+    at 256 the query tile and three stages of key and value tiles (bf16: 64 + 3 x 64 KB)
+    exceed a Hopper SM's 228 KB of shared memory, as they would at 128 in float32."""
+    if itemsize > 2:
+        return (*default_blocks(dk, dv), None)
     if _wide(dk, dv):
         deep = max(head_dim(dk), head_dim(dv)) <= 128
         return WIDE_BLOCK_Q, DEFAULT_BLOCK_K, WIDE_FORWARD_STAGES if deep else None

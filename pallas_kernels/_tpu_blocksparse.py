@@ -39,8 +39,9 @@ def default_blocks(dk: int, dv: int) -> tuple[int, int]:
     return DEFAULT_BLOCK_Q, DEFAULT_BLOCK_K
 
 
-def default_forward(dk: int, dv: int) -> tuple[int, int, None]:
+def default_forward(dk: int, dv: int, itemsize: int = 2) -> tuple[int, int, None]:
     """The forward kernel's default ``(block_q, block_k, num_stages)``: the backward's tiles."""
+    del itemsize
     return (*default_blocks(dk, dv), None)
 
 

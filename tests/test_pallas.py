@@ -364,7 +364,7 @@ def test_default_forward_tiles_only_where_they_add_no_work(monkeypatch, pattern,
 
     monkeypatch.setattr(GPU.backend, "forward", record)
     kernel = GPU.with_options(block_q=None, block_k=None)
-    q, k, v, _ = _inputs(lq, lq, 56, jnp.float32)
+    q, k, v, _ = _inputs(lq, lq, 56, jnp.bfloat16)
     jax.eval_shape(lambda q, k, v: kernel(q, k, v[:, :56], pattern.layout(lq, lq, 64, 64),
                                           scale=0.1), q, k, v)
     assert seen == [want]
@@ -429,6 +429,9 @@ def test_default_tiles_lower_for_cuda(d):
     assert forward == ((64, 128, None) if d == 56 else (128, 64, 3))
     assert backward == ((64, 64) if d == 56 else (128, 64))
     assert kernel.forward_options(256, 256) == (128, 64, None)  # 3 stages would not fit
+    for dk in (56, 120):  # float32: the backward's tiles (the forward's were measured in bf16)
+        assert kernel.forward_options(dk, dk + 8, jnp.float32) == (*kernel.blocks(dk, dk + 8),
+                                                                   None)
     text = _lower(kernel, "cuda", P.Causal(), jnp.bfloat16, with_extras=True, d=d)
     assert text.count("__gpu$xla.gpu.triton") >= 3, text[:2000]
     stages = set(re.findall(r"num_stages = (\d+)", text))
