@@ -65,7 +65,10 @@ if [ "${SKIP_PHASE1:-0}" != 1 ]; then
 fi
 
 # Results go straight to $OUT, rewritten after every case: a suite cut short by its time
-# limit keeps what it measured.
+# limit keeps what it measured. Each suite's limit is TIME_TIMEOUT_<SUITE>, else TIME_TIMEOUT
+# (200 s); gpu_attention's default is 300 s (85 cases, and device-time traces of the short
+# ones).
+: "${TIME_TIMEOUT_GPU_ATTENTION:=${TIME_TIMEOUT:-300}}"
 for s in ${SUITES//,/ }; do
   limit=TIME_TIMEOUT_${s^^} only=ONLY_${s^^}
   only=${!only:-${ONLY:-}}
