@@ -41,7 +41,12 @@ class Case:
     modes: tuple = MODES
 
     def key(self, mode: str) -> str:
-        return json.dumps([self.name, mode, self.params], sort_keys=True)
+        return record_key(self.name, mode, self.params)
+
+
+def record_key(name: str, mode: str, params: dict) -> str:
+    """The identity of one measurement (a case in one mode) in a suite's stored records."""
+    return json.dumps([name, mode, params], sort_keys=True)
 
 
 @dataclasses.dataclass

@@ -135,7 +135,7 @@ def run_suite(name: str, *, quick: bool, results_dir: str, log=print) -> dict:
                "in_process": in_process}
     payload = dict(suite=name, title=suite.TITLE, note=getattr(suite, "NOTE", None), quick=quick,
                    machine=machine, matmul_gflops=rate, records=[], checks=[])
-    records = {json.dumps([r["name"], r["mode"], r["params"]], sort_keys=True): r for r in kept}
+    records = {bench_lib.record_key(r["name"], r["mode"], r["params"]): r for r in kept}
     os.makedirs(results_dir, exist_ok=True)
     for case in suite.cases(quick):
         if only and not _selected(only, case):

@@ -7,8 +7,8 @@ Each case is a benchmark suite's case (``suite:key=value,...`` with the case's p
 is built and compiled exactly as the suite builds it (``bench_lib.program``, so a persistent
 compilation cache filled by the suite's run is hit). It runs twice to warm up, then
 ``--steps`` times under ``jax.profiler.trace``; the device planes of the trace are summed by
-kernel name. Written for GPUs (``experiments/gpu_session.sh`` runs it); on a CPU the trace has
-no device plane and only the host's totals are printed.
+kernel name (``bench_lib.trace_device``). Written for GPUs (``experiments/gpu_session.sh`` runs
+it); on a CPU the trace has no device plane, and the planes it has are listed instead.
 """
 
 from __future__ import annotations

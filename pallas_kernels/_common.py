@@ -92,7 +92,6 @@ class Config(_tiles.TileConfig):
     runs: bool = True
 
 
-
 # The backend's default forward tiles are used while they compute at most this much more of
 # the score matrix than the backward's tiles (dense and causal layouts: under 1% more at 8K).
 FORWARD_AREA_SLACK = 1.1
@@ -197,6 +196,18 @@ class PallasAttention:
             bq, bk = self.blocks(dk, dv)
         return bq, bk, self.forward_num_stages or self.num_stages or stages
 
+    def plans(self, layout, dk: int, dv: int, dtype):
+        """``(plan, forward plan, forward num_stages)`` of ``layout``: the backward kernels'
+        plan and the forward's (:meth:`forward_options`; the default forward tiles give way
+        to the backward's where they would cover ``FORWARD_AREA_SLACK`` times more scores)."""
+        plan = _planner.plan(layout, *self.blocks(dk, dv))
+        fwd_q, fwd_k, stages = self.forward_options(dk, dv, dtype)
+        fwd_plan = _planner.plan(layout, fwd_q, fwd_k)
+        if self.forward_blocks is None and _area(fwd_plan) > FORWARD_AREA_SLACK * _area(plan):
+            # Half-empty wider tiles over a fine-grained sparse layout: more work, not less.
+            fwd_plan = plan
+        return plan, fwd_plan, stages
+
     def with_options(self, **changes) -> "PallasAttention":
         """A copy with other tiles or ``interpret`` (e.g. ``interpret=True`` for CPU tests)."""
         return dataclasses.replace(self, **changes)
@@ -229,14 +240,7 @@ class PallasAttention:
         why = self.unsupported(call)
         if why:
             raise NotImplementedError(f"{self.name}: " + "; ".join(why))
-        block_q, block_k = self.blocks(q.shape[1], v.shape[1])
-        fwd_q, fwd_k, fwd_stages = self.forward_options(q.shape[1], v.shape[1], q.dtype)
-        plan = _planner.plan(layout, block_q, block_k)
-        fwd_plan = _planner.plan(layout, fwd_q, fwd_k)
-        if self.forward_blocks is None and _area(fwd_plan) > FORWARD_AREA_SLACK * _area(plan):
-            # The default forward tiles cover more of a fine-grained sparse layout than the
-            # backward's (half-empty wider tiles): keep the backward's tiles there.
-            fwd_q, fwd_k, fwd_plan = block_q, block_k, plan
+        plan, fwd_plan, fwd_stages = self.plans(layout, q.shape[1], v.shape[1], q.dtype)
         lq, lk = q.shape[0], k.shape[0]
         lq_p, lk_p = (max(a, b) for a, b in zip(_extent(plan), _extent(fwd_plan)))
         dk_p = self.backend.head_dim(q.shape[1])
@@ -250,12 +254,13 @@ class PallasAttention:
             segs = (_tiles.pad_to(segments[0], lq_p, 0, -1),
                     _tiles.pad_to(segments[1], lk_p, 0, -2))
         cfg = Config(
-            scale=float(scale), block_q=block_q, block_k=block_k,
+            scale=float(scale), block_q=plan.block_q, block_k=plan.block_k,
             has_kv_mask=kv_mask is not None, has_segments=segments is not None,
             interpret=self.interpret, extra=self.extra, num_warps=self.num_warps,
             num_stages=self.num_stages, runs=self.runs,
         )
-        fwd_cfg = dataclasses.replace(cfg, block_q=fwd_q, block_k=fwd_k, num_stages=fwd_stages)
+        fwd_cfg = dataclasses.replace(cfg, block_q=fwd_plan.block_q, block_k=fwd_plan.block_k,
+                                      num_stages=fwd_stages)
         out, lse = _attend((self.backend, cfg, plan, fwd_cfg, fwd_plan), q_p, k_p, v_p, (),
                            (kv_valid, segs))
         return out[:lq, : v.shape[1]].astype(q.dtype), lse[:lq]

@@ -4,7 +4,10 @@ Flash attention is the special case whose plan lists every key block (``Full``) 
 up to the diagonal (``Causal``, mask evaluated from positions), so one set of kernels serves
 both ops. One program per query block (forward, dq) or key block (dk, dv) loops over exactly
 the blocks its plan row lists: FULL blocks first without any in-tile mask, then PARTIAL ones.
-Block indices are read from the plan tables in global memory, one scalar per step.
+Where a plan's rows are runs of consecutive blocks (dense, causal, local: ``Blocks.runs``) the
+kernels compute each step's block from the run's start; otherwise they read it from the plan
+tables in global memory, one scalar per step. The forward kernel may have tiles of its own
+(``default_forward``): the padded inputs are cut to each kernel's plan in ``_common``.
 
 Triton rules honoured here: every loaded tile has power-of-two sides (tiles >= 16, head dims
 padded to the next power of two, at most 256); 1-D statistics are kept as ``[bq, 1]`` tiles so
@@ -62,9 +65,9 @@ def default_forward(dk: int, dv: int, itemsize: int = 2) -> tuple[int, int, int 
     exceed a Hopper SM's 228 KB of shared memory, as they would at 128 in float32."""
     if itemsize > 2:
         return (*default_blocks(dk, dv), None)
-    if _wide(dk, dv):
+    if _wide(dk, dv):  # the backward's tiles, with deeper pipelining where it fits
         deep = max(head_dim(dk), head_dim(dv)) <= 128
-        return WIDE_BLOCK_Q, DEFAULT_BLOCK_K, WIDE_FORWARD_STAGES if deep else None
+        return (*default_blocks(dk, dv), WIDE_FORWARD_STAGES if deep else None)
     return DEFAULT_BLOCK_Q, FORWARD_BLOCK_K, None
 
 

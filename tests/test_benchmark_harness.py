@@ -86,7 +86,7 @@ def test_in_process_compile_only_and_rerun_of_some_cases(tmp_path):
     rerun = json.loads((tmp_path / "gpu_linear.json").read_text())["records"]
     by_name = {(r["name"], r["mode"]): r for r in rerun}
     old = {(r["name"], r["mode"]): r for r in stored["records"]}
-    assert by_name.keys() == old.keys()
+    assert by_name.keys() == old.keys() and len(rerun) == len(stored["records"])
     assert by_name[("chunked", "fwd")] == old[("chunked", "fwd")]  # kept, not re-measured
     assert by_name[("recurrent", "fwd")]["time_s"] != old[("recurrent", "fwd")]["time_s"]
     assert by_name[("chunked", "fwd")]["run"] == stored["machine"]["date"]

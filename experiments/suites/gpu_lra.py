@@ -4,8 +4,9 @@ The ``lra`` suite's training step (``experiments/suites/lra.py``: the byte-level
 classifier, dim 256, 4 heads, MLP 1024, CLS pooling, one forward and backward of the mean
 cross-entropy over every parameter) with the paper's model and batch instead of the CPU's:
 **4 layers, batch 32**, L = 1K, 2K, 4K (and every variant at 4K with batch 16, which the
-4K figures compare: dense vanilla's step at 4K and batch 32 does not fit one H200), float32 parameters and activations (XLA's default
-matmul precision on the GPU: TF32 on the tensor cores), for the variants of LRA's table
+4K figures compare: dense vanilla's step at 4K and batch 32 does not fit one H200), float32
+parameters and activations (XLA's default matmul precision on the GPU: TF32 on the tensor
+cores), for the variants of LRA's table
 (Tay et al., 2021, Table 3), dense vanilla, flash (the Pallas kernel) and the no-attention
 floor. Memory is the compiled step's device memory from XLA's buffer assignment (what the
 step needs on the device: parameters, inputs, saved activations, gradients, temporaries).

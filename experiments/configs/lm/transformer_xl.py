@@ -24,8 +24,8 @@ against 2.160 and 1.954). Longer evaluation memories need the distances clamped 
 longest one training saw (511; ``model.memory.clamp_len``): on the 3000-step checkpoint of an
 earlier run (a one-off evaluation of it with this trainer's model, clamped and with
 ``clamp_len=-1``), evaluation memory 1024 scored 1.987 unclamped and 1.972 clamped, against
-1.974 at 256. A 3000-step schedule had ended with the two models level (1.974 against 1.973): memory
-is learned slowly at this size.
+1.974 at 256. A 3000-step schedule had ended with the two models level (1.974 against
+1.973): memory is learned slowly at this size.
 """
 
 from experiments.configs.lm import _memory
