@@ -33,3 +33,19 @@ def test_torch_sdpa_computes_what_flash_computes(causal):
     assert_close(np.swapaxes(np.asarray(ours), 1, 2), ref)
     step = peers.build("torch", 32, causal, B=1, H=2, D=8).native("fwdbwd")
     step()  # runs, and leaves gradients on its inputs
+
+
+def test_tile_matmuls_bound_does_the_forwards_matmuls():
+    """The bound's program computes what flash's two tile matmuls compute without the softmax:
+    ``(q k^T) v`` per head, every key tile of every query tile (a tile skipped or counted twice
+    would change it)."""
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal((2, 64, 3, 8)).astype(np.float32) for _ in range(3))
+    want = np.einsum("bqhd,bkhd,bkhe->bqhe", q, k, v)
+    # float32 sums of 64 products of O(1) terms: rounding is relative to the largest entry.
+    np.testing.assert_allclose(np.asarray(peers.tile_matmuls(q, k, v, 16)), want, rtol=1e-5,
+                               atol=1e-5 * np.abs(want).max())
+    with pytest.raises(ValueError, match="multiple of the tile 48"):
+        peers.tile_matmuls(q, k, v, 48)
+    with pytest.raises(ValueError, match="full attention only"):
+        peers.build("tile matmuls", 64, causal=True)

@@ -13,6 +13,10 @@ run on whatever machine it runs on.
   ``nn.TransformerEncoder(norm_first=True, activation="gelu")`` with the same embedding,
   positions, pooling and head, ``torch.optim.AdamW``.
 - The float32 matmul rate of both frameworks on 2048 x 2048.
+- A bound (the "(why)" rows): flash's forward with everything but its two tile matmuls taken
+  out (``tile_matmuls``), at flash's tile and at 1024. Where PyTorch's whole SDPA forward takes
+  less time than these matmuls alone, no flash forward built from XLA's matmul kernels can
+  match it on this machine, however cheap its softmax.
 
 PyTorch is a benchmark-only extra (``pip install -e '.[bench]'``); without it the PyTorch cases
 record an import error and their figures read n/a. Both frameworks use every core (PyTorch's
@@ -38,6 +42,10 @@ LENGTHS = tuple(int(x) for x in os.environ.get("PEERS_LENGTHS", "1024,2048,4096,
 LONG = 16384          # forward only: fwd+bwd at 16K would take minutes per case here
 WITH_LONG = os.environ.get("PEERS_LONG", "1") != "0"
 JAX_NN_MAX = 4096     # jax.nn.dot_product_attention holds [H, L, L] scores
+# The forward's tile matmuls alone (``tile_matmuls``) at flash's own tile (0: the machine's,
+# ``kernels._autotune``) and at 1024, the larger tile that ran as fast on the Sapphire Rapids;
+# larger ones ran slower (2048: 89 against 81 ms at L=4096).
+TILE_BOUND_BLOCKS, TILE_BOUND_BLOCKS_QUICK = (0, 1024), (32, 64)
 STEP_LENGTHS = (2048, 4096)
 _VECTOR_FLAGS = ("sse4_2", "avx", "avx2", "fma", "avx512f", "avx512bw", "avx512vl",
                  "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8", "sve", "asimd")
@@ -86,7 +94,8 @@ def _torch_qkv(L: int, B: int, H: int, D: int, requires_grad: bool):
     return [torch.randn(B, H, L, D, generator=g, requires_grad=requires_grad) for _ in range(3)]
 
 
-def build(variant: str, L: int, causal: bool = False, B: int = 1, H: int = 4, D: int = 64):
+def build(variant: str, L: int, causal: bool = False, B: int = 1, H: int = 4, D: int = 64,
+          block: int = 0):
     flops = attention_flops(L, B, H, D, causal)
     if variant == "torch":
         import torch
@@ -117,9 +126,47 @@ def build(variant: str, L: int, causal: bool = False, B: int = 1, H: int = 4, D:
     elif variant == "jax.nn":
         fn = lambda q, k, v: jax.nn.dot_product_attention(  # noqa: E731
             q, k, v, is_causal=causal, implementation="xla")
+    elif variant == "tile matmuls":
+        if causal:
+            raise ValueError("the 'tile matmuls' bound is measured for full attention only")
+        fn = lambda q, k, v: tile_matmuls(q, k, v, block or None)  # noqa: E731
     else:
         raise ValueError(f"unknown variant {variant!r}")
     return Workload(fn, qkv(L, B, H, D), flops=flops)
+
+
+def tile_matmuls(q, k, v, block: int | None = None):
+    """Flash attention's forward with everything but its two tile matmuls taken out: per
+    head, for each ``block``-row query tile, ``acc += (q_t k_t^T) v_t`` over the key tiles
+    (no scale, no running max, no exponential, no normaliser). ``q, k, v [B, L, H, D]``,
+    ``L`` a multiple of ``block`` (the machine's flash tile, ``kernels._autotune``, by
+    default). Its time is what XLA's matmul kernels alone need for the forward's FLOPs at
+    flash's tiles: a floor for any flash forward built from them. Not attention: the suite
+    times it, nothing else calls it."""
+    import jax
+    import jax.numpy as jnp
+
+    from xformers_jax.kernels import _autotune
+
+    b = block or _autotune.default_block()
+    B, L, H, D = q.shape
+    if L % b:
+        raise ValueError(f"tile_matmuls: L = {L} must be a multiple of the tile {b}")
+
+    def one_head(q, k, v):  # [L, D] each
+        kt, vt = k.reshape(L // b, b, D), v.reshape(L // b, b, D)
+
+        def q_tile(qt):
+            def step(acc, kv):
+                return acc + (qt @ kv[0].T) @ kv[1], None
+            return jax.lax.scan(step, jnp.zeros((b, D), q.dtype), (kt, vt))[0]
+
+        return jax.lax.map(q_tile, q.reshape(L // b, b, D)).reshape(L, D)
+
+    # Over B and H on head-major copies, as ``multihead`` runs flash (each tile a contiguous
+    # slice).
+    hm = lambda x: jnp.swapaxes(x, 1, 2)  # noqa: E731
+    return hm(jax.vmap(jax.vmap(one_head))(hm(q), hm(k), hm(v)))
 
 
 def build_matmul(framework: str, n: int = 2048):
@@ -233,6 +280,10 @@ def cases(quick: bool) -> list[Case]:
                     continue
                 out.append(Case(f"{variant} attention", _BUILD,
                                 dict(variant=variant, L=L, causal=causal)))
+    for L in [x for x in lengths if quick or x >= 2048]:
+        for block in TILE_BOUND_BLOCKS_QUICK if quick else TILE_BOUND_BLOCKS:
+            out.append(Case("tile matmuls", _BUILD, dict(variant="tile matmuls", L=L,
+                                                         block=block), ("fwd",)))
     if not quick and WITH_LONG:
         for causal in (False, True):
             for variant in ("flash", "torch"):
@@ -294,6 +345,18 @@ def checks(r: Results):
     out.append(ratio_check("(why) PyTorch matmul rate / XLA matmul rate (2048^2 fp32)",
                            r.value("gflops", "matmul", "fwd", framework="torch"), xla,
                            at_least=0.0))
+    for L in [x for x in lengths if x >= 2048] or lengths[-1:]:
+        floor = [t for t in (r.time("tile matmuls", "fwd", L=L, block=b) for b in
+                             (TILE_BOUND_BLOCKS if lengths == LENGTHS else TILE_BOUND_BLOCKS_QUICK))
+                 if t is not None]
+        floor = min(floor) if floor else None
+        out.append(ratio_check(f"(why) PyTorch SDPA fwd time / our forward's tile matmuls alone "
+                               f"(no softmax) at L={L}",
+                               r.time("torch attention", "fwd", L=L, causal=False), floor,
+                               at_least=0.0))
+        out.append(ratio_check(f"(why) flash fwd time / its tile matmuls alone at L={L}",
+                               r.time("flash attention", "fwd", L=L, causal=False), floor,
+                               at_least=0.0))
     L = min(JAX_NN_MAX, lengths[-1])
     out.append(ratio_check(f"(why) jax.nn.dot_product_attention fwd+bwd time / flash at L={L}",
                            r.time("jax.nn attention", "fwdbwd", L=L, causal=False),
