@@ -165,3 +165,25 @@ def test_gpu_profile_default_cases_name_suite_cases():
         assert suite.startswith("gpu_") and mode in ("fwd", "fwdbwd") and builder, spec
     with pytest.raises(ValueError, match="no case"):
         gpu_profile._parse("gpu_attention:impl=pallas flash,L=3")
+
+
+def test_moe_bound_cases_time_what_they_name():
+    """The moe suite's (why) cases: the selection alone is the lookup's own top-k (same slots
+    and scores as inside ``product_key_lookup``'s workload) and the table case returns a fresh
+    zero [N, d] array."""
+    import numpy as np
+
+    from experiments.suites import moe
+    from xformers_jax import experts as M
+
+    sel = moe.build("product key top-k", T=8, N=16 ** 2)
+    scores, slots = jax.jit(sel.fn)(*sel.args)
+    x, wq, k1, k2 = sel.args
+    q = (x @ wq).reshape(8, moe.PKM_HEADS, moe.PKM_KEY_DIM)
+    want_scores, want_slots = M.product_key_topk(q, k1, k2, moe.PKM_K)
+    np.testing.assert_array_equal(slots, want_slots)
+    np.testing.assert_array_equal(scores, want_scores)
+    assert scores.shape == (8, moe.PKM_HEADS, moe.PKM_K)
+    table = moe.build("zero-filled table", T=8, N=16 ** 2)
+    out = jax.jit(table.fn)(*table.args)
+    assert out.shape == (256, moe.D) and not np.asarray(out).any()
