@@ -82,7 +82,9 @@ NOTE = (f"CPU: {cpu_description()}. {_torch_version()}. Ratios are 'x' = PyTorch
         "jax.nn's) time over ours: above 1 we are faster. Each case runs in its own process "
         "one after another; the machine may be shared, so only ratios within this run count. "
         "Checks marked (cpu time) compare the process's CPU time per call (all threads), which "
-        "other jobs' load stretches far less than wall time.")
+        "other jobs' load stretches far less than wall time. 'tile matmuls' is flash's forward "
+        "with only its two tile matmuls left (block 0: flash's own tile on this machine), a "
+        "floor for any flash forward built from XLA's matmul kernels.")
 
 
 # -- builders (worker processes) ---------------------------------------------------------------
