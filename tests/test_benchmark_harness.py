@@ -167,10 +167,9 @@ def test_gpu_profile_default_cases_name_suite_cases():
         gpu_profile._parse("gpu_attention:impl=pallas flash,L=3")
 
 
-def test_moe_bound_cases_time_what_they_name():
-    """The moe suite's (why) cases: the selection alone is the lookup's own top-k (same slots
-    and scores as inside ``product_key_lookup``'s workload) and the table case returns a fresh
-    zero [N, d] array."""
+def test_moe_selection_case_times_the_lookups_top_k():
+    """The moe suite's (why) case: the selection alone is the lookup's own top-k (the same
+    slots and scores as inside ``product_key_lookup``'s workload)."""
     import numpy as np
 
     from experiments.suites import moe
@@ -184,6 +183,3 @@ def test_moe_bound_cases_time_what_they_name():
     np.testing.assert_array_equal(slots, want_slots)
     np.testing.assert_array_equal(scores, want_scores)
     assert scores.shape == (8, moe.PKM_HEADS, moe.PKM_K)
-    table = moe.build("zero-filled table", T=8, N=64 ** 2)
-    out = jax.jit(table.fn)(*table.args)
-    assert out.shape == (64 ** 2, moe.D) and not np.asarray(out).any()
