@@ -44,7 +44,7 @@ WITH_LONG = os.environ.get("PEERS_LONG", "1") != "0"
 JAX_NN_MAX = 4096     # jax.nn.dot_product_attention holds [H, L, L] scores
 # The forward's tile matmuls alone (``tile_matmuls``) at flash's own tile (0: the machine's,
 # ``kernels._autotune``) and at 1024, the larger tile that ran as fast on the Sapphire Rapids;
-# larger ones ran slower (2048: 89 against 81 ms at L=4096).
+# larger ones ran slower (2048: 89 against 81 ms at L=4096, timed once in one process).
 TILE_BOUND_BLOCKS, TILE_BOUND_BLOCKS_QUICK = (0, 1024), (32, 64)
 STEP_LENGTHS = (2048, 4096)
 _VECTOR_FLAGS = ("sse4_2", "avx", "avx2", "fma", "avx512f", "avx512bw", "avx512vl",

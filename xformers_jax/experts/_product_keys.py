@@ -99,11 +99,6 @@ def _pairs(k: int) -> tuple[np.ndarray, np.ndarray]:
     return i[order].astype(np.int32), j[order].astype(np.int32)
 
 
-def _one_hot(index: np.ndarray, k: int, dtype) -> jax.Array:
-    """``[k, len(index)]``: column ``p`` is the one-hot vector of ``index[p]``."""
-    return jnp.asarray(np.arange(k)[:, None] == index[None, :], dtype)
-
-
 def product_key_topk(q, keys1, keys2, k: int):
     """``(scores float[T, H, k], slots int32[T, H, k])``: the top-``k`` of the ``n^2``
     product-key scores per query and head, in decreasing order (``slot = i * n + j``).
@@ -125,8 +120,10 @@ def product_key_topk(q, keys1, keys2, k: int):
     # values exactly (one nonzero term each, at full precision), and a backward that is a
     # small matmul instead of XLA's scatter-add.
     pick = jax.lax.Precision.HIGHEST
-    cand = (jnp.einsum("htk,km->htm", v1, _one_hot(a, k, v1.dtype), precision=pick)
-            + jnp.einsum("htk,km->htm", v2, _one_hot(b, k, v2.dtype), precision=pick))
+    cand = (jnp.einsum("htk,km->htm", v1, jax.nn.one_hot(a, k, dtype=v1.dtype, axis=0),
+                       precision=pick)
+            + jnp.einsum("htk,km->htm", v2, jax.nn.one_hot(b, k, dtype=v2.dtype, axis=0),
+                         precision=pick))
     slots = i1[..., a] * n + i2[..., b]
     best, which = jax.lax.top_k(cand, k)
     slots = jnp.take_along_axis(slots, which, -1).astype(jnp.int32)
