@@ -15,25 +15,26 @@ import xformers_jax.nn as nn
 from tests.tolerances import EXACT, EXACT_GRAD, assert_close
 from xformers_jax import experts as M
 from xformers_jax import train
+from xformers_jax.kinds import Kind
 
 L, DIM, HEADS, HIDDEN, VOCAB = 16, 16, 2, 32, 32
 # "none" (all-attention blocks' empty FFN) has no parameters: test_all_attention covers it.
-KINDS = [k for k in nn.registered_ffns() if k not in ("dense", "none")]
+KINDS = [k for k in nn.registered_kinds("ffn") if k not in ("dense", "none")]
 _jit = dict(compiler_options={"xla_backend_optimization_level": 0})
 
 
 def _lm(kind, layers=1, scan=True, **hp):
-    spec = nn.FFNSpec(kind, {**nn.get_ffn(kind).metadata.hyperparameters, **hp})
+    spec = nn.FFNSpec(kind, {**dict(nn.get_kind("ffn", kind).test_hyperparameters), **hp})
     return nn.CausalLM(VOCAB, DIM, layers, HEADS, HIDDEN, max_len=L, block=dict(ffn=spec),
                        stack=dict(scan=scan), key=jax.random.key(0))
 
 
 def test_metadata_complete_and_spec_errors():
-    for name in nn.registered_ffns():
-        md = nn.get_ffn(name).metadata
+    for name in nn.registered_kinds("ffn"):
+        md = nn.get_kind("ffn", name)
         assert md.name == name and callable(md.function) and md.paper.year > 1900
         assert md.time and md.memory and isinstance(md.causal, bool)
-        for f in dataclasses.fields(nn.FFNKind):
+        for f in dataclasses.fields(Kind):
             assert hasattr(md, f.name)
     with pytest.raises(ValueError, match="unknown FFN kind 'nope'"):
         nn.FFNSpec("nope")
@@ -47,7 +48,7 @@ def test_metadata_complete_and_spec_errors():
 
 
 def _layer(kind, causal):
-    spec = nn.FFNSpec(kind, nn.get_ffn(kind).metadata.hyperparameters)
+    spec = nn.FFNSpec(kind, nn.get_kind("ffn", kind).test_hyperparameters)
     return spec.build(DIM, HIDDEN, causal=causal, key=jax.random.key(0))
 
 
@@ -64,7 +65,7 @@ _layer_grad = jax.jit(jax.value_and_grad(_layer_loss, has_aux=True), static_argn
 def test_every_ffn_kind(kind):
     """Forward and gradient under jit; causal kinds: no output before a changed middle token
     moves (the layer routes the whole batch of tokens as one group)."""
-    causal = nn.get_ffn(kind).metadata.causal
+    causal = nn.get_kind("ffn", kind).causal
     layer = _layer(kind, causal)
     x = jax.random.normal(jax.random.key(1), (2, L, DIM))
     tokens = jax.random.randint(jax.random.key(2), (2, L), 1, VOCAB)

@@ -14,10 +14,10 @@ from xformers_jax import nn, train
 from xformers_jax.train._optim import make_optimizer
 
 B, L, DIM, HEADS, MAX_LEN = 2, 12, 16, 2, 16
-MIXERS = nn.registered_mixers()
-CAUSAL = [m for m in MIXERS if nn.get_mixer(m).causal]
-RECURRENT = [m for m in MIXERS if nn.get_mixer(m).decoding == "recurrent"]
-DECODES = [m for m in MIXERS if nn.get_mixer(m).decoding is not None]
+MIXERS = nn.registered_kinds("mixer")
+CAUSAL = [m for m in MIXERS if nn.get_kind("mixer", m).causal]
+RECURRENT = [m for m in MIXERS if nn.get_kind("mixer", m).decoding == "recurrent"]
+DECODES = [m for m in MIXERS if nn.get_kind("mixer", m).decoding is not None]
 
 
 def _jit(f):
@@ -25,7 +25,7 @@ def _jit(f):
 
 
 def _module(name, causal):
-    spec = nn.MixerSpec(name, nn.get_mixer(name).metadata.hyperparameters)
+    spec = nn.MixerSpec(name, nn.get_kind("mixer", name).test_hyperparameters)
     return nn._mixer.make_mixer(spec, DIM, HEADS, causal=causal, max_len=MAX_LEN,
                                 key=jax.random.PRNGKey(1))
 
@@ -38,7 +38,7 @@ def test_registry_lists_every_mixer_with_complete_metadata():
     assert set(MIXERS) >= {"s4d", "s5", "retnet", "gla", "mamba2", "mamba", "gated_deltanet",
                            "mlp_mixer", "gmlp", "amlp", "fnet", "poolformer", "lambda"}
     for name in MIXERS:
-        kind = nn.get_mixer(name).metadata
+        kind = nn.get_kind("mixer", name)
         assert kind.family == "mixers" and kind.missing() == (), name
     assert set(RECURRENT) == {"s4d", "s5", "retnet", "gla", "mamba2", "mamba",
                               "gated_deltanet"}
@@ -58,7 +58,7 @@ def test_registry_errors():
         nn.TransformerBlock(DIM, HEADS, 32, spec=nn.AttentionSpec("flash"),
                             mixer=nn.MixerSpec("fnet"), key=jax.random.PRNGKey(0))
     with pytest.raises(ValueError, match="already registered"):
-        nn.register_mixer(nn.get_mixer("fnet"))
+        nn.register_kind(nn.get_kind("mixer", "fnet"))
     with pytest.raises(ValueError, match=r"kv_mask must be bool\[B, L\]"):
         _module("poolformer", False)(_x(jax.random.PRNGKey(0)), kv_mask=jnp.ones((B, 3), bool))
     with pytest.raises(ValueError, match="exceeds the 16 positions"):

@@ -16,27 +16,28 @@ import pytest
 
 import xformers_jax.nn as nn
 from experiments.catalogue import catalogue
-from xformers_jax.attention._kind import all_kinds
+from xformers_jax import attention
+from xformers_jax.kinds import AttentionAdapter, Kind
 
 L, DIM, HEADS, HIDDEN = 16, 16, 2, 32
 # Each kind's tiny test hyperparameters (L = max_len = 16, head width 8) are declared with its
 # metadata, beside its function (xformers_jax/attention/**/_kinds.py).
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-KINDS = sorted(nn.registered_variants())
-CAUSAL_KINDS = [k for k in KINDS if nn.get_variant(k).causal]
+KINDS = sorted(nn.registered_kinds("attention"))
+CAUSAL_KINDS = [k for k in KINDS if nn.get_kind("attention", k).causal]
 # Hard-coded Gaussian attention (You et al., 2020) fixes its weights: no query in the path.
 QUERY_FREE = {"hardcoded_gaussian"}
 
 
 def _spec(kind):
-    metadata = nn.get_variant(kind).metadata
-    if metadata is None:
+    record = nn.get_kind("attention", kind)
+    if record.missing():
         pytest.fail(f"registered kind {kind!r} has no test hyperparameters; declare a Kind record "
                     "beside its function")
-    if nn.get_variant(kind).state is not None:
+    if record.adapter.state is not None:
         pytest.skip(f"{kind!r} keeps eqx.nn.State (models take and return `state`): covered by "
                     "tests/test_nn_variants_extra.py")
-    return nn.AttentionSpec(kind, metadata.hyperparameters)
+    return nn.AttentionSpec(kind, record.test_hyperparameters)
 
 
 def _finite_grads(grads):
@@ -118,12 +119,13 @@ def test_spec_from_config_and_errors():
 def test_every_kind_has_complete_metadata_and_the_catalogue_is_current():
     # Every kind the library declares is registered from its record, and the record is complete
     # (a kind registered by a user, e.g. the LRA suite's floor, may have none).
-    declared = {k.name: k for k in all_kinds()}
-    assert len(declared) == len(all_kinds())
+    declared = {k.name: k for k in attention.KINDS}
+    assert len(declared) == len(attention.KINDS)
     for name, kind in declared.items():
         assert kind.missing() == (), (name, kind.missing())
-        assert nn.get_variant(name).metadata is kind
-    library = [n for n in KINDS if nn.get_variant(n).attend.__module__.startswith("xformers_jax")]
+        assert nn.get_kind("attention", name) is kind
+    library = [n for n in KINDS
+               if nn.get_kind("attention", n).adapter.attend.__module__.startswith("xformers_jax")]
     assert set(library) == set(declared)
     with open(ROOT / "CATALOGUE.md") as f:
         assert f.read() == catalogue(), ("CATALOGUE.md is stale: run "
@@ -131,9 +133,11 @@ def test_every_kind_has_complete_metadata_and_the_catalogue_is_current():
 
 
 def test_registration_is_explicit():
-    variant = nn.get_variant("local")
+    kind = nn.get_kind("attention", "local")
     with pytest.raises(ValueError, match="'local' is already registered"):
-        nn.register_variant(variant)
-    assert nn.register_variant(variant, replace=True) is variant
-    with pytest.raises(TypeError, match="Variant is final"):
-        type("Sub", (nn.Variant,), {})
+        nn.register_kind(kind)
+    assert nn.register_kind(kind, replace=True) is kind
+    with pytest.raises(TypeError, match="Kind is final"):
+        type("Sub", (Kind,), {})
+    with pytest.raises(TypeError, match="AttentionAdapter is final"):
+        type("Sub", (AttentionAdapter,), {})

@@ -1,7 +1,7 @@
-"""The sparse, delta-rule and routing variants (xformers_jax/nn/_variants/): references against
-other registry kinds, delta-rule decoding, and routing attention's eqx.nn.State through attention,
-blocks and scanned stacks (the generic registry tests in test_nn_registry.py cover forward,
-gradient, jit and causal no-leak for the stateless ones)."""
+"""The sparse, delta-rule and routing kinds (their adapters in xformers_jax/attention/**/_kinds.py):
+references against other registry kinds, delta-rule decoding, and routing attention's
+eqx.nn.State through attention, blocks and scanned stacks (the generic registry tests in
+test_nn_registry.py cover forward, gradient, jit and causal no-leak for the stateless ones)."""
 
 import equinox as eqx
 import jax
@@ -46,13 +46,13 @@ def test_sparse_transformer_heads_split_the_patterns():
     spec = {"stride": 4, "block_q": 8, "block_k": 8}
     mha = _mha("per_head_block_sparse", spec, causal=True)
     q, k, v = mha._project(X, None)
-    out = mha.variant.attend(q, k, v, None, causal=True, kv_mask=None, bias=None, key=None,
+    out = mha.adapter.attend(q, k, v, None, causal=True, kv_mask=None, bias=None, key=None,
                              **spec)
     blocks = {"block_q": 8, "block_k": 8}
     local = _mha("block_sparse", {"pattern": P.Strided(4, "local"), **blocks}, causal=True)
     strided = _mha("block_sparse", {"pattern": P.Strided(4, "strided"), **blocks}, causal=True)
     for ref, heads in ((local, slice(0, 2)), (strided, slice(2, 4))):
-        o = ref.variant.attend(q, k, v, None, causal=True, kv_mask=None, bias=None, key=None,
+        o = ref.adapter.attend(q, k, v, None, causal=True, kv_mask=None, bias=None, key=None,
                                pattern=ref.spec.hyperparameters["pattern"], block_q=8, block_k=8)
         assert_close(out[:, :, heads], o[:, :, heads])
     with pytest.raises(ValueError, match="PerHead has 2 patterns but the module has 4 heads"):

@@ -38,17 +38,17 @@ from tests.tolerances import EXACT, EXACT_GRAD, assert_close
 DIM, HEADS, HIDDEN, VOCAB = 16, 2, 32, 20
 SHORT, LONG = 16, 24        # the two padded lengths (test hyperparameters are sized for 16)
 REAL = np.array([11, 13])   # real tokens of the two batch rows
-KINDS = sorted(nn.registered_variants())
-CAUSAL_KINDS = [k for k in KINDS if nn.get_variant(k).causal]
+KINDS = sorted(nn.registered_kinds("attention"))
+CAUSAL_KINDS = [k for k in KINDS if nn.get_kind("attention", k).causal]
 _LEVEL0 = {"xla_backend_optimization_level": 0}
 
 
 def _spec(kind):
-    metadata = nn.get_variant(kind).metadata
-    if metadata is None:
+    record = nn.get_kind("attention", kind)
+    if record.missing():
         pytest.fail(f"registered kind {kind!r} has no test hyperparameters; declare a Kind record "
                     "beside its function")
-    return nn.AttentionSpec(kind, metadata.hyperparameters), metadata.fixed_length
+    return nn.AttentionSpec(kind, record.test_hyperparameters), record.fixed_length
 
 
 def _build(cls, *args, kind, max_len, key, **kw):
@@ -56,7 +56,7 @@ def _build(cls, *args, kind, max_len, key, **kw):
     ``eqx.nn.State``, e.g. routing)."""
     spec, _ = _spec(kind)
     make = functools.partial(cls, *args, max_len=max_len, block=dict(spec=spec), key=key, **kw)
-    if nn.get_variant(kind).state is None:
+    if nn.get_kind("attention", kind).adapter.state is None:
         return make(), None
     return eqx.nn.make_with_state(make)()
 
@@ -135,7 +135,8 @@ def test_encoder_padding_content_and_amount_change_nothing(kind):
         _close(new_b, new, f"{kind}: padding changed the variant's state update")
 
 
-@pytest.mark.parametrize("kind", [k for k in CAUSAL_KINDS if nn.get_variant(k).state])
+@pytest.mark.parametrize("kind", [k for k in CAUSAL_KINDS
+                                  if nn.get_kind("attention", k).adapter.state])
 def test_stateful_causal_lm_middle_token_changes_no_earlier_logit(kind):
     # (c) for the kinds test_nn_registry.py skips (they keep eqx.nn.State, e.g. routing).
     model, state = _build(nn.CausalLM, VOCAB, DIM, 1, HEADS, HIDDEN, kind=kind, max_len=SHORT,

@@ -82,11 +82,11 @@ def test_no_leak_and_padding_in_models(name):
 
 def test_dense_score_and_carry_errors():
     for kind in ("predictive", "lazy"):
-        assert nn.get_variant(kind).dense_scores
+        assert nn.get_kind("attention", kind).adapter.dense_scores
         with pytest.raises(ValueError, match="dense-score kind"):
             nn.MultiHeadAttention(DIM, HEADS, spec=nn.AttentionSpec(
                 kind, {"implementation": "tiled"}), key=jax.random.PRNGKey(0))
-    assert not nn.get_variant("realformer").dense_scores
+    assert not nn.get_kind("attention", "realformer").adapter.dense_scores
     layer = nn.MultiHeadAttention(DIM, HEADS, spec=_spec("realformer"), key=jax.random.PRNGKey(0))
     with pytest.raises(ValueError, match="passes scores from layer to layer"):
         layer(jnp.ones((1, L, DIM)))

@@ -42,6 +42,8 @@ ATTENTION_NAMES = {
     "multiscale_patterns", "predict_gaussian_window", "predictive_attention", "predictive_conv",
     "realformer_attention", "realformer_flash_attention", "talking_heads_attention",
     "init_routing_votes", "routing_aggregation", "squash",
+    # Every attention kind's record (xformers_jax.kinds.Kind), family by family.
+    "KINDS",
 }
 PATTERN_NAMES = {
     "BPTree", "BigBird", "BlockBERT", "BlockLayout", "BlockLocal", "Cascade", "Causal", "Dilated",
@@ -138,13 +140,15 @@ EXPERTS_NAMES = {
     "hash_route", "init_expert_weights", "load_balancing_loss", "moe_capacity", "moe_dropless",
     "moe_ffn", "moe_reference", "product_key_lookup", "product_key_topk", "prototype_route",
     "register_grouped_matmul", "router_logits", "router_z_loss", "top_k_route",
+    # The dense, sparse and empty FFNs, and every FFN kind's record.
+    "KINDS", "feed_forward", "no_feed_forward", "sparse_feed_forward",
 }
 
 
 def test_experts_names_are_pinned():
     assert _public(importlib.import_module("xformers_jax.experts")) == EXPERTS_NAMES
     nn = importlib.import_module("xformers_jax.nn")
-    for name in ("FFNSpec", "FFNKind", "register_ffn", "get_ffn", "registered_ffns",
+    for name in ("FFNSpec", "Spec", "register_kind", "get_kind", "registered_kinds", "implements",
                  "MoEFeedForward", "ProductKeyMemory", "SparseFeedForward", "aux_losses",
                  "aux_metrics", "SparseQKVAttention", "BlockCycle"):
         assert hasattr(nn, name), name
@@ -158,13 +162,15 @@ MIXERS_NAMES = {
     "causal_convolve", "fourier_mixing", "gated_delta", "gla", "lambda_mixing",
     "linear_recurrence", "pool_mixing", "retention", "s4d", "s4d_kernel", "s4d_step", "s5",
     "s5_step", "selective_scan", "selective_step", "spatial_gating", "ssd", "token_mixing_mlp",
-    "zoh",
+    "zoh", "lightweight_conv",
+    # Every mixer's record (xformers_jax.kinds.Kind).
+    "KINDS",
 }
 
 
 def test_mixers_names_are_pinned():
     assert _public(importlib.import_module("xformers_jax.mixers")) == MIXERS_NAMES
     nn = importlib.import_module("xformers_jax.nn")
-    for name in ("MixerSpec", "MixerVariant", "MixerModule", "register_mixer", "get_mixer",
-                 "registered_mixers", "SSM_PARAMETERS", "ssm_parameters"):
+    for name in ("MixerSpec", "MixerModule", "register_kind", "get_kind", "registered_kinds",
+                 "SSM_PARAMETERS", "ssm_parameters"):
         assert hasattr(nn, name), name

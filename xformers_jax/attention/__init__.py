@@ -3,6 +3,10 @@
 The contract (see ``_contract``): ``variant(q [Lq, Dk], k [Lk, Dk], v [Lk, Dv], *arrays,
 causal=False, kv_mask=None, scale=None, key=None, **hyperparameters) -> [Lq, Dv]``. Lift any
 variant to ``[batch, length, heads, dim]`` with :func:`multihead`.
+
+:data:`KINDS` holds every attention kind as a :class:`xformers_jax.kinds.Kind` record (its
+function, paper, cost, hyperparameters and the adapter ``nn.MultiHeadAttention`` runs), family by
+family; each family declares its records in its ``_kinds.py``.
 """
 
 from . import patterns as patterns
@@ -109,3 +113,14 @@ from .priors import talking_heads_attention as talking_heads_attention
 from .priors import init_routing_votes as init_routing_votes
 from .priors import routing_aggregation as routing_aggregation
 from .priors import squash as squash
+
+from ._kinds import KINDS as _EXACT_KINDS
+from .learned._kinds import KINDS as _LEARNED_KINDS
+from .linear._kinds import KINDS as _LINEAR_KINDS
+from .lowrank._kinds import KINDS as _LOWRANK_KINDS
+from .priors._kinds import KINDS as _PRIORS_KINDS
+from .sparse._kinds import KINDS as _SPARSE_KINDS
+
+# Every attention kind, in family order (xformers_jax.kinds.FAMILIES["attention"]).
+KINDS = (*_EXACT_KINDS, *_SPARSE_KINDS, *_LINEAR_KINDS, *_LOWRANK_KINDS, *_LEARNED_KINDS,
+         *_PRIORS_KINDS)

@@ -1,29 +1,94 @@
-"""Metadata of the exact softmax kinds (see :mod:`._kind`)."""
+"""The exact softmax kinds (:mod:`._dense`, :mod:`._exact`) as :class:`~xformers_jax.kinds.Kind`
+records, with their adapters: the only kinds that take additive position biases and decode over
+a key/value cache."""
 
 from __future__ import annotations
 
-from . import patterns as P
+from ..kinds import AttentionAdapter, Kind, KVDecoding, Paper, REQUIRED, SequenceParallel
+from ..kinds import WindowDecoding
+from ._adapters import lifted
 from ._dense import dot_product_attention
 from ._exact import block_sparse_attention, flash_attention
-from ._kind import Kind, Paper
+from ._halo import halo_local_attention
+from ._ring import ring_attention
+from .patterns import Local
 
 _VASWANI = Paper("Vaswani et al.", 2017, "Attention Is All You Need")
 _CHILD = Paper("Child et al.", 2019, "Generating Long Sequences with Sparse Transformers")
 
+_TILES = {
+    "block_q": (None, "query tile of the tiled kernel (None: the kernel's default)"),
+    "block_k": (None, "key tile of the tiled kernel (None: the kernel's default)"),
+    "implementation": (None, "'xla', 'pallas', or None for the fastest that runs here"),
+}
+
+
+def _block_sparse(q, k, v, *, pattern, **kw):
+    return block_sparse_attention(q, k, v, pattern, **kw)
+
+
+def _local(q, k, v, *, left, right=0, **kw):
+    return block_sparse_attention(q, k, v, Local(left, right), **kw)
+
+
+# Sequence parallelism: ring attention (Liu et al., 2023) for the full and causal patterns, a
+# halo exchange for the sliding window. The Pallas implementations are single-device kernels:
+# under a sequence split the ring runs the XLA tiles.
+def _ring(q, k, v, *, causal=False, kv_mask=None, key=None, block_q=None, block_k=None,
+          pattern=None, implementation=None):
+    return ring_attention(q, k, v, causal=causal, kv_mask=kv_mask, block_q=block_q,
+                          block_k=block_k)
+
+
+def _halo(q, k, v, *, left, right=0, causal=False, kv_mask=None, key=None, block_q=None,
+          block_k=None, implementation=None):
+    return halo_local_attention(q, k, v, left=left, right=right, causal=causal,
+                                kv_mask=kv_mask, block_q=block_q, block_k=block_k)
+
+
+def _no_pattern(hp, causal):
+    if hp.get("pattern") is not None:
+        return ("ring attention runs the full or causal pattern, not pattern="
+                f"{hp['pattern']!r}; use kind 'local' for a sliding window")
+    return None
+
+
+_RING = SequenceParallel(lifted(_ring), _no_pattern)
+_PATTERN_DECODING = KVDecoding(pattern=lambda hp: hp["pattern"])
+
 KINDS = (
     Kind("dot_product", dot_product_attention, "exact", _VASWANI,
          time="O(L^2 D)", memory="O(L^2)", causal=True, decoding="kv", bias=True,
-         test_hyperparameters={}),
+         test_hyperparameters={},
+         hyperparameters={"pattern": (None, "a static sparsity pattern (attention.patterns) "
+                                            "applied to the dense scores; None: all keys")},
+         adapter=AttentionAdapter(lifted(dot_product_attention), decoding=_PATTERN_DECODING,
+                                  sequence=_RING)),
     Kind("flash", flash_attention, "exact",
          Paper("Dao et al.", 2022,
                "FlashAttention: Fast and Memory-Efficient Exact Attention with IO-Awareness"),
          time="O(L^2 D)", memory="O(L D)", causal=True, decoding="kv", bias=True,
-         test_hyperparameters={"block_q": 8, "block_k": 8}),
+         test_hyperparameters={"block_q": 8, "block_k": 8},
+         hyperparameters={"pattern": (None, "a static sparsity pattern (attention.patterns) "
+                                            "whose empty tiles are skipped; None: all keys"),
+                          **_TILES},
+         adapter=AttentionAdapter(lifted(flash_attention), decoding=_PATTERN_DECODING,
+                                  sequence=_RING)),
     Kind("block_sparse", block_sparse_attention, "exact", _CHILD,
          time="O(L n D), n kept keys per query", memory="O(L D)", causal=True, decoding="kv",
-         bias=True, test_hyperparameters={"pattern": P.Local(4, 4), "block_q": 8, "block_k": 8}),
+         bias=True, test_hyperparameters={"pattern": Local(4, 4), "block_q": 8, "block_k": 8},
+         hyperparameters={"pattern": (REQUIRED, "the static sparsity pattern "
+                                                "(attention.patterns), e.g. Local(16, 0)"),
+                          **_TILES},
+         adapter=AttentionAdapter(lifted(_block_sparse), decoding=_PATTERN_DECODING)),
     Kind("local", block_sparse_attention, "exact",
          Paper("Parmar et al.", 2018, "Image Transformer"),
          time="O(L w D), w the window", memory="O(L D)", causal=True, decoding="window",
-         bias=True, test_hyperparameters={"left": 3}),
+         bias=True, test_hyperparameters={"left": 3},
+         hyperparameters={"left": (REQUIRED, "keys before the query inside its window"),
+                          "right": (0, "keys after the query inside its window"),
+                          **_TILES},
+         adapter=AttentionAdapter(lifted(_local),
+                                  decoding=WindowDecoding(left=lambda hp: hp["left"]),
+                                  sequence=SequenceParallel(lifted(_halo)))),
 )

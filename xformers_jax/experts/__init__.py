@@ -1,8 +1,10 @@
-"""Sparse models as pure functions: routers (top-k, expert choice, hash, prototypes, BASE
-layers' balanced assignment), auxiliary losses, capacity and dropless dispatch (the grouped
-matmul backend switch), product-key memory lookup and Scaling Transformers' sparse QKV. The
-Equinox layers over them are in ``xformers_jax.nn`` (``MoEFeedForward``, ``ProductKeyMemory``,
-``SparseQKVAttention``, ...); expert parallelism is in ``xformers_jax.parallel``.
+"""Sparse models and the block's FFNs as pure functions: routers (top-k, expert choice, hash,
+prototypes, BASE layers' balanced assignment), auxiliary losses, capacity and dropless dispatch
+(the grouped matmul backend switch), product-key memory lookup, Scaling Transformers' sparse
+QKV and sparse FFN, and the dense FFN. The Equinox layers over them are in ``xformers_jax.nn``
+(``FeedForward``, ``MoEFeedForward``, ``ProductKeyMemory``, ``SparseQKVAttention``, ...);
+expert parallelism is in ``xformers_jax.parallel``. :data:`KINDS` holds every FFN kind as a
+:class:`xformers_jax.kinds.Kind` record.
 """
 
 from ._balanced import balanced_assignment as balanced_assignment
@@ -17,10 +19,14 @@ from ._dispatch import moe_capacity as moe_capacity
 from ._dispatch import moe_dropless as moe_dropless
 from ._dispatch import moe_ffn as moe_ffn
 from ._dispatch import moe_reference as moe_reference
+from ._ffn import feed_forward as feed_forward
+from ._ffn import no_feed_forward as no_feed_forward
+from ._ffn import sparse_feed_forward as sparse_feed_forward
 from ._grouped import default_backend as default_backend
 from ._grouped import grouped_matmul as grouped_matmul
 from ._grouped import grouped_matmul_backends as grouped_matmul_backends
 from ._grouped import register_grouped_matmul as register_grouped_matmul
+from ._kinds import KINDS as KINDS
 from ._losses import LOAD_BALANCING_COEF as LOAD_BALANCING_COEF
 from ._losses import Z_LOSS_COEF as Z_LOSS_COEF
 from ._losses import expert_load as expert_load

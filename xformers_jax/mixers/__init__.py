@@ -1,9 +1,13 @@
 """Token mixers that are not attention: gated linear recurrences on the one chunked causal
 scan (RetNet, GLA, Mamba-2's SSD, Gated DeltaNet), diagonal state space models (S4D, S5,
-Mamba's selective scan) and the MLP / Fourier / pooling / lambda mixers. One-sequence
-functions; the Equinox modules and the mixer registry are in :mod:`xformers_jax.nn`
-(``MixerSpec``), the metadata in ``_kinds.KINDS``.
+Mamba's selective scan), the MLP / Fourier / pooling / lambda mixers (one-sequence functions)
+and LSRA's lightweight convolution. :data:`KINDS` holds every mixer as a
+:class:`xformers_jax.kinds.Kind` record; the Equinox modules and the one slot registry are in
+:mod:`xformers_jax.nn` (``MixerSpec``).
 """
+
+from ._conv import lightweight_conv as lightweight_conv
+from ._kinds import KINDS as KINDS
 
 from ._mixing import fourier_mixing as fourier_mixing
 from ._mixing import lambda_mixing as lambda_mixing

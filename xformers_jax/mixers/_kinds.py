@@ -1,67 +1,105 @@
-"""Metadata of the token mixers (the attention families' :class:`Kind` record, family
-``"mixers"``). ``decoding="recurrent"``: an O(1) state per step; ``"kv"``: a cache growing with the
-sequence (gMLP's past gate inputs, aMLP's keys and values); None: cannot decode.
-``fixed_length``: weights sized by ``max_len``. ``causal``: a causal form exists."""
+"""The token mixers as :class:`~xformers_jax.kinds.Kind` records (family ``"mixers"``).
+``decoding="recurrent"``: an O(1) state per step; ``"kv"``: a cache growing with the sequence
+(gMLP's past gate inputs, aMLP's keys and values); None: cannot decode. ``fixed_length``:
+weights sized by ``max_len``. ``causal``: a causal form exists. Each mixer's layer (the
+record's adapter) is the ``xformers_jax.nn`` module that declares it with ``nn.implements``."""
 
 from __future__ import annotations
 
-from ..attention._kind import Kind, Paper
+from ..kinds import Kind, Paper
+from ._conv import lightweight_conv
 from ._mixing import (fourier_mixing, lambda_mixing, pool_mixing, spatial_gating,
                       token_mixing_mlp)
-from ._recurrences import gated_delta, gla, retention, ssd
+from ._recurrences import GLA_CHUNK, gated_delta, gla, retention, ssd
 from ._ssm import s4d, s5, selective_scan
 
 _CHUNK = {"chunk_size": 8}
+
+
+def _scan(chunk_size, forms):
+    return {"chunk_size": (chunk_size, "positions per chunk of the chunked scan"),
+            "implementation": ("chunked", f"the form: {forms}")}
+
+
+def _ssm(state_size, implementation, forms):
+    return {
+        "state_size": (state_size, "states per system"),
+        "dt_min": (1e-3, "smallest initial step size (log-uniform in [dt_min, dt_max])"),
+        "dt_max": (1e-1, "largest initial step size"),
+        "implementation": (implementation, f"the form: {forms}"),
+    }
+
+
+_SELECTIVE = {
+    "expand": (2, "inner width expand * dim"),
+    "conv_width": (4, "taps of the short causal convolution"),
+}
 
 KINDS = (
     Kind("retnet", retention, "mixers",
          Paper("Sun et al.", 2023, "Retentive Network: A Successor to Transformer for Large "
                "Language Models"),
          time="O(L c D + L D^2)", memory="O(L D + (L/c) D^2)", causal=True,
-         decoding="recurrent", test_hyperparameters=_CHUNK),
+         decoding="recurrent", test_hyperparameters=_CHUNK,
+         hyperparameters=_scan(64, "'chunked', 'parallel' or 'recurrent'")),
     Kind("gla", gla, "mixers",
          Paper("Yang et al.", 2024, "Gated Linear Attention Transformers with "
                "Hardware-Efficient Training"),
          time="O(L c D_k + L D^2)", memory="O(L D + (L/c) D^2 + c^2 D_k)", causal=True,
-         decoding="recurrent", test_hyperparameters=_CHUNK),
+         decoding="recurrent", test_hyperparameters=_CHUNK,
+         hyperparameters=_scan(GLA_CHUNK, "'chunked', 'parallel' or 'recurrent'")),
     Kind("mamba2", ssd, "mixers",
          Paper("Dao and Gu", 2024, "Transformers are SSMs: Generalized Models and Efficient "
                "Algorithms Through Structured State Space Duality"),
          time="O(L c N + L N P)", memory="O(L D + (L/c) N D)", causal=True,
-         decoding="recurrent", test_hyperparameters={**_CHUNK, "state_size": 8}),
+         decoding="recurrent", test_hyperparameters={**_CHUNK, "state_size": 8},
+         hyperparameters={**_ssm(64, "chunked", "'chunked', 'parallel' or 'recurrent'"),
+                          **_SELECTIVE,
+                          "chunk_size": (64, "positions per chunk of the chunked scan")}),
     Kind("mamba", selective_scan, "mixers",
          Paper("Gu and Dao", 2023, "Mamba: Linear-Time Sequence Modeling with Selective State "
                "Spaces"),
          time="O(L D N)", memory="O(L D + G D N)", causal=True, decoding="recurrent",
-         test_hyperparameters={"state_size": 4}),
+         test_hyperparameters={"state_size": 4},
+         hyperparameters={**_ssm(16, "associative", "'associative' or 'sequential'"),
+                          **_SELECTIVE}),
     Kind("gated_deltanet", gated_delta, "mixers",
          Paper("Yang, Kautz and Hatamizadeh", 2025, "Gated Delta Networks: Improving Mamba2 "
                "with Delta Rule"),
          time="O(L c D + L D^2)", memory="O(L D + (L/c) D^2)", causal=True,
-         decoding="recurrent", test_hyperparameters=_CHUNK),
+         decoding="recurrent", test_hyperparameters=_CHUNK,
+         hyperparameters={**_scan(64, "'chunked', 'recurrent' or 'parallel'"),
+                          "dt_min": (1e-3, "smallest initial decay step (log-uniform)"),
+                          "dt_max": (1e-1, "largest initial decay step")}),
     Kind("s4d", s4d, "mixers",
          Paper("Gu, Gupta, Goel and Re", 2022, "On the Parameterization and Initialization of "
                "Diagonal State Space Models"),
          time="O(H N L + H L log L)", memory="O(H N L)", causal=True, decoding="recurrent",
-         test_hyperparameters={"state_size": 8}),
+         test_hyperparameters={"state_size": 8},
+         hyperparameters=_ssm(64, "fft", "'fft' (convolution kernel) or 'recurrent'")),
     Kind("s5", s5, "mixers",
          Paper("Smith, Warrington and Linderman", 2023, "Simplified State Space Layers for "
                "Sequence Modeling"),
          time="O(L P H)", memory="O(L P)", causal=True, decoding="recurrent",
-         test_hyperparameters={"state_size": 8}),
+         test_hyperparameters={"state_size": 8},
+         hyperparameters=_ssm(64, "associative", "'associative' or 'sequential'")),
     Kind("mlp_mixer", token_mixing_mlp, "mixers",
          Paper("Tolstikhin et al.", 2021, "MLP-Mixer: An all-MLP Architecture for Vision"),
          time="O(L T D)", memory="O(L D + T L)", causal=False, fixed_length=True,
-         test_hyperparameters={"token_hidden": 8}),
+         test_hyperparameters={"token_hidden": 8},
+         hyperparameters={"token_hidden": (256, "hidden units T of the token-mixing MLP")}),
     Kind("gmlp", spatial_gating, "mixers",
          Paper("Liu, Dai, So and Le", 2021, "Pay Attention to MLPs"),
          time="O(L^2 E)", memory="O(L^2 + L E)", causal=True, fixed_length=True,
-         decoding="kv", test_hyperparameters={"expansion": 2}),
+         decoding="kv", test_hyperparameters={"expansion": 2},
+         hyperparameters={"expansion": (6, "d_ffn = expansion * dim")}),
     Kind("amlp", spatial_gating, "mixers",
          Paper("Liu, Dai, So and Le", 2021, "Pay Attention to MLPs (aMLP: gMLP with a tiny "
                "single-head attention)"),
          time="O(L^2 (E + d_attn))", memory="O(L^2 + L E)", causal=True, fixed_length=True,
-         decoding="kv", test_hyperparameters={"expansion": 2, "attention_dim": 8}),
+         decoding="kv", test_hyperparameters={"expansion": 2, "attention_dim": 8},
+         hyperparameters={"expansion": (6, "d_ffn = expansion * dim"),
+                          "attention_dim": (64, "width of the tiny single-head attention")}),
     Kind("fnet", fourier_mixing, "mixers",
          Paper("Lee-Thorp, Ainslie, Eckstein and Ontanon", 2022, "FNet: Mixing Tokens with "
                "Fourier Transforms"),
@@ -69,10 +107,22 @@ KINDS = (
     Kind("poolformer", pool_mixing, "mixers",
          Paper("Yu et al.", 2022, "MetaFormer Is Actually What You Need for Vision"),
          time="O(L D p)", memory="O(L D)", causal=False,
-         test_hyperparameters={"pool_size": 3}),
+         test_hyperparameters={"pool_size": 3},
+         hyperparameters={"pool_size": (3, "positions p per average pool")}),
     Kind("lambda", lambda_mixing, "mixers",
          Paper("Bello", 2021, "LambdaNetworks: Modeling Long-Range Interactions Without "
                "Attention"),
          time="O(L^2 K V) global, O(L r K V) local", memory="O(L^2 K) global", causal=False,
-         fixed_length=True, test_hyperparameters={"key_dim": 4}),
+         fixed_length=True, test_hyperparameters={"key_dim": 4},
+         hyperparameters={
+             "key_dim": (16, "query and key width K"),
+             "window": (None, "local-context radius r of the position lambdas (None: global)")}),
+    Kind("lsra", lightweight_conv, "mixers",
+         Paper("Wu et al.", 2020, "Lite Transformer with Long-Short Range Attention"),
+         time="O(L^2 D / 2 + L K D / 2)", memory="O(L D) with flash, O(L^2) dense",
+         causal=True, test_hyperparameters={"kernel_size": 3},
+         hyperparameters={
+             "kernel_size": (3, "taps K of the lightweight convolution branch"),
+             "spec": ("dot_product", "the attention branch's kind: a name or an "
+                                     "nn.AttentionSpec")}),
 )

@@ -1,8 +1,11 @@
 """Equinox modules that compose any attention variant: attention, positions, norms, FFNs,
 blocks, layer stacks and models (see ``xformers_jax.attention`` for the variants themselves).
 
-Name an attention with :class:`AttentionSpec` (``kind`` plus hyperparameters, from the registry
-in :mod:`._registry`); every model accepts it through ``block=dict(spec=...)``.
+A block's slots are filled by name from the one slot registry (:mod:`._slots`): its attention
+with :class:`AttentionSpec`, a token mixer replacing it with :class:`MixerSpec`, its FFN with
+:class:`FFNSpec` (``kind`` plus hyperparameters; every model accepts them through
+``block=dict(spec=..., mixer=..., ffn=...)``). Every kind is a :class:`xformers_jax.kinds.Kind`
+record (:func:`get_kind`, :func:`registered_kinds`, :func:`register_kind`).
 """
 
 from ._adaptive import ACTInfo as ACTInfo
@@ -22,14 +25,8 @@ from ._blocks import TransformerBlock as TransformerBlock
 from ._cache import KVCache as KVCache
 from ._cache import RecurrentCache as RecurrentCache
 from ._ffn import FeedForward as FeedForward
-from ._ffns import FFNKind as FFNKind
-from ._ffns import FFNSpec as FFNSpec
-from ._ffns import FFNVariant as FFNVariant
 from ._ffns import aux_losses as aux_losses
 from ._ffns import aux_metrics as aux_metrics
-from ._ffns import get_ffn as get_ffn
-from ._ffns import register_ffn as register_ffn
-from ._ffns import registered_ffns as registered_ffns
 from ._moe import AllAttention as AllAttention
 from ._moe import MoEFeedForward as MoEFeedForward
 from ._moe import NoFeedForward as NoFeedForward
@@ -92,26 +89,19 @@ from ._positions import T5Bias as T5Bias
 from ._positions import TransformerXLRelative as TransformerXLRelative
 from ._positions import t5_bucket as t5_bucket
 from ._precision import Policy as Policy
-from . import _variants  # noqa: F401  (registers every attention family)
-from ._variants import RoutingCentroids as RoutingCentroids
-from ._variants import routing_commitment_loss as routing_commitment_loss
+from ..attention.learned._kinds import RoutingCentroids as RoutingCentroids
+from ._attention import routing_commitment_loss as routing_commitment_loss
 from ._mixer import MixerModule as MixerModule
-from ._mixer import MixerSpec as MixerSpec
-from ._mixer import MixerVariant as MixerVariant
 from ._mixer import SSM_PARAMETERS as SSM_PARAMETERS
-from ._mixer import get_mixer as get_mixer
-from ._mixer import register_mixer as register_mixer
-from ._mixer import registered_mixers as registered_mixers
 from ._mixer import ssm_parameters as ssm_parameters
-from ._registry import AttentionSpec as AttentionSpec
-from ._registry import KVDecoding as KVDecoding
-from ._registry import RecurrentDecoding as RecurrentDecoding
-from ._registry import SequenceParallel as SequenceParallel
-from ._registry import Variant as Variant
-from ._registry import WindowDecoding as WindowDecoding
-from ._registry import get_variant as get_variant
-from ._registry import register_variant as register_variant
-from ._registry import registered_variants as registered_variants
+from ._slots import AttentionSpec as AttentionSpec
+from ._slots import FFNSpec as FFNSpec
+from ._slots import MixerSpec as MixerSpec
+from ._slots import Spec as Spec
+from ._slots import get_kind as get_kind
+from ._slots import implements as implements
+from ._slots import register_kind as register_kind
+from ._slots import registered_kinds as registered_kinds
 from ._stack import LayerStack as LayerStack
 from ._init import admin_initialize as admin_initialize
 from ._init import t_fixup as t_fixup

@@ -1,7 +1,8 @@
-"""``MultiHeadAttention``: projections, heads, masks and decoding around any registered variant.
+"""``MultiHeadAttention``: projections, heads, masks and decoding around any registered kind.
 
 The attention itself is whatever :class:`~xformers_jax.nn.AttentionSpec` names (see
-:mod:`._registry`); everything else (q/k/v/output projections, grouped-query heads, padding,
+:mod:`._slots`), run by its record's :class:`~xformers_jax.kinds.AttentionAdapter`; everything
+else (q/k/v/output projections, grouped-query heads, padding,
 causal masking, cross attention, position schemes, decoding caches) is shared, so swapping one
 argument gives a different X-former.
 """
@@ -20,8 +21,10 @@ from .. import attention as A
 from .. import axes as X
 from ..axes import constrain
 from ._cache import KVCache, RecurrentCache
+from ._mixer._base import MixerModule
 from ._positions import BiasScheme, InputScheme, PositionScheme, QKScheme
-from ._registry import AttentionSpec, KVDecoding, RecurrentDecoding, WindowDecoding, get_variant
+from ..kinds import AttentionAdapter, Kind, KVDecoding, RecurrentDecoding, WindowDecoding
+from ._slots import AttentionSpec, check_causal, sequence_problem
 
 
 def _dense_init(key, fan_in, fan_out):
@@ -36,7 +39,7 @@ def _positions(batch, length, offset=0):
 
 
 class MultiHeadAttention(eqx.Module):
-    """Multi-head (self or cross) attention over any registered variant.
+    """Multi-head (self or cross) attention over any registered attention kind.
 
     Inputs are batched, ``x: [B, Lq, dim]``: batch statistics (PowerNorm) and decoding caches
     are per batch, so modules here take the batch axis rather than being ``vmap``-ed over it.
@@ -45,7 +48,8 @@ class MultiHeadAttention(eqx.Module):
       dim: model width. num_heads: query heads. num_kv_heads: key/value heads (divides
         ``num_heads``: grouped-query attention, Ainslie et al., 2023; 1 is multi-query attention,
         Shazeer, 2019). head_dim: per-head width (``dim // num_heads`` by default). kv_dim: width of the cross-attention context.
-      spec: the attention variant (:class:`AttentionSpec`). causal: self-attention is causal.
+      spec: the attention kind (:class:`AttentionSpec`; its hyperparameters are resolved
+        with their declared defaults). causal: self-attention is causal.
       position: a :class:`QKScheme` or :class:`BiasScheme` (input schemes belong on the
         embeddings). max_len: the longest sequence (for variants with length-sized parameters).
       key: PRNG key for the parameters.
@@ -81,15 +85,22 @@ class MultiHeadAttention(eqx.Module):
                     "pass head_dim"
                 )
             head_dim = dim // num_heads
-        variant = get_variant(spec.kind)
-        variant.check(spec.hyperparameters, causal=causal)
+        if not isinstance(spec, AttentionSpec):
+            raise ValueError(f"MultiHeadAttention: spec must be an AttentionSpec, got {spec!r}")
+        kind = spec.record
+        hp = kind.resolve(spec.params)
+        check_causal(kind, causal)
+        adapter = kind.adapter
+        if adapter is None:
+            raise ValueError(f"MultiHeadAttention: attention kind {spec.kind!r} has no adapter "
+                             "(give its Kind record an AttentionAdapter)")
         if position is not None:
             if isinstance(position, InputScheme):
                 raise ValueError(
                     f"MultiHeadAttention: {type(position).__name__} is added to the inputs; give "
                     "it to the model's embedding, not to the attention"
                 )
-            if isinstance(position, BiasScheme) and not variant.bias:
+            if isinstance(position, BiasScheme) and not kind.bias:
                 raise ValueError(
                     f"MultiHeadAttention: {type(position).__name__} is an additive score bias, "
                     f"which attention kind {spec.kind!r} cannot take (it never forms softmax "
@@ -101,21 +112,30 @@ class MultiHeadAttention(eqx.Module):
         self.wk = _dense_init(kk, kv_dim, num_kv_heads * head_dim)
         self.wv = _dense_init(kv, kv_dim, num_kv_heads * head_dim)
         self.wo = _dense_init(ko, num_heads * head_dim, dim)
-        self.variant_params = variant.init(
-            kp, spec.hyperparameters, num_heads=num_heads, head_dim=head_dim, max_len=max_len,
-            **({"dim": dim} if variant.takes_input else {}),
+        self.variant_params = adapter.init(
+            kp, hp, num_heads=num_heads, head_dim=head_dim, max_len=max_len,
+            **({"dim": dim} if adapter.takes_input else {}),
         )
-        # Non-gradient state of the variant (routing centroids), kept in eqx.nn.State.
-        self.state_index = None if variant.state is None else eqx.nn.StateIndex(variant.state(
-            jax.random.fold_in(kp, 1), spec.hyperparameters, num_heads=num_heads,
-            head_dim=head_dim))
+        # Non-gradient state of the kind (routing centroids), kept in eqx.nn.State.
+        self.state_index = None if adapter.state is None else eqx.nn.StateIndex(adapter.state(
+            jax.random.fold_in(kp, 1), hp, num_heads=num_heads, head_dim=head_dim))
         self.position = position
         self.spec, self.causal = spec, causal
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
 
     @property
-    def variant(self):
-        return get_variant(self.spec.kind)
+    def record(self) -> Kind:
+        """The attention kind's registered record."""
+        return self.spec.record
+
+    @property
+    def adapter(self) -> AttentionAdapter:
+        """How this layer runs its kind (the record's adapter)."""
+        return self.record.adapter
+
+    def _call_hyperparameters(self) -> dict:
+        """The spec's hyperparameters, defaults filled, without the ``init_only`` ones."""
+        return self.adapter.call_hyperparameters(self.spec.resolved)
 
     def _project(self, x, context):
         b, lq, _ = x.shape
@@ -136,15 +156,22 @@ class MultiHeadAttention(eqx.Module):
             return (f"{type(self.position).__name__} adds a score bias, which the "
                     "sequence-parallel forms do not take; use RotaryPositions or an input "
                     "position scheme")
-        return self.variant.sequence_problem(self.spec.hyperparameters, causal=self.causal)
+        return sequence_problem(self.record, self.spec.resolved, causal=self.causal)
 
     def _attend(self, causal):
-        """The variant's attend, or its sequence-parallel form when the active mesh splits the
-        sequence (``xformers_jax.axes.sequence_shards``)."""
+        """The kind's attend, or its sequence-parallel form when the active mesh splits the
+        sequence (``xformers_jax.axes.sequence_shards``); raises ``NotImplementedError`` when
+        the kind cannot run split."""
         shards = X.sequence_shards()
-        if shards > 1 and isinstance(self.position, BiasScheme):
+        if shards == 1:
+            return self.adapter.attend
+        if isinstance(self.position, BiasScheme):
             raise NotImplementedError(f"MultiHeadAttention: {self.sequence_problem()}")
-        return self.variant.attend_for(shards, self.spec.hyperparameters, causal=causal)
+        problem = sequence_problem(self.record, self.spec.resolved, causal=causal)
+        if problem is not None:
+            raise NotImplementedError(f"{problem}; the active mesh splits the sequence over "
+                                      f"{shards} devices")
+        return self.adapter.sequence.attend
 
     def _out(self, o):
         b, lq = o.shape[:2]
@@ -160,11 +187,11 @@ class MultiHeadAttention(eqx.Module):
         """x: ``[B, Lq, dim]``; context: ``[B, Lk, kv_dim]`` for cross attention (None for
         self attention); kv_mask: ``bool[B, Lk]``; q_mask: ``bool[B, Lq]``, the real queries
         (default: ``kv_mask`` in self-attention, none padded in cross attention); positions:
-        int ``[B, Lq]`` (default ``0..Lq-1``); key: randomness for the variant. Returns
+        int ``[B, Lq]`` (default ``0..Lq-1``); key: randomness for the kind. Returns
         ``[B, Lq, dim]``, zero at padded queries: padding changes no real output (the
         attention contract, :mod:`xformers_jax.attention._contract`).
 
-        A variant with state (routing attention: ``state_index`` is set) needs the
+        A kind with state (routing attention: ``state_index`` is set) needs the
         ``eqx.nn.State`` from ``eqx.nn.make_with_state`` and returns ``(out, state)``; with
         ``inference=True`` it leaves its state unchanged.
 
@@ -180,7 +207,7 @@ class MultiHeadAttention(eqx.Module):
                                  "a LayerStack (any nn model), or pass `carry` "
                                  "(init_layer_carry for the first layer)")
             extra["carry"] = carry
-        if self.variant.takes_input:
+        if self.adapter.takes_input:
             if context is not None:
                 raise ValueError(f"MultiHeadAttention: attention kind {self.spec.kind!r} is self "
                                  "attention only (it projects global tokens from the input)")
@@ -204,8 +231,7 @@ class MultiHeadAttention(eqx.Module):
         causal = self.causal and context is None
         o = self._attend(causal)(
             q, k, v, self.variant_params, causal=causal, kv_mask=kv_mask, q_mask=q_mask,
-            bias=self._bias(q, k, q_pos, k_pos), key=key, **extra,
-            **self.variant.call_hyperparameters(self.spec.hyperparameters),
+            bias=self._bias(q, k, q_pos, k_pos), key=key, **extra, **self._call_hyperparameters(),
         )
         o, value = (o, None) if self.state_index is None and carry is None else o
         if q_mask is not None:
@@ -218,22 +244,23 @@ class MultiHeadAttention(eqx.Module):
 
     @property
     def carries_between_layers(self) -> bool:
-        """Whether the kind passes scores from one layer to the next (``Variant.layer_carry``)."""
-        return self.variant.layer_carry is not None
+        """Whether the kind passes scores from one layer to the next
+        (``AttentionAdapter.layer_carry``)."""
+        return self.adapter.layer_carry is not None
 
     def init_layer_carry(self, batch: int, length: int, num_layers: int):
         """The carry the first layer of a ``num_layers`` stack receives (self attention over
         ``length`` tokens)."""
-        return self.variant.layer_carry(
-            batch, length, length, self.variant.call_hyperparameters(self.spec.hyperparameters),
-            num_heads=self.num_heads, head_dim=self.head_dim, num_layers=num_layers)
+        return self.adapter.layer_carry(
+            batch, length, length, self._call_hyperparameters(), num_heads=self.num_heads,
+            head_dim=self.head_dim, num_layers=num_layers)
 
     # -- decoding ------------------------------------------------------------------------------
 
     def init_cache(self, batch: int, max_len: int, dtype=jnp.float32):
         """An empty decoding cache for causal self-attention (kind given by the registry)."""
-        decoding = self.variant.decoding
-        hp = self.variant.call_hyperparameters(self.spec.hyperparameters)
+        decoding = self.adapter.decoding
+        hp = self._call_hyperparameters()
         if not self.causal:
             raise ValueError("MultiHeadAttention.init_cache: only causal self-attention decodes")
         if isinstance(decoding, (KVDecoding, WindowDecoding)):
@@ -256,14 +283,14 @@ class MultiHeadAttention(eqx.Module):
         if isinstance(self.position, QKScheme):
             q, k = self.position.rotate(q, t_pos), self.position.rotate(k, t_pos)
         if isinstance(cache, RecurrentCache):
-            o, state = self.variant.decoding.step(
+            o, state = self.adapter.decoding.step(
                 cache.state, q[:, 0], k[:, 0], v[:, 0], self.variant_params,
-                **self.variant.call_hyperparameters(self.spec.hyperparameters))
+                **self._call_hyperparameters())
             return self._out(o[:, None]), RecurrentCache(state, cache.index + 1)
         cache = cache.append(k, v)
         valid = cache.valid
-        decoding = self.variant.decoding
-        pattern = decoding.pattern_for(self.spec.hyperparameters) if isinstance(
+        decoding = self.adapter.decoding
+        pattern = decoding.pattern_for(self.spec.resolved) if isinstance(
             decoding, KVDecoding) else None
         if pattern is not None and not cache.ring:
             n = cache.pos.shape[0]
@@ -309,8 +336,6 @@ def check_sequence_parallel(model, shards: int) -> None:
     mesh splits the sequence; this check lets a trainer fail when the model is built, not at
     the first step. Token mixers (``nn.MixerSpec``) have no sequence-parallel form yet: a
     model with one fails here, naming the mixer."""
-    from ._mixer import MixerModule
-
     if shards == 1:
         return
     layer_types = (MultiHeadAttention, MixerModule)
@@ -320,3 +345,17 @@ def check_sequence_parallel(model, shards: int) -> None:
     if problems:
         raise ValueError(f"this model cannot run with its sequence split over {shards} "
                          "devices: " + "; ".join(problems))
+
+
+def routing_commitment_loss(model, state):
+    """The sum over every routing attention in ``model`` (layers of a stack included) of the
+    commitment loss its last call recorded in ``state`` (Roy et al.'s auxiliary term, which
+    pulls routed queries and keys towards their centroids; the state is the kind's
+    ``RoutingCentroids``). Add it, weighted, to the loss."""
+    total = jnp.zeros((), jnp.float32)
+    modules = jax.tree_util.tree_leaves(model,
+                                        is_leaf=lambda x: isinstance(x, MultiHeadAttention))
+    for m in modules:
+        if isinstance(m, MultiHeadAttention) and m.state_index is not None:
+            total = total + jnp.sum(state.get(m.state_index).commitment_loss)
+    return total

@@ -23,12 +23,11 @@ from .. import axes as X
 from ..axes import constrain
 from ._attention import MultiHeadAttention
 from ._ffn import FeedForward
-from ._ffns import FFNSpec, call_ffn
+from ._ffns import call_ffn
 from ._memory import Memory, MemoryState, memory_attention
-from ._mixer import MixerSpec, make_mixer
 from ._norms import StatefulNorm, make_norm
 from ._positions import PositionScheme
-from ._registry import AttentionSpec
+from ._slots import AttentionSpec, FFNSpec, MixerSpec, make_mixer
 
 PLACEMENTS = ("pre", "post", "rezero", "none")
 _EMBED = X.TOKENS

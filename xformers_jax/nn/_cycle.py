@@ -18,7 +18,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 
-from ._ffns import FFNSpec
+from ._slots import FFNSpec
 
 
 class BlockCycle(eqx.Module):

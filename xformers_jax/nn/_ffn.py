@@ -1,6 +1,7 @@
 """Position-wise feed-forward networks (Vaswani et al., 2017): ReLU, GELU, Swish and GLU variants
-(GLU, GEGLU, SwiGLU; Shazeer, 2020), optionally applied in chunks of positions so the hidden
-``[L, hidden]`` activation is never held for the whole sequence (Reformer's chunked FFN)."""
+(GLU, GEGLU, SwiGLU; Shazeer, 2020) over ``xformers_jax.experts.feed_forward``, optionally
+applied in chunks of positions so the hidden ``[L, hidden]`` activation is never held for the
+whole sequence (Reformer's chunked FFN). The FFN kind ``"dense"``."""
 
 from __future__ import annotations
 
@@ -11,26 +12,21 @@ import jax
 import jax.numpy as jnp
 
 from .. import axes as X
-from ..axes import constrain
-
-ACTIVATIONS = {
-    "relu": jax.nn.relu,
-    "gelu": jax.nn.gelu,
-    "swish": jax.nn.swish,
-    "glu": jax.nn.sigmoid,
-    "geglu": jax.nn.gelu,
-    "swiglu": jax.nn.swish,
-}
-GATED = ("glu", "geglu", "swiglu")
+from ..experts import feed_forward
+from ..experts._ffn import FFN_ACTIVATIONS, GATED
+from ._slots import implements
 
 
+@implements("dense")
 class FeedForward(eqx.Module):
     """``act(x W1 [+ b1]) W2`` or, for gated kinds, ``(act(x W1) * (x V)) W2``.
 
     Args:
-      dim: model width. hidden: inner width. activation: one of ``ACTIVATIONS``.
+      dim: model width. hidden: inner width. activation: one of ``experts._ffn.FFN_ACTIVATIONS``.
       chunk_size: if set, positions are processed ``chunk_size`` at a time with ``lax.map``
         (same result; peak activation memory proportional to the chunk).
+      causal: accepted for the FFN slot's call (``FFNSpec.build``); a position-wise FFN is
+        causal-safe either way.
     """
 
     w1: jax.Array = X.param(X.EMBED, X.MLP)
@@ -42,10 +38,11 @@ class FeedForward(eqx.Module):
     chunk_size: int | None = eqx.field(static=True)
 
     def __init__(self, dim: int, hidden: int, activation: str = "gelu", *,
-                 chunk_size: int | None = None, key):
-        if activation not in ACTIVATIONS:
+                 chunk_size: int | None = None, causal: bool = False, key):
+        del causal
+        if activation not in FFN_ACTIVATIONS:
             raise ValueError(f"FeedForward: unknown activation {activation!r}; choose one of "
-                             f"{sorted(ACTIVATIONS)}")
+                             f"{sorted(FFN_ACTIVATIONS)}")
         k1, k2, k3 = jax.random.split(key, 3)
         self.w1 = jax.random.normal(k1, (dim, hidden)) / math.sqrt(dim)
         self.w_gate = (jax.random.normal(k3, (dim, hidden)) / math.sqrt(dim)
@@ -55,11 +52,8 @@ class FeedForward(eqx.Module):
         self.activation, self.chunk_size = activation, chunk_size
 
     def _apply(self, x):
-        h = ACTIVATIONS[self.activation](x @ self.w1.astype(x.dtype) + self.b1.astype(x.dtype))
-        if self.w_gate is not None:
-            h = h * (x @ self.w_gate.astype(x.dtype))
-        h = constrain(h, X.HIDDEN)
-        return h @ self.w2.astype(x.dtype) + self.b2.astype(x.dtype)
+        return feed_forward(x, self.w1, self.b1, self.w2, self.b2, self.w_gate,
+                            activation=self.activation)
 
     def __call__(self, x):
         """x: ``[B, L, dim]`` -> ``[B, L, dim]``."""

@@ -1,10 +1,10 @@
-"""The feed-forward slot of a block: a registry of FFN kinds, named by :class:`FFNSpec`.
-
+"""The feed-forward slot of a block: how FFN layers are called and how their auxiliary outputs
+leave the model. The kinds are named by ``nn.FFNSpec`` (the one slot registry, :mod:`._slots`):
 ``TransformerBlock(..., ffn=FFNSpec("switch", {"num_experts": 8}))`` (or through models,
 ``block=dict(ffn=FFNSpec(...))``) builds the registered kind in place of the dense
 :class:`FeedForward`, which stays the default (``FFNSpec()``, kind ``"dense"``).
 
-**The FFN call contract.** Every registered FFN module is called
+**The FFN call contract.** Every FFN layer a kind implements (``nn.implements``) is called
 ``ffn(x [B, L, dim], *, mask=None, tokens=None, key=None, inference=False) -> (y, aux)``:
 ``mask bool[B, L]`` (False for padding), ``tokens int[B, L]`` (hash routing reads token ids),
 ``key`` (router jitter, GShard's random second choice, Gumbel noise; None in evaluation).
@@ -24,118 +24,14 @@ statistics (:func:`aux_metrics`).
 
 from __future__ import annotations
 
-import dataclasses
-from typing import Any, Callable, ClassVar, Mapping
+from typing import Mapping
 
 import jax.numpy as jnp
 
-from ..attention._kind import Kind, Paper
 from ._ffn import FeedForward
 
-FFN_FAMILIES = ("dense", "experts", "capacity")
-FFN_DECODING = ("token",)
 MOE_AUX = ("load_balancing", "router_z", "dropped_fraction", "expert_load")
 AUX_LOSSES = ("load_balancing", "router_z")
-
-
-@dataclasses.dataclass(frozen=True)
-class FFNKind(Kind):
-    """Metadata of one FFN kind: ``attention._kind.Kind``'s record and checks with the FFN
-    families (:data:`FFN_FAMILIES`) and decoding modes (``"token"``: runs on one new token at a
-    time, the default; None: cannot decode).
-
-    Attributes:
-      name: the ``kind`` of an :class:`FFNSpec`. function: the pure function computing it.
-      family: one of :data:`FFN_FAMILIES`. paper: a ``Paper``. time, memory: cost per token.
-      causal: usable in a causal model (the output of a token depends on no later token).
-      decoding: ``"token"`` or None. fixed_length: parameters sized by the sequence length.
-      test_hyperparameters: what the kind needs at the tiny test size (dim 16, hidden 32),
-        sorted ``(name, value)`` pairs.
-    """
-
-    decoding: str | None = "token"
-    families: ClassVar[tuple[str, ...]] = FFN_FAMILIES
-    decodings: ClassVar[tuple[str, ...]] = FFN_DECODING
-
-
-@dataclasses.dataclass(frozen=True)
-class FFNVariant:
-    """A registered FFN kind: ``metadata`` and ``build(dim, hidden, *, activation, causal,
-    key, **hyperparameters) -> module`` following the FFN call contract."""
-
-    metadata: FFNKind
-    build: Callable
-
-    @property
-    def name(self) -> str:
-        return self.metadata.name
-
-
-_FFNS: dict[str, FFNVariant] = {}
-
-
-def register_ffn(metadata: FFNKind, build: Callable, *, replace: bool = False) -> FFNVariant:
-    if metadata.name in _FFNS and not replace:
-        raise ValueError(f"FFN kind {metadata.name!r} is already registered")
-    _FFNS[metadata.name] = FFNVariant(metadata, build)
-    return _FFNS[metadata.name]
-
-
-def get_ffn(name: str) -> FFNVariant:
-    if name not in _FFNS:
-        raise ValueError(f"unknown FFN kind {name!r}; registered: {sorted(_FFNS)}")
-    return _FFNS[name]
-
-
-def registered_ffns() -> tuple[str, ...]:
-    return tuple(_FFNS)
-
-
-@dataclasses.dataclass(frozen=True)
-class FFNSpec:
-    """Names an FFN kind and its hyperparameters (hashable, config friendly):
-    ``FFNSpec("switch", {"num_experts": 8})``, ``FFNSpec.from_config({"kind": "hash"})``.
-
-    ``every=n`` (a model's ``block``, or ``"every"`` in a config) puts the kind in every n-th
-    layer and the dense FFN in the others (GLaM: ``every=2``); the models' stack builds that
-    (:mod:`._cycle`), so a single block's spec has ``every=1``."""
-
-    kind: str = "dense"
-    params: Any = ()
-    every: int = 1
-
-    def __post_init__(self):
-        items = self.params.items() if isinstance(self.params, Mapping) else self.params
-        object.__setattr__(self, "params", tuple(sorted(dict(items).items())))
-        get_ffn(self.kind)
-        if not isinstance(self.every, int) or self.every < 1:
-            raise ValueError(f"FFNSpec: every must be a positive integer, got {self.every!r}")
-
-    @property
-    def hyperparameters(self) -> dict:
-        return dict(self.params)
-
-    @classmethod
-    def from_config(cls, config: Mapping) -> "FFNSpec":
-        config = dict(config)
-        if "kind" not in config:
-            raise ValueError(f"FFNSpec.from_config: missing 'kind' in {sorted(config)}")
-        return cls(config.pop("kind"), config, every=int(config.pop("every", 1)))
-
-    def build(self, dim: int, hidden: int, *, activation: str = "gelu", causal: bool = False,
-              chunk_size: int | None = None, key):
-        if self.every != 1:
-            raise ValueError(f"FFNSpec(every={self.every}) places {self.kind!r} in every "
-                             f"{self.every}-th layer: give it to a model (block=dict(ffn=...)), "
-                             "whose stack builds the cycle; a single block needs every=1")
-        hp = self.hyperparameters
-        if self.kind == "dense":
-            return FeedForward(dim, hidden, activation, chunk_size=chunk_size, key=key, **hp)
-        variant = get_ffn(self.kind)
-        if causal and not variant.metadata.causal:
-            raise ValueError(f"FFN kind {self.kind!r} is not causal-safe (a token's output "
-                             f"would depend on later tokens); use it in a bidirectional model")
-        return variant.build(dim, hidden, activation=activation, causal=causal, key=key, **hp)
 
 
 def call_ffn(ffn, x, *, mask=None, tokens=None, key=None, inference=False):
@@ -166,8 +62,3 @@ def aux_metrics(aux: Mapping) -> dict:
         out["max_expert_load"] = jnp.mean(load.max(-1) * load.shape[-1])
     return out
 
-
-register_ffn(FFNKind(
-    "dense", FeedForward, "dense",
-    Paper("Vaswani et al.", 2017, "Attention Is All You Need"),
-    time="O(dim * hidden)", memory="O(hidden)", causal=True), FeedForward)

@@ -3,8 +3,9 @@ call contract and how their auxiliary losses reach the trainer).
 
 * :class:`MoEFeedForward`: a mixture of expert MLPs over the routers and dispatch modes of
   :mod:`xformers_jax.experts` (Switch, GShard, ST-MoE, top-k, expert choice, hash, expert
-  prototyping, BASE layers). Registered as kinds ``switch``, ``gshard``, ``st_moe``,
-  ``expert_choice``, ``hash``, ``prototype``, ``base``.
+  prototyping, BASE layers). The layer of the kinds ``switch``, ``gshard``, ``st_moe``,
+  ``expert_choice``, ``hash``, ``prototype``, ``base`` (their records, with each kind's
+  router and defaults, are in ``xformers_jax.experts.KINDS``).
 * :class:`ProductKeyMemory`: Lample et al. (2019), "Large Memory Layers with Product Keys"
   (kind ``product_key``).
 * :class:`SparseFeedForward`: the sparse FFN of Jaszczur et al. (2021), "Sparse is Enough in
@@ -28,12 +29,13 @@ import jax.numpy as jnp
 
 from .. import axes as X
 from .. import experts as M
-from ..attention._kind import Paper
-from ._ffns import FFNKind, register_ffn
+from ..experts import _ffn as F
+from ._slots import implements
 
 ROUTERS = ("top_k", "expert_choice", "hash", "prototype", "base")
 
 
+@implements("switch", "gshard", "st_moe", "expert_choice", "hash", "prototype", "base")
 class MoEFeedForward(eqx.Module):
     """A mixture-of-experts FFN: ``y_t = sum_j gate_tj * MLP_{e_tj}(x_t)``.
 
@@ -190,6 +192,7 @@ class MoEFeedForward(eqx.Module):
                                      activation=self.activation, mask=m)
 
 
+@implements("product_key")
 class ProductKeyMemory(eqx.Module):
     """A product-key memory layer (Lample et al., 2019) in the FFN slot:
     ``y = sum_h sum_{top-k slots} softmax(scores) * values[slot]``, queries ``x Wq`` per head.
@@ -230,21 +233,14 @@ class ProductKeyMemory(eqx.Module):
         return y.reshape(b, length, d), {}
 
 
-def _gumbel_one_hot(logits, key):
-    # Straight-through Gumbel-softmax (Jang et al., 2017): one-hot forward, softmax gradient.
-    g = -jnp.log(-jnp.log(jax.random.uniform(key, logits.shape, minval=1e-20, maxval=1.0)))
-    soft = jax.nn.softmax(logits + g, axis=-1)
-    hard = jax.nn.one_hot(jnp.argmax(soft, -1), logits.shape[-1], dtype=soft.dtype)
-    return hard + soft - jax.lax.stop_gradient(soft)
-
-
+@implements("sparse_ffn")
 class SparseFeedForward(eqx.Module):
-    """The sparse FFN of Scaling Transformers (Jaszczur et al., 2021): the ``hidden`` units
-    form ``hidden / block`` blocks and a low-rank controller ``(x C1) C2`` picks one unit per
-    block; the others are zeroed: ``y = (relu(x W1 + b1) * onehot) W2 + b2``. Training uses a
-    straight-through Gumbel-softmax over each block (with a key), inference the argmax and
-    computes only the chosen units (a gather of ``hidden / block`` columns of ``W1`` and rows
-    of ``W2`` per token).
+    """The sparse FFN of Scaling Transformers (Jaszczur et al., 2021) over
+    ``experts.sparse_feed_forward``: the ``hidden`` units form ``hidden / block`` blocks and a
+    low-rank controller ``(x C1) C2`` picks one unit per block; the others are zeroed: ``y =
+    (relu(x W1 + b1) * onehot) W2 + b2``. Training uses a straight-through Gumbel-softmax over
+    each block (with a key), inference the argmax and computes only the chosen units (a gather
+    of ``hidden / block`` columns of ``W1`` and rows of ``W2`` per token).
     """
 
     w1: jax.Array = X.param(X.EMBED, X.MLP)
@@ -271,87 +267,16 @@ class SparseFeedForward(eqx.Module):
 
     def controller(self, x):
         """Controller logits ``[..., hidden / block, block]`` (float32)."""
-        logits = (x.astype(jnp.float32) @ self.c1) @ self.c2
-        return logits.reshape(*x.shape[:-1], -1, self.block)
+        return F.sparse_controller(x, self.c1, self.c2, self.block)
 
     def dense_masked(self, x, onehot):
         """The masked dense form: ``(relu(x W1 + b1) * onehot) W2 + b2``."""
-        h = jax.nn.relu(x @ self.w1.astype(x.dtype) + self.b1.astype(x.dtype))
-        h = h * onehot.reshape(h.shape).astype(x.dtype)
-        return h @ self.w2.astype(x.dtype) + self.b2.astype(x.dtype)
+        return F.sparse_masked(x, onehot, self.w1, self.b1, self.w2, self.b2)
 
     def __call__(self, x, *, mask=None, tokens=None, key=None, inference=False):
-        logits = self.controller(x)
-        if key is not None and not inference:
-            return self.dense_masked(x, _gumbel_one_hot(logits, key)), {}
-        nb = logits.shape[-2]
-        units = jnp.argmax(logits, -1) + self.block * jnp.arange(nb)  # [..., nb]
-        w1 = self.w1.T.astype(x.dtype)[units]  # [..., nb, d]
-        h = jnp.einsum("...d,...nd->...n", x, w1) + self.b1.astype(x.dtype)[units]
-        y = jnp.einsum("...n,...nd->...d", jax.nn.relu(h), self.w2.astype(x.dtype)[units])
-        return y + self.b2.astype(x.dtype), {}
-
-
-def _moe_builder(**defaults):
-    def build(dim, hidden, *, activation="gelu", causal=False, key, **hp):
-        return MoEFeedForward(dim, hidden, activation=activation, causal=causal, key=key,
-                              **{**defaults, **hp})
-    return build
-
-
-_TINY = dict(num_experts=4)
-_MOE_TIME, _MOE_MEMORY = "O(k * dim * hidden)", "O(E * dim * hidden) parameters"
-for _kind, _defaults in (
-    (FFNKind("switch", M.moe_ffn, "experts",
-             Paper("Fedus et al.", 2021, "Switch Transformers: Scaling to Trillion Parameter "
-                   "Models with Simple and Efficient Sparsity"),
-             _MOE_TIME, _MOE_MEMORY, causal=True, test_hyperparameters=_TINY),
-     dict(k=1, jitter=1e-2)),
-    (FFNKind("gshard", M.moe_ffn, "experts",
-             Paper("Lepikhin et al.", 2020, "GShard: Scaling Giant Models with Conditional "
-                   "Computation and Automatic Sharding"),
-             _MOE_TIME, _MOE_MEMORY, causal=True, test_hyperparameters=_TINY),
-     dict(k=2, second_policy="random")),
-    (FFNKind("st_moe", M.moe_ffn, "experts",
-             Paper("Zoph et al.", 2022, "ST-MoE: Designing Stable and Transferable Sparse "
-                   "Expert Models"),
-             _MOE_TIME, _MOE_MEMORY, causal=True, test_hyperparameters=_TINY),
-     dict(k=2)),
-    (FFNKind("expert_choice", M.expert_choice_ffn, "experts",
-             Paper("Zhou et al.", 2022, "Mixture-of-Experts with Expert Choice Routing"),
-             "O(capacity_factor * dim * hidden)", _MOE_MEMORY, causal=False, decoding=None,
-             test_hyperparameters=_TINY),
-     dict(router="expert_choice", capacity_factor=2.0)),
-    (FFNKind("hash", M.hash_route, "experts",
-             Paper("Roller et al.", 2021, "Hash Layers For Large Sparse Models"),
-             "O(dim * hidden)", _MOE_MEMORY, causal=True, test_hyperparameters=_TINY),
-     dict(router="hash")),
-    (FFNKind("prototype", M.prototype_route, "experts",
-             Paper("Yang et al.", 2021, "M6-T: Exploring Sparse Expert Models and Beyond"),
-             "O(groups * dim * hidden)", _MOE_MEMORY, causal=True,
-             test_hyperparameters=dict(num_experts=4, groups=2)),
-     dict(router="prototype", groups=2)),
-    (FFNKind("base", M.base_route, "experts",
-             Paper("Lewis et al.", 2021, "BASE Layers: Simplifying Training of Large, Sparse "
-                   "Models"),
-             "O(dim * hidden) + the assignment's auction rounds", _MOE_MEMORY, causal=False,
-             decoding=None, test_hyperparameters=_TINY),
-     dict(router="base")),
-):
-    register_ffn(_kind, _moe_builder(**_defaults))
-
-register_ffn(FFNKind(
-    "product_key", M.product_key_lookup, "capacity",
-    Paper("Lample et al.", 2019, "Large Memory Layers with Product Keys"),
-    time="O(heads * (n * key_dim + k^2 + k * dim))", memory="O(n^2 * dim) parameters",
-    causal=True, test_hyperparameters=dict(n_keys=8, heads=2, k=4, key_dim=8)),
-    ProductKeyMemory)
-register_ffn(FFNKind(
-    "sparse_ffn", SparseFeedForward, "capacity",
-    Paper("Jaszczur et al.", 2021, "Sparse is Enough in Scaling Transformers"),
-    time="O(dim * (rank + hidden / block)) at inference", memory="O(dim * hidden)",
-    causal=True, test_hyperparameters=dict(block=8, rank=8)),
-    SparseFeedForward)
+        train = key is not None and not inference
+        return M.sparse_feed_forward(x, self.w1, self.b1, self.w2, self.b2, self.c1, self.c2,
+                                     block=self.block, key=key if train else None), {}
 
 
 class AllAttention(eqx.Module):
@@ -466,6 +391,7 @@ class SparseQKVAttention(eqx.Module):
         return o.reshape(x.shape) @ self.wo.astype(x.dtype)
 
 
+@implements("none")
 class NoFeedForward(eqx.Module):
     """The empty FFN (all-attention blocks, Sukhbaatar et al., 2019): ``y = 0``, so the FFN
     sublayer's residual adds nothing."""
@@ -475,10 +401,5 @@ class NoFeedForward(eqx.Module):
         del dim, hidden, activation, causal, key
 
     def __call__(self, x, *, mask=None, tokens=None, key=None, inference=False):
-        return jnp.zeros_like(x), {}
+        return M.no_feed_forward(x), {}
 
-
-register_ffn(FFNKind(
-    "none", AllAttention, "capacity",
-    Paper("Sukhbaatar et al.", 2019, "Augmenting Self-attention with Persistent Memory"),
-    time="O(1)", memory="O(1)", causal=True), NoFeedForward)

@@ -32,7 +32,7 @@ from ..attention.patterns._basic import _kinds, _tile_ranges
 from ._attention import MultiHeadAttention
 from ._ffn import FeedForward
 from ._norms import LayerNorm
-from ._registry import AttentionSpec
+from ._slots import AttentionSpec
 
 
 @dataclasses.dataclass(frozen=True)

@@ -13,9 +13,9 @@ decides what it composes with; the concrete schemes are final subclasses of one 
 * :class:`BiasScheme` (an additive score bias): :class:`ALiBi`, :class:`T5Bias`,
   :class:`ShawRelative`, :class:`TransformerXLRelative`, :class:`DeBERTaRelative`,
   :class:`TUPE`. Biases are pytree callables ``bias(q_index, k_index)`` evaluated per tile by
-  exact kernels, so no ``L x L`` array is built. They compose only with kinds whose registry
-  entry says ``bias=True`` (softmax-style kinds); :class:`~xformers_jax.nn.MultiHeadAttention`
-  rejects the others.
+  exact kernels, so no ``L x L`` array is built. They compose only with kinds whose record
+  (``xformers_jax.kinds.Kind``) says ``bias=True`` (softmax-style kinds);
+  :class:`~xformers_jax.nn.MultiHeadAttention` rejects the others.
 
 Biases read absolute positions through ``q_pos``/``k_pos`` arrays, so a decoding step (one query
 at position t against a cache of keys at their own positions) uses the same code.

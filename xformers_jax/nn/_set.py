@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from ._attention import MultiHeadAttention
 from ._ffn import FeedForward
 from ._norms import LayerNorm
-from ._registry import AttentionSpec
+from ._slots import AttentionSpec
 
 
 class MAB(eqx.Module):

@@ -13,7 +13,7 @@ from experiments.configs.lm import stdlib_bytes
 from experiments.configs.lra import _common
 from xformers_jax import nn
 
-CAUSAL_MIXERS = tuple(m for m in _common.MIXERS if nn.get_mixer(m).causal)
+CAUSAL_MIXERS = tuple(m for m in _common.MIXERS if nn.get_kind("mixer", m).causal)
 
 
 def get_config(arg=None):

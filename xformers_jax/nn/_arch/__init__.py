@@ -17,7 +17,6 @@ from ._hierarchical import HierarchicalEncoder as HierarchicalEncoder
 from ._hierarchical import TNTClassifier as TNTClassifier
 from ._hierarchical import TNTLayer as TNTLayer
 from ._lite import LSRA as LSRA
-from ._lite import lightweight_conv as lightweight_conv
 from ._swin import PatchMerging as PatchMerging
 from ._swin import SwinBlock as SwinBlock
 from ._swin import SwinClassifier as SwinClassifier

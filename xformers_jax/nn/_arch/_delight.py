@@ -39,7 +39,7 @@ import jax.numpy as jnp
 
 from .._attention import MultiHeadAttention
 from .._norms import LayerNorm
-from .._registry import AttentionSpec
+from .._slots import AttentionSpec
 
 
 def shuffle(y, groups: int):

@@ -3,14 +3,13 @@ Attention").
 
 The channels are split in two halves: one goes through multi-head attention (the long-range
 branch), the other through a convolution branch (the local context), and the outputs are
-concatenated. The convolution branch is the lightweight convolution of Wu et al. (2019, "Pay
-Less Attention with Lightweight and Dynamic Convolutions"): a GLU input projection, a
-depthwise convolution whose ``K`` taps are softmax-normalised and shared by the channels of
-each of ``H`` heads, and an output projection. Causal layers convolve over positions
-``i - K + 1 .. i``; others over a centred window.
+concatenated. The convolution branch is a GLU input projection, the lightweight
+convolution of Wu et al. (2019, "Pay Less Attention with Lightweight and Dynamic
+Convolutions"; ``xformers_jax.mixers.lightweight_conv``) and an output projection.
 
-LSRA is registered as the token mixer ``"lsra"``, so any block (and the LRA configs'
-``model.mixer.kind``) can use it in place of its attention sublayer.
+LSRA implements the token mixer ``"lsra"`` (its record is in ``xformers_jax.mixers.KINDS``),
+so any block (and the LRA configs' ``model.mixer.kind``) can use it in place of its attention
+sublayer.
 """
 
 from __future__ import annotations
@@ -21,31 +20,13 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 
-from ...attention._kind import Kind, Paper
+from ...mixers import lightweight_conv
 from .._attention import MultiHeadAttention
-from .._mixer._registry import MixerModule, MixerVariant, register_mixer
-from .._registry import AttentionSpec
+from .._mixer._base import MixerModule
+from .._slots import AttentionSpec, implements
 
 
-def lightweight_conv(x, kernel, *, causal: bool, mask=None):
-    """``x [B, L, C]``, ``kernel [H, K]`` (softmax over K taken here; channel ``c`` uses head
-    ``c // (C / H)``) -> ``[B, L, C]``. Padded positions (``mask`` False) are zeroed first so
-    they reach no real output."""
-    b, length, c = x.shape
-    h, k = kernel.shape
-    if c % h:
-        raise ValueError(f"lightweight_conv: {c} channels are not divisible by {h} heads "
-                         f"(x{x.shape}, kernel{kernel.shape})")
-    if mask is not None:
-        x = jnp.where(mask[..., None], x, 0)
-    w = jax.nn.softmax(kernel.astype(jnp.float32), axis=-1)
-    w = jnp.repeat(w, c // h, axis=0)                                # [C, K]
-    left = k - 1 if causal else (k - 1) // 2
-    xp = jnp.pad(x.astype(jnp.float32), ((0, 0), (left, k - 1 - left), (0, 0)))
-    out = sum(xp[:, j:j + length] * w[:, j] for j in range(k))
-    return out.astype(x.dtype)
-
-
+@implements("lsra")
 class LSRA(MixerModule):
     """Long-Short Range Attention over ``[B, L, dim]``: attention on the first ``dim / 2``
     channels, the lightweight convolution branch on the rest.
@@ -64,7 +45,7 @@ class LSRA(MixerModule):
     causal: bool = eqx.field(static=True)
 
     def __init__(self, dim: int, num_heads: int, *, kernel_size: int = 3,
-                 spec: AttentionSpec | str = AttentionSpec(), causal: bool = False,
+                 spec: AttentionSpec | str = "dot_product", causal: bool = False,
                  max_len: int = 512, key):
         if dim % 2 or (dim // 2) % num_heads:
             raise ValueError(f"LSRA: dim={dim} must be even with dim/2 divisible by "
@@ -90,13 +71,3 @@ class LSRA(MixerModule):
         if kv_mask is not None:
             short = jnp.where(kv_mask[..., None], short, 0)
         return jnp.concatenate([long, short], axis=-1)
-
-
-register_mixer(MixerVariant(
-    "lsra", LSRA,
-    Kind("lsra", lightweight_conv, "mixers",
-         Paper("Wu et al.", 2020, "Lite Transformer with Long-Short Range Attention"),
-         time="O(L^2 D / 2 + L K D / 2)", memory="O(L D) with flash, O(L^2) dense",
-         causal=True, test_hyperparameters={"kernel_size": 3}),
-    frozenset({"kernel_size", "spec"}),
-))

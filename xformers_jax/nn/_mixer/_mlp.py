@@ -14,7 +14,8 @@ import jax.numpy as jnp
 from ... import attention as A
 from ... import mixers as M
 from .._norms import LayerNorm
-from ._registry import MixerModule, check_mask, dense, recurrent_cache, zero_padded
+from .._slots import implements
+from ._base import MixerModule, check_mask, dense, recurrent_cache, zero_padded
 
 
 def _per_sequence(fn, x, kv_mask, *args):
@@ -22,6 +23,7 @@ def _per_sequence(fn, x, kv_mask, *args):
         x, kv_mask, *args)
 
 
+@implements("mlp_mixer")
 class MLPMixer(MixerModule):
     """MLP-Mixer's token-mixing MLP (Tolstikhin et al. 2021) with ``token_hidden`` units,
     weights sized by ``max_len`` (sequences up to it). Hyperparameter: ``token_hidden``."""
@@ -45,6 +47,7 @@ class MLPMixer(MixerModule):
         return zero_padded(y, kv_mask)
 
 
+@implements("gmlp", "amlp")
 class GMLP(MixerModule):
     """gMLP's unit (Liu et al. 2021): ``x -> gelu(x U) = [z1, z2] -> z1 * (W norm(z2) + b)
     (+ tiny attention for aMLP) -> V``, with ``W`` uniform in ``+-1e-3 / max_len`` and ``b = 1``
@@ -144,6 +147,7 @@ def _check_cache_len(max_len, weights_len):
                          "positions its spatial weights were built for")
 
 
+@implements("fnet")
 class FNet(MixerModule):
     """FNet's Fourier mixing (Lee-Thorp et al. 2022): ``Re(FFT2(x))`` over ``max_len``
     positions (as the paper pads to its maximum length), no parameters."""
@@ -160,6 +164,7 @@ class FNet(MixerModule):
         return zero_padded(y, kv_mask)
 
 
+@implements("poolformer")
 class PoolFormer(MixerModule):
     """PoolFormer's ``AvgPool(x) - x`` (Yu et al. 2022). Hyperparameter: ``pool_size``."""
 
@@ -175,6 +180,7 @@ class PoolFormer(MixerModule):
         return zero_padded(y, kv_mask)
 
 
+@implements("lambda")
 class Lambda(MixerModule):
     """A lambda layer (Bello 2021): ``num_heads`` query heads of width ``key_dim`` sharing
     one content lambda and the position lambdas; values of width ``dim / num_heads``.

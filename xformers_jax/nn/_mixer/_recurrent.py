@@ -23,7 +23,8 @@ from ...attention.linear._delta import gated_delta_step
 from ...attention.linear._scan import causal_step
 from ...mixers._recurrences import GLA_CHUNK
 from ...mixers._ssm import selective_step
-from ._registry import (MixerModule, both_ways, check_mask, dense, log_uniform, recurrent_cache,
+from .._slots import implements
+from ._base import (MixerModule, both_ways, check_mask, dense, log_uniform, recurrent_cache,
                         zero_padded)
 
 _RECURRENT_HP = frozenset({"chunk_size", "implementation"})
@@ -128,6 +129,7 @@ class _QKVRecurrence(_HeadRecurrence):
         return self._out(x, o[:, None]), type(cache)(s, cache.index + 1)
 
 
+@implements("retnet")
 class RetNet(_QKVRecurrence):
     """Multi-scale retention (Sun et al. 2023): ``gamma_h = 1 - 2^(-5 - h)`` per head,
     GroupNorm per head, swish output gate. Hyperparameters: ``chunk_size``,
@@ -164,6 +166,7 @@ class RetNet(_QKVRecurrence):
         return self.wg
 
 
+@implements("gla")
 class GLA(_QKVRecurrence):
     """Gated linear attention (Yang et al. 2024): keys of width ``head_dim / 2``, low-rank
     data-dependent gates ``alpha = sigmoid(x W1 W2 + b)^(1/16)``, a swish output gate and
@@ -209,6 +212,7 @@ class GLA(_QKVRecurrence):
         return self.wr
 
 
+@implements("gated_deltanet")
 class GatedDeltaNet(_QKVRecurrence):
     """Gated DeltaNet (Yang, Kautz and Hatamizadeh 2025): SiLU then L2-normalised q, k per
     head, ``beta = sigmoid(x W_beta)``, Mamba-2's decay ``log a = -exp(a_log) softplus(x W_a +
@@ -283,6 +287,7 @@ def _dt_bias(key, shape, dt_min, dt_max):
     return dt + jnp.log(-jnp.expm1(-dt))
 
 
+@implements("mamba2")
 class Mamba2(_HeadRecurrence):
     """Mamba-2 (Dao and Gu 2024): in-projection to ``z, x, B, C, dt``, a short causal
     convolution on ``x, B, C``, SSD with a scalar decay ``exp(dt a_h)`` per head, ``D`` skip,
@@ -375,6 +380,7 @@ class Mamba2(_HeadRecurrence):
         return self._out(x, y[:, None], (xs[:, None], z)), type(cache)((ssm, buf), cache.index + 1)
 
 
+@implements("mamba")
 class Mamba(MixerModule):
     """Mamba (Gu and Dao 2023): in-projection to ``x, z``, short causal convolution, SiLU,
     input-dependent ``dt`` (rank ``ceil(dim / 16)``), ``B``, ``C``, the selective scan with

@@ -17,7 +17,8 @@ import jax
 import jax.numpy as jnp
 
 from ... import mixers as M
-from ._registry import MixerModule, check_mask, dense, log_uniform, recurrent_cache, zero_padded
+from .._slots import implements
+from ._base import MixerModule, check_mask, dense, log_uniform, recurrent_cache, zero_padded
 
 
 def _glu_out(x, y, w_out):
@@ -83,6 +84,7 @@ class _DiagonalSSM(MixerModule):
         return _glu_out(x, y[:, None], self.w_out), type(cache)(s, cache.index + 1)
 
 
+@implements("s4d")
 class S4D(_DiagonalSSM):
     """S4D with S4D-Lin initialisation ``A_n = -1/2 + i pi n`` (N/2 conjugate pairs per
     channel). Hyperparameters: ``state_size`` (N, even), ``dt_min``, ``dt_max``,
@@ -113,6 +115,7 @@ class S4D(_DiagonalSSM):
         return recurrent_cache(jnp.zeros((batch, *self.a_im.shape), jnp.complex64))
 
 
+@implements("s5")
 class S5(_DiagonalSSM):
     """S5: one MIMO diagonal system of ``state_size`` complex states over all channels,
     ``Lambda`` initialised S4D-Lin (the paper diagonalises HiPPO-N; stated simplification),
