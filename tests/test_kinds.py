@@ -59,7 +59,7 @@ def test_declared_defaults_are_the_signatures_defaults(slot, name):
     assert kind.adapter is not None, f"{slot} kind {name!r} has no adapter or layer"
     for hp_name, h in kind.hyperparameters.items():
         assert isinstance(h, Hyperparameter) and h.doc, (name, hp_name)
-    checked, own = set(), set()
+    own = set()
     for f, is_layer in _callables(kind):
         for hp_name, default in _keyword_defaults(f).items():
             if hp_name not in kind.hyperparameters:
@@ -73,7 +73,6 @@ def test_declared_defaults_are_the_signatures_defaults(slot, name):
             assert declared is not REQUIRED and declared == default, (
                 f"{slot} kind {name!r}: {hp_name} is declared with default {declared!r} but "
                 f"{getattr(f, '__qualname__', f)} has {default!r}")
-            checked.add(hp_name)
     assert own == {n for s, k, n in OWN_DEFAULTS if (s, k) == (slot, name)}
 
 
