@@ -1,6 +1,6 @@
-"""Pieces the families' adapters share (:class:`xformers_jax.kinds.AttentionAdapter`): lifting
-a one-head function of the contract to an ``attend`` on ``[B, L, H, D]`` arrays, and decoding
-steps over grouped key/value heads."""
+"""Pieces the families' records share: lifting a one-head function of the contract to an
+``attend`` on ``[B, L, H, D]`` arrays (:class:`xformers_jax.kinds.AttentionAdapter`), decoding
+steps over grouped key/value heads, and the tiled kernel's hyperparameters."""
 
 from __future__ import annotations
 
@@ -10,6 +10,16 @@ import jax
 import jax.numpy as jnp
 
 from ._multihead import multihead
+
+# The hyperparameters of the kinds that run on the tiled kernel (xformers_jax.kernels), as
+# ``Kind.hyperparameters`` declarations.
+TILES = {
+    "block_q": (None, "query tile of the tiled kernel (None: the kernel's default)"),
+    "block_k": (None, "key tile of the tiled kernel (None: the kernel's default)"),
+}
+IMPLEMENTATION = {
+    "implementation": (None, "'xla', 'pallas', or None for the fastest that runs here"),
+}
 
 
 def lifted(fn: Callable, arg_axes=(), kwarg_axes=None, *, unpack: bool = False,

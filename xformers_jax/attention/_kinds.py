@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from ..kinds import AttentionAdapter, Kind, KVDecoding, Paper, REQUIRED, SequenceParallel
 from ..kinds import WindowDecoding
-from ._adapters import lifted
+from ._adapters import IMPLEMENTATION, TILES, lifted
 from ._dense import dot_product_attention
 from ._exact import block_sparse_attention, flash_attention
 from ._halo import halo_local_attention
@@ -16,11 +16,7 @@ from .patterns import Local
 _VASWANI = Paper("Vaswani et al.", 2017, "Attention Is All You Need")
 _CHILD = Paper("Child et al.", 2019, "Generating Long Sequences with Sparse Transformers")
 
-_TILES = {
-    "block_q": (None, "query tile of the tiled kernel (None: the kernel's default)"),
-    "block_k": (None, "key tile of the tiled kernel (None: the kernel's default)"),
-    "implementation": (None, "'xla', 'pallas', or None for the fastest that runs here"),
-}
+_TILES = {**TILES, **IMPLEMENTATION}
 
 
 def _block_sparse(q, k, v, *, pattern, **kw):

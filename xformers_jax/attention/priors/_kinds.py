@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from ...kinds import REQUIRED, AttentionAdapter, Kind, Paper, RecurrentDecoding
-from .._adapters import broadcast_state, grouped_step, lifted
+from .._adapters import TILES, broadcast_state, grouped_step, lifted
 from ._average import (AverageGate, average_attention, average_attention_init_state,
                        average_attention_step, init_average_gate)
 from ._collaborative import collaborative_attention, collaborative_mixing_from_heads
@@ -37,10 +37,6 @@ from ._gaussian import (distance_prior_attention, gaussian_prior_attention,
 from ._multiscale import multiscale_attention
 from ._talking import talking_heads_attention
 
-_TILES = {
-    "block_q": (None, "query tile of the tiled kernel (None: the kernel's default)"),
-    "block_k": (None, "key tile of the tiled kernel (None: the kernel's default)"),
-}
 _DENSE_SCORES = ("dense", "'dense' only: the kind reads the previous layer's attention map")
 
 def _per_batch(fn, q, k, v, kv_mask, *args):
@@ -254,14 +250,14 @@ KINDS = (
     Kind("gaussian_prior", gaussian_prior_attention, "priors",
          Paper("Yang et al.", 2018, "Modeling Localness for Self-Attention Networks"),
          time="O(L^2 D)", memory="O(L)", causal=True, test_hyperparameters={},
-         hyperparameters=_TILES,
+         hyperparameters=TILES,
          adapter=AttentionAdapter(lifted(gaussian_prior_attention, ("heads",)),
                                   init=_gaussian_init)),
     Kind("distance_prior", distance_prior_attention, "priors",
          Paper("Guo et al.", 2019,
                "Gaussian Transformer: a Lightweight Approach for Natural Language Inference"),
          time="O(L^2 D)", memory="O(L)", causal=True, test_hyperparameters={},
-         hyperparameters=_TILES,
+         hyperparameters=TILES,
          adapter=AttentionAdapter(lifted(_distance, ("heads",)), init=_distance_init)),
     Kind("hardcoded_gaussian", hardcoded_gaussian_attention, "priors",
          Paper("You et al.", 2020, "Hard-Coded Gaussian Attention for Neural Machine "
@@ -271,7 +267,7 @@ KINDS = (
          hyperparameters={
              "offset": (0.0, "the Gaussian's centre relative to the query position"),
              "std": (1.0, "the Gaussian's standard deviation (positions)"),
-             **_TILES},
+             **TILES},
          adapter=AttentionAdapter(lifted(hardcoded_gaussian_attention))),
     Kind("average", average_attention, "priors",
          Paper("Zhang et al.", 2018, "Accelerating Neural Transformer via an Average Attention "
@@ -288,13 +284,13 @@ KINDS = (
          hyperparameters={
              "implementation": ("tiled", "'tiled' (online softmax over mixed heads) or "
                                          "'dense'"),
-             **_TILES},
+             **TILES},
          adapter=AttentionAdapter(_talking, init=_talking_init)),
     Kind("collaborative", collaborative_attention, "priors",
          Paper("Cordonnier et al.", 2020, "Multi-Head Attention: Collaborate Instead of "
                "Concatenate"),
          time="O(L^2 H Dq)", memory="O(L)", causal=True, test_hyperparameters={},
-         hyperparameters=_TILES,
+         hyperparameters=TILES,
          adapter=AttentionAdapter(_collaborative, init=_collaborative_init)),
     Kind("multiscale", multiscale_attention, "priors",
          Paper("Guo et al.", 2020, "Multi-Scale Self-Attention for Text Classification"),
@@ -302,7 +298,7 @@ KINDS = (
          test_hyperparameters={"spans": (2, None)},
          hyperparameters={
              "spans": (REQUIRED, "one window half-width per head (None: the whole sequence)"),
-             **_TILES},
+             **TILES},
          adapter=AttentionAdapter(_multiscale)),
     Kind("realformer", realformer_attention, "priors",
          Paper("He et al.", 2021, "RealFormer: Transformer Likes Residual Attention"),
@@ -311,7 +307,7 @@ KINDS = (
          hyperparameters={
              "implementation": ("dense", "'dense' (the previous scores carried) or 'tiled' "
                                          "(every layer's queries and keys carried)"),
-             **_TILES},
+             **TILES},
          adapter=AttentionAdapter(_realformer, layer_carry=_realformer_carry)),
     Kind("predictive", predictive_attention, "priors",
          Paper("Wang et al.", 2021, "Predictive Attention Transformer: Improving Transformer "

@@ -36,19 +36,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from ...kinds import REQUIRED, AttentionAdapter, Kind, Paper
+from .._adapters import IMPLEMENTATION, TILES
 from .._exact import block_sparse_attention
 from .._multihead import multihead
 from ..patterns import PerHead
 from ._axial import axial_attention
 from ._global_tokens import etc_attention, longformer_attention
 from ._per_head import per_head_block_sparse_attention
-
-_TILES = {
-    "block_q": (None, "query tile of the tiled kernel (None: the kernel's default)"),
-    "block_k": (None, "key tile of the tiled kernel (None: the kernel's default)"),
-}
-_IMPLEMENTATION = {
-    "implementation": (None, "'xla', 'pallas', or None for the fastest that runs here")}
 
 
 def _head_sets(query_heads, num_heads, num_kv_heads):
@@ -187,7 +181,7 @@ KINDS = (
              "stride": (None, "the Sparse Transformer heads' stride (when `heads` is None)"),
              "kind": ("strided", "the Sparse Transformer heads: 'strided' or 'fixed'"),
              "c": (1, "summary positions per block of the 'fixed' heads"),
-             **_TILES, **_IMPLEMENTATION},
+             **TILES, **IMPLEMENTATION},
          adapter=AttentionAdapter(_per_head, init=_per_head_init)),
     Kind("axial", axial_attention, "sparse",
          Paper("Ho et al.", 2019, "Axial Attention in Multidimensional Transformers"),
@@ -198,7 +192,7 @@ KINDS = (
                                  "order (its product is the length)"),
              "axis": (None, "the axis every head attends along; None: head h takes axis "
                             "h % len(shape)"),
-             **_TILES, **_IMPLEMENTATION},
+             **TILES, **IMPLEMENTATION},
          adapter=AttentionAdapter(_axial, init=_axial_init)),
     Kind("longformer", longformer_attention, "sparse",
          Paper("Beltagy et al.", 2020, "Longformer: The Long-Document Transformer"),
@@ -209,7 +203,7 @@ KINDS = (
              "global_tokens": (REQUIRED, "positions that attend to and are seen by every "
                                          "position, e.g. (0,) for [CLS]"),
              "dilation": (1, "gap between the window's keys (dilated sliding window)"),
-             **_TILES},
+             **TILES},
          adapter=AttentionAdapter(_longformer, init=_global_projections, takes_input=True)),
     Kind("etc", etc_attention, "sparse",
          Paper("Ainslie et al.", 2020,
@@ -219,6 +213,6 @@ KINDS = (
          hyperparameters={
              "num_global": (REQUIRED, "the first positions that form the global input"),
              "radius": (REQUIRED, "keys on each side of a long-input query it attends to"),
-             **_TILES},
+             **TILES},
          adapter=AttentionAdapter(_etc, init=_global_projections, takes_input=True)),
 )
