@@ -2,9 +2,9 @@
 
 The attention itself is whatever :class:`~xformers_jax.nn.AttentionSpec` names (see
 :mod:`._slots`), run by its record's :class:`~xformers_jax.kinds.AttentionAdapter`; everything
-else (q/k/v/output projections, grouped-query heads, padding,
-causal masking, cross attention, position schemes, decoding caches) is shared, so swapping one
-argument gives a different X-former.
+else (q/k/v/output projections, grouped-query heads, padding, causal masking, cross attention,
+position schemes, decoding caches) is shared, so swapping one argument gives a different
+X-former.
 """
 
 from __future__ import annotations
@@ -20,10 +20,10 @@ from jaxtyping import Array, Bool, Float, Int
 from .. import attention as A
 from .. import axes as X
 from ..axes import constrain
+from ..kinds import AttentionAdapter, Kind, KVDecoding, RecurrentDecoding, WindowDecoding
 from ._cache import KVCache, RecurrentCache
 from ._mixer._base import MixerModule
 from ._positions import BiasScheme, InputScheme, PositionScheme, QKScheme
-from ..kinds import AttentionAdapter, Kind, KVDecoding, RecurrentDecoding, WindowDecoding
 from ._slots import AttentionSpec, check_causal, sequence_problem
 
 
