@@ -5,10 +5,10 @@ two DeeBERT entropy thresholds and PABEE patience, against full depth.
 
 Trains the README's main job (``listops.py:performer,main``) twice in this process, each in
 ``WORKDIR/NAME`` (a finished run is not trained again; an interrupted one resumes): once with
-``model.depth_mode='early_exit'`` (an exit classifier after every layer, PABEE's weighted loss)
+``model.kind='early_exit'`` (an exit classifier after every layer, PABEE's weighted loss)
 and once as it is (the full-depth model without exits). Then the early-exit model's best
-checkpoint goes through :func:`xformers_jax.train._arch_models.evaluate_exits` (batches through
-``nn.EarlyExitClassifier.exit``) on the test split: at full depth (no example exits early),
+checkpoint goes through :func:`xformers_jax.models.evaluate_exits` (batches through
+``models.EarlyExitClassifier.exit``) on the test split: at full depth (no example exits early),
 at two entropy thresholds (DeeBERT), and at PABEE patience 1 and 2 where the depth allows
 (patience p exits no earlier than layer p + 1). The two thresholds are not tuned on the test
 split: they are the ``--quantiles`` of the validation split's entropies at the exits before the
@@ -31,7 +31,7 @@ from absl import app, flags
 from experiments.configs.lra import listops
 from xformers_jax import train
 from xformers_jax.data import DataIterator
-from xformers_jax.train import _arch_models
+from xformers_jax import models
 from xformers_jax.train._compress import restore_model
 
 _ARG = flags.DEFINE_string("config_arg", "performer,main", "listops.py's VARIANT,SIZE.")
@@ -52,7 +52,8 @@ def _load() -> float:
 def _config(depth_mode: str):
     c = listops.get_config(_ARG.value)
     c.unlock()
-    c.model.depth_mode = depth_mode
+    if depth_mode == "early_exit":
+        train.set_model_kind(c, "early_exit")
     if _NUM_LAYERS.value:
         c.model.num_layers = _NUM_LAYERS.value
     c.update(dict(plot=False, progress_bar=False, tensorboard=False))
@@ -115,7 +116,7 @@ def main(argv):
             settings.append((f"PABEE patience {p}", "patience", dict(patience=p)))
     rows = []
     for label, criterion, kw in settings:
-        r = _arch_models.evaluate_exits(model, task.test, bs, padded=task.padded,
+        r = models.evaluate_exits(model, task.test, bs, padded=task.padded,
                                         criterion=criterion, **kw)
         rows.append(dict(setting=label, criterion=criterion, **kw, **r, load=_load()))
     last_exit = trained["early_exit"]["result"]["test_accuracy"]
@@ -144,7 +145,7 @@ def main(argv):
         f"({n} layers, {config.num_train_steps} steps, {len(task.test)} test expressions), "
         "trained once with an exit classifier after every layer (PABEE's weighted loss; "
         "`model.depth_mode='early_exit'`) and evaluated on the test split through "
-        "`nn.EarlyExitClassifier.exit` at batch size " f"{bs}. Entropy thresholds are "
+        "`models.EarlyExitClassifier.exit` at batch size " f"{bs}. Entropy thresholds are "
         "quantiles of the validation split's entropies at the exits before the last. "
         "Expected layers: the mean exit layer (each example's cost, as DeeBERT and PABEE "
         "report it); FLOPs saved: 1 - expected layers / layers (the layers' share, embedding "

@@ -5,7 +5,7 @@ model trained from scratch with the same steps.
       --workdir=runs/electra
   python -m experiments.electra_finetune --electra=runs/electra --steps=300
 
-Both classifiers are ``nn.Electra(...).classifier(2)`` (the discriminator's embeddings, layers
+Both classifiers are ``models.Electra(...).classifier(2)`` (the discriminator's embeddings, layers
 and final norm with mean pooling and a new head): one from the pre-trained checkpoint (its
 best step, restored by path with orbax), one freshly initialised. The task is ``text`` with
 the standard library's bytes (``data.StdlibBytesClassification``) at the pre-training window

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from tests.tolerances import EXACT, assert_close
-from xformers_jax import nn, train
+from xformers_jax import models, nn, train
 from xformers_jax.train._optim import make_optimizer
 
 B, L, DIM, HEADS, MAX_LEN = 2, 12, 16, 2, 16
@@ -134,7 +134,7 @@ def test_bf16_inputs_and_gradients(key, name):
 
 
 def test_causal_lm_with_a_mixer_generates_like_its_forward(key):
-    model = nn.CausalLM(32, DIM, 1, HEADS, 32, max_len=MAX_LEN,
+    model = models.CausalLM(32, DIM, 1, HEADS, 32, max_len=MAX_LEN,
                         block=dict(mixer=nn.MixerSpec("mamba2", {"state_size": 8,
                                                                  "chunk_size": 4})), key=key)
     tokens = jax.random.randint(jax.random.PRNGKey(2), (B, L), 1, 32)

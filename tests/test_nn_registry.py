@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import xformers_jax.models as models
 import xformers_jax.nn as nn
 from experiments.catalogue import catalogue
 from xformers_jax.attention._kind import all_kinds
@@ -55,7 +56,7 @@ def _value_and_grad(loss, model):
 @pytest.mark.parametrize("kind", KINDS)
 def test_encoder_classifier_forward_grad_jit(kind):
     key = jax.random.PRNGKey(0)
-    model = nn.EncoderClassifier(3, DIM, 1, HEADS, HIDDEN, pooling="mean", vocab_size=20,
+    model = models.EncoderClassifier(3, DIM, 1, HEADS, HIDDEN, pooling="mean", vocab_size=20,
                                  max_len=L, block=dict(spec=_spec(kind)), key=key)
     tokens = jax.random.randint(key, (2, L), 0, 20)
     mask = jnp.arange(L)[None] < jnp.array([[L], [L - 5]])
@@ -77,7 +78,7 @@ def test_encoder_classifier_forward_grad_jit(kind):
 @pytest.mark.parametrize("kind", CAUSAL_KINDS)
 def test_causal_lm_forward_grad_jit_no_leak(kind):
     key = jax.random.PRNGKey(1)
-    model = nn.CausalLM(20, DIM, 1, HEADS, HIDDEN, max_len=L, block=dict(spec=_spec(kind)),
+    model = models.CausalLM(20, DIM, 1, HEADS, HIDDEN, max_len=L, block=dict(spec=_spec(kind)),
                         key=key)
     tokens = jax.random.randint(key, (2, L), 0, 20)
     t = L // 2
@@ -98,7 +99,7 @@ def test_causal_lm_forward_grad_jit_no_leak(kind):
 @pytest.mark.parametrize("kind", sorted(set(KINDS) - set(CAUSAL_KINDS)))
 def test_non_causal_kinds_are_rejected_in_a_language_model(kind):
     with pytest.raises(NotImplementedError, match="does not support causal=True"):
-        nn.CausalLM(20, DIM, 1, HEADS, HIDDEN, max_len=L, block=dict(spec=_spec(kind)),
+        models.CausalLM(20, DIM, 1, HEADS, HIDDEN, max_len=L, block=dict(spec=_spec(kind)),
                     key=jax.random.PRNGKey(0))
 
 

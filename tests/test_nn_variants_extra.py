@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import xformers_jax.models as models
 import xformers_jax.nn as nn
 from tests.tolerances import assert_close
 from xformers_jax.attention import patterns as P
@@ -68,7 +69,7 @@ def test_axial_rows_equal_block_local(causal):
 
 
 def test_axial_classifier_on_pixels_and_bad_shape():
-    model = nn.EncoderClassifier(3, D, 1, H, 32, pooling="mean", input_dim=3, max_len=L,
+    model = models.EncoderClassifier(3, D, 1, H, 32, pooling="mean", input_dim=3, max_len=L,
                                  block=dict(spec=nn.AttentionSpec("axial", {"shape": (4, 4)})),
                                  key=KEY)
     pixels = jax.random.uniform(KEY, (2, L, 3))
@@ -122,7 +123,7 @@ def _masked_dense(q, k, v, allowed):
 # --- delta rule ---------------------------------------------------------------------------------
 
 def test_delta_rule_decoding_equals_teacher_forcing():
-    model = nn.CausalLM(20, D, 1, H, 32, max_len=L, key=KEY,
+    model = models.CausalLM(20, D, 1, H, 32, max_len=L, key=KEY,
                         block=dict(spec=nn.AttentionSpec("delta_rule", {"chunk_size": 4}),
                                    num_kv_heads=2))
     tokens = jax.random.randint(KEY, (2, L), 0, 20)
@@ -173,10 +174,10 @@ def test_routing_block_unstacked_threads_state_with_power_norm():
 def test_routing_models_scan_equals_unrolled_with_per_layer_state(causal):
     def make(scan):
         if causal:
-            return eqx.nn.make_with_state(nn.CausalLM)(20, D, 2, H, 32, max_len=L, key=KEY,
+            return eqx.nn.make_with_state(models.CausalLM)(20, D, 2, H, 32, max_len=L, key=KEY,
                                                        block=dict(spec=ROUTING),
                                                        stack=dict(scan=scan))
-        return eqx.nn.make_with_state(nn.EncoderClassifier)(
+        return eqx.nn.make_with_state(models.EncoderClassifier)(
             3, D, 2, H, 32, pooling="mean", vocab_size=20, max_len=L, key=KEY,
             block=dict(spec=ROUTING), stack=dict(scan=scan))
 

@@ -32,7 +32,7 @@ run on 2 CPU cores; the models reach about 33-35%). METHOD:
   ``tinybert``: a 1-layer student of half the width (dim 32, 2 heads, MLP 64) distilled with
   KD and TinyBERT's attention-map and projected hidden-state losses (weight 1 each);
   ``tinybert_scratch``: the same student without a teacher.
-- ``electra``: ELECTRA pre-training (``nn.Electra``, generator at a quarter width,
+- ``electra``: ELECTRA pre-training (``models.Electra``, generator at a quarter width,
   discriminator weight 50, rotary positions) on the standard library's bytes, 128-byte
   windows, 5000 steps of batch 16 (about 8 minutes on 2 CPU cores; runlocal 200);
   ``experiments/electra_finetune.py`` then fine-tunes its discriminator on the byte

@@ -1,7 +1,7 @@
 """Suite ``lra``: the Long Range Arena efficiency table on this machine.
 
 One training step (forward and backward of the mean cross-entropy with respect to every
-parameter) of the byte-level Text classifier, ``nn.EncoderClassifier`` with each attention
+parameter) of the byte-level Text classifier, ``models.EncoderClassifier`` with each attention
 kind of the ``nn`` registry (a row may name another kind in its settings: ``local`` is LRA's
 block-local attention, run by the ``block_sparse`` kind), at L = 1K, 2K, 3K, 4K. Model: the LRA Text sizes (dim 256,
 4 heads, MLP 1024, CLS pooling, byte vocabulary) with ONE layer instead of four (layers scale
@@ -36,7 +36,7 @@ import optax
 
 from experiments.bench_lib import Case, Results, Workload, ratio_check
 from experiments.configs.lra._common import VARIANTS
-from xformers_jax import nn
+from xformers_jax import models, nn
 
 TITLE = ("LRA efficiency: one training step of the byte-level Text classifier (dim 256, "
          "4 heads, MLP 1024, 1 layer, fp32), per attention kind")
@@ -136,7 +136,7 @@ def build(kind: str, L: int, B: int = BATCH, dim: int = 256, heads: int = 4,
     ``kind`` is a row of the table (a registry kind, or a row of ``SETTINGS`` naming one)."""
     kind, hp = _settings(kind, L)
     spec = nn.AttentionSpec(kind, hp)
-    model = nn.EncoderClassifier(2, dim, layers, heads, hidden, pooling="cls", vocab_size=257,
+    model = models.EncoderClassifier(2, dim, layers, heads, hidden, pooling="cls", vocab_size=257,
                                  max_len=L + 1, block=dict(spec=spec), key=jax.random.PRNGKey(0))
     params, static = eqx.partition(model, eqx.is_inexact_array)
     leaves, treedef = jax.tree.flatten(params)

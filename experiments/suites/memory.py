@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from experiments.bench_lib import Case, Results, Workload, ratio_check
-from xformers_jax import nn
+from xformers_jax import models, nn
 
 TITLE = "Recurrent memory: train step at segment 1 vs segment 50 (XL, compressive; fp32)"
 _BUILD = "experiments.suites.memory:build"
@@ -37,7 +37,7 @@ def build(kind: str, segments: int, seg: int = 128, mem: int = 128, d: int = 128
           layers: int = 2, B: int = 2, heads: int = 4):
     longest = seg + mem + mem // 2
     position = nn.TransformerXLRelative(heads, d // heads, longest, key=jax.random.PRNGKey(2))
-    model = nn.CausalLM(257, d, layers, heads, 4 * d, positions=nn.NoPositions(),
+    model = models.CausalLM(257, d, layers, heads, 4 * d, positions=nn.NoPositions(),
                         max_len=longest, block=dict(position=position,
                                                     memory=_memory(kind, d, seg, mem)),
                         key=jax.random.PRNGKey(0))

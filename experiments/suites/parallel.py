@@ -132,10 +132,10 @@ def measure_lm_step(L: int, repeats: int = 2) -> dict:
     import jax
     import jax.numpy as jnp
 
-    from xformers_jax import nn
+    from xformers_jax import models, nn
     from xformers_jax import parallel as par
 
-    model = nn.CausalLM(256, 64, 2, 2, 128, max_len=L, block=dict(spec=nn.AttentionSpec("flash")),
+    model = models.CausalLM(256, 64, 2, 2, 128, max_len=L, block=dict(spec=nn.AttentionSpec("flash")),
                         key=jax.random.PRNGKey(0))
     params, static = eqx.partition(model, eqx.is_inexact_array)
     tokens = jax.random.randint(jax.random.PRNGKey(1), (1, L + 1), 0, 256)

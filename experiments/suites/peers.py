@@ -7,7 +7,7 @@ run on whatever machine it runs on.
   B=1, H=4, D=64, fwd and fwd+bwd (the gradient of the output's sum), causal and not.
 - A training step of an LRA-Text-sized classifier (vocab 256 + CLS, dim 256, 4 heads, MLP
   1024, 2 pre-norm GELU layers, CLS pooling, B=2, AdamW, fp32, no dropout): ours is
-  ``nn.EncoderClassifier`` with ``flash`` attention and its layers unrolled (also measured
+  ``models.EncoderClassifier`` with ``flash`` attention and its layers unrolled (also measured
   with the default scan over layers) stepped by the trainer's
   ``train.make_train_step`` (state donated, fed back every call); PyTorch's is
   ``nn.TransformerEncoder(norm_first=True, activation="gelu")`` with the same embedding,
@@ -230,9 +230,9 @@ def _jax_step(L: int, B: int, scan: bool = False):
     import jax.numpy as jnp
     import optax
 
-    from xformers_jax import nn, train
+    from xformers_jax import models, nn, train
 
-    model = nn.EncoderClassifier(CLASSES, DIM, LAYERS, HEADS, HIDDEN, pooling="cls",
+    model = models.EncoderClassifier(CLASSES, DIM, LAYERS, HEADS, HIDDEN, pooling="cls",
                                  vocab_size=VOCAB + 1, max_len=L + 1,
                                  block=dict(spec=nn.AttentionSpec("flash", {})),
                                  stack=dict(scan=scan), key=jax.random.PRNGKey(0))

@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 
 import xformers_jax.attention as A
+import xformers_jax.models as models
 import xformers_jax.nn as nn
 from experiments.bench_lib import Case, Results, Workload, ratio_check
 from experiments.suites.attention import attention_flops, qkv
@@ -31,7 +32,7 @@ LENGTHS = (1024, 2048)
 
 
 def _decode(position: int):
-    model = nn.CausalLM(256, 256, 2, 4, 1024, max_len=4096 + 8,
+    model = models.CausalLM(256, 256, 2, 4, 1024, max_len=4096 + 8,
                         block=dict(spec=nn.AttentionSpec("average")), key=jax.random.PRNGKey(0))
     tokens = jax.random.randint(jax.random.PRNGKey(1), (1, position), 0, 256)
     caches = model.init_cache(1, 4096 + 8)

@@ -24,19 +24,28 @@
   reports each example's exit layer, the expected layers and the FLOPs saved.
 
 LayerDrop (Fan et al., 2020) lives in :class:`~xformers_jax.nn.LayerStack` (``layerdrop=``).
+
+The model kinds ``act`` (:class:`ACTClassifier`: its mean ponder cost is the term ``ponder``,
+weight 1e-2) and ``early_exit`` (:class:`ExitsClassifier`: trained with PABEE's weighted loss
+over every exit, the term ``exits``, in place of the last exit's cross-entropy; evaluated and
+reported at the last exit; :func:`evaluate_exits` runs the early-exit inference over a split).
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Callable, NamedTuple
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from ._models import Encoder, pool
-from ._positions import sinusoid
+from ..data import DataIterator
+from ..nn import Embedder, LayerNorm, TransformerBlock, sinusoid
+from ._registry import SLOTS, TRUNK, block_kwargs, register_model
+from ._trunk import Encoder, pool
 
 
 class ACTInfo(NamedTuple):
@@ -293,3 +302,137 @@ def early_exit_loss(all_logits, labels, *, weighting: str = "pabee"):
         raise ValueError(f"early_exit_loss: weighting must be 'pabee' or 'mean', got "
                          f"{weighting!r}")
     return jnp.sum(w * nll) / jnp.sum(w)
+
+
+# -- the model kinds ---------------------------------------------------------------------------
+
+class ACTClassifier(eqx.Module):
+    """Embedding, an :class:`ACTStack` (at most ``num_layers`` steps of one shared block),
+    final norm, pooling (mean or CLS) and a linear head. ``model(x, mask=, key=)`` returns the
+    logits; with ``return_aux`` ``(logits, {"ponder": the mean ponder cost over real
+    positions})``."""
+
+    embed: Embedder
+    stack: ACTStack
+    norm: LayerNorm
+    head: jax.Array
+    pooling: str = eqx.field(static=True)
+
+    def __init__(self, num_classes, dim, num_layers, num_heads, hidden, *, vocab_size,
+                 pooling, max_len, block, threshold, key):
+        k1, k2, k3 = jax.random.split(key, 3)
+        self.embed = Embedder(dim, vocab_size=vocab_size, cls_token=pooling == "cls", key=k1)
+        make = functools.partial(TransformerBlock, dim, num_heads, hidden, max_len=max_len,
+                                 **block)
+        self.stack = ACTStack(lambda k: make(key=k), dim, num_layers, threshold=threshold,
+                              key=k2)
+        self.norm = LayerNorm(dim)
+        self.head = jax.random.normal(k3, (dim, num_classes)) / math.sqrt(dim)
+        self.pooling = pooling
+
+    def __call__(self, x, *, mask=None, key=None, return_aux=False):
+        h, mask = self.embed(x, mask=mask)
+        h, info = self.stack(h, kv_mask=mask, key=key)
+        h = self.norm(h)
+        w = jnp.ones(h.shape[:2]) if mask is None else mask.astype(jnp.float32)
+        ponder = jnp.sum(info.ponder_cost * w) / jnp.maximum(jnp.sum(w), 1.0)
+        logits = pool(h, mask, self.pooling) @ self.head.astype(h.dtype)
+        return (logits, {"ponder": ponder}) if return_aux else logits
+
+
+class ExitsClassifier(eqx.Module):
+    """:class:`EarlyExitClassifier` as a trainable model: ``model(x, mask=)`` returns the last
+    exit's logits; with ``return_aux`` ``(logits, {"exit_logits": every exit's [N, B, C]})``."""
+
+    model: EarlyExitClassifier
+
+    def __call__(self, x, *, mask=None, key=None, return_aux=False):
+        logits = self.model(x, mask=mask)
+        return (logits[-1], {"exit_logits": logits}) if return_aux else logits[-1]
+
+
+def _max_len(config, task) -> int:
+    # Exactly the attended length (CLS pooling prepends one token).
+    return task.seq_len + (config.pooling == "cls")
+
+
+@register_model("act", serves=("classification",),
+                defaults=dict(TRUNK, pooling="cls", threshold=0.99, **SLOTS),
+                loss_weights={"ponder": 1e-2})
+def act(config, task, key):
+    """A Universal Transformer with adaptive computation time (:class:`ACTClassifier`)."""
+    return ACTClassifier(task.num_classes, config.dim, config.num_layers, config.num_heads,
+                         config.hidden, vocab_size=task.vocab_size, pooling=config.pooling,
+                         max_len=_max_len(config, task), block=block_kwargs(config),
+                         threshold=config.threshold, key=key)
+
+
+def _exit_terms(aux, targets):
+    return {"exits": early_exit_loss(aux["exit_logits"], targets)}
+
+
+@register_model("early_exit", serves=("classification",),
+                defaults=dict(TRUNK, pooling="cls", **SLOTS),
+                loss_weights={"cross_entropy": 0.0, "exits": 1.0}, target_terms=_exit_terms)
+def early_exit(config, task, key):
+    """An exit classifier after every layer, trained with PABEE's loss (:class:`ExitsClassifier`)."""
+    return ExitsClassifier(EarlyExitClassifier(
+        task.num_classes, config.dim, config.num_layers, config.num_heads, config.hidden,
+        pooling=config.pooling, vocab_size=task.vocab_size, max_len=_max_len(config, task),
+        block=block_kwargs(config), key=key))
+
+
+@eqx.filter_jit
+def _exit_batch(model, inputs, mask, criterion, threshold, patience):
+    return model.exit(inputs, mask=mask, criterion=criterion, threshold=threshold,
+                      patience=patience)
+
+
+def evaluate_exits(model, source, batch_size: int, *, padded: bool, criterion: str = "entropy",
+                   threshold: float = 0.5, patience: int = 2) -> dict:
+    """Early-exit inference over a whole split (in order; the last batch may be short).
+
+    ``model`` is an early-exit classifier (the ``early_exit`` kind's :class:`ExitsClassifier`
+    or an :class:`EarlyExitClassifier`); each batch goes through
+    :meth:`EarlyExitClassifier.exit` (``criterion``, ``threshold``, ``patience`` as there;
+    id 0 is padding when ``padded``). Returns::
+
+      accuracy         the exits' predictions against ``targets``
+      expected_layers  the mean exit layer over examples (what each example costs, DeeBERT's
+                       and PABEE's figure)
+      flops_saved      1 - expected_layers / num_layers (the layers' share of the compute)
+      batch_layers     the mean over examples of the layers their batch ran (a batch runs
+                       until its last example exits: the compute actually spent at this
+                       batch size)
+      exits            examples exiting after layer 1..num_layers (a list)
+    """
+    ee = model.model if isinstance(model, ExitsClassifier) else model
+    if not isinstance(ee, EarlyExitClassifier):
+        raise ValueError(f"evaluate_exits needs an early-exit classifier "
+                         f"(model.kind='early_exit'), got {type(model).__name__}")
+    if criterion not in CRITERIA:
+        raise ValueError(f"evaluate_exits: criterion must be one of "
+                         f"{CRITERIA}, got {criterion!r}")
+    if criterion == "patience" and patience < 1:
+        raise ValueError(f"evaluate_exits: patience must be at least 1, got {patience!r}")
+    n = ee.num_layers
+    # Arrays, so that every threshold and patience shares one compiled program per shape.
+    thr, pat = jnp.float32(threshold), jnp.int32(patience)
+    it = DataIterator(source, batch_size=min(batch_size, len(source)), shuffle=False,
+                      num_epochs=1, drop_remainder=False)
+    correct = count = layers = batch_layers = 0
+    exits = np.zeros(n, np.int64)
+    for batch in it:
+        x = jnp.asarray(batch["inputs"])
+        res = _exit_batch(ee, x, (x != 0) if padded else None, criterion, thr, pat)
+        targets = np.asarray(batch["targets"])
+        layer = np.asarray(res.exit_layer)
+        correct += int(np.sum(np.asarray(jnp.argmax(res.logits, -1)) == targets))
+        count += len(targets)
+        layers += int(layer.sum())
+        batch_layers += int(res.layers_run) * len(targets)
+        exits += np.bincount(layer - 1, minlength=n)
+    expected = layers / count
+    return {"accuracy": correct / count, "expected_layers": expected,
+            "flops_saved": 1.0 - expected / n, "batch_layers": batch_layers / count,
+            "exits": exits.tolist()}

@@ -30,7 +30,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 
-from ...attention.learned._sorted_chunks import chunk_attention, permute, sort_by_code
+from ..attention.learned._sorted_chunks import chunk_attention, permute, sort_by_code
 
 
 def assign_clusters(h, centroids):

@@ -37,9 +37,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 
-from .._attention import MultiHeadAttention
-from .._norms import LayerNorm
-from .._registry import AttentionSpec
+from ..nn import AttentionSpec, LayerNorm, MultiHeadAttention
 
 
 def shuffle(y, groups: int):

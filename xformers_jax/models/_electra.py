@@ -22,7 +22,10 @@ import jax.numpy as jnp
 import optax
 
 from .. import axes as X
-from ._models import Embedder, Encoder, EncoderClassifier, _stack
+from ..nn import AttentionSpec, Embedder, NoPositions, RotaryPositions, transformer_stack
+from ._classifiers import EncoderClassifier
+from ._registry import TRUNK, register_model, section
+from ._trunk import Encoder
 
 
 class Electra(eqx.Module):
@@ -67,14 +70,14 @@ class Electra(eqx.Module):
         k = jax.random.split(key, 6)
         self.embed = Embedder(dim, vocab_size=vocab_size + 1, positions=positions, key=k[0])
         self.gen_in = jax.random.normal(k[1], (dim, gen_dim)) / math.sqrt(dim)
-        self.gen_layers, self.gen_norm = _stack(
-            gen_dim, gen_layers, gen_heads, gen_hidden, causal=False, cross=False,
-            max_len=max_len, block=block, stack=stack, key=k[2])
+        self.gen_layers, self.gen_norm = transformer_stack(
+            gen_dim, gen_layers, gen_heads, gen_hidden, causal=False, max_len=max_len,
+            block=block, stack=stack, key=k[2])
         self.gen_out = jax.random.normal(k[3], (gen_dim, dim)) / math.sqrt(gen_dim)
         self.gen_bias = jnp.zeros((vocab_size,))
-        self.disc_layers, self.disc_norm = _stack(
-            dim, num_layers, num_heads, hidden, causal=False, cross=False, max_len=max_len,
-            block=block, stack=stack, key=k[4])
+        self.disc_layers, self.disc_norm = transformer_stack(
+            dim, num_layers, num_heads, hidden, causal=False, max_len=max_len, block=block,
+            stack=stack, key=k[4])
         self.disc_head = jax.random.normal(k[5], (dim,)) / math.sqrt(dim)
         self.vocab_size, self.mask_prob, self.disc_weight = vocab_size, mask_prob, disc_weight
 
@@ -126,6 +129,12 @@ class Electra(eqx.Module):
         """``(mlm + disc_weight * disc, {"mlm", "disc", "accuracy", "replaced"})``: the MLM
         cross-entropy over masked positions, the discriminator's binary cross-entropy and
         accuracy over real positions, and the fraction of real positions replaced."""
+        _, terms = self._detect(tokens, key, mask=mask, dropout_key=dropout_key)
+        return terms["mlm"] + self.disc_weight * terms["disc"], terms
+
+    def _detect(self, tokens, key, *, mask, dropout_key):
+        """``(discriminator logits [B, L] on the corrupted tokens, {"mlm", "disc", "accuracy",
+        "replaced"})``."""
         real = jnp.ones(tokens.shape, bool) if mask is None else mask
         masked, corrupted, labels, logits = self.corrupt(tokens, key, mask=mask,
                                                          dropout_key=dropout_key)
@@ -137,8 +146,17 @@ class Electra(eqx.Module):
         n_real = jnp.maximum(real.sum(), 1)
         disc = jnp.sum(jnp.where(real, bce, 0)) / n_real
         acc = jnp.sum(jnp.where(real, (d > 0) == labels, False)) / n_real
-        return mlm + self.disc_weight * disc, {
-            "mlm": mlm, "disc": disc, "accuracy": acc, "replaced": labels.sum() / n_real}
+        return d, {"mlm": mlm, "disc": disc, "accuracy": acc, "replaced": labels.sum() / n_real}
+
+    def __call__(self, tokens, *, mask=None, key=None, return_aux=False):
+        """Replaced-token detection on ``tokens int[B, L]``: masked with the first half of
+        ``key`` (a fixed key when None, so that every evaluation sees the same masking), the
+        generator's samples written in, the discriminator's logits ``[B, L]`` returned; with
+        ``return_aux`` ``(logits, {"mlm", "disc", "accuracy", "replaced"})`` (the terms of
+        :meth:`loss`; no dropout)."""
+        mask_key, _ = jax.random.split(jax.random.PRNGKey(0) if key is None else key)
+        logits, terms = self._detect(tokens, mask_key, mask=mask, dropout_key=None)
+        return (logits, terms) if return_aux else logits
 
     def classifier(self, num_classes: int, *, key) -> EncoderClassifier:
         """The discriminator (shared embeddings, layers, final norm) as an
@@ -154,3 +172,19 @@ class Electra(eqx.Module):
                            jax.random.normal(key, (dim, num_classes)) / math.sqrt(dim))
         object.__setattr__(model, "pooling", "mean")
         return model
+
+
+@register_model("electra", serves=("self_supervised",),
+                defaults=dict(TRUNK, attention=dict(kind="dot_product")),
+                loss_weights={"mlm": 1.0, "disc": 50.0})
+def electra(config, task, key):
+    """ELECTRA's generator and discriminator (:class:`Electra`), pre-trained on byte text."""
+    # The paper's generator: a quarter of the discriminator's width, heads and FFN (so both
+    # have the same head width and can share one rotary scheme). Positions are rotary, not
+    # BERT's absolute ones: both objectives are decided by a token's neighbours, and with
+    # sinusoids added to the inputs the small byte-level models sat at the unigram MLM loss
+    # and the base-rate discriminator loss for hundreds of steps before finding them.
+    spec = AttentionSpec.from_config(section(config, "attention"))
+    return Electra(task.vocab_size, config.dim, config.num_layers, config.num_heads,
+                   config.hidden, max_len=task.seq_len, positions=NoPositions(),
+                   block=dict(spec=spec, position=RotaryPositions()), key=key)

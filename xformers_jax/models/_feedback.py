@@ -31,9 +31,10 @@ import jax
 import jax.numpy as jnp
 
 from .. import attention as A
-from ._cache import KVCache
-from ._memory import MemoryModel
-from ._models import Embedder, _finish, _stack
+from ..nn import Embedder, KVCache, transformer_stack
+from ._memory_lm import MemoryModel
+from ._registry import SLOTS, TRUNK, block_kwargs, register_model
+from ._trunk import finish
 
 
 class FeedbackState(eqx.Module):
@@ -79,9 +80,9 @@ class FeedbackLM(MemoryModel):
                              "positions only (the feedback memory is its own attention)")
         k1, k2, k3 = jax.random.split(key, 3)
         self.embed = Embedder(dim, vocab_size=vocab_size, positions=positions, key=k1)
-        self.layers, self.final_norm = _stack(dim, num_layers, num_heads, hidden, causal=True,
-                                              cross=False, max_len=max_len, block=block,
-                                              stack=None, key=k2)
+        self.layers, self.final_norm = transformer_stack(
+            dim, num_layers, num_heads, hidden, causal=True, max_len=max_len, block=block,
+            key=k2)
         self.head = jax.random.normal(k3, (dim, vocab_size)) / jnp.sqrt(dim)
         self.layer_weights = jnp.zeros((num_layers + 1,))
         self.mem_len = mem_len
@@ -152,15 +153,21 @@ class FeedbackLM(MemoryModel):
             return eqx.filter(cache.append(k, v), eqx.is_array)
 
         caches = eqx.combine(jax.vmap(write)(dynamic, cache_dyn), cache_static)
-        h = _finish(self.final_norm, top)
+        h = finish(self.final_norm, top)
         return (h @ self.head.astype(h.dtype))[:, 0], caches
 
-    def __call__(self, tokens, *, caches=None, start: int = 0, memory=None, key=None):
+    def __call__(self, tokens, *, caches=None, start: int = 0, memory=None, key=None,
+                 return_aux=False):
         """Logits ``[B, L, vocab]`` for ``tokens int[B, L]``, scanning over positions; with
         ``caches`` (from :meth:`init_cache` or an earlier call, at position ``start``) returns
         ``(logits, caches)`` so a document can be fed in pieces or extended by decoding. With
         ``memory`` (a :class:`FeedbackState`) ``tokens`` is the next segment of each stream
-        and the result is ``(logits, new state)``."""
+        and the result is ``(logits, new state)``. ``return_aux`` adds the (empty) auxiliary
+        outputs: ``(that, {})``."""
+        out = self._forward(tokens, caches=caches, start=start, memory=memory)
+        return (out, {}) if return_aux else out
+
+    def _forward(self, tokens, *, caches, start, memory):
         b, length = tokens.shape
         if memory is not None:
             if caches is not None:
@@ -188,3 +195,13 @@ class FeedbackLM(MemoryModel):
         caches, logits = jax.lax.scan(body, caches, (tokens.T, start + jnp.arange(length)))
         logits = jnp.moveaxis(logits, 0, 1)
         return (logits, caches) if given else logits
+
+
+@register_model("feedback", serves=("stream_language_model",),
+                defaults=dict(TRUNK, mem_len=None, **SLOTS))
+def feedback(config, task, key):
+    """The Feedback Transformer over streams (:class:`FeedbackLM`, memories carried)."""
+    # Sinusoidal input positions counted along each stream; mem_len None: the segment length.
+    mem_len = task.seq_len if config.mem_len is None else int(config.mem_len)
+    return FeedbackLM(task.vocab_size, config.dim, config.num_layers, config.num_heads,
+                      config.hidden, mem_len=mem_len, block=block_kwargs(config), key=key)

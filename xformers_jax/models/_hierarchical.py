@@ -20,9 +20,8 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 
-from .._blocks import TransformerBlock
-from .._models import Encoder
-from .._norms import LayerNorm
+from ..nn import LayerNorm, TransformerBlock
+from ._trunk import Encoder
 
 
 def last_real(h, mask):

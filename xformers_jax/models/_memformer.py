@@ -25,9 +25,10 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 
-from ._memory import MemoryModel, MemoryState
-from ._models import Embedder, _finish, _stack
-from ._norms import LayerNorm
+from ..nn import Embedder, LayerNorm, MemoryState, transformer_stack
+from ._memory_lm import MemoryModel
+from ._registry import SLOTS, TRUNK, block_kwargs, register_model
+from ._trunk import finish
 
 
 class Memformer(MemoryModel):
@@ -62,9 +63,9 @@ class Memformer(MemoryModel):
             raise ValueError(f"Memformer: segments must be an integer >= 1, got {segments!r}")
         k = jax.random.split(key, 8)
         self.embed = Embedder(dim, vocab_size=vocab_size, positions=positions, key=k[0])
-        self.layers, self.final_norm = _stack(dim, num_layers, num_heads, hidden, causal=True,
-                                              cross=True, max_len=max_len, block=block,
-                                              stack=None, key=k[1])
+        self.layers, self.final_norm = transformer_stack(
+            dim, num_layers, num_heads, hidden, causal=True, cross=True, max_len=max_len,
+            block=block, key=k[1])
         self.head = jax.random.normal(k[2], (dim, vocab_size)) / math.sqrt(dim)
         self.slots = jax.random.normal(k[3], (num_slots, dim)) / math.sqrt(dim)
         self.wq, self.wk, self.wv, self.wo = (jax.random.normal(kk, (dim, dim)) / math.sqrt(dim)
@@ -101,14 +102,20 @@ class Memformer(MemoryModel):
                + jnp.einsum("bhkl,blhd->bkhd", w[..., 1:], seg_v))
         return self.write_norm(slots + out.reshape(b, k, d) @ self.wo)
 
-    def __call__(self, tokens, slots=None, *, mask=None, key=None, memory=None):
+    def __call__(self, tokens, slots=None, *, mask=None, key=None, memory=None,
+                 return_aux=False):
+        """``(logits [B, L, vocab], new slots)`` for ``tokens int[B, L]`` read with ``slots
+        [B, K, D]``; with ``memory`` (a carried :class:`~xformers_jax.nn.MemoryState`) ``(logits,
+        new state)``; ``return_aux`` adds the (empty) auxiliary outputs: ``(that, {})``."""
         if memory is not None:
-            return self._carried(tokens, memory, mask=mask, key=key)
+            out = self._carried(tokens, memory, mask=mask, key=key)
+            return (out, {}) if return_aux else out
         x, _ = self.embed(tokens, mask=mask, causal=True)
         h = self.layers(x, kv_mask=mask, context=slots.astype(x.dtype), key=key)
         new = self.write(slots, h.astype(slots.dtype), mask)
-        h = _finish(self.final_norm, h)
-        return h @ self.head.astype(h.dtype), new
+        h = finish(self.final_norm, h)
+        out = h @ self.head.astype(h.dtype), new
+        return (out, {}) if return_aux else out
 
     def _carried(self, tokens, memory: MemoryState, *, mask, key):
         b, length = tokens.shape
@@ -168,3 +175,13 @@ def memory_replay_gradients(step, params, memory, segments):
              jax.tree_util.tree_map(jnp.zeros_like, final))
     (grads, g_memory), _ = jax.lax.scan(backward, zeros, (memories, segments), reverse=True)
     return losses.sum(), grads, final, g_memory
+
+
+@register_model("memformer", serves=("stream_language_model",),
+                defaults=dict(TRUNK, num_slots=8, segments=1, **SLOTS))
+def memformer(config, task, key):
+    """Memformer over streams (:class:`Memformer`: memory slots, memory replay)."""
+    return Memformer(task.vocab_size, config.dim, config.num_layers, config.num_heads,
+                     config.hidden, num_slots=int(config.num_slots),
+                     segments=int(config.segments), max_len=task.seq_len,
+                     block=block_kwargs(config), key=key)

@@ -29,10 +29,7 @@ import jax.numpy as jnp
 from .. import axes as X
 from ..attention.patterns import Pattern
 from ..attention.patterns._basic import _kinds, _tile_ranges
-from ._attention import MultiHeadAttention
-from ._ffn import FeedForward
-from ._norms import LayerNorm
-from ._registry import AttentionSpec
+from ..nn import AttentionSpec, FeedForward, LayerNorm, MultiHeadAttention
 
 
 @dataclasses.dataclass(frozen=True)

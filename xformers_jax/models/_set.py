@@ -18,10 +18,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 
-from ._attention import MultiHeadAttention
-from ._ffn import FeedForward
-from ._norms import LayerNorm
-from ._registry import AttentionSpec
+from ..nn import AttentionSpec, FeedForward, LayerNorm, MultiHeadAttention
 
 
 class MAB(eqx.Module):

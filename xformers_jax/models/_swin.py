@@ -11,6 +11,8 @@ projected from ``4C`` to ``2C``): a hierarchy of resolutions as in a CNN.
 The shifted windows are equivalent to attention within the groups
 ``((y + M - s) // M, (x + M - s) // M)`` of the unshifted grid (:func:`window_groups`), which is
 how the tests check them.
+
+The model kind ``swin`` (:class:`PixelSwin`) classifies the image tasks' pixel token ids.
 """
 
 from __future__ import annotations
@@ -22,9 +24,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ... import attention as A
-from .._ffn import FeedForward
-from .._norms import LayerNorm
+from .. import attention as A
+from ..nn import FeedForward, LayerNorm
+from ._registry import register_model
 
 
 def window_groups(height: int, width: int, window: int, shift: int) -> np.ndarray:
@@ -231,3 +233,27 @@ class SwinClassifier(eqx.Module):
                 x = self.merges[i](x)
         x = self.norm(x).mean(axis=(1, 2))
         return x @ self.head.astype(x.dtype)
+
+
+class PixelSwin(eqx.Module):
+    """:class:`SwinClassifier` on pixel token ids ``int[B, S*S]``: intensities ``id / 255`` on
+    an ``S``-sided grid (LRA's Image and Pathfinder tasks)."""
+
+    swin: SwinClassifier
+
+    def __call__(self, x, *, mask=None, key=None, return_aux=False):
+        logits = self.swin((x.astype(jnp.float32) / 255.0)[..., None])
+        return (logits, {}) if return_aux else logits
+
+
+@register_model("swin", serves=("classification",),
+                defaults=dict(dim=512, patch=1, window=4, depths=(2, 2), heads=(2, 4)))
+def swin(config, task, key):
+    """Swin on a square pixel grid (:class:`PixelSwin`; ``dim``: the first stage's width)."""
+    side = math.isqrt(task.seq_len)
+    if side * side != task.seq_len:
+        raise ValueError(f"model.kind='swin' needs a square image: seq_len={task.seq_len}")
+    return PixelSwin(SwinClassifier(
+        task.num_classes, image_size=side, channels=1, patch=config.patch, dim=config.dim,
+        depths=tuple(config.depths), heads=tuple(config.heads), window=config.window,
+        key=key))

@@ -15,7 +15,8 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 
-from .._models import EncoderDecoder, _finish
+from ._seq2seq import EncoderDecoder
+from ._trunk import finish
 
 
 def _scan_layers(stack, x, xs_extra, call):
@@ -71,9 +72,9 @@ class TransparentEncoderDecoder(eqx.Module):
                              f"[{hs.shape[0]}, {m.decoder.num_layers}], got {self.weights.shape}")
         alpha = jax.nn.softmax(self.weights.astype(jnp.float32), axis=0).astype(hs.dtype)
         contexts = jnp.einsum("ij,ibld->jbld", alpha, hs)
-        contexts = _finish(m.encoder.final_norm, contexts)
+        contexts = finish(m.encoder.final_norm, contexts)
         y, _ = m.embed(target, mask=target_mask, causal=True)
         h, _ = _scan_layers(m.decoder, y, contexts, lambda block, h, c: block(
             h, kv_mask=target_mask, context=c, context_mask=source_mask))
-        h = _finish(m.final_norm, h)
+        h = finish(m.final_norm, h)
         return h @ m.head.astype(h.dtype)

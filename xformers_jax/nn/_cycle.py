@@ -13,12 +13,16 @@ still summed per layer (``nn._ffns.aux_losses``).
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 
+from ._blocks import TransformerBlock
 from ._ffns import FFNSpec
+from ._norms import LayerNorm
+from ._stack import LayerStack
 
 
 class BlockCycle(eqx.Module):
@@ -71,3 +75,20 @@ def cycle_blocks(make_block, ffn: FFNSpec | None, num_layers: int):
                            for i, k in enumerate(keys)])
 
     return make_unit, num_layers // every
+
+
+def transformer_stack(dim: int, num_layers: int, num_heads: int, hidden: int, *, causal: bool,
+                      cross: bool = False, max_len: int = 512, block=None, stack=None, key):
+    """The trunk every model builds: a :class:`LayerStack` of ``num_layers``
+    :class:`TransformerBlock` s (``block``: the blocks' keyword arguments, ``spec``, ``ffn``,
+    ``mixer``, ``placement``, ...; ``stack``: the stack's, ``remat``, ``sharing``, ...), in
+    :class:`BlockCycle` units when ``block["ffn"]`` places its kind in every n-th layer, and
+    the final norm pre-LN blocks need (None for other placements). Returns ``(stack,
+    final_norm)``."""
+    block = dict(block or {})
+    make = functools.partial(TransformerBlock, dim, num_heads, hidden, causal=causal,
+                             cross=cross, max_len=max_len, **block)
+    # FFNSpec(every=n): units of n blocks, the FFN kind in the last (GLaM's every other layer).
+    make, units = cycle_blocks(make, block.get("ffn"), num_layers)
+    final = LayerNorm(dim) if block.get("placement", "pre") == "pre" else None
+    return LayerStack(lambda k: make(key=k), units, key=key, **(stack or {})), final

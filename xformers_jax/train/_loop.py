@@ -22,7 +22,8 @@ from ._progress import ProgressBar, format_duration
 from ._sharding import make_sharding_plan, resolve_mesh
 from ._state import create_train_state
 from ._step import make_eval_step, make_train_step
-from ._tasks import build_model, make_loss_fn, make_metrics_fn, make_task, spec_of
+from ._objective import make_loss_fn, make_metrics_fn
+from ._tasks import build_model, make_task, spec_of
 
 
 def evaluate(eval_step, model, source, batch_size: int) -> dict[str, float]:
@@ -144,12 +145,13 @@ def train_and_evaluate(config, workdir: str, *, on_step=None) -> dict:
         logging.info("resumed from step %d", int(state.step))
     else:
         state = plan.place_state(state)
-    loss_fn = make_loss_fn(task, policy, config.loss) if teacher is None else \
-        C.distill_loss_fn(config, task, teacher)
+    loss_fn = make_loss_fn(task, policy, config.loss, kind=config.model.kind) \
+        if teacher is None else C.distill_loss_fn(config, task, teacher)
     train_step = make_train_step(loss_fn, optimizer,
                                  num_microbatches=config.num_microbatches, loss_scale=loss_scale,
                                  sharding=plan)
-    eval_step = make_eval_step(make_metrics_fn(task, policy), sharding=plan)
+    eval_step = make_eval_step(make_metrics_fn(task, policy, kind=config.model.kind,
+                                               weights=config.loss), sharding=plan)
     writer = MetricWriter(workdir, tensorboard=config.tensorboard,
                           enabled=jax.process_index() == 0,
                           purge_step=None if restored is None else int(state.step) + 1)

@@ -21,12 +21,27 @@ import ml_collections
 from xformers_jax import train
 
 
+# The memory models that are model kinds of their own (their options in the model section);
+# the other memories are the block memory of the ``memory_lm`` kind (its ``memory`` section).
+MODEL_KINDS = ("feedback", "memformer")
+
+
 def config(memory: dict, size: str | None, *, eval_mem_lens=()):
-    c = train.base_config("lm_stream")
+    """``memory``: ``kind`` ("none", "xl", "ernie", "compressive": ``memory_lm``'s block
+    memory; "feedback", "memformer": those model kinds) plus its settings."""
+    memory = dict(memory)
+    kind = memory["kind"] if memory["kind"] in MODEL_KINDS else "memory_lm"
+    c = train.base_config("lm_stream", model=kind)
     c.data.update(dict(source="stdlib", seq_len=256, num_eval=64, num_test=128,
                        eval_mem_lens=tuple(eval_mem_lens)))
     c.model.update(dict(dim=512, num_layers=6, num_heads=8, hidden=2048))
-    c.model.memory = ml_collections.ConfigDict(memory)
+    if kind == "memory_lm":
+        c.model.memory = ml_collections.ConfigDict(memory)
+        lengths = c.model.memory
+    else:
+        memory.pop("kind")
+        c.model.update(memory)
+        lengths = c.model
     c.optim.update(dict(learning_rate=2.5e-4, schedule="cosine", warmup_steps=2000,
                         weight_decay=0.01))
     c.update(dict(batch_size=32, num_train_steps=50_000, eval_every=2000,
@@ -35,8 +50,7 @@ def config(memory: dict, size: str | None, *, eval_mem_lens=()):
         c.data.update(dict(seq_len=64, num_eval=16, num_test=16,
                            eval_mem_lens=tuple(n // 4 for n in eval_mem_lens)))
         c.model.update(dict(dim=64, num_layers=2, num_heads=4, hidden=256))
-        scale = {k: v // 4 for k, v in memory.items() if k.endswith("_len")}
-        c.model.memory.update(scale)
+        lengths.update({k: v // 4 for k, v in memory.items() if k.endswith("_len")})
         c.optim.update(dict(learning_rate=2e-3, warmup_steps=20))
         c.update(dict(batch_size=8, num_train_steps=200, log_every=20, eval_every=100,
                       checkpoint_every=100))
@@ -49,7 +63,7 @@ def config(memory: dict, size: str | None, *, eval_mem_lens=()):
         c.data.update(dict(seq_len=256 // div, num_eval=64, num_test=128,
                            eval_mem_lens=tuple(n // div for n in eval_mem_lens)))
         c.model.update(dict(dim=128, num_layers=2, num_heads=4, hidden=512))
-        c.model.memory.update({k: v // div for k, v in memory.items() if k.endswith("_len")})
+        lengths.update({k: v // div for k, v in memory.items() if k.endswith("_len")})
         c.optim.update(dict(learning_rate=1e-3, warmup_steps=100))
         every = 500 if size == "cpu" else 2000
         c.update(dict(batch_size=16, num_train_steps=1500 if size == "cpu" else 6000,

@@ -5,7 +5,7 @@ reported at 0 and 256 (``bits_per_byte_mem0``, ``bits_per_byte_mem256``).
   python -m experiments.train --config=experiments/configs/lm/ernie_doc.py[:runlocal] \
       --workdir=/tmp/ernie
 
-The retrospective feed (``nn.retrospective_feed``) reads a document twice and so sees later
+The retrospective feed (``models.retrospective_feed``) reads a document twice and so sees later
 text: it is for document understanding, not this next-byte task. Sizes in ``_memory.py``.
 """
 

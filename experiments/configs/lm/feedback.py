@@ -5,7 +5,7 @@ layers' states at each past position), carried across segments.
   python -m experiments.train --config=experiments/configs/lm/feedback.py[:runlocal] \\
       --workdir=/tmp/feedback
 
-The model is sequential over positions (``nn.FeedbackLM``: a ``lax.scan`` of ``L`` steps per
+The model is sequential over positions (``models.FeedbackLM``: a ``lax.scan`` of ``L`` steps per
 segment), so a step costs far more than Transformer-XL's at the same size. Memory 256
 (``runlocal``: 64); sizes in ``_memory.py``.
 """

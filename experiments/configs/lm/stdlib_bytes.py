@@ -3,7 +3,7 @@
   python -m experiments.train --config=experiments/configs/lm/stdlib_bytes.py:VARIANT[,runlocal] \
       --workdir=/tmp/lm
 
-A causal ``nn.CausalLM`` predicts each next byte; train / validation / test are disjoint sets
+A causal ``models.CausalLM`` predicts each next byte; train / validation / test are disjoint sets
 of files (``xformers_jax.data.stdlib_bytes_lm``). ``--config.data.source=enwik8
 --config.data.data_dir=DIR`` trains on enwik8 instead (the unzipped file in DIR; 90M / 5M / 5M
 bytes). Reported loss is nats per byte (bits per byte = loss / ln 2); accuracy is next-byte
