@@ -355,3 +355,32 @@ def finish(config, task, model, run_eval, eval_step, workdir: str) -> dict:
         out[f"array_bytes_{mode}"] = C.model_bytes(q)
         out["array_bytes_float"] = C.model_bytes(float_model)
     return out
+
+
+# -- the wrapper the trainer applies --------------------------------------------------------------
+
+class Compression:
+    """Everything the compression switches of a config (``quantize``, ``init_from``,
+    ``prune``, ``distill``) change in a run, as one wrapper around it: :meth:`wrap` gives the
+    model, optimizer and loss to train (restored or distilled initial weights, fake
+    quantization, LayerDrop and TinyBERT's projections; the pruning masks inside the
+    optimizer; the distillation loss in place of the task's), :attr:`best_from` the first step
+    whose model may be kept as the best (pruning finished) and :meth:`finish` the results of
+    compressing the best model after training. With every switch off it changes nothing."""
+
+    def __init__(self, config, task, key):
+        self.config, self.task = config, task
+        self.teacher = load_teacher(config, task, key) if config.distill.teacher else None
+        self.best_from = best_from_step(config)
+
+    def wrap(self, model, optimizer, loss_fn):
+        """``(model, optimizer, loss_fn)`` to train in place of the given ones."""
+        model = prepare_model(self.config, model, self.teacher)
+        optimizer = wrap_optimizer(self.config, optimizer)
+        if self.teacher is not None:
+            loss_fn = distill_loss_fn(self.config, self.task, self.teacher)
+        return model, optimizer, loss_fn
+
+    def finish(self, model, run_eval, eval_step, workdir: str) -> dict:
+        """The compression results of the trained ``model`` (see :func:`finish`)."""
+        return finish(self.config, self.task, model, run_eval, eval_step, workdir)
