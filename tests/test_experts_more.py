@@ -111,7 +111,8 @@ def test_moe_every_other_layer_equals_unrolled_blocks():
         for i in range(2):
             unit = eqx.combine(jax.tree.map(lambda a: a[i], dynamic), static)
             for block in unit.blocks:
-                x, a = block(x, return_aux=True)
+                x, c = block(x, nn.Carry())
+                a = c.aux
                 if a:
                     per_layer.append(a)
         return logits, aux, model.final_norm(x) @ model.head, per_layer

@@ -236,7 +236,7 @@ def test_bf16_reset_and_errors():
     again, _ = _segments(xl, tokens, reset)
     assert_close(again[0], f32[0])
     assert float(jnp.abs(again[1] - f32[1]).max()) > 0
-    with pytest.raises(ValueError, match="memory_state"):
+    with pytest.raises(ValueError, match="exactly when the block has a memory"):
         xl(tokens)
     linear = nn.MultiHeadAttention(DIM, HEADS, spec=nn.AttentionSpec("linear"), causal=True,
                                    key=jax.random.key(0))

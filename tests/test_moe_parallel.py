@@ -120,13 +120,14 @@ def test_gpipe_moe_aux_is_the_mean_over_microbatches():
     mesh = Mesh(np.array(jax.devices()[:4]), (parallel.STAGE,))
 
     def run(s, x):
-        return parallel.pipeline_layers(s, x, mesh=mesh, num_microbatches=2, kv_mask=mask,
-                                        return_aux=True)
+        y, carry = parallel.pipeline_layers(s, x, nn.Carry(), mesh=mesh, num_microbatches=2,
+                                            kv_mask=mask)
+        return y, carry.aux
 
     def ref(s, x):
-        parts = [s(x[i : i + 2], kv_mask=mask[i : i + 2], return_aux=True) for i in (0, 2)]
+        parts = [s(x[i : i + 2], nn.Carry(), kv_mask=mask[i : i + 2]) for i in (0, 2)]
         y = jnp.concatenate([p[0] for p in parts])
-        return y, jax.tree.map(lambda a, b: (a + b) / 2, parts[0][1], parts[1][1])
+        return y, jax.tree.map(lambda a, b: (a + b) / 2, parts[0][1].aux, parts[1][1].aux)
 
     def loss(f):
         def fn(s, x):

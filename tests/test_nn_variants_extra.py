@@ -145,14 +145,16 @@ def test_routing_attention_updates_its_state():
     mha, state = eqx.nn.make_with_state(nn.MultiHeadAttention)(D, H, spec=ROUTING, max_len=L,
                                                                key=KEY)
     before = state.get(mha.state_index)
-    out, state = eqx.filter_jit(lambda m, s: m(X, kv_mask=MASK, state=s))(mha, state)
+    out, carry = eqx.filter_jit(lambda m, s: m(X, kv_mask=MASK, carry=nn.Carry(state=s)))(
+        mha, state)
+    state = carry.state
     after = state.get(mha.state_index)
     assert out.shape == X.shape and bool(jnp.isfinite(out).all())
     assert not np.allclose(np.asarray(after.state.sums), np.asarray(before.state.sums))
     assert float(after.commitment_loss) > 0
     # Inference freezes the centroids.
-    _, frozen = mha(X, state=state, inference=True)
-    np.testing.assert_array_equal(np.asarray(frozen.get(mha.state_index).state.sums),
+    _, frozen = mha(X, carry=nn.Carry(state=state), inference=True)
+    np.testing.assert_array_equal(np.asarray(frozen.state.get(mha.state_index).state.sums),
                                   np.asarray(after.state.sums))
     with pytest.raises(ValueError, match="keeps state; build the model with eqx.nn.make_with_"):
         mha(X)
@@ -163,7 +165,8 @@ def test_routing_block_unstacked_threads_state_with_power_norm():
                                                                norm="power", max_len=L, key=KEY)
     norm0 = np.asarray(state.get(block.norms[0].index))
     sums0 = np.asarray(state.get(block.attn.state_index).state.sums)
-    y, new = eqx.filter_jit(lambda b, s: b(X, s, kv_mask=MASK))(block, state)
+    y, carry = eqx.filter_jit(lambda b, s: b(X, nn.Carry(state=s), kv_mask=MASK))(block, state)
+    new = carry.state
     assert y.shape == X.shape and bool(jnp.isfinite(y).all())
     # Both the norm's running statistic and the centroids moved, in the one State.
     assert not np.allclose(np.asarray(new.get(block.norms[0].index)), norm0)

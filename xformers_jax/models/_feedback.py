@@ -136,8 +136,8 @@ class FeedbackLM(MemoryModel):
                                                         values.astype(q.dtype), kv_mask=mask)
                 return block.attn._out(o)
 
-            x, _ = block._residual(0, x, attend, None, None, True)
-            x, _ = block._residual(1, x, block.ffn, None, None, True)
+            x = block.residual(0, x, attend)
+            x = block.residual(1, x, block.ffn)
             return x, x
 
         top, states = jax.lax.scan(layer, x, (dynamic, cache_dyn))

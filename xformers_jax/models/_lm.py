@@ -13,8 +13,8 @@ import jax.numpy as jnp
 
 from .. import axes as X
 from ..axes import constrain
-from ..nn import (AUX_WEIGHTS, ConvPositions, Embedder, LayerNorm, LayerStack, memory_aux_loss,
-                  sample_tokens, transformer_stack)
+from ..nn import (AUX_WEIGHTS, Carry, ConvPositions, Embedder, LayerNorm, LayerStack,
+                  memory_aux_loss, sample_tokens, transformer_stack)
 from ._registry import SLOTS, TRUNK, block_kwargs, register_model
 from ._trunk import finish, run_with_aux
 
@@ -51,10 +51,13 @@ class CausalLM(eqx.Module):
         if memory is not None:
             if state is not None:
                 raise ValueError("CausalLM: stateful attention does not take a memory")
-            h, new = self.layers(x, kv_mask=mask, key=key, memory=memory)
+            h, carry = self.layers(x, Carry(memory=memory), kv_mask=mask, key=key,
+                                   inference=inference, tokens=tokens)
             h = finish(self.final_norm, h)
-            out = constrain(h @ self.head.astype(h.dtype), X.LOGITS), new
-            return (out, {"reconstruction_loss": memory_aux_loss(new)}) if return_aux else out
+            out = constrain(h @ self.head.astype(h.dtype), X.LOGITS), carry.memory
+            if not return_aux:
+                return out
+            return out, {**carry.aux, "reconstruction_loss": memory_aux_loss(carry.memory)}
         h, new, aux = run_with_aux(self.layers, x, state, kv_mask=mask, key=key,
                                    inference=inference, tokens=tokens)
         h = finish(self.final_norm, h)

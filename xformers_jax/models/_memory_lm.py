@@ -137,7 +137,7 @@ def _memory_decode_step(model, token, cache: SegmentCache):
         fs[0] = attend
         y = x
         for i, f in enumerate(fs):
-            y, _ = block._residual(i, y, f, None, None, True)
+            y = block.residual(i, y, f)
         return y, (kv["k"], kv["v"], put(xin, x), put(xout, y))
 
     xs = (dynamic, jnp.arange(stack.num_layers), cache.mem_k, cache.mem_v, cache.mem_mask,

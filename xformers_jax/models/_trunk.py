@@ -16,7 +16,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 
-from ..nn import Embedder, LayerNorm, LayerStack, transformer_stack
+from ..nn import Carry, Embedder, LayerNorm, LayerStack, transformer_stack
 
 
 def finish(final, x):
@@ -25,9 +25,11 @@ def finish(final, x):
 
 
 def run_with_aux(layers, x, state, **kw):
-    """The stack asked for its auxiliary outputs (``nn.aux_terms``): ``(y, state, aux)``."""
-    out, aux = layers(x, state, return_aux=True, **kw)
-    return (out, None, aux) if state is None else (*out, aux)
+    """The stack run with a carry (``nn.Carry``: the ``eqx.nn.State`` of stateful attention
+    when there is one): ``(y, state, aux)``, ``aux`` every layer's auxiliary outputs
+    (``nn.aux_terms``)."""
+    y, carry = layers(x, Carry(state=state), **kw)
+    return y, carry.state, carry.aux
 
 
 class Encoder(eqx.Module):

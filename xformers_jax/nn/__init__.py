@@ -14,6 +14,7 @@ from ._attention import redraw_random_features as redraw_random_features
 from ._blocks import TransformerBlock as TransformerBlock
 from ._cache import KVCache as KVCache
 from ._cache import RecurrentCache as RecurrentCache
+from ._carry import Carry as Carry
 from ._ffn import FeedForward as FeedForward
 from ._ffns import FFNKind as FFNKind
 from ._ffns import FFNSpec as FFNSpec

@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from ._blocks import TransformerBlock
+from ._carry import Carry
 from ._ffns import FFNSpec
 from ._norms import LayerNorm
 from ._stack import LayerStack
@@ -27,24 +28,25 @@ from ._stack import LayerStack
 
 class BlockCycle(eqx.Module):
     """Blocks applied in order as one unit of a ``LayerStack``; block ``i`` of a training
-    call gets ``fold_in(key, i)``. Supports the block call (``return_aux`` merges the blocks'
-    auxiliary dicts), ``init_cache`` and ``decode``; no ``eqx.nn.State`` and no memory."""
+    call gets ``fold_in(key, i)``. Supports the block call (a carried call merges the blocks'
+    auxiliary outputs), ``init_cache`` and ``decode``; no ``eqx.nn.State`` and no memory."""
 
     blocks: tuple
 
     def __init__(self, blocks):
         self.blocks = tuple(blocks)
 
-    def __call__(self, x, state=None, *, key=None, return_aux=False, **kw):
-        if state is not None or kw.get("memory_state") is not None:
+    def __call__(self, x, carry: Carry | None = None, *, key=None, **kw):
+        if carry is not None and (carry.state is not None or carry.memory is not None):
             raise ValueError("BlockCycle: stateful layers and memories are not supported in a "
                              "cycle of blocks (FFNSpec(every=n))")
         aux = {}
+        c = Carry() if carry is None else carry
         for i, block in enumerate(self.blocks):
             k = None if key is None else jax.random.fold_in(key, i)
-            x, a = block(x, key=k, return_aux=True, **kw)
-            aux.update(a)
-        return (x, aux) if return_aux else x
+            x, c = block(x, c, key=k, **kw)
+            aux.update(c.aux)
+        return x if carry is None else (x, c.replace(aux=aux))
 
     def init_cache(self, batch: int, max_len: int, dtype=jnp.float32):
         return tuple(b.init_cache(batch, max_len, dtype) for b in self.blocks)
