@@ -234,7 +234,7 @@ def test_evaluation_reports_each_evaluation_memory_length():
 
 
 def test_memory_lm_table_reads_every_evaluation_memory():
-    from xformers_jax_experiments import memory_lm_table
+    from xformers_jax_experiments.studies.memory_lm import table as memory_lm_table
 
     runs = {
         "none": [{"step": 10, "validation_bits_per_byte": 2.5},

@@ -184,7 +184,8 @@ def test_lra_and_lm_configs_take_every_mixer():
 
 def test_mixer_table_sweep_lists_every_task_and_variant(tmp_path):
     from xformers_jax_experiments import sweep
-    from xformers_jax_experiments.configs.lra import listops, mixer_table
+    from xformers_jax_experiments.configs.lra import listops
+    from xformers_jax_experiments.studies.mixers_lra import mixer_table
 
     path = mixer_table.__file__
     variants = ("transformer", "s4d", "mamba2", "gmlp", "fnet")

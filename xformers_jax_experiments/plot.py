@@ -11,7 +11,7 @@ import os
 
 from absl import app, flags
 
-from xformers_jax.train import read_jsonl
+from xformers_jax_experiments import run_lib
 
 _WORKDIRS = flags.DEFINE_list("workdirs", None, "Run directories holding metrics.jsonl.")
 _METRICS = flags.DEFINE_list("metrics", ["train_loss", "validation_accuracy"], "Metrics.")
@@ -20,12 +20,8 @@ _OUT = flags.DEFINE_string("out", "curves.png", "Output PNG.")
 
 def curves(workdir: str, metric: str):
     """``(steps, values)`` of one metric, one value per step (the last logged)."""
-    points = {}
-    for row in read_jsonl(os.path.join(workdir, "metrics.jsonl")):
-        if metric in row:
-            points[row["step"]] = row[metric]
-    steps = sorted(points)
-    return steps, [points[s] for s in steps]
+    points = run_lib.series(run_lib.read_metrics(workdir), metric)
+    return list(points), list(points.values())
 
 
 def plot(workdirs, metrics, out: str) -> None:

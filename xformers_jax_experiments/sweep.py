@@ -43,6 +43,8 @@ import time
 
 from absl import app, flags
 
+from xformers_jax_experiments import run_lib
+
 _CONFIG = flags.DEFINE_string("config", None, "Config file, optionally ':ARG'.")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Base directory: one sub-directory per run.")
 _NUM_PROCESSES = flags.DEFINE_integer("num_processes", 1, "Local runs at a time.")
@@ -166,11 +168,7 @@ def tpu_commands(config: str, base: str, runs, overrides=(), *, tpu: str, zone: 
 def finished(path: str) -> bool:
     """Whether the run directory ``path`` holds a finished run (a ``test_accuracy`` record in
     its ``metrics.jsonl``)."""
-    path = os.path.join(path, "metrics.jsonl")
-    if not os.path.exists(path):
-        return False
-    with open(path) as fh:
-        return any("test_accuracy" in json.loads(line) for line in fh if line.strip())
+    return run_lib.last(run_lib.read_metrics(path, missing_ok=True), "test_accuracy") is not None
 
 
 def run_local(config: str, base: str, runs, overrides=(), *, num_processes: int = 1,
@@ -213,12 +211,8 @@ def gather(base: str, runs) -> list[dict]:
     rows = []
     for i, run in enumerate(runs):
         row = {"run": f"{i:03d}", **{k.removeprefix("config."): v for k, v in run.items()}}
-        path = os.path.join(run_dir(base, i), "metrics.jsonl")
-        if os.path.exists(path):
-            with open(path) as fh:
-                for line in fh:
-                    record = json.loads(line)
-                    row.update({k: record[k] for k in RESULT_METRICS if k in record})
+        row.update(run_lib.latest(run_lib.read_metrics(run_dir(base, i), missing_ok=True),
+                               RESULT_METRICS))
         rows.append(row)
     return rows
 

@@ -1,7 +1,7 @@
 """Where an int8 checkpoint's bytes go, against float32, at the ListOps main job's model size
 and at LRA's ListOps size.
 
-  python -m xformers_jax_experiments.compress_bytes [--workdir=runs/teacher]
+  python -m xformers_jax_experiments.studies.compress.checkpoint_bytes [--workdir=runs/teacher]
 
 For each size the model (the trainer's ListOps classifier; with ``--workdir``, the main job's
 trained float model saved there by ``quantize="int8"``) is quantized to int8

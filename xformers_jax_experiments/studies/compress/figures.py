@@ -2,28 +2,29 @@
 heads pruned, QAT fine-tuned from the float model then int8, 50% gradual magnitude pruning, a
 half-depth student distilled from the float model and the same student without a teacher.
 
-  python -m xformers_jax_experiments.compress_figures --size=long --seeds=0,1,2 --workdir=runs/compress
+  python -m xformers_jax_experiments.studies.compress.figures --size=long --seeds=0,1,2 \
+      --workdir=runs/compress
 
-Runs ``xformers_jax_experiments/configs/compress.py``'s methods ``teacher``, ``qat`` (``init_from`` the
-seed's teacher), ``prune``, ``student`` and ``scratch`` (``distill.teacher`` the seed's teacher)
-at ``SIZE`` for each seed, one after another in this process, each in ``WORKDIR/METHOD_sSEED``
-(a run whose ``result.json`` exists is not run again, so an interrupted sweep resumes). Each
-run's result, wall time and load average go to that file; then the table is written to
-``xformers_jax_experiments/results/compress_listops_SIZE.md`` (and ``.json``): test accuracy per seed, the
-mean, and each method's difference from float32 per seed and on the mean.
+Runs ``xformers_jax_experiments/configs/compress.py``'s methods ``teacher``, ``qat``
+(``init_from`` the seed's teacher), ``prune``, ``student`` and ``scratch`` (``distill.teacher``
+the seed's teacher) at ``SIZE`` for each seed, one after another in this process, each in
+``WORKDIR/METHOD_sSEED`` with ``run_lib.run_or_resume`` (a run whose ``result.json`` exists is
+not run again, so an interrupted sweep resumes). Each run's result,
+wall time and load average go to that file; then the table is written to
+``OUT/compress_listops_SIZE.md`` (and ``.json``; ``OUT``: this study's folder by default): test
+accuracy per seed, the mean, and each method's difference from float32 per seed and on the
+mean.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import time
 
 import numpy as np
 from absl import app, flags
 
-from xformers_jax import train
-from xformers_jax_experiments import bench_lib
+from xformers_jax_experiments import run_lib
 from xformers_jax_experiments.configs import compress as configs
 
 _SIZE = flags.DEFINE_string("size", "long", "compress.py size: 'long', 'runlocal' or 'main'.")
@@ -31,7 +32,8 @@ _SEEDS = flags.DEFINE_string("seeds", "0,1,2", "Comma-separated seeds (each also
 _METHODS = flags.DEFINE_string("methods", "teacher,qat,prune,student,scratch",
                                "Methods to run (teacher first: the others use it).")
 _WORKDIR = flags.DEFINE_string("workdir", "runs/compress", "Where the runs go.")
-_OUT = flags.DEFINE_string("out", "xformers_jax_experiments/results", "Where the table goes.")
+_OUT = flags.DEFINE_string("out", os.path.dirname(os.path.abspath(__file__)),
+                           "Where the table goes (default: this study's folder).")
 _REPORT_ONLY = flags.DEFINE_bool("report_only", False, "Only rewrite the table from the runs.")
 
 # (row label, method, result key, target against float32 in points or None)
@@ -62,38 +64,20 @@ def _config(method, size, seed, workdir):
     return c
 
 
-def _load():
-    with open("/proc/loadavg") as f:
-        return float(f.read().split()[0])
-
-
 def run_one(method, size, seed, workdir) -> dict:
-    path = os.path.join(workdir, f"{method}_s{seed}")
-    done = os.path.join(path, "result.json")
-    if os.path.exists(done):
-        with open(done) as f:
-            return json.load(f)
-    config = _config(method, size, seed, workdir)
-    load0, t0 = _load(), time.time()
-    result = train.train_and_evaluate(config, path)
-    machine = bench_lib.machine_info()
-    out = dict(method=method, seed=seed, size=size, steps=config.num_train_steps,
-               seconds=round(time.time() - t0, 1), load_start=load0, load_end=_load(),
-               cpu=machine["cpu"], cores=machine["cores"],
-               result={k: v for k, v in result.items() if np.isscalar(v)})
-    with open(done, "w") as f:
-        json.dump(out, f)
-    return out
+    return run_lib.run_or_resume(_config(method, size, seed, workdir),
+                                 os.path.join(workdir, f"{method}_s{seed}"),
+                                 tags=dict(method=method, seed=seed, size=size))
 
 
 def _runs(workdir, methods, seeds):
+    """The finished runs' records, by (method, seed)."""
     runs = {}
     for m in methods:
         for s in seeds:
-            p = os.path.join(workdir, f"{m}_s{s}", "result.json")
-            if os.path.exists(p):
-                with open(p) as f:
-                    runs[m, s] = json.load(f)
+            record = run_lib.finished(os.path.join(workdir, f"{m}_s{s}"))
+            if record is not None:
+                runs[m, s] = record
     return runs
 
 
@@ -118,8 +102,8 @@ def report(workdir, size, seeds, out_dir) -> str:
     ref = {s: runs["teacher", s]["result"]["test_accuracy"] * 100
            for s in seeds if ("teacher", s) in runs}
     lines = [f"# ListOps compression figures (`compress.py` size `{size}`)", "",
-             "Generated by `python -m xformers_jax_experiments.compress_figures --size=" + size +
-             f" --seeds={','.join(map(str, seeds))}`; do not edit. Test accuracy in %, "
+             "Generated by `python -m xformers_jax_experiments.studies.compress.figures "
+             f"--size={size} --seeds={','.join(map(str, seeds))}`; do not edit. Test accuracy in %, "
              "per seed and mean; diff = method minus float32 of the same seed (points).", "",
              _setting(size), "",
              "| | " + " | ".join(f"seed {s}" for s in seeds) + " | mean | diff per seed | "

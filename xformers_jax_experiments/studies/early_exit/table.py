@@ -1,10 +1,11 @@
 """Early exit on the ListOps main job: test accuracy, expected layers and the FLOPs saved at
 two DeeBERT entropy thresholds and PABEE patience, against full depth.
 
-  python -m xformers_jax_experiments.early_exit --workdir=runs/early_exit
+  python -m xformers_jax_experiments.studies.early_exit.table --workdir=runs/early_exit
 
 Trains the README's main job (``listops.py:performer,main``) twice in this process, each in
-``WORKDIR/NAME`` (a finished run is not trained again; an interrupted one resumes): once with
+``WORKDIR/NAME`` with ``run_lib.run_or_resume`` (a finished run is not trained again; an
+interrupted one resumes): once with
 ``model.depth_mode='early_exit'`` (an exit classifier after every layer, PABEE's weighted loss)
 and once as it is (the full-depth model without exits). Then the early-exit model's best
 checkpoint goes through :func:`xformers_jax.train._arch_models.evaluate_exits` (batches through
@@ -14,14 +15,14 @@ at two entropy thresholds (DeeBERT), and at PABEE patience 1 and 2 where the dep
 split: they are the ``--quantiles`` of the validation split's entropies at the exits before the
 last. ``--num_layers`` deepens both models (the main job has 2 layers: PABEE cannot exit
 before its last layer there) and ``--nobaseline`` skips the model without exits. Writes
-``OUT/early_exit.md`` and ``.json`` (``early_exit_L4.md`` for ``--num_layers=4``).
+``OUT/early_exit.md`` and ``.json`` (``early_exit_L4.md`` for ``--num_layers=4``); ``OUT`` is
+this study's folder by default.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import time
 
 import jax
 import jax.numpy as jnp
@@ -32,21 +33,18 @@ from xformers_jax import train
 from xformers_jax.data import DataIterator
 from xformers_jax.train import _arch_models
 from xformers_jax.train._compress import restore_model
+from xformers_jax_experiments import run_lib
 from xformers_jax_experiments.configs.lra import listops
 
 _ARG = flags.DEFINE_string("config_arg", "performer,main", "listops.py's VARIANT,SIZE.")
 _WORKDIR = flags.DEFINE_string("workdir", "runs/early_exit", "Where the two runs go.")
-_OUT = flags.DEFINE_string("out", "xformers_jax_experiments/results", "Where the table goes.")
+_OUT = flags.DEFINE_string("out", os.path.dirname(os.path.abspath(__file__)),
+                           "Where the table goes (default: this study's folder).")
 _NUM_LAYERS = flags.DEFINE_integer("num_layers", 0, "Layers of both models (0: the config's).")
 _QUANTILES = flags.DEFINE_string("quantiles", "0.25,0.5",
                                  "Validation entropy quantiles giving the two thresholds.")
 _PATIENCE = flags.DEFINE_string("patience", "1,2", "PABEE patience values (those < depth).")
 _BASELINE = flags.DEFINE_bool("baseline", True, "Also train the model without exits.")
-
-
-def _load() -> float:
-    with open("/proc/loadavg") as f:
-        return float(f.read().split()[0])
 
 
 def _config(depth_mode: str):
@@ -58,25 +56,6 @@ def _config(depth_mode: str):
     c.update(dict(plot=False, progress_bar=False, tensorboard=False))
     c.lock()
     return c
-
-
-def _run(name: str, config) -> dict:
-    path = os.path.join(_WORKDIR.value, name)
-    done = os.path.join(path, "result.json")
-    if os.path.exists(done):
-        with open(done) as f:
-            return json.load(f)
-    ckpts = os.path.join(path, "checkpoints")
-    start = max((int(s) for s in os.listdir(ckpts) if s.isdigit()), default=0) if \
-        os.path.isdir(ckpts) else 0
-    load0, t0 = _load(), time.time()
-    result = train.train_and_evaluate(config, path)
-    out = dict(steps=config.num_train_steps, resumed_from=start,
-               seconds=round(time.time() - t0, 1), load_start=load0, load_end=_load(),
-               result={k: v for k, v in result.items() if np.isscalar(v)})
-    with open(done, "w") as f:
-        json.dump(out, f, indent=1)
-    return out
 
 
 def _entropies(model, source, padded, batch_size):
@@ -94,11 +73,12 @@ def _entropies(model, source, padded, batch_size):
 
 def main(argv):
     del argv
-    runs = {"early_exit": _config("early_exit")}
+    configs = {"early_exit": _config("early_exit")}
     if _BASELINE.value:
-        runs["full_depth"] = _config("fixed")
-    trained = {name: _run(name, c) for name, c in runs.items()}
-    config = runs["early_exit"]
+        configs["full_depth"] = _config("fixed")
+    trained = {name: run_lib.run_or_resume(c, os.path.join(_WORKDIR.value, name))
+               for name, c in configs.items()}
+    config = configs["early_exit"]
     task = train.make_task(config.data, config.seed)
     model = restore_model(os.path.join(_WORKDIR.value, "early_exit"), config.model, task,
                           jax.random.PRNGKey(config.seed))
@@ -117,7 +97,8 @@ def main(argv):
     for label, criterion, kw in settings:
         r = _arch_models.evaluate_exits(model, task.test, bs, padded=task.padded,
                                         criterion=criterion, **kw)
-        rows.append(dict(setting=label, criterion=criterion, **kw, **r, load=_load()))
+        rows.append(dict(setting=label, criterion=criterion, **kw, **r,
+                         load=run_lib.load_average()))
     last_exit = trained["early_exit"]["result"]["test_accuracy"]
     if abs(rows[0]["accuracy"] - last_exit) > 1e-6:
         raise AssertionError(f"full-depth exit accuracy {rows[0]['accuracy']} differs from the "
@@ -135,7 +116,7 @@ def main(argv):
     name = "early_exit" + (f"_L{n}" if _NUM_LAYERS.value else "")
     with open(os.path.join(_OUT.value, name + ".json"), "w") as f:
         json.dump(summary, f, indent=1)
-    cmd = "python -m xformers_jax_experiments.early_exit" + (
+    cmd = "python -m xformers_jax_experiments.studies.early_exit.table" + (
         f" --num_layers={n}" if _NUM_LAYERS.value else "") + (
         "" if _BASELINE.value else " --nobaseline")
     lines = [

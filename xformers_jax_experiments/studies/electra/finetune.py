@@ -1,9 +1,10 @@
 """ELECTRA's discriminator fine-tuned on the byte-level classification task, against the same
 model trained from scratch with the same steps.
 
-  python -m xformers_jax_experiments.train --config=xformers_jax_experiments/configs/compress.py:electra,runlocal \
+  python -m xformers_jax_experiments.train \
+      --config=xformers_jax_experiments/configs/compress.py:electra,runlocal \
       --workdir=runs/electra
-  python -m xformers_jax_experiments.electra_finetune --electra=runs/electra --steps=300
+  python -m xformers_jax_experiments.studies.electra.finetune --electra=runs/electra --steps=300
 
 Both classifiers are ``nn.Electra(...).classifier(2)`` (the discriminator's embeddings, layers
 and final norm with mean pooling and a new head): one from the pre-trained checkpoint (its
@@ -16,7 +17,8 @@ training from scratch; default: the same);
 ``--num_train`` the labelled training windows. Prints one JSON line with both test
 accuracies and whether pre-training learned anything: the discriminator's last logged
 binary cross-entropy against the entropy of its labels' base rate (a discriminator that
-answers the base rate everywhere scores exactly that entropy), and appends it to ``--out``.
+answers the base rate everywhere scores exactly that entropy), and appends it to ``--out``
+(this study's ``compress_electra.jsonl`` by default).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from absl import app, flags
 from xformers_jax import data as D
 from xformers_jax import parallel, train
 from xformers_jax.train._compress import _state_dir
+from xformers_jax_experiments import run_lib
 from xformers_jax_experiments.configs import compress as configs
 
 _ELECTRA = flags.DEFINE_string("electra", "runs/electra", "The ELECTRA pre-training workdir.")
@@ -46,17 +49,16 @@ _SEEDS = flags.DEFINE_string("seeds", "0,1,2",
                              "Fine-tuning seeds (the new head's initialisation and the batch "
                              "order); each model is fine-tuned once per seed.")
 _RUNLOCAL = flags.DEFINE_bool("runlocal", True, "The pre-training used the runlocal config.")
-_OUT = flags.DEFINE_string("out", "xformers_jax_experiments/results/compress_electra.jsonl",
-                           "Where the result line is appended ('' for nowhere).")
+_OUT = flags.DEFINE_string(
+    "out", os.path.join(os.path.dirname(os.path.abspath(__file__)), "compress_electra.jsonl"),
+    "Where the result line is appended ('' for nowhere).")
 
 
 def pretraining_summary(workdir: str) -> dict:
     """The last logged discriminator loss against the base-rate entropy of its labels."""
-    rows = [r for r in train.read_jsonl(os.path.join(workdir, "metrics.jsonl"))
-            if "train_disc" in r]
-    if not rows:
+    last = run_lib.last_row(run_lib.read_metrics(workdir), "train_disc")
+    if last is None:
         return {}
-    last = rows[-1]
     p = last["train_replaced"]
     entropy = -(p * math.log(p) + (1 - p) * math.log(1 - p))
     return {"pretraining_steps": last["step"], "pretraining_disc_bce": last["train_disc"],

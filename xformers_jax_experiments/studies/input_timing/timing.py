@@ -1,16 +1,17 @@
 """Is the input pipeline on the critical path? The main job's train step timed with the Grain
 pipeline feeding it and with one batch already on the device, in alternating rounds.
 
-  python -m xformers_jax_experiments.input_timing
+  python -m xformers_jax_experiments.studies.input_timing.timing
       [--timing_config=xformers_jax_experiments/configs/lra/listops.py:performer,main]
       [--timing_steps=20] [--timing_rounds=10]
 
 (Flag names carry the module's prefix: absl flags are global, and ``--config``/``--steps``
 are other scripts' flags.)
 
-Prints per-step milliseconds, wall and process CPU time (median and minimum over rounds), of: the step fed by ``DataIterator`` as the
-trainer feeds it (``plan.place_batch(next(it))``), the step on a fixed placed batch, and
-``next(it)`` alone (with the read-ahead thread, and read synchronously).
+Prints per-step milliseconds, wall and process CPU time (median and minimum over rounds), of:
+the step fed by ``DataIterator`` as the trainer feeds it (``plan.place_batch(next(it))``), the
+step on a fixed placed batch, and ``next(it)`` alone (with the read-ahead thread, and read
+synchronously).
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ from xformers_jax import train
 from xformers_jax.data import DataIterator
 
 _CONFIG = config_flags.DEFINE_config_file(
-    "timing_config", "xformers_jax_experiments/configs/lra/listops.py:performer,main", "The job's config.")
+    "timing_config", "xformers_jax_experiments/configs/lra/listops.py:performer,main",
+    "The job's config.")
 _STEPS = flags.DEFINE_integer("timing_steps", 20, "Steps per round.")
 _ROUNDS = flags.DEFINE_integer("timing_rounds", 10, "Alternating rounds.")
 

@@ -4,7 +4,7 @@ job's size and settings, the image tasks at their ``runlocal`` ones; mixers as i
 ``_common.MIXERS`` / ``SMALL_MIXERS``). One sweep, one table::
 
   nice -n 5 python -m xformers_jax_experiments.sweep \\
-      --config=xformers_jax_experiments/configs/lra/mixer_table.py \\
+      --config=xformers_jax_experiments/studies/mixers_lra/mixer_table.py \\
       --workdir=/tmp/mixer_table --num_processes=1
 
 The table (``WORKDIR/sweep.md``) has one row per ``TASK,VARIANT`` with its test accuracy.

@@ -1,16 +1,18 @@
 """Swin against the plain Transformer on LRA's image tasks (runlocal): test accuracy and time
 per training step, in one table.
 
-  python -m xformers_jax_experiments.swin_table --workdir=runs/swin
+  python -m xformers_jax_experiments.studies.swin_lra.table --workdir=runs/swin
 
 Trains ``TASK.py:transformer,runlocal`` as it is and with ``model.arch='swin'`` (``model.swin``'s
 defaults: 1x1 patches, 4x4 windows, stages of depths 2, 2 and heads 2, 4; the first stage's
-width is the config's ``model.dim``), each in ``WORKDIR/TASK_ARCH`` (a finished run is not run
-again; an interrupted one resumes), for ``--tasks``: ``pathfinder`` (32x32 images generated on
+width is the config's ``model.dim``), each in ``WORKDIR/TASK_ARCH`` with
+``run_lib.run_or_resume`` (a finished run is not run again; an interrupted one resumes), for
+``--tasks``: ``pathfinder`` (32x32 images generated on
 the spot) and ``image`` (CIFAR-10, only when ``--data_dir`` holds its files: nothing is
 downloaded). Time per step is the median over the run's logging intervals after the first (the
 first includes compilation) of 1 / steps_per_second from ``metrics.jsonl``: wall time on a
-shared machine, so the load is recorded beside it. Writes ``OUT/swin.md`` and ``.json``.
+shared machine, so the load is recorded beside it. Writes ``OUT/swin.md`` and ``.json``
+(``OUT``: this study's folder by default).
 """
 
 from __future__ import annotations
@@ -18,27 +20,22 @@ from __future__ import annotations
 import importlib
 import json
 import os
-import time
 
 import numpy as np
 from absl import app, flags
 
-from xformers_jax import train
+from xformers_jax_experiments import run_lib
 
 _TASKS = flags.DEFINE_string("tasks", "pathfinder,image", "LRA image tasks (config modules).")
 _DATA_DIR = flags.DEFINE_string("data_dir", "", "CIFAR-10's directory for the image task.")
 _WORKDIR = flags.DEFINE_string("workdir", "runs/swin", "Where the runs go.")
-_OUT = flags.DEFINE_string("out", "xformers_jax_experiments/results", "Where the table goes.")
+_OUT = flags.DEFINE_string("out", os.path.dirname(os.path.abspath(__file__)),
+                           "Where the table goes (default: this study's folder).")
 _STEPS = flags.DEFINE_integer("steps", 0, "Training steps of both models (0: the config's "
                               "runlocal steps); evaluation at the end.")
 _ARCHS = flags.DEFINE_string("archs", "transformer,swin", "The models (run one per process "
                               "to train them side by side; the last process writes the table "
                               "once both runs have finished).")
-
-
-def _load() -> float:
-    with open("/proc/loadavg") as f:
-        return float(f.read().split()[0])
 
 
 def _config(task: str, arch: str):
@@ -61,24 +58,17 @@ def _has_cifar(path: str) -> bool:
         "cifar" in f.lower() or f.endswith(".bin") for f in os.listdir(path))
 
 
+def ms_per_step(workdir: str) -> dict:
+    """The median over logging intervals after the first (the first includes compilation) of
+    the trainer's wall time per step."""
+    rates = list(run_lib.series(run_lib.read_metrics(workdir), "steps_per_second").values())
+    return dict(ms_per_step=1000 * float(np.median(1 / np.asarray(rates[1:] or rates))))
+
+
 def _run(task: str, arch: str) -> dict:
-    path = os.path.join(_WORKDIR.value, f"{task}_{arch}")
-    done = os.path.join(path, "result.json")
-    if os.path.exists(done):
-        with open(done) as f:
-            return json.load(f)
-    config = _config(task, arch)
-    load0, t0 = _load(), time.time()
-    result = train.train_and_evaluate(config, path)
-    rates = [r["steps_per_second"] for r in train.read_jsonl(os.path.join(path, "metrics.jsonl"))
-             if "steps_per_second" in r]
-    out = dict(task=task, arch=arch, steps=config.num_train_steps,
-               seconds=round(time.time() - t0, 1), load_start=load0, load_end=_load(),
-               ms_per_step=1000 * float(np.median(1 / np.asarray(rates[1:] or rates))),
-               result={k: v for k, v in result.items() if np.isscalar(v)})
-    with open(done, "w") as f:
-        json.dump(out, f, indent=1)
-    return out
+    return run_lib.run_or_resume(_config(task, arch),
+                                 os.path.join(_WORKDIR.value, f"{task}_{arch}"),
+                                 tags=dict(task=task, arch=arch), summarize=ms_per_step)
 
 
 def main(argv):
@@ -95,8 +85,8 @@ def main(argv):
     os.makedirs(_OUT.value, exist_ok=True)
     with open(os.path.join(_OUT.value, "swin.json"), "w") as f:
         json.dump(dict(rows=rows, skipped=skipped), f, indent=1)
-    cmd = "python -m xformers_jax_experiments.swin_table" + (f" --steps={_STEPS.value}" if _STEPS.value
-                                                 else "")
+    cmd = "python -m xformers_jax_experiments.studies.swin_lra.table" + (
+        f" --steps={_STEPS.value}" if _STEPS.value else "")
     lines = ["# Swin against the plain Transformer on LRA's image tasks (runlocal)", "",
              f"Generated by `{cmd}`; do not edit. Each task's "
              "`transformer,runlocal` config as it is (dense attention over every pixel) and "
