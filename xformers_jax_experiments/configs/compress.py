@@ -35,13 +35,14 @@ run on 2 CPU cores; the models reach about 33-35%). METHOD:
   ``tinybert_scratch``: the same student without a teacher.
 - ``electra``: ELECTRA pre-training (``nn.Electra``, generator at a quarter width,
   discriminator weight 50, rotary positions) on the standard library's bytes, 128-byte
-  windows, 5000 steps of batch 16 (about 8 minutes on 2 CPU cores; runlocal 200);
-  ``xformers_jax_experiments/electra_finetune.py`` then fine-tunes its discriminator on the byte
+  windows, 5000 steps of batch 16 (about 8 minutes on 2 CPU cores; runlocal 200); the study
+  ``xformers_jax_experiments/studies/electra/`` then fine-tunes its discriminator on the byte
   classification task against the same classifier from scratch.
 
-The figures over seeds (teacher, int8, heads, qat, prune, student, scratch) are made by
-``python -m xformers_jax_experiments.compress_figures --size=long --seeds=0,1,2`` into
-``xformers_jax_experiments/results/compress_listops_long.md``.
+The figures over seeds (teacher, int8, heads, qat, prune, student, scratch) are the study
+``xformers_jax_experiments/studies/compress/``:
+``python -m xformers_jax_experiments.studies.compress.figures --size=long --seeds=0,1,2`` writes
+its ``compress_listops_long.md``.
 """
 
 from xformers_jax import train

@@ -35,8 +35,8 @@ Load balancing is added at Switch's 1e-2 (``config.loss.load_balancing``). ``run
 ``stdlib_bytes.py``'s runlocal sizes (dim 64, 2 layers, MLP 256, 128-byte windows, 200 steps).
 ``cpu``: the Switch-vs-dense comparison on one CPU: 128-byte windows, batch 16, a dim-128
 2-layer model (dense MLP 512; Switch 8 experts of 512), 1500 steps, learning rate 1e-3
-(product_key uses the small table). Results: ``xformers_jax_experiments/results/moe_lm.md`` (written by
-``python -m xformers_jax_experiments.moe_lm_table``).
+(product_key uses the small table). Results: the study ``xformers_jax_experiments/studies/moe_lm/``
+(``moe_lm.md``, written by ``python -m xformers_jax_experiments.studies.moe_lm.table``).
 """
 
 import ml_collections

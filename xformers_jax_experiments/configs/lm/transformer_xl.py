@@ -17,10 +17,10 @@ memory 2.539 / 2.531; XL with evaluation memory 0: 2.931 / 3.013, 32 (the traini
 2.501 / 2.478, 64: 2.494 / 2.467, 128: 2.516 / 2.491, 256: 2.561 / 2.546.
 
 At the issue's lengths (``xl,cpu256`` and ``none,cpu256``: segment 256, training memory 256,
-6000 steps; ``xformers_jax_experiments/results/memory_lm.md``, one seed each), validation bits per byte:
-no memory 1.823; XL with evaluation memory 256 (the training length) 1.712, 512 1.705, 1024
-(the configured evaluation memory) 1.709, 2048 1.724, 0 2.073 (test: 1.995 against 1.878,
-1.874, 1.879, 1.896). XL led at every evaluation (steps 2000 and 4000: 2.154 and 1.877
+6000 steps; the study ``xformers_jax_experiments/studies/memory_lm/``, one seed each), validation
+bits per byte: no memory 1.823; XL with evaluation memory 256 (the training length) 1.712, 512
+1.705, 1024 (the configured evaluation memory) 1.709, 2048 1.724, 0 2.073 (test: 1.995 against
+1.878, 1.874, 1.879, 1.896). XL led at every evaluation (steps 2000 and 4000: 2.154 and 1.877
 against 2.160 and 1.954). Longer evaluation memories need the distances clamped at the
 longest one training saw (511; ``model.memory.clamp_len``): on the 3000-step checkpoint of an
 earlier run (a one-off evaluation of it with this trainer's model, clamped and with
