@@ -5,9 +5,9 @@ two DeeBERT entropy thresholds and PABEE patience, against full depth.
 
 Trains the README's main job (``listops.py:performer,main``) twice in this process, each in
 ``WORKDIR/NAME`` with ``run_lib.run_or_resume`` (a finished run is not trained again; an
-interrupted one resumes): once with
-``model.depth_mode='early_exit'`` (an exit classifier after every layer, PABEE's weighted loss)
-and once as it is (the full-depth model without exits). Then the early-exit model's best
+interrupted one resumes): once with ``model.depth_mode='early_exit'`` (an exit classifier after
+every layer, PABEE's weighted loss) and once as it is (the full-depth model without exits).
+Then the early-exit model's best
 checkpoint goes through :func:`xformers_jax.train._arch_models.evaluate_exits` (batches through
 ``nn.EarlyExitClassifier.exit``) on the test split: at full depth (no example exits early),
 at two entropy thresholds (DeeBERT), and at PABEE patience 1 and 2 where the depth allows

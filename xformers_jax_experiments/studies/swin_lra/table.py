@@ -7,12 +7,11 @@ Trains ``TASK.py:transformer,runlocal`` as it is and with ``model.arch='swin'`` 
 defaults: 1x1 patches, 4x4 windows, stages of depths 2, 2 and heads 2, 4; the first stage's
 width is the config's ``model.dim``), each in ``WORKDIR/TASK_ARCH`` with
 ``run_lib.run_or_resume`` (a finished run is not run again; an interrupted one resumes), for
-``--tasks``: ``pathfinder`` (32x32 images generated on
-the spot) and ``image`` (CIFAR-10, only when ``--data_dir`` holds its files: nothing is
-downloaded). Time per step is the median over the run's logging intervals after the first (the
-first includes compilation) of 1 / steps_per_second from ``metrics.jsonl``: wall time on a
-shared machine, so the load is recorded beside it. Writes ``OUT/swin.md`` and ``.json``
-(``OUT``: this study's folder by default).
+``--tasks``: ``pathfinder`` (32x32 images generated on the spot) and ``image`` (CIFAR-10, only
+when ``--data_dir`` holds its files: nothing is downloaded). Time per step is the median over
+the run's logging intervals after the first (the first includes compilation) of 1 /
+steps_per_second from ``metrics.jsonl``: wall time on a shared machine, so the load is recorded
+beside it. Writes ``OUT/swin.md`` and ``.json`` (``OUT``: this study's folder by default).
 """
 
 from __future__ import annotations
