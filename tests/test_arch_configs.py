@@ -75,7 +75,7 @@ def test_configs_build_and_train(setting):
 
 
 def test_lra_configs_and_errors():
-    from experiments.configs.lra import listops
+    from xformers_jax_experiments.configs.lra import listops
 
     c = listops.get_config("lsra,runlocal")
     train.validate_config(c)

@@ -173,7 +173,8 @@ def test_memory_configs_build_and_bad_ones_fail():
 
 
 def test_memory_config_files_build():
-    from experiments.configs.lm import compressive, ernie_doc, feedback, memformer, transformer_xl
+    from xformers_jax_experiments.configs.lm import (compressive, ernie_doc, feedback, memformer,
+                                                     transformer_xl)
     for module, arg in ((transformer_xl, "xl"), (transformer_xl, "none"), (compressive, "conv"),
                         (ernie_doc, ""), (feedback, ""), (memformer, "")):
         full = module.get_config(arg)
@@ -241,7 +242,7 @@ def test_evaluation_reports_each_evaluation_memory_length():
 
 
 def test_memory_lm_table_reads_every_evaluation_memory():
-    from experiments import memory_lm_table
+    from xformers_jax_experiments.studies.memory_lm import table as memory_lm_table
 
     runs = {
         "none": [{"step": 10, "validation_bits_per_byte": 2.5},

@@ -170,8 +170,8 @@ def test_config_builds_a_mixer_model_and_ssm_parameters_get_their_own_rate():
 
 
 def test_lra_and_lm_configs_take_every_mixer():
-    from experiments.configs.lm import mixer_bytes
-    from experiments.configs.lra import _common, listops
+    from xformers_jax_experiments.configs.lm import mixer_bytes
+    from xformers_jax_experiments.configs.lra import _common, listops
 
     for name in _common.MIXERS:
         c = listops.get_config(f"{name},runlocal")
@@ -183,8 +183,9 @@ def test_lra_and_lm_configs_take_every_mixer():
 
 
 def test_mixer_table_sweep_lists_every_task_and_variant(tmp_path):
-    from experiments import sweep
-    from experiments.configs.lra import listops, mixer_table
+    from xformers_jax_experiments import sweep
+    from xformers_jax_experiments.configs.lra import listops
+    from xformers_jax_experiments.studies.mixers_lra import mixer_table
 
     path = mixer_table.__file__
     variants = ("transformer", "s4d", "mamba2", "gmlp", "fnet")

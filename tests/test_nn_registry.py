@@ -16,8 +16,8 @@ import pytest
 
 import xformers_jax.models as models
 import xformers_jax.nn as nn
-from experiments.catalogue import catalogue
 from xformers_jax.attention._kind import all_kinds
+from xformers_jax_experiments.catalogue import catalogue
 
 L, DIM, HEADS, HIDDEN = 16, 16, 2, 32
 # Each kind's tiny test hyperparameters (L = max_len = 16, head width 8) are declared with its
@@ -128,7 +128,7 @@ def test_every_kind_has_complete_metadata_and_the_catalogue_is_current():
     assert set(library) == set(declared)
     with open(ROOT / "CATALOGUE.md") as f:
         assert f.read() == catalogue(), ("CATALOGUE.md is stale: run "
-                                         "`python -m experiments.catalogue`")
+                                         "`python -m xformers_jax_experiments.catalogue`")
 
 
 def test_registration_is_explicit():
