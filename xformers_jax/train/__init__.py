@@ -1,5 +1,5 @@
 """Training: train state, optimizers and schedules, the jitted step, orbax checkpoints,
-metrics (JSONL, TensorBoard, a progress bar), dynamic loss scaling, tasks and the loop behind ``experiments/train.py``."""
+metrics (JSONL, TensorBoard, a progress bar), dynamic loss scaling, tasks and the loop behind ``xformers_jax_experiments/train.py``."""
 
 from ._checkpoint import Checkpointer as Checkpointer
 from ._config import PRECISIONS as PRECISIONS

@@ -2,7 +2,7 @@
 
 ``base_config(task, model=None)`` returns the full, defaulted ``ml_collections.ConfigDict`` for
 a task and a model kind (the task's own by default); experiment configs
-(``experiments/configs/**.py``) change its values and lock it. The trainer calls
+(``xformers_jax_experiments/configs/**.py``) change its values and lock it. The trainer calls
 ``validate_config`` before anything else, so a misspelt key (the LRA code's silently ignored
 settings, CATALOG.md) stops the run instead of training the wrong thing.
 
@@ -88,7 +88,7 @@ def base_config(task: str, model: str | None = None) -> ml_collections.ConfigDic
     c.keep_checkpoints = 3
     c.tensorboard = True
     c.progress_bar = True
-    c.plot = True  # experiments/train.py draws workdir/curves.png at the end (matplotlib)
+    c.plot = True  # xformers_jax_experiments/train.py draws workdir/curves.png at the end (matplotlib)
     _compress.add_defaults(c)  # quantize, calibration, prune, distill
     return c
 

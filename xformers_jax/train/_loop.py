@@ -1,4 +1,4 @@
-"""``train_and_evaluate``: the one training loop behind ``experiments/train.py``."""
+"""``train_and_evaluate``: the one training loop behind ``xformers_jax_experiments/train.py``."""
 
 from __future__ import annotations
 
