@@ -32,7 +32,7 @@ MAX_HEAD_DIM = 256
 DEFAULT_BLOCK_Q = 64
 DEFAULT_BLOCK_K = 64
 # Head dims above 64: 128-row query tiles. Measured on an H200 (bf16, B·H = 32, L = 8192,
-# ``experiments/suites/gpu_attention.py``): at D = 128, fwd+bwd took 24.0 ms with 64 x 64
+# ``xformers_jax_experiments/suites/gpu_attention.py``): at D = 128, fwd+bwd took 24.0 ms with 64 x 64
 # tiles, 13.9 ms with 128 x 64, 14.6 ms with 128 x 128 and 24.4 ms with 64 x 128; at D = 64,
 # 64 x 64 was the fastest fwd+bwd (8.2 ms; 128 x 64: 10.7, 128 x 128: 21.4).
 WIDE_BLOCK_Q = 128

@@ -5,13 +5,13 @@ import functools
 
 import jax
 
-from xformers_jax import nn
+from xformers_jax import models
 
 
 @functools.lru_cache(maxsize=1)
 def small_classifier():
     """``EncoderClassifier``: 3 classes, dim 16, 2 layers, 2 heads, MLP 32, vocab 12, CLS."""
-    return nn.EncoderClassifier(3, 16, 2, 2, 32, vocab_size=12, max_len=17,
+    return models.EncoderClassifier(3, 16, 2, 2, 32, vocab_size=12, max_len=17,
                                 key=jax.random.PRNGKey(0))
 
 

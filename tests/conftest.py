@@ -5,7 +5,8 @@ import os
 
 # XFORMERS_JAX_TEST_PLATFORM re-targets the suite (default "cpu", what CI runs): "cuda" runs
 # it on a GPU, where the Pallas kernels run compiled instead of in interpret mode
-# (experiments/gpu_session.sh runs the kernel and exact/sparse attention tests that way).
+# (xformers_jax_experiments/gpu_session.sh runs the kernel and exact/sparse attention tests
+# that way).
 PLATFORM = os.environ.get("XFORMERS_JAX_TEST_PLATFORM", "cpu")
 # Must happen before JAX initialises its backends.
 os.environ.setdefault("XLA_FLAGS", "")

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import xformers_jax.models as models
 import xformers_jax.nn as nn
 from xformers_jax.nn._positions import sinusoid
 from tests.fast_jit import build
@@ -24,7 +25,7 @@ jit0 = functools.partial(jax.jit, compiler_options={"xla_backend_optimization_le
 def _act(causal=False, halt_bias=0.0, threshold=0.99):
     make = lambda k: nn.TransformerBlock(DIM, HEADS, HIDDEN, causal=causal, max_len=L,  # noqa
                                          key=k)
-    return build(functools.partial(nn.ACTStack, make, DIM, STEPS, threshold=threshold,
+    return build(functools.partial(models.ACTStack, make, DIM, STEPS, threshold=threshold,
                                    halt_bias=halt_bias), 0)
 
 
@@ -144,7 +145,7 @@ def test_act_padding_changes_no_real_output():
     assert_close(a[:, :n], b[:, :n])
     assert_close(a[:, :n], c)
     with pytest.raises(ValueError, match="max_steps must be a positive int"):
-        nn.ACTStack(lambda k: None, DIM, 0, key=jax.random.PRNGKey(0))
+        models.ACTStack(lambda k: None, DIM, 0, key=jax.random.PRNGKey(0))
 
 
 # --- early exit ---------------------------------------------------------------------------------
@@ -154,7 +155,7 @@ NL = 3
 
 @functools.lru_cache(maxsize=None)
 def _exit_model():
-    m = build(functools.partial(nn.EarlyExitClassifier, 4, DIM, NL, HEADS, HIDDEN,
+    m = build(functools.partial(models.EarlyExitClassifier, 4, DIM, NL, HEADS, HIDDEN,
                                 vocab_size=20, max_len=L), 4)
     # Larger exit weights than at initialisation: confident, varied predictions to exit on.
     return eqx.tree_at(lambda m: m.heads, m, m.heads * 6)
@@ -223,9 +224,9 @@ def test_early_exit_loss_weights_the_exits():
     labels = jnp.array([0, 1, 2, 3])
     nll = -jnp.take_along_axis(jax.nn.log_softmax(logits), labels[None, :, None], -1)[..., 0]
     per = nll.mean(1)
-    np.testing.assert_allclose(nn.early_exit_loss(logits, labels),
+    np.testing.assert_allclose(models.early_exit_loss(logits, labels),
                                (per * jnp.arange(1, NL + 1)).sum() / 6, rtol=1e-6)
-    np.testing.assert_allclose(nn.early_exit_loss(logits, labels, weighting="mean"),
+    np.testing.assert_allclose(models.early_exit_loss(logits, labels, weighting="mean"),
                                per.mean(), rtol=1e-6)
 
 

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from xformers_jax.nn._arch import ClusterformerAttention, cluster_chunk_attention
+from xformers_jax.models import ClusterformerAttention, cluster_chunk_attention
 from tests.fast_jit import build, jit0
 from tests.tolerances import assert_close
 

@@ -1,7 +1,7 @@
-"""Architecture-level and adaptive-depth variants selected from configs: ``model.arch='swin'``,
-``model.depth_mode='act'`` / ``'early_exit'`` and the LSRA token mixer build through
-``train.build_model``, and ``train.make_loss_fn`` gives the losses they train with (the ponder
-cost added, PABEE's weighted loss over the exits); the LRA configs take them; errors."""
+"""Architecture-level and adaptive-depth variants selected from configs: ``model.kind='swin'``,
+``'act'`` / ``'early_exit'`` and the LSRA token mixer build through ``train.build_model``, and
+``train.make_loss_fn`` gives the losses they train with (the ponder cost added, PABEE's
+weighted loss over the exits); the LRA configs take them; errors."""
 
 import jax
 import jax.numpy as jnp
@@ -10,17 +10,20 @@ import numpy as np
 import optax
 import pytest
 
-from xformers_jax import nn, parallel, train
-from xformers_jax.train import _arch_models
+from xformers_jax import models, nn, parallel, train
 from tests.fast_jit import jit0
 from tests.tolerances import assert_close
 
 B, L, VOCAB, CLASSES = 2, 16, 20, 3
 
 
-def _config(**model):
-    c = train.base_config("listops")
-    c.model.update(dict(dim=16, num_layers=2, num_heads=2, hidden=32, pooling="mean", **model))
+def _config(kind="classifier", **model):
+    c = train.base_config("listops", model=kind)
+    if kind == "swin":
+        c.model.update(dict(dim=16, **model))
+    else:
+        c.model.update(dict(dim=16, num_layers=2, num_heads=2, hidden=32, pooling="mean",
+                            **model))
     return c
 
 
@@ -36,17 +39,16 @@ TASK = train.Task(None, None, None, vocab_size=VOCAB, num_classes=CLASSES, seq_l
 @pytest.mark.parametrize("setting", ["act", "early_exit", "swin", "lsra"])
 def test_configs_build_and_train(setting):
     if setting == "swin":
-        c = _config(arch="swin")
-        c.model.swin = ml_collections.ConfigDict(dict(patch=1, window=2, depths=(2,), heads=(2,)))
+        c = _config("swin", patch=1, window=2, depths=(2,), heads=(2,))
     elif setting == "lsra":
         c = _config()
         c.model.mixer = ml_collections.ConfigDict(dict(kind="lsra", kernel_size=3))
     else:
-        c = _config(depth_mode=setting)
+        c = _config(setting)
     train.validate_config(c)
     model = jit0(lambda k: train.build_model(c.model, TASK, k))(jax.random.PRNGKey(0))
     batch = _batch()
-    loss_fn = train.make_loss_fn(TASK, aux_coefficients=dict(c.loss))
+    loss_fn = train.make_loss_fn(TASK, weights=dict(c.loss), kind=c.model.kind)
     # Under a mesh, as the trainer runs it: the models' sharding constraints name their axes
     # (Swin's 4D grid once reached the FFN's [batch, length, mlp] constraint there).
     one = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("data",))
@@ -57,37 +59,41 @@ def test_configs_build_and_train(setting):
     assert all(bool(jnp.all(jnp.isfinite(g))) for g in jax.tree_util.tree_leaves(grads))
     mask = batch["inputs"] != 0
     if setting == "act":
-        assert isinstance(model.stack, nn.ACTStack)
-        logits, aux = jit0(lambda m: m(batch["inputs"], mask=mask))(model)
+        assert isinstance(model.stack, models.ACTStack)
+        logits, aux = jit0(lambda m: m(batch["inputs"], mask=mask, return_aux=True))(model)
         ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]).mean()
         assert_close(loss, ce + c.loss.ponder * aux["ponder"])
         assert float(metrics["ponder"]) >= 1.0
     elif setting == "early_exit":
         exits = jit0(lambda m: m.model(batch["inputs"], mask=mask))(model)
         assert exits.shape == (2, B, CLASSES)
-        assert_close(loss, nn.early_exit_loss(exits, batch["targets"]))
+        assert_close(loss, models.early_exit_loss(exits, batch["targets"]))
     elif setting == "swin":
-        assert isinstance(model.swin, nn.SwinClassifier)
+        assert isinstance(model.swin, models.SwinClassifier)
     else:
         assert isinstance(model.encoder.layers.layers.attn, nn.LSRA)
 
 
 def test_lra_configs_and_errors():
-    from experiments.configs.lra import listops
+    from xformers_jax_experiments.configs.lra import listops
 
     c = listops.get_config("lsra,runlocal")
     train.validate_config(c)
     assert c.model.mixer.kind == "lsra"
     for kind in ("realformer", "predictive", "lazy"):
         assert listops.get_config(f"{kind},runlocal").model.attention.kind == kind
-    with pytest.raises(ValueError, match="model.arch must be one of"):
-        train.validate_config(_config(arch="nope"))
-    with pytest.raises(ValueError, match="needs model.arch='transformer'"):
-        train.validate_config(_config(arch="swin", depth_mode="act"))
+    nope = _config()
+    nope.model.kind = "nope"
+    with pytest.raises(ValueError, match="unknown model kind 'nope'"):
+        train.validate_config(nope)
+    lm = train.base_config("lm", model="swin")
+    with pytest.raises(ValueError, match="model.kind='swin' trains \\['classification'\\] "
+                                         "tasks, not 'language_model' ones"):
+        train.validate_config(lm)
     with pytest.raises(ValueError, match="square image"):
-        _arch_models.classifier(_config(arch="swin").model, train.Task(
+        train.build_model(_config("swin").model, train.Task(
             None, None, None, vocab_size=VOCAB, num_classes=2, seq_len=15, padded=False),
-            jax.random.PRNGKey(0), block={}, max_len=15)
+            jax.random.PRNGKey(0))
 
 
 def test_evaluate_exits_goes_through_the_trained_exits():
@@ -97,7 +103,7 @@ def test_evaluate_exits_goes_through_the_trained_exits():
     import equinox as eqx
     from xformers_jax.data import ArraySource
 
-    c = _config(depth_mode="early_exit")
+    c = _config("early_exit")
     model = jit0(lambda k: train.build_model(c.model, TASK, k))(jax.random.PRNGKey(2))
     # Larger exit weights than at initialisation: confident, varied predictions to exit on.
     model = eqx.tree_at(lambda m: m.model.heads, model, model.model.heads * 6)
@@ -118,7 +124,7 @@ def test_evaluate_exits_goes_through_the_trained_exits():
     cases = [("entropy", dict(threshold=threshold), want),
              ("entropy", dict(threshold=-1.0), np.full(n, 2))]
     for criterion, kw, layer in cases:
-        got = _arch_models.evaluate_exits(model, source, 3, padded=True, criterion=criterion,
+        got = models.evaluate_exits(model, source, 3, padded=True, criterion=criterion,
                                           **kw)
         pred = preds[layer - 1, np.arange(n)]
         np.testing.assert_allclose(got["accuracy"], np.mean(pred == y))
@@ -129,7 +135,7 @@ def test_evaluate_exits_goes_through_the_trained_exits():
         np.testing.assert_allclose(got["batch_layers"], np.mean(batch))
         assert got["exits"] == [int((layer == 1).sum()), int((layer == 2).sum())]
     with pytest.raises(ValueError, match="needs an early-exit classifier"):
-        _arch_models.evaluate_exits(model.model.encoder, source, 3, padded=True)
+        models.evaluate_exits(model.model.encoder, source, 3, padded=True)
     with pytest.raises(ValueError, match="patience must be at least 1"):
-        _arch_models.evaluate_exits(model, source, 3, padded=True, criterion="patience",
+        models.evaluate_exits(model, source, 3, padded=True, criterion="patience",
                                     patience=0)

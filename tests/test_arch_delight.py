@@ -10,8 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from xformers_jax.nn._arch import DeLighTStack, DeLighTTransform, GroupLinear, delight_scaling
-from xformers_jax.nn._arch._delight import delight_widths
+from xformers_jax.models import DeLighTStack, DeLighTTransform, GroupLinear, delight_scaling
+from xformers_jax.models._delight import delight_widths
 from tests.fast_jit import build, jit0
 from tests.tolerances import assert_close
 

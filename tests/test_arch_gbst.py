@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from xformers_jax.nn._arch import GBST
+from xformers_jax.models import GBST
 from tests.fast_jit import jit0
 from tests.tolerances import assert_close
 

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from xformers_jax.nn._arch import HierarchicalEncoder, TNTClassifier
+from xformers_jax.models import HierarchicalEncoder, TNTClassifier
 from tests.fast_jit import build, jit0
 from tests.tolerances import assert_close
 

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from xformers_jax.nn._arch import (PatchMerging, SwinClassifier, WindowAttention,
+from xformers_jax.models import (PatchMerging, SwinClassifier, WindowAttention,
                                    window_groups)
 from tests.tolerances import EXACT_GRAD, assert_close
 

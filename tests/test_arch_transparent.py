@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from xformers_jax.nn._arch import TransparentEncoderDecoder
+from xformers_jax.models import TransparentEncoderDecoder
 from tests.fast_jit import build, jit0
 from tests.tolerances import assert_close
 

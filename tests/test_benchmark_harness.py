@@ -7,7 +7,7 @@ import sys
 import jax
 import pytest
 
-from experiments import bench_lib, benchmark
+from xformers_jax_experiments import bench_lib, benchmark
 
 
 @pytest.mark.parametrize("suite", benchmark.available_suites())
@@ -28,7 +28,7 @@ def test_suite_quick_cases_build_and_run(suite):
 
 
 def test_worker_subprocess_and_markdown(tmp_path):
-    case = bench_lib.Case("flash", "experiments.suites.attention:build",
+    case = bench_lib.Case("flash", "xformers_jax_experiments.suites.attention:build",
                           dict(variant="flash", L=64))
     record = bench_lib.measure(case, "fwdbwd", min_repeats=2, budget_s=0.0, timeout_s=300)
     assert "error" not in record, record
@@ -42,7 +42,7 @@ def test_worker_subprocess_and_markdown(tmp_path):
 
 
 def test_failed_case_is_recorded_not_raised():
-    case = bench_lib.Case("broken", "experiments.suites.attention:build",
+    case = bench_lib.Case("broken", "xformers_jax_experiments.suites.attention:build",
                           dict(variant="nonexistent", L=64))
     record = bench_lib.measure(case, "fwd", min_repeats=1, budget_s=0.0, timeout_s=300)
     assert "KeyError" in record["error"] or "exit" in record["error"]
@@ -51,15 +51,15 @@ def test_failed_case_is_recorded_not_raised():
 
 
 def test_unknown_suite_is_an_error():
-    proc = subprocess.run([sys.executable, "-m", "experiments.benchmark", "--suite=nope"],
-                          capture_output=True, text=True)
+    proc = subprocess.run([sys.executable, "-m", "xformers_jax_experiments.benchmark",
+                           "--suite=nope"], capture_output=True, text=True)
     assert proc.returncode != 0 and "unknown suite" in proc.stderr
 
 
 def test_in_process_compile_only_and_rerun_of_some_cases(tmp_path):
     """The accelerator modes: compile-only shares, one-process timing, --only re-runs that
     keep the other stored cases, and --render_only --recheck."""
-    case = bench_lib.Case("flash", "experiments.suites.attention:build",
+    case = bench_lib.Case("flash", "xformers_jax_experiments.suites.attention:build",
                           dict(variant="flash", L=64))
     compiled = bench_lib.compile_only(case, "fwdbwd")
     assert "error" not in compiled and compiled["compile_s"] > 0 and compiled["compiled_mb"] > 0
@@ -70,8 +70,8 @@ def test_in_process_compile_only_and_rerun_of_some_cases(tmp_path):
                                     "fwd", min_repeats=1, budget_s=0.0)
     assert broken["error"].startswith("KeyError")
 
-    run = [sys.executable, "-m", "experiments.benchmark", "--suite=gpu_linear", "--quick",
-           f"--results_dir={tmp_path}", f"--markdown={tmp_path / 'B.md'}", "--noplots"]
+    run = [sys.executable, "-m", "xformers_jax_experiments.benchmark", "--suite=gpu_linear",
+           "--quick", f"--results_dir={tmp_path}", f"--markdown={tmp_path / 'B.md'}", "--noplots"]
     share = subprocess.run(run + ["--compile_only=1/2"], capture_output=True, text=True)
     assert share.returncode == 0, share.stderr[-2000:]
     done = json.loads((tmp_path / "compile_1.json").read_text())["records"]
@@ -96,8 +96,8 @@ def test_in_process_compile_only_and_rerun_of_some_cases(tmp_path):
             r["run"] = "2000-01-01 00:00"
     (tmp_path / "gpu_linear.json").write_text(json.dumps(payload))
     render = subprocess.run(
-        [sys.executable, "-m", "experiments.benchmark", "--render_only", "--recheck=gpu_linear",
-         f"--results_dir={tmp_path}", f"--markdown={tmp_path / 'R.md'}", "--noplots"],
+        [sys.executable, "-m", "xformers_jax_experiments.benchmark", "--render_only",
+         "--recheck=gpu_linear", f"--results_dir={tmp_path}", f"--markdown={tmp_path / 'R.md'}", "--noplots"],
         capture_output=True, text=True)
     assert render.returncode == 0, render.stderr[-2000:]
     text = (tmp_path / "R.md").read_text()
@@ -110,7 +110,7 @@ def test_device_time_from_a_trace_and_its_checks(monkeypatch):
     on the CPU (no device plane); the GPU suite checks its short lengths on it when recorded."""
     from types import SimpleNamespace as NS
 
-    from experiments.suites import gpu_attention as G
+    from xformers_jax_experiments.suites import gpu_attention as G
 
     def line(name, *events):
         return NS(name=name, events=[NS(name=n, duration_ns=d) for n, d in events])
@@ -124,7 +124,7 @@ def test_device_time_from_a_trace_and_its_checks(monkeypatch):
     ns, calls = bench_lib.device_events(data)
     assert dict(ns) == {"fwd": 150, "copy": 7} and dict(calls) == {"fwd": 2, "copy": 1}
 
-    case = bench_lib.Case("flash", "experiments.suites.attention:build",
+    case = bench_lib.Case("flash", "xformers_jax_experiments.suites.attention:build",
                           dict(variant="flash", L=64))
     here = bench_lib.measure_here(case, "fwd", min_repeats=1, budget_s=0.0, device_time=True)
     assert "error" not in here and "device_s" not in here  # the CPU trace has no device plane
@@ -158,7 +158,7 @@ def test_device_time_from_a_trace_and_its_checks(monkeypatch):
 def test_gpu_profile_default_cases_name_suite_cases():
     """Every case gpu_profile profiles by default is a case of its suite (a typo would only
     show on the GPU machine)."""
-    from experiments import gpu_profile
+    from xformers_jax_experiments import gpu_profile
 
     for spec in gpu_profile.DEFAULT_CASES:
         suite, builder, params, mode = gpu_profile._parse(spec)
@@ -172,7 +172,7 @@ def test_moe_selection_case_times_the_lookups_top_k():
     slots and scores as inside ``product_key_lookup``'s workload)."""
     import numpy as np
 
-    from experiments.suites import moe
+    from xformers_jax_experiments.suites import moe
     from xformers_jax import experts as M
 
     sel = moe.build("product key top-k", T=8, N=64 ** 2)

@@ -1,9 +1,10 @@
-"""experiments.catalogue: one table row per registered kind of every slot of the registry."""
+"""xformers_jax_experiments.catalogue: one table row per registered kind of every slot of the
+registry."""
 
 import re
 
-from experiments import catalogue as C
 from xformers_jax import nn
+from xformers_jax_experiments import catalogue as C
 
 
 def _rows(text):

@@ -37,7 +37,7 @@ def test_defaults_are_off_and_bad_values_are_named():
 
 def test_electra_task_and_teacher_directory(tmp_path):
     spec = train.TASKS["electra"]
-    assert spec.loss is not None and not spec.classification
+    assert spec.type == "self_supervised" and not spec.classification
     (tmp_path / "best" / "12" / "state").mkdir(parents=True)
     (tmp_path / "checkpoints" / "40" / "state").mkdir(parents=True)
     assert _compress._state_dir(str(tmp_path)) == str(tmp_path / "best" / "12" / "state")

@@ -11,12 +11,12 @@ import pytest
 
 from tests._compress_model import fast_jit
 from tests.tolerances import assert_close
-from xformers_jax import nn
+from xformers_jax import models
 
 
 @pytest.fixture(scope="module")
 def electra():
-    m = nn.Electra(12, 16, 1, 2, 32, gen_dim=8, gen_heads=1, gen_hidden=16, mask_prob=0.5,
+    m = models.Electra(12, 16, 1, 2, 32, gen_dim=8, gen_heads=1, gen_hidden=16, mask_prob=0.5,
                    max_len=16, key=jax.random.PRNGKey(0))
     tokens = jax.random.randint(jax.random.PRNGKey(1), (4, 16), 1, 12).at[:, :8].set(5)
     tokens = tokens.at[3, 12:].set(0)
@@ -77,4 +77,4 @@ def test_loss_weights_gradients_and_classifier(electra):
     with pytest.raises(ValueError, match="int"):
         m.corrupt(tokens.astype(jnp.float32), key)
     with pytest.raises(ValueError, match="mask_prob"):
-        nn.Electra(12, 16, 1, 2, 32, mask_prob=1.5, key=key)
+        models.Electra(12, 16, 1, 2, 32, mask_prob=1.5, key=key)

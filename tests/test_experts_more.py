@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import xformers_jax.models as models
 import xformers_jax.nn as nn
 from tests.tolerances import EXACT, EXACT_GRAD, assert_close
 from xformers_jax import experts as M
@@ -95,7 +96,7 @@ def test_moe_every_other_layer_equals_unrolled_blocks():
     (BlockCycle.decode and init_cache run the blocks' own: not re-tested here, for time)."""
     vocab, dim, length = 32, 16, 8
     spec = nn.FFNSpec("st_moe", dict(num_experts=4), every=2)
-    model = nn.CausalLM(vocab, dim, 4, 2, 32, max_len=length, block=dict(ffn=spec),
+    model = models.CausalLM(vocab, dim, 4, 2, 32, max_len=length, block=dict(ffn=spec),
                         key=jax.random.key(0))
     assert model.layers.num_layers == 2
     tokens = jax.random.randint(jax.random.key(1), (2, length), 0, vocab)
@@ -110,7 +111,8 @@ def test_moe_every_other_layer_equals_unrolled_blocks():
         for i in range(2):
             unit = eqx.combine(jax.tree.map(lambda a: a[i], dynamic), static)
             for block in unit.blocks:
-                x, a = block(x, return_aux=True)
+                x, c = block(x, nn.Carry())
+                a = c.aux
                 if a:
                     per_layer.append(a)
         return logits, aux, model.final_norm(x) @ model.head, per_layer
@@ -127,7 +129,7 @@ def test_moe_every_other_layer_equals_unrolled_blocks():
     # The config switch: "every" inside model.ffn.
     assert nn.FFNSpec.from_config(dict(kind="gshard", every=2)).every == 2
     with pytest.raises(ValueError, match="not a multiple of 2"):
-        nn.CausalLM(vocab, dim, 3, 2, 32, block=dict(ffn=spec), key=jax.random.key(0))
+        models.CausalLM(vocab, dim, 3, 2, 32, block=dict(ffn=spec), key=jax.random.key(0))
     with pytest.raises(ValueError, match="single block needs every=1"):
         nn.TransformerBlock(dim, 2, 32, ffn=spec, key=jax.random.key(0))
 

@@ -21,6 +21,7 @@ LAYERS = (
     ("xformers_jax.attention", "xformers_jax.experts", "xformers_jax.mixers"),
     ("xformers_jax.data",),
     ("xformers_jax.nn",),
+    ("xformers_jax.models",),
     ("xformers_jax.compress",),
     ("xformers_jax.parallel",),
     ("xformers_jax.train", "xformers_jax.viz", "xformers_jax"),

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from tests.tolerances import assert_close
-from xformers_jax.nn._set import ISAB, MAB, PMA, SAB
+from xformers_jax.models import ISAB, MAB, PMA, SAB
 
 N, DIM, HEADS = 11, 16, 4
 X = jax.random.normal(jax.random.PRNGKey(0), (N, DIM))

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from tests.tolerances import EXACT, EXACT_GRAD, assert_close
-from xformers_jax import nn
+from xformers_jax import models, nn
 from xformers_jax.nn._positions import sinusoid
 
 L, DIM, HEADS, VOCAB, B = 8, 16, 2, 13, 2
@@ -27,7 +27,7 @@ def _model(memory=None, layers=2, kind="dot_product", max_len=4 * L):
     block = dict(position=position, spec=nn.AttentionSpec(kind))
     if memory is not None:
         block["memory"] = memory
-    return nn.CausalLM(VOCAB, DIM, layers, HEADS, 2 * DIM, positions=nn.NoPositions(),
+    return models.CausalLM(VOCAB, DIM, layers, HEADS, 2 * DIM, positions=nn.NoPositions(),
                        max_len=max_len, block=block, key=jax.random.key(0))
 
 
@@ -191,16 +191,16 @@ def test_ernie_doc_enhanced_recurrence():
 def test_retrospective_feed_second_pass_starts_from_the_skimming_memory():
     model = _model(nn.XLMemory(L, same_layer=True))
     tokens = _tokens(15)
-    got, _ = _jit(lambda m, t: nn.retrospective_feed(m, t, segment_len=L))(model, tokens)
+    got, _ = _jit(lambda m, t: models.retrospective_feed(m, t, segment_len=L))(model, tokens)
     _, skim = _segments(model, tokens, model.init_memory(B))
     want, _ = _segments(model, tokens, skim)
     assert_close(got, want)
     # The first segment now depends on the last one (which a single pass never lets it see).
     changed = tokens.at[:, -1].set(tokens[:, -1] % (VOCAB - 1) + 1)
-    other, _ = _jit(lambda m, t: nn.retrospective_feed(m, t, segment_len=L))(model, changed)
+    other, _ = _jit(lambda m, t: models.retrospective_feed(m, t, segment_len=L))(model, changed)
     assert float(jnp.abs(other[:, :L] - got[:, :L]).max()) > 0
     with pytest.raises(ValueError, match="multiple of"):
-        nn.retrospective_feed(model, tokens[:, :L + 1], segment_len=L)
+        models.retrospective_feed(model, tokens[:, :L + 1], segment_len=L)
 
 
 @_jit
@@ -236,7 +236,7 @@ def test_bf16_reset_and_errors():
     again, _ = _segments(xl, tokens, reset)
     assert_close(again[0], f32[0])
     assert float(jnp.abs(again[1] - f32[1]).max()) > 0
-    with pytest.raises(ValueError, match="memory_state"):
+    with pytest.raises(ValueError, match="exactly when the block has a memory"):
         xl(tokens)
     linear = nn.MultiHeadAttention(DIM, HEADS, spec=nn.AttentionSpec("linear"), causal=True,
                                    key=jax.random.key(0))
@@ -361,7 +361,7 @@ def test_generate_continues_across_segments_with_the_memory():
     # token is the argmax of the teacher-forced segment-by-segment logits before it (the
     # memory carried across both boundaries), and the prompt is kept.
     prompt = _tokens(14, L + 3)
-    out = _jit(lambda m, p: nn.generate_with_memory(m, p, 2 * L - 3, segment_len=L,
+    out = _jit(lambda m, p: models.generate_with_memory(m, p, 2 * L - 3, segment_len=L,
                                                     inference=False))(XL, prompt)
     np.testing.assert_array_equal(np.asarray(out[:, :L + 3]), np.asarray(prompt))
     logits, _ = _segments(XL, out, XL.init_memory(B))
@@ -372,8 +372,8 @@ def test_generate_continues_across_segments_with_the_memory():
 @_jit
 def _fed_one_by_one(model, tokens, memory):
     """Logits of ``tokens`` fed one token at a time through the segment cache."""
-    cache = nn._memory._segment_cache(model, memory, L)
-    _, logits = jax.lax.scan(lambda c, t: nn._memory._memory_decode_step(model, t, c)[::-1],
+    cache = models._memory_lm._segment_cache(model, memory, L)
+    _, logits = jax.lax.scan(lambda c, t: models._memory_lm._memory_decode_step(model, t, c)[::-1],
                              cache, tokens.T)
     return jnp.moveaxis(logits, 0, 1)
 

@@ -1,4 +1,4 @@
-"""The Feedback Transformer (nn.FeedbackLM): the scanned form against a position-by-position
+"""The Feedback Transformer (models.FeedbackLM): the scanned form against a position-by-position
 reference written from the paper's equations, no leak, gradients, decoding in pieces."""
 
 import equinox as eqx
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from tests.tolerances import EXACT_GRAD, assert_close
-from xformers_jax import nn
+from xformers_jax import models, nn
 
 L, DIM, HEADS, VOCAB, B, LAYERS = 6, 16, 2, 11, 2, 2
 HD = DIM // HEADS
@@ -16,7 +16,7 @@ _JIT = dict(compiler_options={"xla_backend_optimization_level": 0})
 
 
 def _model(mem_len=None):
-    model = nn.FeedbackLM(VOCAB, DIM, LAYERS, HEADS, 2 * DIM, mem_len=mem_len,
+    model = models.FeedbackLM(VOCAB, DIM, LAYERS, HEADS, 2 * DIM, mem_len=mem_len,
                           key=jax.random.key(0))
     # Non-uniform layer weights, so the memory is not a plain mean.
     return eqx.tree_at(lambda m: m.layer_weights, model, jnp.arange(LAYERS + 1.0) * 0.7)
@@ -88,5 +88,5 @@ def test_no_leak_gradients_and_decoding_in_pieces():
     assert float(jnp.abs(g).min()) > 0
     assert_close(g, want, EXACT_GRAD)
     with pytest.raises(ValueError, match="dot_product"):
-        nn.FeedbackLM(VOCAB, DIM, 1, HEADS, 32, block=dict(spec=nn.AttentionSpec("linear")),
+        models.FeedbackLM(VOCAB, DIM, 1, HEADS, 32, block=dict(spec=nn.AttentionSpec("linear")),
                       key=jax.random.key(0))

@@ -1,4 +1,4 @@
-"""Memformer (nn.Memformer): the slot writer against numpy, no leak across segments, and
+"""Memformer (models.Memformer): the slot writer against numpy, no leak across segments, and
 memory replay back-propagation equal to plain autodiff over the unrolled segments."""
 
 import equinox as eqx
@@ -7,12 +7,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from tests.tolerances import EXACT_GRAD, assert_close
-from xformers_jax import nn
+from xformers_jax import models
 
 L, DIM, HEADS, VOCAB, B, SLOTS, SEGS = 8, 16, 2, 11, 2, 3, 2
 HD = DIM // HEADS
 _JIT = dict(compiler_options={"xla_backend_optimization_level": 0})
-MODEL = nn.Memformer(VOCAB, DIM, 1, HEADS, 2 * DIM, num_slots=SLOTS, key=jax.random.key(0))
+MODEL = models.Memformer(VOCAB, DIM, 1, HEADS, 2 * DIM, num_slots=SLOTS, key=jax.random.key(0))
 
 
 def test_slot_writer_matches_numpy():
@@ -63,7 +63,7 @@ def test_memory_replay_gradients_equal_plain_autodiff_over_unrolled_segments():
     (want_loss, want_final), (want, want_slots) = jax.jit(
         jax.value_and_grad(unrolled, argnums=(0, 1), has_aux=True), **_JIT)(PARAMS, slots)
     loss, grads, final, g_slots = jax.jit(
-        lambda p: nn.memory_replay_gradients(_step, p, slots, segments), **_JIT)(PARAMS)
+        lambda p: models.memory_replay_gradients(_step, p, slots, segments), **_JIT)(PARAMS)
     assert_close(loss, want_loss)
     assert_close(final, want_final)
     for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(want)):

@@ -13,7 +13,7 @@ import pytest
 
 from tests.tolerances import assert_close
 from tests.train_state import final_state
-from xformers_jax import data, nn, train
+from xformers_jax import data, models, nn, train
 
 SEG, STREAMS = 8, 2
 
@@ -76,10 +76,18 @@ train.register_task(dataclasses.replace(train.TASKS["lm_stream"], name="lm_strea
 
 
 def _config(memory, eval_mem_lens=()):
-    c = train.base_config("lm_stream_tiny")
+    # Feedback and Memformer are model kinds of their own; the other memories are the block
+    # memory of the memory LM.
+    memory = dict(memory)
+    kind = memory["kind"] if memory["kind"] in ("feedback", "memformer") else "memory_lm"
+    c = train.base_config("lm_stream_tiny", model=kind)
     c.data.update(dict(seq_len=SEG, eval_mem_lens=tuple(eval_mem_lens)))
     c.model.update(dict(dim=16, num_layers=1, num_heads=2, hidden=32))
-    c.model.memory = ml_collections.ConfigDict(memory)
+    if kind == "memory_lm":
+        c.model.memory = ml_collections.ConfigDict(memory)
+    else:
+        memory.pop("kind")
+        c.model.update(memory)
     c.optim.update(dict(learning_rate=3e-3, warmup_steps=2, schedule="rsqrt"))
     c.mesh = ml_collections.ConfigDict({"data": 1})
     c.update(dict(batch_size=STREAMS, num_train_steps=6, log_every=1, eval_every=2,
@@ -138,7 +146,7 @@ def test_memory_configs_build_and_bad_ones_fail():
                    dict(kind="compressive", mem_len=SEG, cmem_len=4, rate=2,
                         compression="conv")):
         model = train.build_model(_config(memory).model, task, jax.random.PRNGKey(0))
-        assert nn.has_memory(model) == (memory["kind"] != "none")
+        assert models.has_memory(model) == (memory["kind"] != "none")
     with pytest.raises(ValueError, match="unknown keys"):
         train.build_model(_config(dict(kind="xl", mem_len=4, rate=2)).model, task,
                           jax.random.PRNGKey(0))
@@ -165,7 +173,8 @@ def test_memory_configs_build_and_bad_ones_fail():
 
 
 def test_memory_config_files_build():
-    from experiments.configs.lm import compressive, ernie_doc, feedback, memformer, transformer_xl
+    from xformers_jax_experiments.configs.lm import (compressive, ernie_doc, feedback, memformer,
+                                                     transformer_xl)
     for module, arg in ((transformer_xl, "xl"), (transformer_xl, "none"), (compressive, "conv"),
                         (ernie_doc, ""), (feedback, ""), (memformer, "")):
         full = module.get_config(arg)
@@ -180,9 +189,9 @@ def test_memory_config_files_build():
     assert full_lengths.data.seq_len == 256 and full_lengths.model.dim == 128
     assert full_lengths.model.memory.mem_len == 256
     assert full_lengths.model.memory.eval_mem_len == 1024
-    assert feedback.get_config("runlocal").model.memory.mem_len == 64
-    assert memformer.get_config("runlocal").model.memory.to_dict() == dict(
-        kind="memformer", num_slots=16, segments=4)
+    assert feedback.get_config("runlocal").model.mem_len == 64
+    small = memformer.get_config("runlocal").model
+    assert (small.kind, small.num_slots, small.segments) == ("memformer", 16, 4)
 
 
 @pytest.mark.parametrize("memory", [dict(kind="feedback", mem_len=5),
@@ -195,11 +204,11 @@ def test_feedback_and_memformer_carry_their_memory_through_the_trainer(memory):
     config = _config(memory)
     task = train.make_task(config.data, 0)
     model = train.build_model(config.model, task, jax.random.PRNGKey(0))
-    assert nn.has_memory(model) and isinstance(model, nn.MemoryModel)
+    assert models.has_memory(model) and isinstance(model, models.MemoryModel)
     fresh = task.spec.carry(model, STREAMS, False)
     it = task.spec.batches(task.train, STREAMS)
     first, second = next(it), next(it)
-    loss_fn = train.make_loss_fn(task)
+    loss_fn = train.make_loss_fn(task, kind=config.model.kind)
 
     @_jit
     def run(model, fresh, first, second):  # one program: compiling dominates the cost
@@ -233,7 +242,7 @@ def test_evaluation_reports_each_evaluation_memory_length():
 
 
 def test_memory_lm_table_reads_every_evaluation_memory():
-    from experiments import memory_lm_table
+    from xformers_jax_experiments.studies.memory_lm import table as memory_lm_table
 
     runs = {
         "none": [{"step": 10, "validation_bits_per_byte": 2.5},

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from tests.tolerances import EXACT, assert_close
-from xformers_jax import nn, train
+from xformers_jax import models, nn, train
 from xformers_jax.train._optim import make_optimizer
 
 B, L, DIM, HEADS, MAX_LEN = 2, 12, 16, 2, 16
@@ -134,7 +134,7 @@ def test_bf16_inputs_and_gradients(key, name):
 
 
 def test_causal_lm_with_a_mixer_generates_like_its_forward(key):
-    model = nn.CausalLM(32, DIM, 1, HEADS, 32, max_len=MAX_LEN,
+    model = models.CausalLM(32, DIM, 1, HEADS, 32, max_len=MAX_LEN,
                         block=dict(mixer=nn.MixerSpec("mamba2", {"state_size": 8,
                                                                  "chunk_size": 4})), key=key)
     tokens = jax.random.randint(jax.random.PRNGKey(2), (B, L), 1, 32)
@@ -170,8 +170,8 @@ def test_config_builds_a_mixer_model_and_ssm_parameters_get_their_own_rate():
 
 
 def test_lra_and_lm_configs_take_every_mixer():
-    from experiments.configs.lm import mixer_bytes
-    from experiments.configs.lra import _common, listops
+    from xformers_jax_experiments.configs.lm import mixer_bytes
+    from xformers_jax_experiments.configs.lra import _common, listops
 
     for name in _common.MIXERS:
         c = listops.get_config(f"{name},runlocal")
@@ -183,8 +183,9 @@ def test_lra_and_lm_configs_take_every_mixer():
 
 
 def test_mixer_table_sweep_lists_every_task_and_variant(tmp_path):
-    from experiments import sweep
-    from experiments.configs.lra import listops, mixer_table
+    from xformers_jax_experiments import sweep
+    from xformers_jax_experiments.configs.lra import listops
+    from xformers_jax_experiments.studies.mixers_lra import mixer_table
 
     path = mixer_table.__file__
     variants = ("transformer", "s4d", "mamba2", "gmlp", "fnet")

@@ -76,6 +76,7 @@ def test_no_drops_equal_dropless_and_errors():
 
 
 def test_gpipe_layer_stack_equals_unpipelined():
+    import xformers_jax.models as models
     import xformers_jax.nn as nn
     from jax.sharding import Mesh
 
@@ -106,6 +107,7 @@ def test_gpipe_moe_aux_is_the_mean_over_microbatches():
     """A pipelined MoE stack (capacity dispatch, so each micro-batch's capacity decides what is
     dropped) equals the unpipelined stack run on each micro-batch: outputs, every layer's aux
     outputs averaged over the micro-batches, and gradients of a loss that uses both."""
+    import xformers_jax.models as models
     import xformers_jax.nn as nn
     from jax.sharding import Mesh
 
@@ -118,13 +120,14 @@ def test_gpipe_moe_aux_is_the_mean_over_microbatches():
     mesh = Mesh(np.array(jax.devices()[:4]), (parallel.STAGE,))
 
     def run(s, x):
-        return parallel.pipeline_layers(s, x, mesh=mesh, num_microbatches=2, kv_mask=mask,
-                                        return_aux=True)
+        y, carry = parallel.pipeline_layers(s, x, nn.Carry(), mesh=mesh, num_microbatches=2,
+                                            kv_mask=mask)
+        return y, carry.aux
 
     def ref(s, x):
-        parts = [s(x[i : i + 2], kv_mask=mask[i : i + 2], return_aux=True) for i in (0, 2)]
+        parts = [s(x[i : i + 2], nn.Carry(), kv_mask=mask[i : i + 2]) for i in (0, 2)]
         y = jnp.concatenate([p[0] for p in parts])
-        return y, jax.tree.map(lambda a, b: (a + b) / 2, parts[0][1], parts[1][1])
+        return y, jax.tree.map(lambda a, b: (a + b) / 2, parts[0][1].aux, parts[1][1].aux)
 
     def loss(f):
         def fn(s, x):
@@ -152,11 +155,12 @@ def test_moe_model_under_an_expert_mesh_equals_one_device():
     over 'expert' on the expert axis and over 'fsdp' on the model width: FSDP); with a capacity
     that drops nothing its logits and gradients equal the one-device model's."""
     import equinox as eqx
+    import xformers_jax.models as models
     import xformers_jax.nn as nn
 
     spec = nn.FFNSpec("switch", dict(num_experts=8, mode="capacity", capacity_factor=8.0,
                                      jitter=0.0))
-    model = nn.CausalLM(32, 8, 1, 2, 16, max_len=8, block=dict(ffn=spec),
+    model = models.CausalLM(32, 8, 1, 2, 16, max_len=8, block=dict(ffn=spec),
                         key=jax.random.key(3))
     tokens = jax.random.randint(jax.random.key(4), (8, 8), 0, 32)
 
@@ -185,9 +189,10 @@ def test_stage_mesh_pipelines_the_model():
     """A 'stage' axis in parallel.make_mesh (what a trainer's mesh config names) makes the
     models' LayerStack run as a GPipe pipeline; loss and gradients equal one device's."""
     import equinox as eqx
+    import xformers_jax.models as models
     import xformers_jax.nn as nn
 
-    model = nn.CausalLM(32, 8, 4, 2, 16, max_len=6, key=jax.random.key(5))
+    model = models.CausalLM(32, 8, 4, 2, 16, max_len=6, key=jax.random.key(5))
     tokens = jax.random.randint(jax.random.key(6), (8, 6), 0, 32)
     mask = jnp.arange(6)[None] < jnp.array([[6], [5], [4], [6]] * 2)
 

@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import xformers_jax.models as models
 import xformers_jax.nn as nn
 from tests.tolerances import EXACT, assert_close
 
@@ -22,7 +23,7 @@ CASES = {
 
 
 def _lm(spec, key, **block):
-    return nn.CausalLM(20, 32, 2, 4, 64, max_len=L, block=dict(spec=spec, **block), key=key)
+    return models.CausalLM(20, 32, 2, 4, 64, max_len=L, block=dict(spec=spec, **block), key=key)
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
@@ -52,7 +53,7 @@ def test_rope_and_alibi_decode():
     key = jax.random.PRNGKey(2)
     tokens = jax.random.randint(key, (2, L), 0, 20)
     for position in (nn.RotaryPositions(), nn.ALiBi(4)):
-        model = nn.CausalLM(20, 32, 2, 4, 64, max_len=L, positions=nn.NoPositions(),
+        model = models.CausalLM(20, 32, 2, 4, 64, max_len=L, positions=nn.NoPositions(),
                             block=dict(position=position), key=key)
         cached, _ = eqx.filter_jit(lambda m: m.prefill(tokens, m.init_cache(2, L)))(model)
         assert_close(cached, model(tokens), EXACT)
@@ -88,10 +89,10 @@ def test_generate_top_k_sampling():
 
 
 def test_non_decodable_kind_has_no_cache():
-    model = nn.EncoderClassifier(2, 32, 1, 4, 64, vocab_size=10, key=jax.random.PRNGKey(0))
+    model = models.EncoderClassifier(2, 32, 1, 4, 64, vocab_size=10, key=jax.random.PRNGKey(0))
     with pytest.raises(ValueError, match="only causal self-attention decodes"):
         model.encoder.layers.init_cache(1, 8)
-    lm = nn.CausalLM(20, 32, 1, 4, 64, max_len=L, positions=nn.ConvPositions(
+    lm = models.CausalLM(20, 32, 1, 4, 64, max_len=L, positions=nn.ConvPositions(
         32, key=jax.random.PRNGKey(0)), key=jax.random.PRNGKey(0))
     with pytest.raises(NotImplementedError, match="CPE"):
         lm.init_cache(1, 8)

@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import xformers_jax.models as models
 import xformers_jax.nn as nn
 from tests.tolerances import EXACT, assert_close
 
@@ -99,7 +100,7 @@ def test_rezero_block_starts_as_identity():
 
 
 def test_mixed_precision_policy():
-    model = nn.EncoderClassifier(3, 32, 2, 4, 64, input_dim=5, pooling="mean", key=KEY)
+    model = models.EncoderClassifier(3, 32, 2, 4, 64, input_dim=5, pooling="mean", key=KEY)
     pixels = jax.random.normal(KEY, (2, 10, 5))
     policy = nn.Policy()
     out = policy(lambda m, x: m(x), model, pixels)
@@ -114,14 +115,14 @@ def test_mixed_precision_policy():
 def test_models():
     tokens = jax.random.randint(KEY, (2, 10), 0, 20)
     mask = jnp.arange(10)[None] < jnp.array([[10], [7]])
-    clf = nn.EncoderClassifier(3, 32, 1, 4, 64, vocab_size=20, pooling="cls", key=KEY)
+    clf = models.EncoderClassifier(3, 32, 1, 4, 64, vocab_size=20, pooling="cls", key=KEY)
     assert clf(tokens, mask=mask).shape == (2, 3)
     # Padding invariance through the whole model.
     other = tokens.at[1, 7:].set(0)
     assert_close(clf(tokens, mask=mask)[1], clf(other, mask=mask)[1], EXACT)
-    dual = nn.DualEncoder(2, 32, 1, 4, 64, vocab_size=20, key=KEY)
+    dual = models.DualEncoder(2, 32, 1, 4, 64, vocab_size=20, key=KEY)
     assert dual(tokens, tokens[::-1], mask_a=mask).shape == (2, 2)
-    s2s = nn.EncoderDecoder(20, 32, 1, 4, 64, input_dim=3, key=KEY)
+    s2s = models.EncoderDecoder(20, 32, 1, 4, 64, input_dim=3, key=KEY)
     out = s2s(jax.random.normal(KEY, (2, 7, 3)), tokens)
     assert out.shape == (2, 10, 20)
     with pytest.raises(ValueError, match="exactly one of vocab_size"):

@@ -14,10 +14,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import xformers_jax.models as models
 import xformers_jax.nn as nn
-from experiments.catalogue import catalogue
 from xformers_jax import attention
 from xformers_jax.kinds import AttentionAdapter, Kind
+from xformers_jax_experiments.catalogue import catalogue
 
 L, DIM, HEADS, HIDDEN = 16, 16, 2, 32
 # Each kind's tiny test hyperparameters (L = max_len = 16, head width 8) are declared with its
@@ -56,7 +57,7 @@ def _value_and_grad(loss, model):
 @pytest.mark.parametrize("kind", KINDS)
 def test_encoder_classifier_forward_grad_jit(kind):
     key = jax.random.PRNGKey(0)
-    model = nn.EncoderClassifier(3, DIM, 1, HEADS, HIDDEN, pooling="mean", vocab_size=20,
+    model = models.EncoderClassifier(3, DIM, 1, HEADS, HIDDEN, pooling="mean", vocab_size=20,
                                  max_len=L, block=dict(spec=_spec(kind)), key=key)
     tokens = jax.random.randint(key, (2, L), 0, 20)
     mask = jnp.arange(L)[None] < jnp.array([[L], [L - 5]])
@@ -78,7 +79,7 @@ def test_encoder_classifier_forward_grad_jit(kind):
 @pytest.mark.parametrize("kind", CAUSAL_KINDS)
 def test_causal_lm_forward_grad_jit_no_leak(kind):
     key = jax.random.PRNGKey(1)
-    model = nn.CausalLM(20, DIM, 1, HEADS, HIDDEN, max_len=L, block=dict(spec=_spec(kind)),
+    model = models.CausalLM(20, DIM, 1, HEADS, HIDDEN, max_len=L, block=dict(spec=_spec(kind)),
                         key=key)
     tokens = jax.random.randint(key, (2, L), 0, 20)
     t = L // 2
@@ -99,7 +100,7 @@ def test_causal_lm_forward_grad_jit_no_leak(kind):
 @pytest.mark.parametrize("kind", sorted(set(KINDS) - set(CAUSAL_KINDS)))
 def test_non_causal_kinds_are_rejected_in_a_language_model(kind):
     with pytest.raises(NotImplementedError, match="does not support causal=True"):
-        nn.CausalLM(20, DIM, 1, HEADS, HIDDEN, max_len=L, block=dict(spec=_spec(kind)),
+        models.CausalLM(20, DIM, 1, HEADS, HIDDEN, max_len=L, block=dict(spec=_spec(kind)),
                     key=jax.random.PRNGKey(0))
 
 
@@ -129,7 +130,7 @@ def test_every_kind_has_complete_metadata_and_the_catalogue_is_current():
     assert set(library) == set(declared)
     with open(ROOT / "CATALOGUE.md") as f:
         assert f.read() == catalogue(), ("CATALOGUE.md is stale: run "
-                                         "`python -m experiments.catalogue`")
+                                         "`python -m xformers_jax_experiments.catalogue`")
 
 
 def test_registration_is_explicit():

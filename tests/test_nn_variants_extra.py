@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import xformers_jax.models as models
 import xformers_jax.nn as nn
 from tests.tolerances import assert_close
 from xformers_jax.attention import patterns as P
@@ -68,7 +69,7 @@ def test_axial_rows_equal_block_local(causal):
 
 
 def test_axial_classifier_on_pixels_and_bad_shape():
-    model = nn.EncoderClassifier(3, D, 1, H, 32, pooling="mean", input_dim=3, max_len=L,
+    model = models.EncoderClassifier(3, D, 1, H, 32, pooling="mean", input_dim=3, max_len=L,
                                  block=dict(spec=nn.AttentionSpec("axial", {"shape": (4, 4)})),
                                  key=KEY)
     pixels = jax.random.uniform(KEY, (2, L, 3))
@@ -122,7 +123,7 @@ def _masked_dense(q, k, v, allowed):
 # --- delta rule ---------------------------------------------------------------------------------
 
 def test_delta_rule_decoding_equals_teacher_forcing():
-    model = nn.CausalLM(20, D, 1, H, 32, max_len=L, key=KEY,
+    model = models.CausalLM(20, D, 1, H, 32, max_len=L, key=KEY,
                         block=dict(spec=nn.AttentionSpec("delta_rule", {"chunk_size": 4}),
                                    num_kv_heads=2))
     tokens = jax.random.randint(KEY, (2, L), 0, 20)
@@ -144,14 +145,16 @@ def test_routing_attention_updates_its_state():
     mha, state = eqx.nn.make_with_state(nn.MultiHeadAttention)(D, H, spec=ROUTING, max_len=L,
                                                                key=KEY)
     before = state.get(mha.state_index)
-    out, state = eqx.filter_jit(lambda m, s: m(X, kv_mask=MASK, state=s))(mha, state)
+    out, carry = eqx.filter_jit(lambda m, s: m(X, kv_mask=MASK, carry=nn.Carry(state=s)))(
+        mha, state)
+    state = carry.state
     after = state.get(mha.state_index)
     assert out.shape == X.shape and bool(jnp.isfinite(out).all())
     assert not np.allclose(np.asarray(after.state.sums), np.asarray(before.state.sums))
     assert float(after.commitment_loss) > 0
     # Inference freezes the centroids.
-    _, frozen = mha(X, state=state, inference=True)
-    np.testing.assert_array_equal(np.asarray(frozen.get(mha.state_index).state.sums),
+    _, frozen = mha(X, carry=nn.Carry(state=state), inference=True)
+    np.testing.assert_array_equal(np.asarray(frozen.state.get(mha.state_index).state.sums),
                                   np.asarray(after.state.sums))
     with pytest.raises(ValueError, match="keeps state; build the model with eqx.nn.make_with_"):
         mha(X)
@@ -162,7 +165,8 @@ def test_routing_block_unstacked_threads_state_with_power_norm():
                                                                norm="power", max_len=L, key=KEY)
     norm0 = np.asarray(state.get(block.norms[0].index))
     sums0 = np.asarray(state.get(block.attn.state_index).state.sums)
-    y, new = eqx.filter_jit(lambda b, s: b(X, s, kv_mask=MASK))(block, state)
+    y, carry = eqx.filter_jit(lambda b, s: b(X, nn.Carry(state=s), kv_mask=MASK))(block, state)
+    new = carry.state
     assert y.shape == X.shape and bool(jnp.isfinite(y).all())
     # Both the norm's running statistic and the centroids moved, in the one State.
     assert not np.allclose(np.asarray(new.get(block.norms[0].index)), norm0)
@@ -173,10 +177,10 @@ def test_routing_block_unstacked_threads_state_with_power_norm():
 def test_routing_models_scan_equals_unrolled_with_per_layer_state(causal):
     def make(scan):
         if causal:
-            return eqx.nn.make_with_state(nn.CausalLM)(20, D, 2, H, 32, max_len=L, key=KEY,
+            return eqx.nn.make_with_state(models.CausalLM)(20, D, 2, H, 32, max_len=L, key=KEY,
                                                        block=dict(spec=ROUTING),
                                                        stack=dict(scan=scan))
-        return eqx.nn.make_with_state(nn.EncoderClassifier)(
+        return eqx.nn.make_with_state(models.EncoderClassifier)(
             3, D, 2, H, 32, pooling="mean", vocab_size=20, max_len=L, key=KEY,
             block=dict(spec=ROUTING), stack=dict(scan=scan))
 

@@ -2,7 +2,7 @@
 amount change no output at a real position and no gradient reaching a real token's parameters,
 and (causal kinds) no token changes an earlier output.
 
-Model level, over the one registry, inside ``nn.EncoderClassifier`` with ``mask=``:
+Model level, over the one registry, inside ``models.EncoderClassifier`` with ``mask=``:
 
 (a) junk tokens in the padded positions change no logit (nor the state update of a kind that
     keeps state);
@@ -11,7 +11,7 @@ Model level, over the one registry, inside ``nn.EncoderClassifier`` with ``mask=
     shorter sequence are tested at their length, with the rows swapped);
 (c) changing a token in the middle of a causal language model changes no earlier logit: in
     ``test_nn_registry.py::test_causal_lm_forward_grad_jit_no_leak``, which already compiles
-    every stateless causal kind's ``nn.CausalLM``, and here for the kinds that keep state.
+    every stateless causal kind's ``models.CausalLM``, and here for the kinds that keep state.
 
 Each kind is one compiled forward program, at XLA's backend optimisation level 0 as in
 ``test_nn_registry.py``: where the logits are the same function of the parameters whatever the
@@ -32,6 +32,7 @@ import numpy as np
 import pytest
 
 import xformers_jax.attention as A
+import xformers_jax.models as models
 import xformers_jax.nn as nn
 from tests.tolerances import EXACT, EXACT_GRAD, assert_close
 
@@ -81,7 +82,7 @@ def _encoder(kind):
     at. A kind whose parameters fix the length (``Kind.fixed_length``) is built for LONG and
     tested at SHORT and LONG when it takes both (Linformer's and the Synthesizer's parameters
     are cut to the length), else built and tested at SHORT only."""
-    make = functools.partial(_build, nn.EncoderClassifier, 3, DIM, 1, HEADS, HIDDEN,
+    make = functools.partial(_build, models.EncoderClassifier, 3, DIM, 1, HEADS, HIDDEN,
                              pooling="mean", vocab_size=VOCAB, kind=kind,
                              key=jax.random.PRNGKey(0))
 
@@ -139,7 +140,7 @@ def test_encoder_padding_content_and_amount_change_nothing(kind):
                                   if nn.get_kind("attention", k).adapter.state])
 def test_stateful_causal_lm_middle_token_changes_no_earlier_logit(kind):
     # (c) for the kinds test_nn_registry.py skips (they keep eqx.nn.State, e.g. routing).
-    model, state = _build(nn.CausalLM, VOCAB, DIM, 1, HEADS, HIDDEN, kind=kind, max_len=SHORT,
+    model, state = _build(models.CausalLM, VOCAB, DIM, 1, HEADS, HIDDEN, kind=kind, max_len=SHORT,
                           key=jax.random.PRNGKey(1))
     tokens = jax.random.randint(jax.random.PRNGKey(2), (1, SHORT), 0, VOCAB)
     t = SHORT // 2

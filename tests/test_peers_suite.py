@@ -1,10 +1,10 @@
-"""The peers benchmark suite compares like with like (experiments/suites/peers.py)."""
+"""The peers benchmark suite compares like with like (xformers_jax_experiments/suites/peers.py)."""
 
 import numpy as np
 import pytest
 
-from experiments.bench_lib import Results
-from experiments.suites import peers
+from xformers_jax_experiments.bench_lib import Results
+from xformers_jax_experiments.suites import peers
 from tests.tolerances import assert_close
 
 

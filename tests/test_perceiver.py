@@ -9,7 +9,8 @@ import pytest
 from tests.tolerances import assert_close
 from xformers_jax.attention import dot_product_attention
 from xformers_jax.nn import AttentionSpec, MultiHeadAttention
-from xformers_jax.nn._perceiver import PerceiverAR, PerceiverEncoder, _SuffixCausal
+from xformers_jax.models import PerceiverAR, PerceiverEncoder
+from xformers_jax.models._perceiver import _SuffixCausal
 
 N, DIN, DIM, M = 24, 6, 16, 5
 KEY = jax.random.PRNGKey(0)

@@ -236,9 +236,10 @@ def test_priors_jit_vmap_grad_and_bf16_through_multihead():
 
 def test_average_attention_language_model_decodes_as_its_forward():
     import equinox as eqx
+    import xformers_jax.models as models
     import xformers_jax.nn as nn
 
-    model = nn.CausalLM(20, 16, 1, 2, 32, max_len=L,
+    model = models.CausalLM(20, 16, 1, 2, 32, max_len=L,
                         block=dict(spec=nn.AttentionSpec("average")), key=jax.random.PRNGKey(0))
     tokens = jax.random.randint(jax.random.PRNGKey(1), (2, L), 0, 20)
     full = eqx.filter_jit(model)(tokens)

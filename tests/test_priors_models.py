@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from xformers_jax import nn
+from xformers_jax import models, nn
 from tests.fast_jit import build, jit0
 from tests.tolerances import assert_close
 
@@ -29,7 +29,7 @@ def _spec(name):
 
 
 def _lm(spec, key=0):
-    return build(lambda key: nn.CausalLM(VOCAB, DIM, LAYERS, HEADS, HIDDEN, max_len=L,
+    return build(lambda key: models.CausalLM(VOCAB, DIM, LAYERS, HEADS, HIDDEN, max_len=L,
                                          block=dict(spec=spec), key=key), key)
 
 
@@ -66,7 +66,7 @@ def test_no_leak_and_padding_in_models(name):
     a, b = jit0(lambda m: (m(TOKENS), m(changed)))(_lm(spec))
     np.testing.assert_allclose(np.asarray(a[:, :t]), np.asarray(b[:, :t]), atol=1e-5)
     assert not np.allclose(np.asarray(a[:, t:]), np.asarray(b[:, t:]))
-    enc = build(lambda key: nn.EncoderClassifier(
+    enc = build(lambda key: models.EncoderClassifier(
         3, DIM, LAYERS, HEADS, HIDDEN, pooling="mean", vocab_size=VOCAB, max_len=L + 4,
         block=dict(spec=spec), key=key), 1)
     n = L - 3

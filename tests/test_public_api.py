@@ -128,7 +128,7 @@ COMPRESS_NAMES = {
 
 def test_compress_names_are_pinned():
     assert _public(importlib.import_module("xformers_jax.compress")) == COMPRESS_NAMES
-    assert hasattr(importlib.import_module("xformers_jax.nn"), "Electra")
+    assert hasattr(importlib.import_module("xformers_jax.models"), "Electra")
 
 
 EXPERTS_NAMES = {

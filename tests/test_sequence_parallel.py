@@ -18,7 +18,7 @@ import pytest
 from tests.tolerances import EXACT, EXACT_GRAD, assert_close
 from xformers_jax import attention as A
 from xformers_jax import axes as X
-from xformers_jax import nn, parallel, train
+from xformers_jax import models, nn, parallel, train
 from xformers_jax.attention import _ring
 
 L, DIM, HEADS, HIDDEN, VOCAB = 32, 16, 2, 32, 40
@@ -46,9 +46,9 @@ def _model(kind, causal):
     key = jax.random.PRNGKey(0)
     if causal:
         hp = dict(KINDS[kind], right=0) if kind == "local" else KINDS[kind]
-        return nn.CausalLM(VOCAB, DIM, 1, HEADS, HIDDEN, max_len=L,
+        return models.CausalLM(VOCAB, DIM, 1, HEADS, HIDDEN, max_len=L,
                            block=dict(spec=nn.AttentionSpec(kind, hp)), key=key)
-    return nn.EncoderClassifier(3, DIM, 1, HEADS, HIDDEN, vocab_size=VOCAB, max_len=L + 1,
+    return models.EncoderClassifier(3, DIM, 1, HEADS, HIDDEN, vocab_size=VOCAB, max_len=L + 1,
                                 block=dict(spec=spec), key=key)
 
 
@@ -85,18 +85,18 @@ def test_fsdp_sequence_equals_one_device(kind, causal):
 
 
 def test_kinds_without_a_sequence_parallel_form_fail_at_build_time():
-    model = nn.EncoderClassifier(3, DIM, 1, HEADS, HIDDEN, vocab_size=VOCAB, max_len=L,
+    model = models.EncoderClassifier(3, DIM, 1, HEADS, HIDDEN, vocab_size=VOCAB, max_len=L,
                                  block=dict(spec=nn.AttentionSpec("nystrom", {"num_landmarks": 4})),
                                  key=jax.random.PRNGKey(0))
     with pytest.raises(ValueError, match="'nystrom' has no sequence-parallel form"):
         nn.check_sequence_parallel(model, 4)
     nn.check_sequence_parallel(model, 1)  # one shard needs nothing
-    alibi = nn.CausalLM(VOCAB, DIM, 1, HEADS, HIDDEN, max_len=L,
+    alibi = models.CausalLM(VOCAB, DIM, 1, HEADS, HIDDEN, max_len=L,
                         block=dict(spec=nn.AttentionSpec("flash"), position=nn.ALiBi(HEADS)),
                         key=jax.random.PRNGKey(0))
     with pytest.raises(ValueError, match="ALiBi adds a score bias"):
         nn.check_sequence_parallel(alibi, 4)
-    favor = nn.CausalLM(VOCAB, DIM, 1, HEADS, HIDDEN, max_len=L,
+    favor = models.CausalLM(VOCAB, DIM, 1, HEADS, HIDDEN, max_len=L,
                         block=dict(spec=nn.AttentionSpec("performer")), key=jax.random.PRNGKey(0))
     with pytest.raises(ValueError, match="running maximum"):
         nn.check_sequence_parallel(favor, 4)

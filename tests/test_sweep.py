@@ -1,11 +1,12 @@
-"""experiments/sweep.py: get_hyper sweeps, the TPU pod dry run, a tiny local sweep's table."""
+"""xformers_jax_experiments/sweep.py: get_hyper sweeps, the TPU pod dry run, a tiny local
+sweep's table."""
 
 import shlex
 import textwrap
 
 import pytest
 
-from experiments import sweep
+from xformers_jax_experiments import sweep
 
 _CONFIG = textwrap.dedent('''
     from xformers_jax import train
@@ -63,7 +64,7 @@ def test_tpu_dry_run_emits_the_pod_commands(tmp_path):
     remote = argv[9]
     assert remote.startswith("--command=cd ~/xformers_jax && ")
     assert shlex.split(remote.split(" && ", 1)[1]) == [
-        "python3", "-m", "experiments.train", f"--config={config}",
+        "python3", "-m", "xformers_jax_experiments.train", f"--config={config}",
         "--workdir=/mnt/runs/001", "--config.num_train_steps=5",
         "--config.optim.learning_rate=0.003", "--config.model.pooling=mean", "--multihost"]
 

@@ -267,8 +267,8 @@ def test_metric_writer_disabled_writes_nothing(tmp_path):
 
 
 def test_lra_listops_config_and_plot(tmp_path):
-    from experiments import plot
-    from experiments.configs.lra import listops
+    from xformers_jax_experiments import plot
+    from xformers_jax_experiments.configs.lra import listops
 
     for arg in (None, "runlocal", "local,runlocal", "flash", "performer,main"):
         config = listops.get_config(arg)
@@ -411,7 +411,7 @@ def test_every_config_runlocal_builds_model_and_batch(name, tmp_path):
 
     import equinox as eqx
 
-    module = importlib.import_module("experiments.configs." + name.replace("/", "."))
+    module = importlib.import_module("xformers_jax_experiments.configs." + name.replace("/", "."))
     train.validate_config(module.get_config(None))
     config = module.get_config("performer,runlocal")
     train.validate_config(config)
@@ -432,7 +432,7 @@ def test_every_config_runlocal_builds_model_and_batch(name, tmp_path):
 def test_lra_variants_all_build():
     import equinox as eqx
 
-    from experiments.configs.lra import _common, listops
+    from xformers_jax_experiments.configs.lra import _common, listops
 
     task = train.Task(None, None, None, vocab_size=20, num_classes=10, seq_len=64, padded=True)
     batch = {"inputs": jnp.ones((2, 64), jnp.int32), "targets": jnp.zeros((2,), jnp.int32)}

@@ -1,5 +1,7 @@
-"""Equinox modules that compose any attention variant: attention, positions, norms, FFNs,
-blocks, layer stacks and models (see ``xformers_jax.attention`` for the variants themselves).
+"""Building blocks and slot implementations: attention over any registered kind, token mixers,
+FFN and mixture-of-experts layers, block memories, positions, norms, blocks, layer stacks and
+decoding caches (see ``xformers_jax.attention`` for the attention functions themselves and
+``xformers_jax.models`` for whole models).
 
 A block's slots are filled by name from the one slot registry (:mod:`._slots`): its attention
 with :class:`AttentionSpec`, a token mixer replacing it with :class:`MixerSpec`, its FFN with
@@ -8,25 +10,19 @@ with :class:`AttentionSpec`, a token mixer replacing it with :class:`MixerSpec`,
 record (:func:`get_kind`, :func:`registered_kinds`, :func:`register_kind`).
 """
 
-from ._adaptive import ACTInfo as ACTInfo
-from ._adaptive import ACTStack as ACTStack
-from ._adaptive import EarlyExitClassifier as EarlyExitClassifier
-from ._adaptive import ExitResult as ExitResult
-from ._adaptive import early_exit_loss as early_exit_loss
 from ._arch import LSRA as LSRA
-from ._arch import PatchMerging as PatchMerging
-from ._arch import SwinBlock as SwinBlock
-from ._arch import SwinClassifier as SwinClassifier
-from ._arch import WindowAttention as WindowAttention
 from ._attention import MultiHeadAttention as MultiHeadAttention
 from ._attention import check_sequence_parallel as check_sequence_parallel
 from ._attention import redraw_random_features as redraw_random_features
 from ._blocks import TransformerBlock as TransformerBlock
 from ._cache import KVCache as KVCache
 from ._cache import RecurrentCache as RecurrentCache
+from ._carry import Carry as Carry
 from ._ffn import FeedForward as FeedForward
+from ._ffns import AUX_WEIGHTS as AUX_WEIGHTS
 from ._ffns import aux_losses as aux_losses
 from ._ffns import aux_metrics as aux_metrics
+from ._ffns import aux_terms as aux_terms
 from ._moe import AllAttention as AllAttention
 from ._moe import MoEFeedForward as MoEFeedForward
 from ._moe import NoFeedForward as NoFeedForward
@@ -34,34 +30,19 @@ from ._moe import ProductKeyMemory as ProductKeyMemory
 from ._moe import SparseFeedForward as SparseFeedForward
 from ._moe import SparseQKVAttention as SparseQKVAttention
 from ._cycle import BlockCycle as BlockCycle
-from ._models import CausalLM as CausalLM
-from ._models import DualEncoder as DualEncoder
-from ._models import Embedder as Embedder
-from ._models import Encoder as Encoder
-from ._models import EncoderClassifier as EncoderClassifier
-from ._models import EncoderDecoder as EncoderDecoder
-from ._sampling import sample_tokens as sample_tokens
-from ._electra import Electra as Electra
-from ._feedback import FeedbackLM as FeedbackLM
-from ._feedback import FeedbackState as FeedbackState
-from ._memformer import Memformer as Memformer
-from ._memformer import memory_replay_gradients as memory_replay_gradients
+from ._cycle import transformer_stack as transformer_stack
+from ._embed import Embedder as Embedder
 from ._memory import COMPRESSIONS as COMPRESSIONS
 from ._memory import CompressiveMemory as CompressiveMemory
 from ._memory import Memory as Memory
 from ._memory import MEMORY_ATTENTION_KINDS as MEMORY_ATTENTION_KINDS
-from ._memory import MemoryModel as MemoryModel
 from ._memory import MemoryState as MemoryState
-from ._memory import SegmentCache as SegmentCache
 from ._memory import XLMemory as XLMemory
 from ._memory import compress as compress
-from ._memory import generate_with_memory as generate_with_memory
-from ._memory import has_memory as has_memory
 from ._memory import memory_attention as memory_attention
 from ._memory import memory_aux_loss as memory_aux_loss
 from ._memory import reconstruction_loss as reconstruction_loss
 from ._memory import reset_memory as reset_memory
-from ._memory import retrospective_feed as retrospective_feed
 from ._memory import with_eval_memory as with_eval_memory
 from ._norms import AdaNorm as AdaNorm
 from ._norms import LayerNorm as LayerNorm
@@ -87,6 +68,7 @@ from ._positions import ShawRelative as ShawRelative
 from ._positions import SinusoidalPositions as SinusoidalPositions
 from ._positions import T5Bias as T5Bias
 from ._positions import TransformerXLRelative as TransformerXLRelative
+from ._positions import sinusoid as sinusoid
 from ._positions import t5_bucket as t5_bucket
 from ._precision import Policy as Policy
 from ..attention.learned._kinds import RoutingCentroids as RoutingCentroids
@@ -102,12 +84,7 @@ from ._slots import get_kind as get_kind
 from ._slots import implements as implements
 from ._slots import register_kind as register_kind
 from ._slots import registered_kinds as registered_kinds
+from ._sampling import sample_tokens as sample_tokens
 from ._stack import LayerStack as LayerStack
 from ._init import admin_initialize as admin_initialize
 from ._init import t_fixup as t_fixup
-from ._perceiver import PerceiverAR as PerceiverAR
-from ._perceiver import PerceiverEncoder as PerceiverEncoder
-from ._set import ISAB as ISAB
-from ._set import MAB as MAB
-from ._set import PMA as PMA
-from ._set import SAB as SAB

@@ -22,6 +22,7 @@ from .. import axes as X
 from ..axes import constrain
 from ..kinds import AttentionAdapter, Kind, KVDecoding, RecurrentDecoding, WindowDecoding
 from ._cache import KVCache, RecurrentCache
+from ._carry import Carry
 from ._mixer._base import MixerModule
 from ._positions import BiasScheme, InputScheme, PositionScheme, QKScheme
 from ._slots import AttentionSpec, check_causal, sequence_problem
@@ -183,41 +184,42 @@ class MultiHeadAttention(eqx.Module):
                  kv_mask: Bool[Array, "batch kv_seq"] | None = None,
                  q_mask: Bool[Array, "batch q_seq"] | None = None,
                  positions: Int[Array, "batch q_seq"] | None = None, key=None,
-                 state=None, inference=False, carry=None):
+                 inference=False, carry: Carry | None = None):
         """x: ``[B, Lq, dim]``; context: ``[B, Lk, kv_dim]`` for cross attention (None for
         self attention); kv_mask: ``bool[B, Lk]``; q_mask: ``bool[B, Lq]``, the real queries
         (default: ``kv_mask`` in self-attention, none padded in cross attention); positions:
         int ``[B, Lq]`` (default ``0..Lq-1``); key: randomness for the kind. Returns
         ``[B, Lq, dim]``, zero at padded queries: padding changes no real output (the
-        attention contract, :mod:`xformers_jax.attention._contract`).
+        attention contract, :mod:`xformers_jax.attention._contract`); with a ``carry``
+        (:class:`~xformers_jax.nn.Carry`) ``(out, carry)``.
 
         A kind with state (routing attention: ``state_index`` is set) needs the
-        ``eqx.nn.State`` from ``eqx.nn.make_with_state`` and returns ``(out, state)``; with
-        ``inference=True`` it leaves its state unchanged.
+        ``eqx.nn.State`` from ``eqx.nn.make_with_state`` as ``carry.state`` and returns it
+        updated; with ``inference=True`` it leaves its state unchanged.
 
         A kind that passes scores between layers (``carries_between_layers``: Realformer,
-        Predictive attention, Lazyformer) needs the previous layer's ``carry``
-        (:meth:`init_layer_carry` for the first) and returns ``(out, carry)``;
-        :class:`~xformers_jax.nn.LayerStack` threads it."""
+        Predictive attention, Lazyformer) needs the previous layer's as ``carry.scores``
+        (:meth:`init_layer_carry` for the first) and returns its own there;
+        :class:`~xformers_jax.nn.LayerStack` threads them."""
         extra = {}
         if self.carries_between_layers:
-            if carry is None or context is not None:
+            if carry is None or carry.scores is None or context is not None:
                 raise ValueError(f"MultiHeadAttention: attention kind {self.spec.kind!r} passes "
                                  "scores from layer to layer: use it for self attention inside "
-                                 "a LayerStack (any nn model), or pass `carry` "
+                                 "a LayerStack (any model), or pass carry=nn.Carry(scores=...) "
                                  "(init_layer_carry for the first layer)")
-            extra["carry"] = carry
+            extra["carry"] = carry.scores
         if self.adapter.takes_input:
             if context is not None:
                 raise ValueError(f"MultiHeadAttention: attention kind {self.spec.kind!r} is self "
                                  "attention only (it projects global tokens from the input)")
             extra["inputs"] = x
         if self.state_index is not None:
-            if state is None:
+            if carry is None or carry.state is None:
                 raise ValueError(f"MultiHeadAttention: attention kind {self.spec.kind!r} keeps "
                                  "state; build the model with eqx.nn.make_with_state and pass "
-                                 "`state`")
-            extra.update(state=state.get(self.state_index), inference=inference)
+                                 "its state (carry=nn.Carry(state=state))")
+            extra.update(state=carry.state.get(self.state_index), inference=inference)
         q, k, v = self._project(x, context)
         b, lq = x.shape[:2]
         q_mask = kv_mask if q_mask is None and context is None else q_mask
@@ -233,14 +235,18 @@ class MultiHeadAttention(eqx.Module):
             q, k, v, self.variant_params, causal=causal, kv_mask=kv_mask, q_mask=q_mask,
             bias=self._bias(q, k, q_pos, k_pos), key=key, **extra, **self._call_hyperparameters(),
         )
-        o, value = (o, None) if self.state_index is None and carry is None else o
+        carried = self.state_index is not None or self.carries_between_layers
+        o, value = o if carried else (o, None)
         if q_mask is not None:
             o = jnp.where(q_mask[:, :, None, None], o, jnp.zeros((), o.dtype))
-        if carry is not None:
-            return self._out(o), value
-        if self.state_index is None:
-            return self._out(o)
-        return self._out(o), state.set(self.state_index, value)
+        out = self._out(o)
+        if carry is None:
+            return out
+        if self.carries_between_layers:
+            return out, carry.replace(scores=value)
+        if self.state_index is not None:
+            return out, carry.replace(state=carry.state.set(self.state_index, value))
+        return out, carry
 
     @property
     def carries_between_layers(self) -> bool:

@@ -9,8 +9,10 @@ Normalization in the Transformer Architecture"):
   al., 2020).
 * ``"none"``: ``x + f(x)`` (for T-Fixup initialisation, Huang et al., 2020).
 
-Blocks take Equinox's optional state: ``block(x) -> y``, or ``block(x, state) -> (y, state)``
-when a stateful norm (PowerNorm) or stateful attention (routing) needs an ``eqx.nn.State``.
+Blocks take Equinox's optional-state convention with one carry (:class:`~xformers_jax.nn.Carry`):
+``block(x) -> y``, or ``block(x, carry) -> (y, carry)`` when the block needs an ``eqx.nn.State``
+(a stateful norm, PowerNorm, or stateful attention, routing), a memory, or the scores of the
+previous layer, or when the caller wants its auxiliary outputs.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import jax.numpy as jnp
 from .. import axes as X
 from ..axes import constrain
 from ._attention import MultiHeadAttention
+from ._carry import Carry
 from ._ffn import FeedForward
 from ._ffns import call_ffn
 from ._memory import Memory, MemoryState, memory_attention
@@ -43,13 +46,13 @@ class TransformerBlock(eqx.Module):
       activation, chunk_size: of the :class:`FeedForward`. num_kv_heads: GQA/MQA.
       ffn: an :class:`~xformers_jax.nn.FFNSpec` naming the feed-forward kind (default the
         dense :class:`FeedForward`; mixtures of experts, product-key memory, ...: see
-        :mod:`._ffns` for the call contract and the auxiliary outputs ``return_aux=True``
+        :mod:`._ffns` for the call contract and the auxiliary outputs a carried call
         returns).
       position: a ``"qk"`` or ``"bias"`` position scheme for self attention.
       memory: a :class:`~xformers_jax.nn.Memory` (Transformer-XL, ERNIE-Doc or compressive
         memory; see :mod:`._memory`), or a callable ``key -> Memory`` for one with parameters:
-        the causal self attention then also attends to the ``memory_state`` passed to
-        ``__call__``.
+        the causal self attention then also attends to the memory carried into ``__call__``
+        (``carry.memory``).
       mixer: a :class:`~xformers_jax.nn.MixerSpec` (S4D, Mamba, RetNet, FNet, gMLP, ...; see
         :mod:`xformers_jax.mixers`): the token mixer replaces the self-attention sublayer
         (``spec``, ``num_kv_heads`` and ``position`` then do not apply; ``attn`` holds it).
@@ -103,97 +106,105 @@ class TransformerBlock(eqx.Module):
                              "cross attention (segment-level recurrence of a causal LM)")
         self.memory = memory
 
-    def _norm(self, i, x, state, mask, inference):
+    def _norm(self, i, x, carry, mask, inference):
         norm = self.norms[i]
         if isinstance(norm, StatefulNorm):
-            return norm(x, state, mask=mask, inference=inference)
-        return norm(x), state
+            if carry.state is None:
+                raise ValueError(f"TransformerBlock: {type(norm).__name__} keeps running "
+                                 "statistics: build the model with eqx.nn.make_with_state and "
+                                 "call it with carry=nn.Carry(state=state)")
+            y, state = norm(x, carry.state, mask=mask, inference=inference)
+            return y, carry.replace(state=state)
+        return norm(x), carry
 
-    def _residual(self, i, x, f, state, mask, inference, threads_state=False):
-        # threads_state: f is ``(h, state) -> (y, state)`` (stateful attention), called after
-        # the norm so that the one eqx.nn.State is passed along linearly.
-        g = f if threads_state else (lambda h, s: (f(h), s))
+    def _residual(self, i, x, f, carry, mask, inference):
+        """Sublayer ``i``'s residual branch around ``f(h, carry) -> (y, carry)`` with this
+        block's norm placement."""
         if self.placement == "pre":
-            h, state = self._norm(i, x, state, mask, inference)
-            y, state = g(h, state)
-            return x + y, state
-        y, state = g(x, state)
+            h, carry = self._norm(i, x, carry, mask, inference)
+            y, carry = f(h, carry)
+            return x + y, carry
+        y, carry = f(x, carry)
         if self.placement == "post":
-            return self._norm(i, self.gains[i].astype(x.dtype) * x + y, state, mask, inference)
+            return self._norm(i, self.gains[i].astype(x.dtype) * x + y, carry, mask, inference)
         if self.placement == "rezero":
-            return x + self.gains[i].astype(x.dtype) * y, state
-        return x + y, state
+            return x + self.gains[i].astype(x.dtype) * y, carry
+        return x + y, carry
 
-    def sublayers(self, *, kv_mask=None, context=None, context_mask=None, positions=None,
-                  key=None, tokens=None, inference=False, aux=None):
-        """The residual branch functions ``x -> f(x)`` in order (without norms); the FFN's
-        auxiliary outputs (:mod:`._ffns`) are written into the dict ``aux`` when given."""
-        fs = [lambda h: self.attn(h, kv_mask=kv_mask, positions=positions, key=key)]
+    def residual(self, i: int, x, f):
+        """``x`` through sublayer ``i``'s residual branch around ``f(h) -> y`` (its norm and
+        placement, no state): for callers that run a sublayer their own way (decoding over a
+        cache, the Feedback Transformer's memory attention)."""
+        return self._residual(i, x, lambda h, c: (f(h), c), Carry(), None, True)[0]
+
+    def _branches(self, *, kv_mask=None, context=None, context_mask=None, positions=None,
+                  key=None, tokens=None, inference=False):
+        """The residual branch functions ``(h, carry) -> (y, carry)`` in order (without
+        norms): attention (over the carried memory when the block has one) or the mixer, cross
+        attention, FFN (whose auxiliary outputs go to ``carry.aux``)."""
+        def attn(h, carry):
+            if carry.memory is not None:
+                ctx, ctx_mask = carry.memory.context()
+                ctx = ctx if self.placement != "pre" else self.norms[0](ctx)
+                return memory_attention(self.attn, h, ctx, ctx_mask, kv_mask=kv_mask,
+                                        positions=positions, key=key), carry
+            if isinstance(self.attn, MultiHeadAttention):
+                return self.attn(h, kv_mask=kv_mask, positions=positions, key=key,
+                                 inference=inference, carry=carry)
+            return self.attn(h, kv_mask=kv_mask, positions=positions, key=key), carry
+
+        fs = [attn]
         if self.cross is not None:
-            fs.append(lambda h: self.cross(h, context, kv_mask=context_mask, q_mask=kv_mask))
+            fs.append(lambda h, c: (self.cross(h, context, kv_mask=context_mask,
+                                               q_mask=kv_mask), c))
         ffn_key = None if key is None else jax.random.fold_in(key, 1)
 
-        def ffn(h):
-            y, a = call_ffn(self.ffn, h, mask=kv_mask, tokens=tokens, key=ffn_key,
-                            inference=inference)
-            if aux is not None:
-                aux.update(a)
-            return y
+        def ffn(h, carry):
+            y, aux = call_ffn(self.ffn, h, mask=kv_mask, tokens=tokens, key=ffn_key,
+                              inference=inference)
+            return y, carry.replace(aux={**carry.aux, **aux})
 
         fs.append(ffn)
         return fs
 
-    def __call__(self, x, state=None, *, kv_mask=None, context=None, context_mask=None,
-                 positions=None, key=None, inference=False, memory_state=None, tokens=None,
-                 return_aux=False, carry=None):
+    def sublayers(self, *, kv_mask=None, context=None, context_mask=None, positions=None,
+                  key=None, tokens=None, inference=False):
+        """The residual branch functions ``x -> f(x)`` in order (without norms; no state,
+        memory or auxiliary outputs)."""
+        return [lambda h, f=f: f(h, Carry())[0] for f in self._branches(
+            kv_mask=kv_mask, context=context, context_mask=context_mask, positions=positions,
+            key=key, tokens=tokens, inference=inference)]
+
+    def __call__(self, x, carry: Carry | None = None, *, kv_mask=None, context=None,
+                 context_mask=None, positions=None, key=None, inference=False, tokens=None):
         """x: ``[B, L, dim]``; kv_mask: ``bool[B, L]``; tokens: ``int[B, L]`` (the token ids,
-        for hash-routed FFNs); context ``[B, Lc, dim]`` with
-        context_mask ``bool[B, Lc]`` for cross attention; memory_state: this layer's
-        :class:`~xformers_jax.nn.MemoryState` (blocks with a ``memory``; the new one is
-        :meth:`update_memory`'s). Returns ``y``, or ``(y, state)`` when an ``eqx.nn.State`` is
-        passed (stateful norms or attention need one). With ``return_aux`` the result is
-        ``(that, aux)``, ``aux`` the FFN's dict of auxiliary outputs (see :mod:`._ffns`).
-        ``carry``: the previous layer's scores for attention kinds that pass them between
-        layers (Realformer, ...; the stack gives it); the result is then ``(y, carry)``."""
+        for hash-routed FFNs); context ``[B, Lc, dim]`` with context_mask ``bool[B, Lc]`` for
+        cross attention. Returns ``y``, or ``(y, carry)`` when a :class:`~xformers_jax.nn.Carry`
+        is given: its ``state`` updated (stateful norms and attention need one),
+        its ``memory`` (this layer's :class:`~xformers_jax.nn.MemoryState`; blocks with a
+        ``memory`` need one) the memory after this segment, its ``scores`` this layer's (for
+        attention kinds that pass scores between layers, which need the previous layer's),
+        and ``aux`` the FFN's auxiliary outputs (see :mod:`._ffns`)."""
         if (context is None) != (self.cross is None):
             raise ValueError("TransformerBlock: pass `context` exactly when the block has cross "
                              "attention (cross=True)")
-        aux = {}
-        fs = self.sublayers(kv_mask=kv_mask, context=context, context_mask=context_mask,
-                            positions=positions, key=key, tokens=tokens, inference=inference,
-                            aux=aux)
-        if (memory_state is None) != (self.memory is None):
-            raise ValueError("TransformerBlock: pass `memory_state` exactly when the block has a "
-                             "memory (memory=...)")
-        if memory_state is not None:
-            ctx, ctx_mask = memory_state.context()
-            ctx = ctx if self.placement != "pre" else self.norms[0](ctx)
-            fs[0] = lambda h: memory_attention(self.attn, h, ctx, ctx_mask, kv_mask=kv_mask,
-                                               positions=positions, key=key)
-        if carry is not None:
-            if state is not None or memory_state is not None:
-                raise ValueError("TransformerBlock: attention that passes scores between layers "
-                                 "takes no eqx.nn.State or memory")
-
-            def carried(h):
-                nonlocal carry
-                y, carry = self.attn(h, kv_mask=kv_mask, positions=positions, key=key,
-                                     carry=carry)
-                return y
-
-            fs[0] = carried
-        x = constrain(x, _EMBED)
-        stateful = self.attn.state_index is not None
-        if stateful:
-            fs[0] = lambda h, s: self.attn(h, kv_mask=kv_mask, positions=positions, key=key,
-                                           state=s, inference=inference)
-        for i, f in enumerate(fs):
-            x, state = self._residual(i, x, f, state, kv_mask, inference,
-                                      threads_state=stateful and i == 0)
+        given = carry is not None
+        carry = Carry() if carry is None else carry.replace(aux={})
+        if (carry.memory is None) != (self.memory is None):
+            raise ValueError("TransformerBlock: pass carry=nn.Carry(memory=...) exactly when "
+                             "the block has a memory (memory=...)")
+        if carry.memory is not None and (carry.state is not None or carry.scores is not None):
+            raise ValueError("TransformerBlock: a block with a memory takes no eqx.nn.State "
+                             "and passes no scores between layers")
+        x_in = x = constrain(x, _EMBED)
+        for i, f in enumerate(self._branches(kv_mask=kv_mask, context=context,
+                                             context_mask=context_mask, positions=positions,
+                                             key=key, tokens=tokens, inference=inference)):
+            x, carry = self._residual(i, x, f, carry, kv_mask, inference)
             x = constrain(x, _EMBED)
-        out = x if state is None else (x, state)
-        out = out if carry is None else (x, carry)
-        return (out, aux) if return_aux else out
+        if carry.memory is not None:
+            carry = carry.replace(memory=self.update_memory(carry.memory, x_in, x, kv_mask))
+        return (x, carry) if given else x
 
     def update_memory(self, memory_state: MemoryState, x_in, x_out, kv_mask=None):
         """The memory after this block ran on a segment (input ``x_in``, output ``x_out``)."""
@@ -204,11 +215,11 @@ class TransformerBlock(eqx.Module):
         outs = []
         for i, f in enumerate(self.sublayers(kv_mask=kv_mask, context=context,
                                              context_mask=context_mask)):
-            def record(h, f=f):
+            def record(h, c, f=f):
                 y = f(h)
                 outs.append(y)
-                return y
-            x, _ = self._residual(i, x, record, None, kv_mask, True)
+                return y, c
+            x, _ = self._residual(i, x, record, Carry(), kv_mask, True)
         return x, outs
 
     def init_cache(self, batch: int, max_len: int, dtype=jnp.float32):
@@ -226,5 +237,5 @@ class TransformerBlock(eqx.Module):
             fs.append(lambda h: self.cross(h, context, kv_mask=context_mask))
         fs.append(lambda h: call_ffn(self.ffn, h, inference=True)[0])
         for i, f in enumerate(fs):
-            x, _ = self._residual(i, x, f, None, None, True)
+            x = self.residual(i, x, f)
         return x, cache

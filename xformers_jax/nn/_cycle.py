@@ -13,34 +13,40 @@ still summed per layer (``nn._ffns.aux_losses``).
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 
+from ._blocks import TransformerBlock
+from ._carry import Carry
+from ._norms import LayerNorm
 from ._slots import FFNSpec
+from ._stack import LayerStack
 
 
 class BlockCycle(eqx.Module):
     """Blocks applied in order as one unit of a ``LayerStack``; block ``i`` of a training
-    call gets ``fold_in(key, i)``. Supports the block call (``return_aux`` merges the blocks'
-    auxiliary dicts), ``init_cache`` and ``decode``; no ``eqx.nn.State`` and no memory."""
+    call gets ``fold_in(key, i)``. Supports the block call (a carried call merges the blocks'
+    auxiliary outputs), ``init_cache`` and ``decode``; no ``eqx.nn.State`` and no memory."""
 
     blocks: tuple
 
     def __init__(self, blocks):
         self.blocks = tuple(blocks)
 
-    def __call__(self, x, state=None, *, key=None, return_aux=False, **kw):
-        if state is not None or kw.get("memory_state") is not None:
+    def __call__(self, x, carry: Carry | None = None, *, key=None, **kw):
+        if carry is not None and (carry.state is not None or carry.memory is not None):
             raise ValueError("BlockCycle: stateful layers and memories are not supported in a "
                              "cycle of blocks (FFNSpec(every=n))")
         aux = {}
+        c = Carry() if carry is None else carry
         for i, block in enumerate(self.blocks):
             k = None if key is None else jax.random.fold_in(key, i)
-            x, a = block(x, key=k, return_aux=True, **kw)
-            aux.update(a)
-        return (x, aux) if return_aux else x
+            x, c = block(x, c, key=k, **kw)
+            aux.update(c.aux)
+        return x if carry is None else (x, c.replace(aux=aux))
 
     def init_cache(self, batch: int, max_len: int, dtype=jnp.float32):
         return tuple(b.init_cache(batch, max_len, dtype) for b in self.blocks)
@@ -71,3 +77,20 @@ def cycle_blocks(make_block, ffn: FFNSpec | None, num_layers: int):
                            for i, k in enumerate(keys)])
 
     return make_unit, num_layers // every
+
+
+def transformer_stack(dim: int, num_layers: int, num_heads: int, hidden: int, *, causal: bool,
+                      cross: bool = False, max_len: int = 512, block=None, stack=None, key):
+    """The trunk every model builds: a :class:`LayerStack` of ``num_layers``
+    :class:`TransformerBlock` s (``block``: the blocks' keyword arguments, ``spec``, ``ffn``,
+    ``mixer``, ``placement``, ...; ``stack``: the stack's, ``remat``, ``sharing``, ...), in
+    :class:`BlockCycle` units when ``block["ffn"]`` places its kind in every n-th layer, and
+    the final norm pre-LN blocks need (None for other placements). Returns ``(stack,
+    final_norm)``."""
+    block = dict(block or {})
+    make = functools.partial(TransformerBlock, dim, num_heads, hidden, causal=causal,
+                             cross=cross, max_len=max_len, **block)
+    # FFNSpec(every=n): units of n blocks, the FFN kind in the last (GLaM's every other layer).
+    make, units = cycle_blocks(make, block.get("ffn"), num_layers)
+    final = LayerNorm(dim) if block.get("placement", "pre") == "pre" else None
+    return LayerStack(lambda k: make(key=k), units, key=key, **(stack or {})), final

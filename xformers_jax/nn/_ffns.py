@@ -28,6 +28,7 @@ from typing import Mapping
 
 import jax.numpy as jnp
 
+from ..experts import LOAD_BALANCING_COEF, Z_LOSS_COEF
 from ._ffn import FeedForward
 
 MOE_AUX = ("load_balancing", "router_z", "dropped_fraction", "expert_load")
@@ -55,6 +56,28 @@ def aux_metrics(aux: Mapping) -> dict:
     out = {}
     if "load_balancing" in aux:
         out.update({f"aux_{k}": v for k, v in aux_losses(aux).items()})
+    if "dropped_fraction" in aux:
+        out["tokens_dropped"] = jnp.mean(aux["dropped_fraction"])
+    if "expert_load" in aux:
+        load = aux["expert_load"]
+        out["max_expert_load"] = jnp.mean(load.max(-1) * load.shape[-1])
+    return out
+
+
+# The default weights of the FFN slot's loss terms in a training loss (Switch's load
+# balancing, ST-MoE's router z-loss): model kinds declare them with their own terms.
+AUX_WEIGHTS = {"load_balancing": LOAD_BALANCING_COEF, "router_z": Z_LOSS_COEF}
+
+
+def aux_terms(aux: Mapping) -> dict:
+    """The FFN slot's outputs in a model's ``aux`` (leading layer axis) as named scalars for a
+    loss and a log: ``load_balancing`` and ``router_z`` summed over layers (each layer's loss
+    from its own router), ``tokens_dropped`` (the mean dropped fraction over layers) and
+    ``max_expert_load`` (the largest expert load relative to uniform, averaged over layers: 1
+    at perfect balance, ``E`` if one expert takes everything). Empty without MoE layers."""
+    out = {}
+    if "load_balancing" in aux:
+        out.update(aux_losses(aux))
     if "dropped_fraction" in aux:
         out["tokens_dropped"] = jnp.mean(aux["dropped_fraction"])
     if "expert_load" in aux:

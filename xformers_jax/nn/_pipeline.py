@@ -24,6 +24,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from ..axes import STAGE as STAGE  # the mesh axis the stages are split over
+from ._carry import Carry
 
 
 def bubble_fraction(num_stages: int, num_microbatches: int) -> float:
@@ -95,17 +96,20 @@ def gpipe(stage_fn, stage_params, x, *, mesh, num_microbatches: int, axis: str =
     return y.reshape(x.shape), aux
 
 
-def pipeline_layers(stack, x, *, mesh, num_microbatches: int, kv_mask=None,
-                    axis: str = STAGE, key=None, inference: bool = False,
-                    return_aux: bool = False):
+def pipeline_layers(stack, x, carry: Carry | None = None, *, mesh, num_microbatches: int,
+                    kv_mask=None, axis: str = STAGE, key=None, inference: bool = False):
     """An ``nn.LayerStack`` (``num_layers`` divisible by the stage count, no stateful layers)
     run as a GPipe pipeline over ``axis``: stage ``s`` runs layers
-    ``[s * n / S, (s + 1) * n / S)``. ``x [B, L, dim]`` -> ``[B, L, dim]`` (equal to
+    ``[s * n / S, (s + 1) * n / S)``, each through the stack's own step body
+    (``LayerStack.step``). ``x [B, L, dim]`` -> ``[B, L, dim]`` (equal to
     ``stack(x, kv_mask=kv_mask)``; ``kv_mask [B, L]`` is split into the same micro-batches).
-    With a ``key`` (training: dropout, router noise) layer ``i`` gets the ``i``-th of
-    ``split(key, num_layers)``, shared by the micro-batches. With ``return_aux`` the result
-    is ``(y, aux)``: every layer's FFN auxiliary outputs on a leading layer axis, as the stack
-    returns them, each the mean over micro-batches (see the module docstring)."""
+    With a ``key`` (training: dropout, router noise, LayerDrop) layer ``i`` gets the ``i``-th
+    of ``split(key, num_layers)``, shared by the micro-batches. With a ``carry``
+    (``nn.Carry``, holding no state or memory) the result is ``(y, carry)`` whose ``aux`` is
+    every layer's auxiliary outputs on a leading layer axis, as the stack returns them, each
+    the mean over micro-batches (see the module docstring)."""
+    if carry is not None and (carry.state is not None or carry.memory is not None):
+        raise ValueError("pipeline_layers: a pipelined stack carries no state or memory")
     s_count = dict(mesh.shape).get(axis, 1)
     if stack.num_layers % s_count:
         raise ValueError(f"pipeline_layers: {stack.num_layers} layers do not split into "
@@ -114,31 +118,33 @@ def pipeline_layers(stack, x, *, mesh, num_microbatches: int, kv_mask=None,
     per = stack.num_layers // s_count
     keys = None if key is None else jax.random.key_data(jax.random.split(key,
                                                                          stack.num_layers))
-    staged = jax.tree.map(lambda a: a.reshape(s_count, per, *a.shape[1:]), (dynamic, keys))
+    staged = jax.tree.map(lambda a: a.reshape(s_count, per, *a.shape[1:]),
+                          (dynamic, jnp.arange(stack.num_layers), keys))
     packed = x if kv_mask is None else jnp.concatenate(
         [x, kv_mask[..., None].astype(x.dtype)], -1)
+    with_aux = carry is not None
 
     def stage_fn(params, h):
         h, m = (h, None) if kv_mask is None else (h[..., :-1], h[..., -1] > 0.5)
+        step = stack.step(static, kv_mask=m, inference=inference)
 
-        def layer(h, pk):
-            p, k = pk
+        def layer(xc, ptk):
+            p, t, k = ptk
             k = None if k is None else jax.random.wrap_key_data(k)
-            out = eqx.combine(p, static)(h, kv_mask=m, key=k, inference=inference,
-                                         return_aux=return_aux)
-            return (out[0], out[1]) if return_aux else (out, None)
+            xc, (_, _, aux) = step(xc, (p, t, k, None, None))
+            return xc, aux
 
-        h, aux = jax.lax.scan(layer, h, params)
+        (h, _), aux = jax.lax.scan(layer, (h, None), params)
         h = h if m is None else jnp.concatenate([h, m[..., None].astype(h.dtype)], -1)
-        return (h, aux) if return_aux else h
+        return (h, aux) if with_aux else h
 
     y = gpipe(stage_fn, staged, packed, mesh=mesh, num_microbatches=num_microbatches,
-              axis=axis, with_aux=return_aux)
-    if return_aux:
+              axis=axis, with_aux=with_aux)
+    if with_aux:
         y, aux = y
         aux = jax.tree.map(lambda a: a.reshape(stack.num_layers, *a.shape[2:]), aux)
-    y_out = y if kv_mask is None else y[..., :-1]
-    return (y_out, aux) if return_aux else y_out
+    y = y if kv_mask is None else y[..., :-1]
+    return (y, Carry(aux=aux)) if with_aux else y
 
 
 def microbatches_for(batch: int, stages: int) -> int:
@@ -151,20 +157,22 @@ def microbatches_for(batch: int, stages: int) -> int:
                      f"{stages} stages' micro-batches")
 
 
-def stack_on_stages(stack, x, *, state=None, kv_mask=None, context=None, positions=None,
-                    key=None, inference=False, return_aux=False, num_microbatches=None):
+def stack_on_stages(stack, x, carry: Carry, *, kv_mask=None, context=None, context_mask=None,
+                    positions=None, key=None, inference=False, tokens=None,
+                    num_microbatches=None):
     """``LayerStack.__call__`` under an active mesh whose ``stage`` axis is larger than 1: the
     stack runs as :func:`pipeline_layers` with :func:`microbatches_for` micro-batches, so a
-    trainer whose ``mesh`` config names a ``stage`` size pipelines its model. Supports plain
-    stacks of blocks without FFN auxiliary outputs (raises for state, cross attention,
-    positions, reversible/universal stacks and LayerDrop). A mixture of experts' auxiliary
-    outputs are per micro-batch, averaged (see the module docstring)."""
+    trainer whose ``mesh`` config names a ``stage`` size pipelines its model. Returns ``(y,
+    carry)``. Supports stacks of blocks whose inputs are the activations and their mask
+    (raises for state, memory, cross attention, positions and reversible stacks; token ids
+    do not reach the stages, so a hash-routed FFN raises for want of them). A mixture of
+    experts' auxiliary outputs are per micro-batch, averaged (see the module docstring)."""
     from ..axes import activated, active
 
     bad = [name for name, on in (
-        ("stateful layers", state is not None), ("cross attention", context is not None),
-        ("positions", positions is not None), ("reversible", stack.reversible),
-        ("universal", stack.universal), ("layerdrop", bool(stack.layerdrop))) if on]
+        ("stateful layers", carry.state is not None), ("memory", carry.memory is not None),
+        ("cross attention", context is not None), ("positions", positions is not None),
+        ("reversible", stack.reversible)) if on]
     if bad:
         raise ValueError(f"LayerStack on a 'stage' mesh axis (GPipe) does not support {bad}")
     mesh = active().mesh
@@ -172,5 +180,5 @@ def stack_on_stages(stack, x, *, state=None, kv_mask=None, context=None, positio
     # Inside the stage shard_map the blocks' activation constraints are left to XLA (the
     # logical rules name axes of the whole mesh, of which 'stage' is manual there).
     with activated(None):
-        return pipeline_layers(stack, x, mesh=mesh, num_microbatches=m, kv_mask=kv_mask,
-                               key=key, inference=inference, return_aux=return_aux)
+        return pipeline_layers(stack, x, Carry(), mesh=mesh, num_microbatches=m,
+                               kv_mask=kv_mask, key=key, inference=inference)

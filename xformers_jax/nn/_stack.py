@@ -12,8 +12,15 @@ remat policy, parameter sharing and reversible residuals.
   with this probability by ``lax.cond`` inside the scan, so its compute is not done;
   :meth:`LayerStack.prune` keeps a subset of layers for inference.
 * Attention kinds that pass scores from layer to layer (Realformer, Predictive attention,
-  Lazyformer: ``MultiHeadAttention.carries_between_layers``) get the previous layer's carry
+  Lazyformer: ``MultiHeadAttention.carries_between_layers``) get the previous layer's scores
   through the scan's carry (the first layer's from ``init_layer_carry``).
+* Memory, state and auxiliary outputs travel in a :class:`~xformers_jax.nn.Carry`: each layer
+  gets its slice of the carried memory and state and returns them updated with its auxiliary
+  outputs, stacked on a leading layer axis (the stack never looks inside them).
+
+Every way of running the stack (scanned, unrolled, pipelined over a ``stage`` mesh axis)
+shares one step body, :meth:`LayerStack.step`, with remat around it; the reversible stack is
+the one other path (two streams and a custom VJP).
 * ``reversible``: RevNet residuals (Gomez et al., 2017; Kitaev et al., 2020, Reformer)
   ``y1 = x1 + F(x2)``, ``y2 = x2 + G(y1)`` with ``F`` the attention branch and ``G`` the FFN
   branch (pre-norm inside each), on two copies of the input, averaged at the end. A custom VJP
@@ -32,6 +39,7 @@ import jax
 import jax.numpy as jnp
 
 from .. import axes as X
+from ._carry import Carry
 from ._ffn import FeedForward
 from ._positions import sinusoid
 
@@ -115,87 +123,109 @@ class LayerStack(eqx.Module):
                                   jax.tree_util.tree_map(expand, dynamic.attn))
         return dynamic, static
 
-    def __call__(self, x, state=None, *, kv_mask=None, context=None, context_mask=None,
-                 positions=None, key=None, inference=False, memory=None, tokens=None,
-                 return_aux=False):
-        """x: ``[B, L, dim]`` -> ``[B, L, dim]``; with ``state`` (the ``eqx.nn.State`` of
-        stateful attention) -> ``(y, state)``. ``tokens int[B, L]`` reach hash-routed FFNs.
-        With ``return_aux`` the result is ``(that, aux)``: every layer's FFN auxiliary outputs
-        (``nn._ffns``: router losses, tokens dropped, expert load), each a scan output with a
-        leading layer axis. With ``memory`` (every layer's
-        :class:`~xformers_jax.nn.MemoryState` on a leading layer axis, :meth:`init_memory`;
-        blocks built with ``memory=``) -> ``(y, new_memory)``."""
-        if memory is not None:
-            return self._with_memory(x, memory, kv_mask=kv_mask, positions=positions, key=key)
+    def __call__(self, x, carry: Carry | None = None, *, kv_mask=None, context=None,
+                 context_mask=None, positions=None, key=None, inference=False, tokens=None):
+        """x: ``[B, L, dim]`` -> ``[B, L, dim]``; with a ``carry`` (:class:`~xformers_jax.nn.Carry`)
+        -> ``(y, carry)``: ``carry.state`` (the ``eqx.nn.State`` of stateful attention)
+        updated, ``carry.memory`` (every layer's :class:`~xformers_jax.nn.MemoryState` on a
+        leading layer axis, :meth:`init_memory`; blocks built with ``memory=``) replaced by
+        the memory after this segment, and ``carry.aux`` every layer's auxiliary outputs
+        (``nn.aux_terms``: router losses, tokens dropped, expert load) on a leading layer
+        axis. ``tokens int[B, L]`` reach hash-routed FFNs. Scores passed between layers
+        (Realformer, ...) start from the first layer's ``init_layer_carry`` and stay inside
+        the stack."""
+        given = carry is not None
+        carry = Carry() if carry is None else carry
+        kw = dict(kv_mask=kv_mask, context=context, context_mask=context_mask,
+                  positions=positions, inference=inference, tokens=tokens)
         if X.mesh_axis_size(X.STAGE) > 1:
             # A 'stage' mesh axis: the layers run as a GPipe pipeline (nn._pipeline).
             from ._pipeline import stack_on_stages
-            return stack_on_stages(self, x, state=state, kv_mask=kv_mask, context=context,
-                                   positions=positions, key=key, inference=inference,
-                                   return_aux=return_aux)
-        dynamic, static = self.per_layer()
-        keys = None if key is None else jax.random.split(key, self.num_layers)
-        if self.reversible:
-            if key is not None:
-                raise ValueError("LayerStack: reversible blocks must be deterministic (key=None)")
-            y1, y2 = _reversible(static, dynamic, x, x, kv_mask)
-            return ((y1 + y2) / 2, {}) if return_aux else (y1 + y2) / 2
+            y, out = stack_on_stages(self, x, carry, key=key, **kw)
+        elif self.reversible:
+            y, out = self._run_reversible(x, carry, key=key, **kw)
+        else:
+            y, out = self._layers(x, carry, key=key, **kw)
+        return (y, out) if given else y
 
-        carries = _carries(self.layers)
+    def step(self, static, **kw) -> Callable:
+        """The one step body every way of running the stack shares: ``step((x, scores),
+        (params, t, key, state, memory)) -> ((y, scores), (state, memory, aux))`` runs layer
+        ``t`` (its ``params`` combined with ``static``) with its slices of the carried state
+        and memory: the Universal Transformer's timestep embedding first, LayerDrop's skip
+        around it (a training call, ``key`` given and not ``inference``), the block's carried
+        call inside. ``kw`` are the blocks' inputs (``kv_mask``, ``context``, ...,
+        ``inference``)."""
+        inference = kw.get("inference", False)
 
-        def step(x, inputs):
-            params, t, k, s = inputs
+        def run(block, x, carry, key):
+            y, c = block(x, carry, key=key, **kw)
+            return (y, c.scores), (c.state, c.memory, c.aux)
+
+        def step(xc, inputs):
+            x, scores = xc
+            params, t, k, state, memory = inputs
             block = eqx.combine(params, static)
-            kw = dict(base_kw, key=k)
-            if carries:  # the scan's carry is (x, the scores passed between layers)
-                return _carried_step(block, x, t, k, self, kw)
             if self.universal:
                 x = x + sinusoid(t, x.shape[-1]).astype(x.dtype)
-            if s is None and self.layerdrop and k is not None and not inference:
-                # LayerDrop (Fan et al., 2020): a dropped layer is skipped by lax.cond, so its
-                # compute is not done (not multiplied by zero); its aux outputs are zeros.
-                aux_shape = jax.eval_shape(lambda x: block(x, **kw)[1], x)
-                skipped = lambda x: (x, jax.tree_util.tree_map(  # noqa: E731
-                    lambda a: jnp.zeros(a.shape, a.dtype), aux_shape))
-                y, aux = jax.lax.cond(_dropped(k, self.layerdrop), skipped,
-                                      lambda x: block(x, **kw), x)
-                return y, (None, aux)
-            if s is None:
-                y, aux = block(x, **kw)
-                return y, (None, aux)
-            (y, s), aux = block(x, s, **kw)
-            return y, (s, aux)
+            carry = Carry(state=state, memory=memory, scores=scores)
+            if not self.layerdrop or k is None or inference:
+                return run(block, x, carry, k)
+            # LayerDrop (Fan et al., 2020): a dropped layer is skipped by lax.cond, so its
+            # compute is not done (not multiplied by zero); it passes its carry on unchanged and
+            # its auxiliary outputs are zeros.
+            shapes = jax.eval_shape(lambda x: run(block, x, carry, k)[1][2], x)
 
-        base_kw = dict(kv_mask=kv_mask, context=context, context_mask=context_mask,
-                       positions=positions, inference=inference, tokens=tokens,
-                       return_aux=True)
-        step = _remat(step, self.remat)
-        steps = jnp.arange(self.num_layers)
-        if carries:
-            if state is not None:
+            def skipped(x):
+                aux = jax.tree_util.tree_map(lambda a: jnp.zeros(a.shape, a.dtype), shapes)
+                return (x, scores), (state, memory, aux)
+
+            return jax.lax.cond(_dropped(k, self.layerdrop), skipped,
+                                lambda x: run(block, x, carry, k), x)
+
+        return _remat(step, self.remat)
+
+    def _layers(self, x, carry, *, key, **kw):
+        """The stack as a ``lax.scan`` over :meth:`step` (or unrolled)."""
+        dynamic, static = self.per_layer()
+        keys = None if key is None else jax.random.split(key, self.num_layers)
+        scores = None
+        if _carries(self.layers):
+            if carry.state is not None:
                 raise ValueError("LayerStack: attention that passes scores between layers "
                                  "takes no eqx.nn.State")
-            first = jax.tree_util.tree_map(lambda a: a[0], dynamic)
-            x = (x, eqx.combine(first, static).attn.init_layer_carry(
-                x.shape[0], x.shape[1], self.num_layers))
+            first = eqx.combine(jax.tree_util.tree_map(lambda a: a[0], dynamic), static)
+            scores = first.attn.init_layer_carry(x.shape[0], x.shape[1], self.num_layers)
         # Every layer's state on a leading layer axis (see the class docstring).
-        layer_states = None if state is None else state.substate(self.layers)
-        xs = (dynamic, steps, keys, layer_states)
+        states = None if carry.state is None else carry.state.substate(self.layers)
+        xs = (dynamic, jnp.arange(self.num_layers), keys, states, carry.memory)
+        step = self.step(static, **kw)
         # Under a sequence split the layers are unrolled: differentiating a lax.scan whose body
         # holds the ring's shard_map kept every ring step's score tiles as residuals (measured:
         # per-device memory quadratic in the length), while the unrolled stack keeps only the
         # ring's own residuals.
         if self.scan and X.sequence_shards() == 1:
-            x, (new, aux) = jax.lax.scan(step, x, xs)
+            (x, _), (states, memory, aux) = jax.lax.scan(step, (x, scores), xs)
         else:
-            outs = []
+            outs, xc = [], (x, scores)
             for i in range(self.num_layers):
-                x, o = step(x, jax.tree_util.tree_map(lambda a: a[i], xs))
+                xc, o = step(xc, jax.tree_util.tree_map(lambda a: a[i], xs))
                 outs.append(o)
-            new, aux = jax.tree_util.tree_map(lambda *a: jnp.stack(a), *outs)
-        x = x[0] if carries else x
-        out = x if state is None else (x, state.update(new))
-        return (out, aux) if return_aux else out
+            x = xc[0]
+            states, memory, aux = jax.tree_util.tree_map(lambda *a: jnp.stack(a), *outs)
+        state = None if carry.state is None else carry.state.update(states)
+        return x, Carry(state=state, memory=memory, aux=aux)
+
+    def _run_reversible(self, x, carry, *, key, **kw):
+        """RevNet residuals (the module docstring): two streams, a custom VJP that rebuilds
+        every layer's inputs in the backward pass; no state, memory or auxiliary outputs."""
+        if key is not None:
+            raise ValueError("LayerStack: reversible blocks must be deterministic (key=None)")
+        if carry.memory is not None or carry.state is not None:
+            raise ValueError("LayerStack: reversible stacks take no memory or eqx.nn.State")
+        dynamic, static = self.per_layer()
+        y1, y2 = _reversible(static, dynamic, x, x, kw["kv_mask"])
+        return (y1 + y2) / 2, Carry()
 
     def dropped_layers(self, key):
         """``bool[num_layers]``: the layers LayerDrop skips in a training call with ``key``."""
@@ -230,32 +260,6 @@ class LayerStack(eqx.Module):
         return jax.tree_util.tree_map(
             lambda a: jnp.broadcast_to(a, (self.num_layers, *a.shape)), one)
 
-    def _with_memory(self, x, memory, *, kv_mask, positions, key):
-        # Segment-level recurrence (xformers_jax.nn._memory): each layer attends to its memory
-        # and shifts the segment in; the new memories come out of the scan like its outputs.
-        if self.reversible:
-            raise ValueError("LayerStack: reversible stacks do not take a memory")
-        dynamic, static = self.per_layer()
-        keys = None if key is None else jax.random.split(key, self.num_layers)
-
-        def step(x, inputs):
-            params, t, k, m = inputs
-            block = eqx.combine(params, static)
-            if self.universal:
-                x = x + sinusoid(t, x.shape[-1]).astype(x.dtype)
-            y = block(x, kv_mask=kv_mask, positions=positions, key=k, memory_state=m)
-            return y, block.update_memory(m, x, y, kv_mask)
-
-        step = _remat(step, self.remat)
-        xs = (dynamic, jnp.arange(self.num_layers), keys, memory)
-        if self.scan:
-            return jax.lax.scan(step, x, xs)
-        news = []
-        for i in range(self.num_layers):
-            x, m = step(x, jax.tree_util.tree_map(lambda a: a[i], xs))
-            news.append(m)
-        return x, jax.tree_util.tree_map(lambda *a: jnp.stack(a), *news)
-
     def init_cache(self, batch: int, max_len: int, dtype=jnp.float32):
         """Per-layer decoding caches, stacked on a leading layer axis."""
         dynamic, static = self.per_layer()
@@ -283,27 +287,6 @@ class LayerStack(eqx.Module):
 
 def _carries(layers) -> bool:
     return bool(getattr(getattr(layers, "attn", None), "carries_between_layers", False))
-
-
-def _carried_step(block, xc, t, k, stack, kw):
-    """One layer of a stack whose attention passes scores between layers: the scan's carry is
-    ``(x, carry)``; LayerDrop skips a layer (and its carry update) by ``lax.cond``."""
-    x, carry = xc
-    if stack.universal:
-        x = x + sinusoid(t, x.shape[-1]).astype(x.dtype)
-
-    def run(xc):
-        (y, c), aux = block(xc[0], carry=xc[1], **kw)
-        return (y, c), aux
-
-    if stack.layerdrop and k is not None and not kw["inference"]:
-        aux_shape = jax.eval_shape(lambda xc: run(xc)[1], (x, carry))
-        skipped = lambda xc: (xc, jax.tree_util.tree_map(  # noqa: E731
-            lambda a: jnp.zeros(a.shape, a.dtype), aux_shape))
-        out, aux = jax.lax.cond(_dropped(k, stack.layerdrop), skipped, run, (x, carry))
-    else:
-        out, aux = run((x, carry))
-    return out, (None, aux)
 
 
 def _dropped(key, rate):

@@ -1,9 +1,11 @@
 """Training: train state, optimizers and schedules, the jitted step, orbax checkpoints,
-metrics (JSONL, TensorBoard, a progress bar), dynamic loss scaling, tasks and the loop behind ``experiments/train.py``."""
+metrics (JSONL, TensorBoard, a progress bar), dynamic loss scaling, tasks and the loop behind ``xformers_jax_experiments/train.py``."""
 
 from ._checkpoint import Checkpointer as Checkpointer
 from ._config import PRECISIONS as PRECISIONS
 from ._config import base_config as base_config
+from ._config import model_config as model_config
+from ._config import set_model_kind as set_model_kind
 from ._config import validate_config as validate_config
 from ._loop import evaluate as evaluate
 from ._loop import train_and_evaluate as train_and_evaluate
@@ -25,8 +27,10 @@ from ._step import make_train_step as make_train_step
 from ._tasks import TASKS as TASKS
 from ._tasks import Task as Task
 from ._tasks import TaskSpec as TaskSpec
+from ._objective import forward as forward
+from ._objective import make_loss_fn as make_loss_fn
+from ._objective import make_metrics_fn as make_metrics_fn
 from ._tasks import build_model as build_model
-from ._tasks import make_loss_fn as make_loss_fn
-from ._tasks import make_metrics_fn as make_metrics_fn
 from ._tasks import make_task as make_task
+from ._tasks import model_inputs as model_inputs
 from ._tasks import register_task as register_task

@@ -1,4 +1,4 @@
-"""The trainer's switches for lighter models (``xformers_jax.compress``) and ELECTRA's task.
+"""The trainer's switches for lighter models (``xformers_jax.compress``).
 
 * ``quantize``: ``"none"``, ``"int8"`` / ``"int4"`` (post-training: after training the best
   model is quantized, activations calibrated on ``calibration.num_batches`` training batches
@@ -47,8 +47,9 @@ import optax
 
 from .. import compress as C
 from .. import data as D
-from .. import nn, parallel
-from ._tasks import TaskSpec, _make_lm, _spec, build_model, register_task, spec_of
+from .. import models, nn, parallel
+from ._objective import forward
+from ._tasks import build_model
 
 QUANTIZE = ("none", "int8", "int4", "qat")
 CALIBRATION = ("max", "percentile", "dynamic")
@@ -87,10 +88,10 @@ def validate(config) -> None:
     if p.rewind_step >= _prune_end(config):
         raise ValueError(f"prune.rewind_step={p.rewind_step} must come before the pruning step "
                          f"{_prune_end(config)} (prune.end_step)")
-    if not 0 <= p.layerdrop < 1 or p.layers < 0 or p.layers > config.model.num_layers:
+    layers = config.model.get("num_layers", 0)
+    if not 0 <= p.layerdrop < 1 or p.layers < 0 or p.layers > layers:
         raise ValueError(f"prune.layerdrop must be in [0, 1) and prune.layers in [0, "
-                         f"model.num_layers={config.model.num_layers}], got {p.layerdrop}, "
-                         f"{p.layers}")
+                         f"model.num_layers={layers}], got {p.layerdrop}, {p.layers}")
     d = config.distill
     if d.init not in DISTILL_INIT:
         raise ValueError(f"distill.init must be one of {DISTILL_INIT}, got {d.init!r}")
@@ -199,7 +200,7 @@ def prepare_model(config, model, teacher):
         model = C.with_layerdrop(model, config.prune.layerdrop)
     d = config.distill
     if d.tinybert_attention > 0 or d.tinybert_hidden > 0:
-        if not isinstance(model, (nn.EncoderClassifier, nn.CausalLM)):
+        if not isinstance(model, (models.EncoderClassifier, models.CausalLM)):
             raise ValueError(f"distill.tinybert_*: needs a classifier or causal LM, got "
                              f"{type(model).__name__}")
         proj = C.TinyBertProjections(
@@ -241,8 +242,7 @@ def wrap_optimizer(config, optimizer):
 
 
 def _logits(model, batch, task, key):
-    out = spec_of(task).logits(model, batch, task, key)
-    return (out[0] if isinstance(out, tuple) else out).astype(jnp.float32)
+    return forward(model, batch, task, key)[0]
 
 
 def distill_loss_fn(config, task, teacher):
@@ -357,31 +357,30 @@ def finish(config, task, model, run_eval, eval_step, workdir: str) -> dict:
     return out
 
 
-# -- ELECTRA pre-training on byte-level text ----------------------------------------------------
+# -- the wrapper the trainer applies --------------------------------------------------------------
 
-def _electra(m, task, key):
-    # The paper's generator: a quarter of the discriminator's width, heads and FFN (so both
-    # have the same head width and can share one rotary scheme). Positions are rotary, not
-    # BERT's absolute ones: both objectives are decided by a token's neighbours, and with
-    # sinusoids added to the inputs the small byte-level models sat at the unigram MLM loss
-    # and the base-rate discriminator loss for hundreds of steps before finding them.
-    return nn.Electra(task.vocab_size, m.dim, m.num_layers, m.num_heads, m.hidden,
-                      max_len=task.seq_len, positions=nn.NoPositions(),
-                      block=dict(spec=_spec(m), position=nn.RotaryPositions()), key=key)
+class Compression:
+    """Everything the compression switches of a config (``quantize``, ``init_from``,
+    ``prune``, ``distill``) change in a run, as one wrapper around it: :meth:`wrap` gives the
+    model, optimizer and loss to train (restored or distilled initial weights, fake
+    quantization, LayerDrop and TinyBERT's projections; the pruning masks inside the
+    optimizer; the distillation loss in place of the task's), :attr:`best_from` the first step
+    whose model may be kept as the best (pruning finished) and :meth:`finish` the results of
+    compressing the best model after training. With every switch off it changes nothing."""
 
+    def __init__(self, config, task, key):
+        self.config, self.task = config, task
+        self.teacher = load_teacher(config, task, key) if config.distill.teacher else None
+        self.best_from = best_from_step(config)
 
-def _electra_loss(model, batch, task, key):
-    x = batch["inputs"]
-    if key is None:  # evaluation: a fixed masking, so every evaluation sees the same one
-        key = jax.random.PRNGKey(0)
-    mask_key, dropout_key = jax.random.split(key)
-    return model.loss(x, mask_key, mask=x != 0, dropout_key=None)
+    def wrap(self, model, optimizer, loss_fn):
+        """``(model, optimizer, loss_fn)`` to train in place of the given ones."""
+        model = prepare_model(self.config, model, self.teacher)
+        optimizer = wrap_optimizer(self.config, optimizer)
+        if self.teacher is not None:
+            loss_fn = distill_loss_fn(self.config, self.task, self.teacher)
+        return model, optimizer, loss_fn
 
-
-def _electra_logits(model, batch, task, key):
-    return model.discriminator_logits(batch["inputs"], mask=batch["inputs"] != 0, key=key)
-
-
-register_task(TaskSpec(
-    "electra", dict(source="stdlib", data_dir="", seq_len=128, num_eval=256, num_test=512),
-    _make_lm, _electra, _electra_logits, classification=False, loss=_electra_loss))
+    def finish(self, model, run_eval, eval_step, workdir: str) -> dict:
+        """The compression results of the trained ``model`` (see :func:`finish`)."""
+        return finish(self.config, self.task, model, run_eval, eval_step, workdir)

@@ -1,58 +1,67 @@
 """The trainer's config schema: every key is consumed, an unknown or missing key is an error.
 
-``base_config(task)`` returns the full, defaulted ``ml_collections.ConfigDict`` for a task;
-experiment configs (``experiments/configs/**.py``) change its values and lock it. The trainer
-calls ``validate_config`` before anything else, so a misspelt key (the LRA code's silently
-ignored settings, CATALOG.md) stops the run instead of training the wrong thing.
-Only ``model.attention``, ``model.ffn`` and ``model.memory`` are open: ``kind`` plus that
-variant's hyperparameters, which the attention and FFN registries (``xformers_jax.nn``) and the
-memory builder (``_tasks``) check when the model is built. ``loss`` holds the coefficients of the
-FFNs' auxiliary losses (mixtures of experts: ``load_balancing``, Switch's 1e-2, and
-``router_z``, ST-MoE's 1e-3), summed over layers into the training loss.
+``base_config(task, model=None)`` returns the full, defaulted ``ml_collections.ConfigDict`` for
+a task and a model kind (the task's own by default); experiment configs
+(``xformers_jax_experiments/configs/**.py``) change its values and lock it. The trainer calls
+``validate_config`` before anything else, so a misspelt key (the LRA code's silently ignored
+settings, CATALOG.md) stops the run instead of training the wrong thing.
+
+``model`` is the section of the model kind ``model.kind`` names (``xformers_jax.models``): its
+keys are the kind's declared ones; its slot sections (``attention``, ``mixer``, ``ffn``,
+``memory``) are open: ``kind`` plus that kind's hyperparameters, which the registries check
+when the model is built. ``loss`` holds the weight of each named term of the model's loss
+(``cross_entropy``, a mixture of experts' ``load_balancing`` and ``router_z``, ACT's
+``ponder``, ...): the kind's defaults, and no name the kind does not return.
 """
 
 from __future__ import annotations
 
+import difflib
+
 import ml_collections
 
+from .. import models
 from . import _compress
 from ._optim import SCHEDULES
-from . import _arch_models
 from ._tasks import get_task
 
-POOLINGS = ("cls", "mean")
 PRECISIONS = ("float32", "bfloat16", "float16")
 
 
-def base_config(task: str) -> ml_collections.ConfigDict:
+def model_config(kind: str, **overrides) -> ml_collections.ConfigDict:
+    """The ``model`` section of kind ``kind`` with its defaults, updated by ``overrides``
+    (unknown keys raise)."""
+    section = ml_collections.ConfigDict(models.model_defaults(kind))
+    unknown = sorted(set(overrides) - set(section))
+    if unknown:
+        raise ValueError(f"model kind {kind!r} has no keys {unknown} (its keys: "
+                         f"{sorted(section)})")
+    section.update(overrides)
+    return section
+
+
+def set_model_kind(config: ml_collections.ConfigDict, kind: str, **overrides) -> None:
+    """Makes ``config`` (unlocked) train the model kind ``kind``: the model section's keys the
+    new kind shares keep their values, its other keys take their defaults, ``overrides`` are
+    applied last, and the loss weights become the kind's defaults (e.g. an LRA config turned
+    into the same-size early-exit model: ``set_model_kind(c, "early_exit")``)."""
+    shared = {k: v for k, v in config.model.to_dict().items()
+              if k != "kind" and k in models.get_model(kind).defaults}
+    config.model = model_config(kind, **{**shared, **overrides})
+    config.loss = ml_collections.ConfigDict(models.get_model(kind).weights())
+
+
+def base_config(task: str, model: str | None = None) -> ml_collections.ConfigDict:
     """Every key the trainer reads, with defaults, for ``task`` (a name in ``TASKS``, whose
-    spec gives the data keys)."""
-    schema = get_task(task).data
+    spec gives the data keys) trained by the model kind ``model`` (default: the task's)."""
+    spec = get_task(task)
+    kind = models.get_model(model or spec.model)
     c = ml_collections.ConfigDict()
     c.seed = 0
-    c.data = ml_collections.ConfigDict(dict(task=task, **schema))
-    c.model = ml_collections.ConfigDict(dict(
-        dim=512, num_layers=4, num_heads=8, hidden=1024, pooling="cls",
-        # The block's token mixer (nn.MixerSpec), replacing self attention: kind "none" or a
-        # registered mixer (s4d, mamba2, retnet, fnet, gmlp, ...) plus its hyperparameters
-        # (open, like attention).
-        mixer=ml_collections.ConfigDict(dict(kind="none")),
-        attention=ml_collections.ConfigDict(dict(kind="dot_product")),
-        # Segment-level recurrence (tasks fed by contiguous streams, e.g. lm_stream): kind
-        # "none", "xl", "ernie" or "compressive" plus its lengths (open, like attention).
-        memory=ml_collections.ConfigDict(dict(kind="none")),
-        # The block's FFN (nn.FFNSpec): kind "dense" or a registered sparse/capacity kind
-        # (switch, gshard, st_moe, hash, product_key, ...) plus its hyperparameters (open).
-        ffn=ml_collections.ConfigDict(dict(kind="dense")),
-        # Architecture and depth (train/_arch_models.py): arch "transformer" or "swin" (with
-        # model.swin's patch, window, depths, heads); depth_mode "fixed", "act" (at most
-        # num_layers steps of one block; act_threshold) or "early_exit" (an exit per layer).
-        arch="transformer", depth_mode="fixed", act_threshold=0.99,
-        swin=ml_collections.ConfigDict(dict(patch=1, window=4, depths=(2, 2), heads=(2, 4)))))
-    # Coefficients of the FFNs' auxiliary losses, each summed over layers into the training
-    # loss (mixtures of experts: load balancing, Switch's 1e-2; router z-loss, ST-MoE's 1e-3).
-    # ponder: ACT's ponder cost (model.depth_mode="act").
-    c.loss = ml_collections.ConfigDict(dict(load_balancing=1e-2, router_z=1e-3, ponder=1e-2))
+    c.data = ml_collections.ConfigDict(dict(task=task, **spec.data))
+    c.model = model_config(kind.name)
+    # The weight of each named term of the loss (the model kind's defaults).
+    c.loss = ml_collections.ConfigDict(kind.weights())
     c.optim = ml_collections.ConfigDict(dict(
         learning_rate=1e-3, schedule="rsqrt", warmup_steps=1000, weight_decay=0.1,
         grad_clip_norm=1.0, b1=0.9, b2=0.98,
@@ -79,49 +88,62 @@ def base_config(task: str) -> ml_collections.ConfigDict:
     c.keep_checkpoints = 3
     c.tensorboard = True
     c.progress_bar = True
-    c.plot = True  # experiments/train.py draws workdir/curves.png at the end (matplotlib)
+    c.plot = True  # xformers_jax_experiments/train.py draws workdir/curves.png at the end (matplotlib)
     _compress.add_defaults(c)  # quantize, calibration, prune, distill
     return c
 
 
-def _compare(config, reference, path=""):
+def _did_you_mean(name, known) -> str:
+    close = difflib.get_close_matches(name, [str(k) for k in known], n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def _compare(config, reference, path="", open_sections=()):
     got, want = set(config.keys()), set(reference.keys())
     if got - want:
-        raise ValueError(f"unknown config keys: {sorted(path + k for k in got - want)}")
+        name = sorted(got - want)[0]
+        raise ValueError(f"unknown config keys: {sorted(path + k for k in got - want)}"
+                         f"{_did_you_mean(name, want)}")
     if want - got:
         raise ValueError(f"missing config keys: {sorted(path + k for k in want - got)}")
     for k in want:
-        if k == "mixer" and path == "model.":
-            continue
-        if (k in ("attention", "memory", "ffn") and path == "model.") or (
-                k == "mesh" and not path):
+        if path + k in open_sections:
+            if not isinstance(config[k], ml_collections.ConfigDict):
+                raise ValueError(f"config key {path + k} must be a section")
             continue
         if isinstance(reference[k], ml_collections.ConfigDict):
             if not isinstance(config[k], ml_collections.ConfigDict):
                 raise ValueError(f"config key {path + k} must be a section")
-            _compare(config[k], reference[k], f"{path}{k}.")
+            _compare(config[k], reference[k], f"{path}{k}.", open_sections)
 
 
 def validate_config(config: ml_collections.ConfigDict) -> None:
     """ValueError naming the first unknown / missing key or bad value."""
     if "data" not in config or "task" not in config.data:
         raise ValueError("config needs data.task")
-    _compare(config, base_config(config.data.task))
-    if "kind" not in config.model.attention:
-        raise ValueError("model.attention needs a 'kind'")
-    if "kind" not in config.model.mixer:
-        raise ValueError("model.mixer needs a 'kind' (\"none\" for attention)")
-    if "kind" not in config.model.ffn:
-        raise ValueError("model.ffn needs a 'kind'")
+    if "model" not in config or "kind" not in config.model:
+        raise ValueError("config needs model.kind (a model kind: "
+                         f"{', '.join(models.registered_models())})")
+    kind = models.get_model(config.model.kind)
+    reference = base_config(config.data.task, kind.name)
+    # The model's slot sections (kind plus hyperparameters), the mesh and the loss weights
+    # are open: their own registries check them.
+    slots = [k for k, v in kind.defaults.items() if isinstance(v, dict)]
+    _compare(config, reference, open_sections=("mesh", "loss", *(f"model.{k}" for k in slots)))
+    for name in slots:
+        if "kind" not in config.model[name]:
+            raise ValueError(f"model.{name} needs a 'kind'")
+    kind.weights(dict(config.loss))  # names only terms the model returns
+    task_type = get_task(config.data.task).type
+    if task_type not in kind.serves:
+        raise ValueError(f"model.kind={kind.name!r} trains {list(kind.serves)} tasks, not "
+                         f"{task_type!r} ones (data.task={config.data.task!r})")
     if config.optim.schedule not in SCHEDULES:
         raise ValueError(f"optim.schedule must be one of {SCHEDULES}, got "
                          f"{config.optim.schedule!r}")
     _compress.validate(config)
     if config.precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}, got {config.precision!r}")
-    _arch_models.check(config.model)
-    if config.model.pooling not in POOLINGS:
-        raise ValueError(f"model.pooling must be one of {POOLINGS}, got {config.model.pooling!r}")
     if not isinstance(config.mesh, ml_collections.ConfigDict):
         raise ValueError(f"mesh must be a section of axis sizes, got {config.mesh!r}")
     if config.batch_size % config.num_microbatches:

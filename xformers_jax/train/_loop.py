@@ -1,4 +1,4 @@
-"""``train_and_evaluate``: the one training loop behind ``experiments/train.py``."""
+"""``train_and_evaluate``: the one training loop behind ``xformers_jax_experiments/train.py``."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ from absl import logging
 from .. import axes as X
 from .. import nn
 from ..data import DataIterator
-from . import _compress as C
 from ._checkpoint import Checkpointer
+from ._compress import Compression
 from ._config import validate_config
 from ._loss_scale import DynamicLossScale
 from ._metrics import IntervalMean, MetricWriter
@@ -22,7 +22,8 @@ from ._progress import ProgressBar, format_duration
 from ._sharding import make_sharding_plan, resolve_mesh
 from ._state import create_train_state
 from ._step import make_eval_step, make_train_step
-from ._tasks import build_model, make_loss_fn, make_metrics_fn, make_task, spec_of
+from ._objective import make_loss_fn, make_metrics_fn
+from ._tasks import build_model, make_task, spec_of
 
 
 def evaluate(eval_step, model, source, batch_size: int) -> dict[str, float]:
@@ -93,8 +94,6 @@ def train_and_evaluate(config, workdir: str, *, on_step=None) -> dict:
     init_key, state_key = jax.random.split(jax.random.PRNGKey(config.seed))
     shards = resolve_mesh(config.mesh).get(X.SEQUENCE, 1)
     model = build_model(config.model, task, init_key, sequence_shards=shards)
-    teacher = C.load_teacher(config, task, init_key) if config.distill.teacher else None
-    model = C.prepare_model(config, model, teacher)  # DistilBERT init, QAT
     o = config.optim
     schedule = make_schedule(o.schedule, learning_rate=o.learning_rate,
                              warmup_steps=o.warmup_steps, total_steps=config.num_train_steps)
@@ -104,8 +103,11 @@ def train_and_evaluate(config, workdir: str, *, on_step=None) -> dict:
     optimizer = make_optimizer(schedule, weight_decay=o.weight_decay,
                                grad_clip_norm=o.grad_clip_norm, b1=o.b1, b2=o.b2,
                                ssm_schedule=ssm_schedule)
-    optimizer = C.wrap_optimizer(config, optimizer)  # pruning masks
     policy, loss_scale = _precision(config)
+    # Quantization, pruning and distillation change the model, optimizer and loss to train.
+    compression = Compression(config, task, init_key)
+    model, optimizer, loss_fn = compression.wrap(
+        model, optimizer, make_loss_fn(task, policy, config.loss, kind=config.model.kind))
     spec = spec_of(task)
     # A model that carries state across batches (memories over contiguous streams) keeps it
     # in the train state, so it is checkpointed and restored with the rest.
@@ -144,12 +146,11 @@ def train_and_evaluate(config, workdir: str, *, on_step=None) -> dict:
         logging.info("resumed from step %d", int(state.step))
     else:
         state = plan.place_state(state)
-    loss_fn = make_loss_fn(task, policy, config.loss) if teacher is None else \
-        C.distill_loss_fn(config, task, teacher)
     train_step = make_train_step(loss_fn, optimizer,
                                  num_microbatches=config.num_microbatches, loss_scale=loss_scale,
                                  sharding=plan)
-    eval_step = make_eval_step(make_metrics_fn(task, policy), sharding=plan)
+    eval_step = make_eval_step(make_metrics_fn(task, policy, kind=config.model.kind,
+                                               weights=config.loss), sharding=plan)
     writer = MetricWriter(workdir, tensorboard=config.tensorboard,
                           enabled=jax.process_index() == 0,
                           purge_step=None if restored is None else int(state.step) + 1)
@@ -180,7 +181,7 @@ def train_and_evaluate(config, workdir: str, *, on_step=None) -> dict:
                 writer.write(step, {f"validation_{k}": v for k, v in validation.items()})
                 bar.message(f"step {step}: validation loss {validation['loss']:.4f} "
                             f"accuracy {validation['accuracy']:.4f}")
-                if step >= C.best_from_step(config):  # pruning done: the final sparsity
+                if step >= compression.best_from:  # pruning done: the final sparsity
                     checkpointer.save_best(step, state, data_state(), validation)
             if step % config.checkpoint_every == 0 or step == total:
                 checkpointer.save(step, state, data_state(), force=True)
@@ -199,7 +200,7 @@ def train_and_evaluate(config, workdir: str, *, on_step=None) -> dict:
         result = {"step": step, "best_step": int(best_state.step), **pipeline}
         result |= {f"validation_{k}": v for k, v in validation.items()}
         result |= {f"test_{k}": v for k, v in test.items()}
-        result |= C.finish(config, task, best_state.model, run_eval, eval_step, workdir)
+        result |= compression.finish(best_state.model, run_eval, eval_step, workdir)
         majority = _majority_accuracy(task)
         if majority is not None:
             result["test_majority_accuracy"] = majority

@@ -1,7 +1,7 @@
 """Metrics to JSONL (always) and TensorBoard event files (through tensorboardX).
 
 ``metrics.jsonl`` is the record the project's own tools read (``read_jsonl``,
-``experiments/plot.py``). The event files are written by tensorboardX's ``SummaryWriter``
+``xformers_jax_experiments/plot.py``). The event files are written by tensorboardX's ``SummaryWriter``
 (no TensorFlow or PyTorch needed), so TensorBoard's readers see what the JSONL holds: one
 scalar per tag per row, at the row's step.
 

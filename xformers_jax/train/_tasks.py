@@ -1,37 +1,36 @@
-"""Tasks: one registry (:data:`TASKS`) of what the trainer needs per task.
+"""Tasks: one registry (:data:`TASKS`) of the data the trainer trains on.
 
-Each :class:`TaskSpec` declares its data keys, how its splits are made, its model and how the
-model's logits are computed; the config schema (``_config.base_config``), the trainer and the
-loss read only the registry. Classification tasks (LRA ListOps, Text, Image, Pathfinder /
-Path-X) train ``nn.EncoderClassifier``; Retrieval trains ``nn.DualEncoder`` on document pairs;
-byte-level language modelling (``lm``) trains ``nn.CausalLM`` on next-byte prediction. Token id
-0 is padding for text-like inputs; pixel inputs (Image, Pathfinder) have no padding (0 is
-black). A new task is one ``register_task`` call.
+Each :class:`TaskSpec` declares its data keys, how its splits are made, its type (how a batch
+becomes a model's inputs and what its outputs are scored against: classification of one input
+or of a pair, language modelling, over contiguous streams with a carried memory, or a model's
+own self-supervised objective) and the model kind it trains by default. Which model trains is
+the config's ``model.kind`` (``xformers_jax.models``); the task knows no model family.
+Classification tasks (LRA ListOps, Text, Image, Pathfinder / Path-X) default to the encoder
+classifier; Retrieval to the dual encoder; byte-level language modelling (``lm``) to the causal
+LM, over streams (``lm_stream``) to the memory LM; ``electra`` pre-trains ELECTRA. Token id 0
+is padding for text-like inputs; pixel inputs (Image, Pathfinder) have no padding (0 is black).
+A new task is one ``register_task`` call.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
-from typing import Callable, Mapping, NamedTuple
+from typing import Callable, Mapping
 
 import equinox as eqx
 import jax
-import jax.numpy as jnp
-import optax
 
 from .. import data as D
-from .. import nn
-from . import _arch_models
+from .. import models, nn
 
 
 @dataclasses.dataclass(frozen=True)
 class Task:
     """The splits and the facts about inputs a model needs, made by a :class:`TaskSpec`.
 
-    ``spec`` is the spec that made it; a ``Task`` built by hand (``spec=None``) trains an
-    encoder classifier on ``batch["inputs"]`` (id 0 is padding when ``padded``).
+    ``spec`` is the spec that made it; a ``Task`` built by hand (``spec=None``) is a
+    classification of ``batch["inputs"]`` (id 0 is padding when ``padded``).
     """
 
     train: object
@@ -46,28 +45,28 @@ class Task:
 
 @dataclasses.dataclass(frozen=True)
 class TaskSpec:
-    """What the trainer knows about one task: its data keys, how to make its splits, which
-    model it trains and how that model's logits are computed.
+    """What the trainer knows about one task: its data keys, how to make its splits, its type
+    and the model kind it trains by default.
 
     Attributes:
       name: the ``data.task`` a config names.
       data: the task's data keys and their defaults (``base_config`` copies them into
         ``config.data``; an unknown or missing key is an error).
       make: ``make(data_config, seed) -> Task`` (the splits; ``spec`` is filled in).
-      model: ``model(model_config, task, key) -> eqx.Module``.
-      logits: ``logits(model, batch, task, key) -> [..., num_classes]`` float logits whose
-        leading axes match ``batch["targets"]``; the loss is the mean softmax cross-entropy
-        over them (examples, or tokens for language modelling).
-      classification: one label per example (the trainer reports the majority-class
-        baseline beside the test accuracy).
-      loss: ``loss(model, batch, task, key) -> (scalar, {"accuracy", ...})`` for a task
-        with its own objective (ELECTRA); ``key`` is None in evaluation.
+      type: one of ``models.TASK_TYPES``: ``classification`` (``inputs`` -> ``[B, classes]``
+        logits against ``targets``), ``pair_classification`` (``inputs1``, ``inputs2``),
+        ``language_model`` (``inputs`` -> ``[B, L, vocab]`` logits against ``targets``),
+        ``stream_language_model`` (the same over contiguous streams, the model's memory
+        carried from batch to batch) or ``self_supervised`` (``inputs`` only: the loss is the
+        model's own terms, e.g. ELECTRA's).
+      model: the model kind (``models.registered_models()``) ``base_config`` puts in
+        ``config.model``.
       batches: ``batches(split, batch_size, *, process_index, process_count)`` -> the
         training iterator (``get_state``/``set_state``) when the task is not the shuffled
         ``DataIterator``'s (contiguous streams: ``data.StreamBatches``).
       carry: ``carry(model, batch_size, inference) -> pytree | None``: the state the model
         carries from one batch to the next (memories; None when the model has none). The
-        batch then holds it as ``"carry"`` and ``logits`` returns ``(logits, new_carry)``.
+        batch then holds it as ``"carry"`` and the model returns ``(logits, new_carry)``.
       evaluate: ``evaluate(eval_step, model, split, batch_size) -> {"loss", "accuracy"}``
         when a split is not evaluated batch by batch independently (streams with memory).
     """
@@ -75,13 +74,21 @@ class TaskSpec:
     name: str
     data: Mapping
     make: Callable
-    model: Callable
-    logits: Callable
-    classification: bool = True
-    loss: Callable | None = None
+    type: str = "classification"
+    model: str = "classifier"
     batches: Callable | None = None
     carry: Callable | None = None
     evaluate: Callable | None = None
+
+    def __post_init__(self):
+        if self.type not in models.TASK_TYPES:
+            raise ValueError(f"task {self.name!r}: type must be one of {models.TASK_TYPES}, "
+                             f"got {self.type!r}")
+
+    @property
+    def classification(self) -> bool:
+        """One label per example (the trainer reports the majority-class baseline)."""
+        return self.type in ("classification", "pair_classification")
 
 
 TASKS: dict[str, TaskSpec] = {}
@@ -125,13 +132,19 @@ def make_task(data_config, seed: int) -> Task:
 
 def build_model(model_config, task: Task, key: jax.Array, *,
                 sequence_shards: int = 1) -> eqx.Module:
-    """The task's model with the configured attention from the ``nn`` registry.
+    """The model ``model_config`` (a config's ``model`` section) names, for ``task``.
 
-    With ``sequence_shards > 1`` (the ``sequence`` strategy) every attention layer must be able
-    to run with its sequence split over devices; a kind that cannot raises here, at build time,
-    naming the kind (``nn.check_sequence_parallel``).
+    The kind must serve the task's type. With ``sequence_shards > 1`` (the ``sequence``
+    strategy) every attention layer must be able to run with its sequence split over devices;
+    a kind that cannot raises here, at build time, naming the kind
+    (``nn.check_sequence_parallel``).
     """
-    model = spec_of(task).model(model_config, task, key)
+    kind = models.get_model(model_config.kind)
+    kind_type = spec_of(task).type
+    if kind_type not in kind.serves:
+        raise ValueError(f"model.kind={kind.name!r} trains {list(kind.serves)} tasks, not "
+                         f"{kind_type!r} ones (task {spec_of(task).name!r})")
+    model = kind.build(model_config, task, key)
     if sequence_shards > 1:
         nn.check_sequence_parallel(model, sequence_shards)
     return model
@@ -202,116 +215,12 @@ def _make_lm(c, seed):
                 seq_len=c.seq_len, padded=False)
 
 
-def _spec(m):
-    return nn.AttentionSpec.from_config(m.attention.to_dict())
-
-
-def _with_mixer(m, block):
-    """``block`` plus the token mixer of ``model.mixer`` (none for kind "none")."""
-    mixer = m.mixer.to_dict() if "mixer" in m else {"kind": "none"}
-    if mixer["kind"] != "none":
-        block["mixer"] = nn.MixerSpec.from_config(mixer)
-    return block
-
-
-def _block(m):
-    """The block's attention and FFN (``model.ffn``; dense when the config has none)."""
-    ffn = m.ffn.to_dict() if "ffn" in m else {"kind": "dense"}
-    return _with_mixer(m, dict(spec=_spec(m), ffn=nn.FFNSpec.from_config(ffn)))
-
-
-class LogitsAux(NamedTuple):
-    """What a task's ``logits`` returns when its model reports auxiliary outputs (``nn``'s
-    FFN aux: router losses and statistics per layer)."""
-
-    logits: object
-    aux: dict
-
-
 # -- byte-level LM over contiguous streams, with memory (segment-level recurrence) ---------------
 
-MEMORY_KINDS = ("none", "xl", "ernie", "compressive", "feedback", "memformer")
-
-
-def _memory_lengths(mem):
-    get = lambda k, d=0: int(mem.get(k, d))  # noqa: E731
-    m = get("mem_len")
-    return m, get("eval_mem_len", m), get("cmem_len"), get("eval_cmem_len", get("cmem_len"))
-
-
-def _make_memory(mem, dim):
-    """The block's memory for ``model.memory`` (None for kind "none")."""
-    kind = mem.get("kind", "none")
-    if kind not in MEMORY_KINDS:
-        raise ValueError(f"model.memory.kind must be one of {MEMORY_KINDS}, got {kind!r}")
-    known = {"none": {"kind"}, "xl": {"kind", "mem_len", "eval_mem_len", "clamp_len"},
-             "ernie": {"kind", "mem_len", "eval_mem_len", "clamp_len"},
-             "compressive": {"kind", "mem_len", "eval_mem_len", "cmem_len", "eval_cmem_len",
-                             "rate", "compression", "clamp_len"},
-             "feedback": {"kind", "mem_len"}, "memformer": {"kind", "num_slots", "segments"},
-             }[kind]
-    if set(mem) - known:
-        raise ValueError(f"model.memory: unknown keys {sorted(set(mem) - known)} for kind "
-                         f"{kind!r} (known: {sorted(known)})")
-    m, em, c, ec = _memory_lengths(mem)
-    if kind in ("none", "feedback", "memformer"):  # no block memory (models of their own)
-        return None
-    if kind in ("xl", "ernie"):
-        return nn.XLMemory(m, em, same_layer=kind == "ernie")
-    return functools.partial(nn.CompressiveMemory, dim, m, c, int(mem.get("rate", 2)),
-                             compression=mem.get("compression", "conv"), eval_mem_len=em,
-                             eval_cmem_len=ec)
-
-
-def _stream_lm(m, task, key):
-    mem = m.memory.to_dict()
-    _make_memory(mem, m.dim)  # checks the keys
-    if mem["kind"] == "feedback":  # sinusoidal input positions counted along each stream
-        return nn.FeedbackLM(task.vocab_size, m.dim, m.num_layers, m.num_heads, m.hidden,
-                             mem_len=int(mem.get("mem_len", task.seq_len)), block=_block(m),
-                             key=key)
-    if mem["kind"] == "memformer":
-        return nn.Memformer(task.vocab_size, m.dim, m.num_layers, m.num_heads, m.hidden,
-                            num_slots=int(mem.get("num_slots", 8)),
-                            segments=int(mem.get("segments", 1)), max_len=task.seq_len,
-                            block=_block(m), key=key)
-    # Relative positions (Transformer-XL's, with u and v) and no input positions: segments
-    # carry no absolute position, memories sit at negative offsets.
-    _, em, _, ec = _memory_lengths(mem)
-    mm, _, cc, _ = _memory_lengths(mem)
-    em = max([em, *getattr(task.validation, "eval_mem_lens", ())])
-    longest = task.seq_len + max(em, mm) + max(ec, cc)
-    head_dim = m.dim // m.num_heads
-    # Distances past the longest one training sees read as it (Transformer-XL's clamp_len):
-    # a no-op in training, and what lets a longer evaluation memory help (-1: no clamp).
-    clamp = int(mem.get("clamp_len", task.seq_len + mm + cc - 1))
-    if clamp < -1:
-        raise ValueError(f"model.memory.clamp_len must be -1 (no clamp) or a distance >= 0, "
-                         f"got {clamp}")
-    position = nn.TransformerXLRelative(m.num_heads, head_dim, longest,
-                                        clamp_len=None if clamp == -1 else clamp,
-                                        key=jax.random.fold_in(key, 1))
-    block = dict(spec=_spec(m), position=position)
-    memory = _make_memory(mem, m.dim)
-    if memory is not None:
-        if m.attention.kind not in nn.MEMORY_ATTENTION_KINDS:
-            raise ValueError(f"model.memory.kind={mem['kind']!r} needs an exact softmax "
-                             f"attention, one of {nn.MEMORY_ATTENTION_KINDS}; got "
-                             f"model.attention.kind={m.attention.kind!r}")
-        block["memory"] = memory
-    return nn.CausalLM(task.vocab_size, m.dim, m.num_layers, m.num_heads, m.hidden,
-                       positions=nn.NoPositions(), max_len=longest, block=block, key=key)
-
-
 def _stream_carry(model, batch_size, inference):
-    return model.init_memory(batch_size, inference=inference) if nn.has_memory(model) else None
-
-
-def _stream_logits(model, batch, task, key):
-    if "carry" not in batch:
-        return model(batch["inputs"], key=key)
-    memory = nn.reset_memory(batch["carry"], batch["reset"])
-    return model(batch["inputs"], key=key, memory=memory)
+    if not models.has_memory(model):
+        return None
+    return model.init_memory(batch_size, inference=inference)
 
 
 class _Stream:
@@ -339,7 +248,7 @@ def _stream_evaluate(eval_step, model, split, batch_size):
     ``bits_per_byte``; and the same as ``loss_mem{N}``, ... with the evaluation memory
     length ``N`` for each of the split's ``eval_mem_lens`` (block memories only)."""
     out = _stream_read(eval_step, model, split, batch_size)
-    if not split.eval_mem_lens or isinstance(model, nn.MemoryModel) or not nn.has_memory(model):
+    if not split.eval_mem_lens or isinstance(model, models.MemoryModel) or not models.has_memory(model):
         return out
     for n in split.eval_mem_lens:
         more = _stream_read(eval_step, nn.with_eval_memory(model, n), split, batch_size)
@@ -378,69 +287,36 @@ def _make_lm_stream(c, seed):
                 num_classes=D.BYTE_VOCAB_SIZE, seq_len=c.seq_len, padded=False)
 
 
-def _classifier(m, task, key, cls=None):
-    # Exactly the attended length (CLS pooling prepends one token): Sinkhorn's sort net and
-    # Linformer's projections are sized by it.
-    max_len = task.seq_len + (m.pooling == "cls")
-    if cls is None:  # model.arch / model.depth_mode (train/_arch_models.py)
-        model = _arch_models.classifier(m, task, key, block=_block(m), max_len=max_len)
-        if model is not None:
-            return model
-    return (cls or nn.EncoderClassifier)(
-        task.num_classes, m.dim, m.num_layers, m.num_heads, m.hidden, pooling=m.pooling,
-        vocab_size=task.vocab_size, max_len=max_len, block=_block(m), key=key)
+def _make_electra(c, seed):
+    # Text windows whose id 0 is padding: ELECTRA masks and scores the real bytes only.
+    return dataclasses.replace(_make_lm(c, seed), padded=True)
 
 
-def _dual_encoder(m, task, key):
-    return _classifier(m, task, key, nn.DualEncoder)
-
-
-def _causal_lm(m, task, key):
-    return nn.CausalLM(task.vocab_size, m.dim, m.num_layers, m.num_heads, m.hidden,
-                       max_len=task.seq_len, block=_block(m), key=key)
-
-
-def _classify_logits(model, batch, task, key):
-    x = batch["inputs"]
-    if _arch_models.is_adaptive(model):
-        return LogitsAux(*model(x, mask=(x != 0) if task.padded else None, key=key))
-    if isinstance(model, nn.EncoderClassifier):
-        return LogitsAux(*model(x, mask=(x != 0) if task.padded else None, key=key,
-                                return_aux=True))
-    return model(x, mask=(x != 0) if task.padded else None, key=key)
-
-
-def _pair_logits(model, batch, task, key):
-    a, b = batch["inputs1"], batch["inputs2"]
-    return model(a, b, mask_a=a != 0, mask_b=b != 0, key=key)
-
-
-def _lm_logits(model, batch, task, key):
-    return LogitsAux(*model(batch["inputs"], key=key, return_aux=True))
-
-
-_LRA = dict(model=_classifier, logits=_classify_logits)
-_CLASSIFIER = TaskSpec("classifier", {}, None, **_LRA)
+_CLASSIFIER = TaskSpec("classifier", {}, None)
 for _task in (
     TaskSpec("listops", dict(num_train=96_000, num_eval=2_000, num_test=2_000, min_length=500,
-                             max_length=2000, max_depth=10, max_args=10), _make_listops, **_LRA),
+                             max_length=2000, max_depth=10, max_args=10), _make_listops),
     TaskSpec("pathfinder", dict(num_train=160_000, num_eval=20_000, num_test=20_000, size=32,
-                                difficulty="hard"), _make_pathfinder, **_LRA),
+                                difficulty="hard"), _make_pathfinder),
     TaskSpec("text", dict(source="stdlib", data_dir="", seq_len=4000, num_train=25_000,
-                          num_eval=2_500, num_test=2_500), _make_text, **_LRA),
-    TaskSpec("retrieval", dict(data_dir="", seq_len=4000), _make_retrieval, _dual_encoder,
-             _pair_logits),
-    TaskSpec("image", dict(data_dir=""), _make_image, **_LRA),
+                          num_eval=2_500, num_test=2_500), _make_text),
+    TaskSpec("retrieval", dict(data_dir="", seq_len=4000), _make_retrieval,
+             type="pair_classification", model="dual_encoder"),
+    TaskSpec("image", dict(data_dir=""), _make_image),
     # num_eval / num_test bound the evaluation windows (0: the whole split).
     TaskSpec("lm", dict(source="stdlib", data_dir="", seq_len=512, num_eval=256, num_test=512),
-             _make_lm, _causal_lm, _lm_logits, classification=False),
+             _make_lm, type="language_model", model="causal_lm"),
     # Contiguous streams (segment-level recurrence, model.memory): seq_len is the segment;
     # num_eval / num_test bound the segments read per evaluation stream (0: all);
     # eval_mem_lens: further evaluation memory lengths, each reported (loss_mem{N}, ...).
     TaskSpec("lm_stream", dict(source="stdlib", data_dir="", seq_len=256, num_eval=64,
                                num_test=128, eval_mem_lens=()),
-             _make_lm_stream, _stream_lm, _stream_logits, classification=False,
+             _make_lm_stream, type="stream_language_model", model="memory_lm",
              batches=_stream_batches, carry=_stream_carry, evaluate=_stream_evaluate),
+    # ELECTRA's replaced-token detection on byte-level text windows.
+    TaskSpec("electra", dict(source="stdlib", data_dir="", seq_len=128, num_eval=256,
+                             num_test=512), _make_electra, type="self_supervised",
+             model="electra"),
 ):
     register_task(_task)
 
@@ -450,70 +326,18 @@ def spec_of(task: Task) -> TaskSpec:
     return task.spec or _CLASSIFIER
 
 
-def _policy_logits(model, batch, task: Task, key, policy):
-    """``(out, aux)``: out the float32 logits, or ``(logits, new_carry)`` when the batch
-    carries a state; aux the model's auxiliary outputs (``{}`` if it reports none)."""
-    logits = lambda m: spec_of(task).logits(m, batch, task, key)  # noqa: E731
-    out = logits(model) if policy is None else policy(logits, model)
-    out, aux = out if isinstance(out, LogitsAux) else (out, {})
-    if "carry" in batch:
-        return (out[0].astype(jnp.float32), out[1]), aux
-    return out.astype(jnp.float32), aux
-
-
-def _with_carry(out, batch):
-    return out if "carry" in batch else (out, None)
-
-
-def make_loss_fn(task: Task, policy: nn.Policy | None = None, aux_coefficients=None):
-    """``loss_fn(model, batch, key) -> (mean cross-entropy, {"accuracy"})``; the mean is over
-    examples (classification) or tokens (language modelling). ``policy`` (``nn.Policy``) runs
-    the model in its compute dtype; the loss is always float32. The model's auxiliary
-    losses (``nn.aux_losses``, each summed over layers) are added with
-    ``aux_coefficients`` (``config.loss``: ``load_balancing``, ``router_z``; default
-    ``base_config``'s) and logged with the router statistics (``nn.aux_metrics``)."""
-    coefs = {"load_balancing": 1e-2, "router_z": 1e-3, **dict(aux_coefficients or {})}
-
-    def loss_fn(model, batch, key):
-        if spec_of(task).loss is not None:
-            return spec_of(task).loss(model, batch, task, key)
-        out, aux = _policy_logits(model, batch, task, key, policy)
-        logits, carry = _with_carry(out, batch)
-        labels = batch["targets"]
-        loss = optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
-        metrics = {"accuracy": (logits.argmax(-1) == labels).mean()}
-        if aux:  # early exit's loss over every exit, ACT's ponder cost
-            loss, aux, extra = _arch_models.adaptive_loss(loss, aux, labels, coefs)
-            metrics.update(extra)
-        if aux:
-            losses = nn.aux_losses(aux)
-            loss = loss + sum(coefs[k] * v for k, v in losses.items())
-            metrics.update(nn.aux_metrics(aux))
-        if carry is not None:
-            # The compressive memory's reconstruction loss (0 for other memories) trains the
-            # compression; the new memories go back to the train step.
-            aux = nn.memory_aux_loss(carry)
-            loss = loss + aux
-            metrics.update(reconstruction_loss=aux, carry=carry)
-        return loss, metrics
-    return loss_fn
-
-
-def make_metrics_fn(task: Task, policy: nn.Policy | None = None):
-    """``metrics_fn(model, batch) -> {"loss_sum", "correct", "count"}`` (sums over examples,
-    or over tokens for language modelling, for eval)."""
-    def metrics_fn(model, batch):
-        if spec_of(task).loss is not None:
-            loss, metrics = spec_of(task).loss(model, batch, task, None)
-            n = jnp.asarray(batch["inputs"].shape[0])
-            return {"loss_sum": loss * n, "correct": metrics["accuracy"] * n,
-                    "count": n}
-        logits, carry = _with_carry(_policy_logits(model, batch, task, None, policy)[0],
-                                    batch)
-        labels = batch["targets"]
-        out = {"loss_sum": optax.softmax_cross_entropy_with_integer_labels(logits,
-                                                                           labels).sum(),
-               "correct": (logits.argmax(-1) == labels).sum(),
-               "count": jnp.asarray(labels.size)}
-        return out if carry is None else dict(out, carry=carry)
-    return metrics_fn
+def model_inputs(task: Task, batch) -> tuple[tuple, dict]:
+    """``(args, kwargs)`` a model of ``task``'s type is called with on ``batch`` (besides
+    ``key`` and ``return_aux``): the inputs and their padding masks (id 0, when the task is
+    padded), or the next segment of each stream and its carried memory (rows whose
+    ``reset`` is True start from an empty one)."""
+    kind = spec_of(task).type
+    if kind == "pair_classification":
+        a, b = batch["inputs1"], batch["inputs2"]
+        return (a, b), dict(mask_a=a != 0, mask_b=b != 0)
+    x = batch["inputs"]
+    if kind in ("language_model", "stream_language_model"):
+        if "carry" in batch:
+            return (x,), dict(memory=nn.reset_memory(batch["carry"], batch["reset"]))
+        return (x,), {}
+    return (x,), dict(mask=(x != 0) if task.padded else None)

@@ -1,1 +1,0 @@
-"""Experiment scripts (absl) and their configs; run them as ``python -m experiments.<name>``."""

@@ -1,1 +1,0 @@
-"""Benchmark suites for ``experiments/benchmark.py``; see ``experiments/bench_lib.py``."""

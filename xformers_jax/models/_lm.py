@@ -1,0 +1,115 @@
+"""The decoder-only language model: :class:`CausalLM`, teacher-forced, with cached decoding
+(``prefill``, ``decode_step``, ``generate``) and, with a block memory
+(``block=dict(memory=...)``, ``nn.XLMemory`` / ``nn.CompressiveMemory``), segment-level
+recurrence over contiguous streams (see :mod:`._memory_lm` for decoding across segments)."""
+
+from __future__ import annotations
+
+import math
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+
+from .. import axes as X
+from ..axes import constrain
+from ..nn import (AUX_WEIGHTS, Carry, ConvPositions, Embedder, LayerNorm, LayerStack,
+                  memory_aux_loss, sample_tokens, transformer_stack)
+from ._registry import SLOTS, TRUNK, block_kwargs, register_model
+from ._trunk import finish, run_with_aux
+
+
+class CausalLM(eqx.Module):
+    """A decoder-only language model with cached decoding and ``generate``."""
+
+    embed: Embedder
+    layers: LayerStack
+    final_norm: LayerNorm | None
+    head: jax.Array = X.param(X.EMBED, X.VOCAB)
+
+    def __init__(self, vocab_size, dim, num_layers, num_heads, hidden, *, positions=None,
+                 max_len=512, block=None, stack=None, key):
+        k1, k2, k3 = jax.random.split(key, 3)
+        self.embed = Embedder(dim, vocab_size=vocab_size, positions=positions, key=k1)
+        self.layers, self.final_norm = transformer_stack(
+            dim, num_layers, num_heads, hidden, causal=True, max_len=max_len, block=block,
+            stack=stack, key=k2)
+        self.head = jax.random.normal(k3, (dim, vocab_size)) / math.sqrt(dim)
+
+    def __call__(self, tokens, *, mask=None, key=None, state=None, inference=False,
+                 memory=None, return_aux=False):
+        """Teacher-forced logits ``[B, L, vocab]`` for ``tokens: int[B, L]`` (``(logits,
+        state)`` when an ``eqx.nn.State`` is given: stateful attention, e.g. routing; ``(that,
+        aux)`` with ``return_aux``: the FFNs' auxiliary outputs per layer, ``nn.aux_terms``).
+
+        With ``memory`` (blocks built with ``block=dict(memory=...)``, :meth:`init_memory`)
+        ``tokens`` is the next segment of each stream and the result is ``(logits,
+        new_memory)`` (segment-level recurrence, ``nn.XLMemory``); with ``return_aux`` it is
+        ``(that, {"reconstruction_loss": ...})``, the compressive memory's reconstruction
+        loss summed over layers (0 for other memories)."""
+        x, _ = self.embed(tokens, mask=mask, causal=True)
+        if memory is not None:
+            if state is not None:
+                raise ValueError("CausalLM: stateful attention does not take a memory")
+            h, carry = self.layers(x, Carry(memory=memory), kv_mask=mask, key=key,
+                                   inference=inference, tokens=tokens)
+            h = finish(self.final_norm, h)
+            out = constrain(h @ self.head.astype(h.dtype), X.LOGITS), carry.memory
+            if not return_aux:
+                return out
+            return out, {**carry.aux, "reconstruction_loss": memory_aux_loss(carry.memory)}
+        h, new, aux = run_with_aux(self.layers, x, state, kv_mask=mask, key=key,
+                                   inference=inference, tokens=tokens)
+        h = finish(self.final_norm, h)
+        logits = constrain(h @ self.head.astype(h.dtype), X.LOGITS)
+        out = logits if state is None else (logits, new)
+        return (out, aux) if return_aux else out
+
+    def init_memory(self, batch: int, dtype=jnp.float32, *, inference=False):
+        """Empty memories for ``batch`` streams (the evaluation lengths when ``inference``)."""
+        return self.layers.init_memory(batch, self.head.shape[0], dtype, inference=inference)
+
+    def init_cache(self, batch: int, max_len: int, dtype=jnp.float32):
+        if isinstance(self.embed.positions, ConvPositions):
+            raise NotImplementedError("CausalLM: ConvPositions (CPE) has no decoding cache")
+        return self.layers.init_cache(batch, max_len, dtype)
+
+    def decode_step(self, token, caches, position):
+        """token ``int[B]`` at ``position`` -> ``(logits [B, vocab], caches)``."""
+        x, _ = self.embed(token[:, None], causal=True, offset=position)
+        h, caches = self.layers.decode(x, caches)
+        h = finish(self.final_norm, h)
+        return (h @ self.head.astype(h.dtype))[:, 0], caches
+
+    def prefill(self, tokens, caches):
+        """Feeds ``tokens int[B, L]`` one by one; returns ``(logits [B, L, vocab], caches)``:
+        the cached equivalent of ``__call__``."""
+        def step(caches, inputs):
+            tok, t = inputs
+            logits, caches = self.decode_step(tok, caches, t)
+            return caches, logits
+
+        caches, logits = jax.lax.scan(step, caches, (tokens.T, jnp.arange(tokens.shape[1])))
+        return jnp.moveaxis(logits, 0, 1), caches
+
+    def generate(self, prompt, max_new_tokens: int, *, key=None, temperature: float = 1.0,
+                 top_k: int | None = None, dtype=jnp.float32):
+        """Extends ``prompt int[B, P]`` by ``max_new_tokens`` tokens using the caches.
+
+        Greedy when ``key`` is None; otherwise samples from ``softmax(logits / temperature)``
+        restricted to the ``top_k`` most likely tokens. Returns ``int[B, P + max_new_tokens]``.
+        """
+        b, p = prompt.shape
+        caches = self.init_cache(b, p + max_new_tokens, dtype)
+        logits, caches = self.prefill(prompt, caches)
+        new = sample_tokens(self.decode_step, logits[:, -1], caches, p, max_new_tokens,
+                            key=key, temperature=temperature, top_k=top_k, dtype=prompt.dtype)
+        return jnp.concatenate([prompt, new], axis=1)
+
+
+@register_model("causal_lm", serves=("language_model",), defaults=dict(TRUNK, **SLOTS),
+                loss_weights=AUX_WEIGHTS)
+def causal_lm(config, task, key):
+    """The decoder-only language model (:class:`CausalLM`, sinusoidal input positions)."""
+    return CausalLM(task.vocab_size, config.dim, config.num_layers, config.num_heads,
+                    config.hidden, max_len=task.seq_len, block=block_kwargs(config), key=key)

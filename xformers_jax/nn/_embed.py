@@ -1,0 +1,62 @@
+"""The embedding layer of every model: token ids (a table) or continuous features (a linear map)
+to ``[B, L, dim]``, an input position scheme and an optional learned CLS token."""
+
+from __future__ import annotations
+
+import math
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+
+from .. import axes as X
+from ..axes import constrain
+from ._positions import InputScheme, SinusoidalPositions
+
+
+class Embedder(eqx.Module):
+    """Token ids (a table) or continuous features (a linear map) to ``[B, L, dim]``, plus an
+    input position scheme and an optional learned CLS token prepended to the sequence."""
+
+    table: jax.Array | None = X.param(X.VOCAB, X.EMBED)
+    proj: jax.Array | None = X.param(None, X.EMBED)
+    cls: jax.Array | None = X.param(X.EMBED)
+    positions: InputScheme
+
+    def __init__(self, dim: int, *, vocab_size: int | None = None,
+                 input_dim: int | None = None, cls_token: bool = False,
+                 positions: InputScheme | None = None, key):
+        if (vocab_size is None) == (input_dim is None):
+            raise ValueError("Embedder: give exactly one of vocab_size (token ids) or input_dim "
+                             "(continuous inputs)")
+        k1, k2 = jax.random.split(key)
+        self.table = (jax.random.normal(k1, (vocab_size, dim)) / math.sqrt(dim)
+                      if vocab_size is not None else None)
+        self.proj = (jax.random.normal(k1, (input_dim, dim)) / math.sqrt(input_dim)
+                     if input_dim is not None else None)
+        self.cls = 0.02 * jax.random.normal(k2, (dim,)) if cls_token else None
+        self.positions = SinusoidalPositions() if positions is None else positions
+        if not isinstance(self.positions, InputScheme):
+            raise ValueError(f"Embedder: {type(self.positions).__name__} is not an input position "
+                             "scheme; give it to the blocks (block=dict(position=...))")
+
+    def __call__(self, inputs, *, mask=None, causal=False, offset=0):
+        """inputs: ``int[B, L]`` or ``[B, L, F]``; mask ``bool[B, L]``. Returns ``(x, mask)``
+        (with the CLS position added when ``cls``)."""
+        if self.table is not None:
+            if not jnp.issubdtype(inputs.dtype, jnp.integer):
+                raise ValueError(f"Embedder: token ids must be integers, got {inputs.dtype}")
+            x = self.table[inputs]
+        else:
+            if inputs.ndim != 3 or inputs.shape[-1] != self.proj.shape[0]:
+                raise ValueError(f"Embedder: continuous inputs must be [B, L, "
+                                 f"{self.proj.shape[0]}], got {inputs.shape}")
+            x = inputs.astype(self.proj.dtype) @ self.proj
+        b = x.shape[0]
+        if self.cls is not None:
+            x = jnp.concatenate([jnp.broadcast_to(self.cls, (b, 1, x.shape[-1])), x], axis=1)
+            if mask is not None:
+                mask = jnp.concatenate([jnp.ones((b, 1), bool), mask], axis=1)
+        positions = jnp.broadcast_to(jnp.arange(x.shape[1]) + offset, x.shape[:2])
+        x = self.positions.embed(x, positions, mask=mask, causal=causal)
+        return constrain(x, X.TOKENS), mask

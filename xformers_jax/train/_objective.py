@@ -1,0 +1,103 @@
+"""The loss and the evaluation sums of any model on any task, knowing no model family.
+
+A model is called on a batch with ``return_aux=True`` (:func:`forward`: the inputs its task
+type gives, ``train._tasks.model_inputs``) and returns ``(outputs, aux)``. The task scores the
+outputs (:func:`task_terms`: the mean cross-entropy ``cross_entropy`` and ``accuracy`` of
+classification and language modelling; nothing for a self-supervised task); the model's kind
+(``models.ModelKind.terms``) turns ``aux`` into named scalar terms. The loss is the sum of
+``weight[name] * term[name]`` over the weights in effect (the kind's defaults updated by the
+config's ``loss`` section) and every term is a logged metric.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from .. import models, nn
+from ._tasks import Task, model_inputs, spec_of
+
+
+def forward(model, batch, task: Task, key, policy: nn.Policy | None = None):
+    """``(outputs, aux)`` of ``model`` on ``batch``: float32 logits (``(logits, new_carry)``
+    when the batch carries a state) and the model's auxiliary outputs. ``policy`` runs the
+    model in its compute dtype."""
+    args, kwargs = model_inputs(task, batch)
+
+    def run(m):
+        return m(*args, key=key, return_aux=True, **kwargs)
+
+    out, aux = run(model) if policy is None else policy(run, model)
+    if "carry" in batch:
+        return (out[0].astype(jnp.float32), out[1]), aux
+    return out.astype(jnp.float32), aux
+
+
+def _split(out, batch):
+    return out if "carry" in batch else (out, None)
+
+
+def task_terms(task: Task, logits, batch) -> dict:
+    """The task's own terms of ``logits``: ``cross_entropy`` (the mean over examples, or
+    over tokens for language modelling) and ``accuracy``; ``{}`` for a self-supervised task
+    (its loss is the model's terms)."""
+    if spec_of(task).type == "self_supervised":
+        return {}
+    labels = batch["targets"]
+    return {models.TASK_TERM: optax.softmax_cross_entropy_with_integer_labels(
+                logits, labels).mean(),
+            "accuracy": (logits.argmax(-1) == labels).mean()}
+
+
+def make_loss_fn(task: Task, policy: nn.Policy | None = None, weights=None, *,
+                 kind: str | None = None):
+    """``loss_fn(model, batch, key) -> (loss, metrics)`` for a model of kind ``kind`` (default:
+    the task's model kind) on ``task``: ``sum(weight[name] * term[name])`` over the task's
+    terms and the model's (module docstring), with ``weights`` (a config's ``loss``
+    section) over the kind's defaults; the metrics are every term (``accuracy`` among them),
+    and the new carried state as ``carry`` when the batch carries one. ``policy``
+    (``nn.Policy``) runs the model in its compute dtype; the loss is float32."""
+    model_kind = models.get_model(kind or spec_of(task).model)
+    w = model_kind.weights(dict(weights or {}))
+
+    def loss_fn(model, batch, key):
+        out, aux = forward(model, batch, task, key, policy)
+        logits, carry = _split(out, batch)
+        terms = task_terms(task, logits, batch)
+        terms.update(model_kind.terms(aux, batch.get("targets")))
+        loss = sum(w[name] * value for name, value in terms.items() if w.get(name))
+        metrics = dict(terms)
+        if carry is not None:
+            metrics["carry"] = carry
+        return jnp.asarray(loss, jnp.float32), metrics
+
+    return loss_fn
+
+
+def make_metrics_fn(task: Task, policy: nn.Policy | None = None, *, kind: str | None = None,
+                    weights=None):
+    """``metrics_fn(model, batch) -> {"loss_sum", "correct", "count"}`` (and ``carry``), sums
+    for evaluation (no randomness): the cross-entropy and correct predictions summed over
+    examples, or over tokens for language modelling; for a self-supervised task the loss
+    (:func:`make_loss_fn`'s) and accuracy times the batch's examples."""
+    if spec_of(task).type == "self_supervised":
+        loss_fn = make_loss_fn(task, policy, weights, kind=kind)
+
+        def self_supervised(model, batch):
+            loss, metrics = loss_fn(model, batch, None)
+            n = jnp.asarray(batch["inputs"].shape[0])
+            return {"loss_sum": loss * n, "correct": metrics["accuracy"] * n, "count": n}
+
+        return self_supervised
+
+    def metrics_fn(model, batch):
+        logits, carry = _split(forward(model, batch, task, None, policy)[0], batch)
+        labels = batch["targets"]
+        out = {"loss_sum": optax.softmax_cross_entropy_with_integer_labels(logits,
+                                                                           labels).sum(),
+               "correct": (logits.argmax(-1) == labels).sum(),
+               "count": jnp.asarray(labels.size)}
+        return out if carry is None else dict(out, carry=carry)
+
+    return metrics_fn

@@ -1,0 +1,1 @@
+"""Switch against the dense FFN on the byte-level LM; see README.md."""
