@@ -10,8 +10,8 @@ layer.
 
 from __future__ import annotations
 
-from xformers_jax.kernels._dispatch import kernels_for as kernels_for
-from xformers_jax.kernels._dispatch import register as register
+from xformers_jax.kernels import kernels_for as kernels_for
+from xformers_jax.kernels import register as register
 
 
 def _register_builtin() -> None:

@@ -1,10 +1,10 @@
 """What the GPU and TPU kernels share: tile scores and masks, the kernel object and the VJP.
 
-The tile math is the kernel layer's (``xformers_jax.kernels._tiles``), the same functions the
-XLA path (``xformers_jax.kernels._tiled``) runs: the online softmax of FlashAttention (Dao et
+The tile math is the kernel layer's (``xformers_jax.kernels``), the same functions the
+XLA path (``kernels.attend_layout``) runs: the online softmax of FlashAttention (Dao et
 al., 2022; Milakov & Gimelshein, 2018) in the forward pass, and a backward pass that
 recomputes each tile's probabilities from the saved log-sum-exp, wrapped in the kernel layer's
-custom VJP (``xformers_jax.kernels._vjp.lse_vjp``). Each backend module supplies
+custom VJP (``kernels.lse_vjp``). Each backend module supplies
 ``forward(cfg, plan, q, k, v, dyn) -> (out, lse)`` and
 ``backward(cfg, plan, q, k, v, dyn, lse, delta, d_out) -> (dq, dk, dv)`` on padded inputs.
 """
@@ -18,10 +18,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from xformers_jax.kernels import _tiles
-from xformers_jax.kernels import _planner
-from xformers_jax.kernels._tiles import STATS_DTYPE
-from xformers_jax.kernels._vjp import lse_vjp
+from xformers_jax import kernels
+from xformers_jax.kernels import STATS_DTYPE, lse_vjp
 
 _NT = (((1,), (1,)), ((), ()))  # a @ b.T
 _NN = (((1,), (0,)), ((), ()))  # a @ b
@@ -50,9 +48,9 @@ def tile_mask(plan, q0, k0, *, partial, static_mask, kv_valid, q_seg, k_seg):
         else:
             mask = static_mask
     if kv_valid is not None:
-        mask = _tiles.and_masks(mask, kv_valid)
+        mask = kernels.and_masks(mask, kv_valid)
     if q_seg is not None:
-        mask = _tiles.and_masks(mask, q_seg == k_seg)
+        mask = kernels.and_masks(mask, q_seg == k_seg)
     return mask
 
 
@@ -63,23 +61,23 @@ def scores(cfg, q, k, mask):
 
 def online_step(s, v, m_old, l_old, acc_old):
     """One online-softmax update with scores ``s [bq, bk]``; ``m, l: [bq, 1]``
-    (``_tiles.online_step`` with ``p @ v`` in the input dtype)."""
-    return _tiles.online_step(s, m_old, l_old, acc_old,
+    (``kernels.online_step`` with ``p @ v`` in the input dtype)."""
+    return kernels.online_step(s, m_old, l_old, acc_old,
                               lambda p: dot(p.astype(v.dtype), v, _NN))
 
 
-finish = _tiles.finish  # (out f32 [bq, dv], lse [bq, 1]); rows that saw no key: 0 and -inf
+finish = kernels.finish  # (out f32 [bq, dv], lse [bq, 1]); rows that saw no key: 0 and -inf
 
 
 def tile_grads(s, v, d_out, lse, delta):
     """``(ds [bq, bk] f32, p [bq, bk] f32)`` of one tile, from the saved ``lse`` (+inf for
     rows that saw nothing, so their probabilities are 0) and ``delta = rowsum(dO * O)``."""
-    p = _tiles.tile_probs(s, lse)
-    return _tiles.score_grad(p, dot(d_out, v, _NT), delta), p
+    p = kernels.tile_probs(s, lse)
+    return kernels.score_grad(p, dot(d_out, v, _NT), delta), p
 
 
 @dataclasses.dataclass(frozen=True)
-class Config(_tiles.TileConfig):
+class Config(kernels.TileConfig):
     """Static configuration of one kernel call (hashable: part of the jit cache key): the
     kernel layer's tile configuration plus the kernel's tiles and options."""
 
@@ -121,8 +119,8 @@ def _forward(static, q, k, v, extra, dyn):
     backend, cfg, plan, fwd_cfg, fwd_plan = static
     out, lse = backend.forward(fwd_cfg, fwd_plan, *_fit(fwd_plan, q, k, v, dyn))
     # Rows past the forward's tiles are padding: they saw nothing (out 0, lse -inf).
-    return (_tiles.pad_to(out, q.shape[0], 0),
-            _tiles.pad_to(lse, q.shape[0], 0, -jnp.inf))
+    return (kernels.pad_to(out, q.shape[0], 0),
+            kernels.pad_to(lse, q.shape[0], 0, -jnp.inf))
 
 
 def _backward(static, q, k, v, extra, dyn, out, lse, d_out, d_lse):
@@ -130,12 +128,12 @@ def _backward(static, q, k, v, extra, dyn, out, lse, d_out, d_lse):
     # A cotangent on the log-sum-exp (callers that merge partial attentions by it, such as
     # Long-Short or ring attention) enters delta, as in the XLA path.
     d_out = d_out.astype(q.dtype)
-    lse, delta = _tiles.backward_stats(out, lse, d_out, d_lse)
+    lse, delta = kernels.backward_stats(out, lse, d_out, d_lse)
     lq, _ = _extent(plan)
     dq, dk, dv = backend.backward(cfg, plan, *_fit(plan, q, k, v, dyn), lse[:lq], delta[:lq],
                                   d_out[:lq])
-    return (_tiles.pad_to(dq, q.shape[0], 0), _tiles.pad_to(dk, k.shape[0], 0),
-            _tiles.pad_to(dv, v.shape[0], 0), extra)
+    return (kernels.pad_to(dq, q.shape[0], 0), kernels.pad_to(dk, k.shape[0], 0),
+            kernels.pad_to(dv, v.shape[0], 0), extra)
 
 
 _attend = lse_vjp(_forward, _backward)
@@ -200,9 +198,9 @@ class PallasAttention:
         """``(plan, forward plan, forward num_stages)`` of ``layout``: the backward kernels'
         plan and the forward's (:meth:`forward_options`; the default forward tiles give way
         to the backward's where they would cover ``FORWARD_AREA_SLACK`` times more scores)."""
-        plan = _planner.plan(layout, *self.blocks(dk, dv))
+        plan = kernels.plan(layout, *self.blocks(dk, dv))
         fwd_q, fwd_k, stages = self.forward_options(dk, dv, dtype)
-        fwd_plan = _planner.plan(layout, fwd_q, fwd_k)
+        fwd_plan = kernels.plan(layout, fwd_q, fwd_k)
         if self.forward_blocks is None and _area(fwd_plan) > FORWARD_AREA_SLACK * _area(plan):
             # Half-empty wider tiles over a fine-grained sparse layout: more work, not less.
             fwd_plan = plan
@@ -245,14 +243,14 @@ class PallasAttention:
         lq_p, lk_p = (max(a, b) for a, b in zip(_extent(plan), _extent(fwd_plan)))
         dk_p = self.backend.head_dim(q.shape[1])
         dv_p = self.backend.head_dim(v.shape[1])
-        q_p = _tiles.pad_to(_tiles.pad_to(q, lq_p, 0), dk_p, 1)
-        k_p = _tiles.pad_to(_tiles.pad_to(k, lk_p, 0), dk_p, 1)
-        v_p = _tiles.pad_to(_tiles.pad_to(v.astype(q.dtype), lk_p, 0), dv_p, 1)
-        kv_valid = None if kv_mask is None else _tiles.pad_to(kv_mask.astype(jnp.int32), lk_p, 0)
+        q_p = kernels.pad_to(kernels.pad_to(q, lq_p, 0), dk_p, 1)
+        k_p = kernels.pad_to(kernels.pad_to(k, lk_p, 0), dk_p, 1)
+        v_p = kernels.pad_to(kernels.pad_to(v.astype(q.dtype), lk_p, 0), dv_p, 1)
+        kv_valid = None if kv_mask is None else kernels.pad_to(kv_mask.astype(jnp.int32), lk_p, 0)
         segs = None
         if segments is not None:
-            segs = (_tiles.pad_to(segments[0], lq_p, 0, -1),
-                    _tiles.pad_to(segments[1], lk_p, 0, -2))
+            segs = (kernels.pad_to(segments[0], lq_p, 0, -1),
+                    kernels.pad_to(segments[1], lk_p, 0, -2))
         cfg = Config(
             scale=float(scale), block_q=plan.block_q, block_k=plan.block_k,
             has_kv_mask=kv_mask is not None, has_segments=segments is not None,
@@ -266,7 +264,7 @@ class PallasAttention:
         return out[:lq, : v.shape[1]].astype(q.dtype), lse[:lq]
 
 
-def tables(blocks: "_planner.Blocks", *, fetch: bool):
+def tables(blocks: "kernels.Blocks", *, fetch: bool):
     """``(blocks, mask ids, counts, full)`` as flat int32 constants (scalar memory is 1-D).
 
     ``fetch`` picks the pipelined form of the mask ids (no -1; see ``Blocks.fetch_ids``).

@@ -24,7 +24,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from xformers_jax.kernels._tiles import STATS_DTYPE
+from xformers_jax.kernels import STATS_DTYPE
 
 from . import _common as C
 

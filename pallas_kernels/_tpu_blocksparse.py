@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from xformers_jax.kernels._tiles import STATS_DTYPE
+from xformers_jax.kernels import STATS_DTYPE
 
 from . import _common as C
 

@@ -7,7 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from xformers_jax.models import ClusterformerAttention, cluster_chunk_attention
+from xformers_jax.attention import cluster_chunk_attention
+from xformers_jax.models import ClusterformerAttention
 from tests.fast_jit import build, jit0
 from tests.tolerances import assert_close
 

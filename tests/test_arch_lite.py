@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from xformers_jax.mixers import lightweight_conv
-from xformers_jax.nn._arch import LSRA
+from xformers_jax.nn import LSRA
 from tests.tolerances import assert_close
 
 B, L, DIM, HEADS, K = 2, 10, 16, 2, 3

@@ -81,7 +81,7 @@ def test_hidden_states_scores_and_distilbert_student(teacher):
         block = eqx.combine(jax.tree.map(lambda a: a[0], m.encoder.layers.per_layer()[0]),
                             m.encoder.layers.per_layer()[1])
         h = block.norms[0](hs[0])
-        _, _, v = block.attn._project(h, None)
+        _, _, v = block.attn.project(h, None)
         p = jax.nn.softmax(jnp.where(real[:, None, None, :], maps[0], -jnp.inf), -1)
         o = jnp.einsum("bhqk,bkhd->bqhd", p, v).reshape(*h.shape[:2], -1) @ block.attn.wo
         o = jnp.where(real[..., None], o, 0)

@@ -40,8 +40,8 @@ def test_electra_task_and_teacher_directory(tmp_path):
     assert spec.type == "self_supervised" and not spec.classification
     (tmp_path / "best" / "12" / "state").mkdir(parents=True)
     (tmp_path / "checkpoints" / "40" / "state").mkdir(parents=True)
-    assert _compress._state_dir(str(tmp_path)) == str(tmp_path / "best" / "12" / "state")
-    assert _compress._state_dir("/elsewhere/state") == "/elsewhere/state"
+    assert train.state_dir(str(tmp_path)) == str(tmp_path / "best" / "12" / "state")
+    assert train.state_dir("/elsewhere/state") == "/elsewhere/state"
     c = ml_collections.ConfigDict(dict(num_train_steps=100, prune=ml_collections.ConfigDict(
         dict(sparsity=0.0))))
     assert _compress.wrap_optimizer(c, "opt") == "opt"

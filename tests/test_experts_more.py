@@ -12,7 +12,7 @@ import pytest
 
 import xformers_jax.models as models
 import xformers_jax.nn as nn
-from tests.tolerances import EXACT, EXACT_GRAD, assert_close
+from tests.tolerances import EXACT, assert_close
 from xformers_jax import experts as M
 
 _jit = functools.partial(jax.jit, compiler_options={"xla_backend_optimization_level": 0})

@@ -13,7 +13,7 @@ import pytest
 
 import xformers_jax.models as models
 import xformers_jax.nn as nn
-from tests.tolerances import EXACT, EXACT_GRAD, assert_close
+from tests.tolerances import EXACT, assert_close
 from xformers_jax import experts as M
 from xformers_jax import train
 from xformers_jax.kinds import Kind

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tests.tolerances import EXACT, assert_close
+from tests.tolerances import assert_close
 from xformers_jax.attention import (
     dot_product_attention, entmax15, entmax_alpha, entmax_attention, entmax_bisect, sparsemax,
     topk_attention,

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tests.tolerances import EXACT, EXACT_GRAD, assert_close
+from tests.tolerances import EXACT_GRAD, assert_close
 from xformers_jax.attention import (
     dot_product_attention, init_lsh_rotations, init_routing_state, init_sinkhorn_sort_net,
     lsh_attention, routing_attention, sinkhorn_attention,

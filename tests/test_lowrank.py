@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tests.tolerances import EXACT, EXACT_GRAD, assert_close
+from tests.tolerances import EXACT_GRAD, assert_close
 from xformers_jax.attention import (
     clustered_attention,
     dot_product_attention,

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tests.tolerances import EXACT, EXACT_GRAD, assert_close
+from tests.tolerances import EXACT_GRAD, assert_close
 from xformers_jax import experts as M
 from xformers_jax import parallel
 
@@ -76,7 +76,6 @@ def test_no_drops_equal_dropless_and_errors():
 
 
 def test_gpipe_layer_stack_equals_unpipelined():
-    import xformers_jax.models as models
     import xformers_jax.nn as nn
     from jax.sharding import Mesh
 
@@ -107,7 +106,6 @@ def test_gpipe_moe_aux_is_the_mean_over_microbatches():
     """A pipelined MoE stack (capacity dispatch, so each micro-batch's capacity decides what is
     dropped) equals the unpipelined stack run on each micro-batch: outputs, every layer's aux
     outputs averaged over the micro-batches, and gradients of a loss that uses both."""
-    import xformers_jax.models as models
     import xformers_jax.nn as nn
     from jax.sharding import Mesh
 
@@ -190,7 +188,6 @@ def test_stage_mesh_pipelines_the_model():
     models' LayerStack run as a GPipe pipeline; loss and gradients equal one device's."""
     import equinox as eqx
     import xformers_jax.models as models
-    import xformers_jax.nn as nn
 
     model = models.CausalLM(32, 8, 4, 2, 16, max_len=6, key=jax.random.key(5))
     tokens = jax.random.randint(jax.random.key(6), (8, 6), 0, 32)

@@ -46,7 +46,7 @@ def test_per_head_with_one_pattern_equals_block_sparse(causal):
 def test_sparse_transformer_heads_split_the_patterns():
     spec = {"stride": 4, "block_q": 8, "block_k": 8}
     mha = _mha("per_head_block_sparse", spec, causal=True)
-    q, k, v = mha._project(X, None)
+    q, k, v = mha.project(X, None)
     out = mha.adapter.attend(q, k, v, None, causal=True, kv_mask=None, bias=None, key=None,
                              **spec)
     blocks = {"block_q": 8, "block_k": 8}
@@ -105,9 +105,9 @@ def test_etc_with_tied_projections_equals_global_plus_band_pattern():
     i, j = np.arange(L)[:, None], np.arange(L)[None]
     allowed = (i < g) | (j < g) | ((i >= g) & (j >= g) & (np.abs(i - j) <= r))
     b = _mha("dot_product", {})  # the same key: the same wq, wk, wv, wo as `a`
-    q, k, v = b._project(X, None)
+    q, k, v = b.project(X, None)
     dense = jax.vmap(lambda q2, k2, v2: _masked_dense(q2, k2, v2, allowed), in_axes=1, out_axes=1)
-    ref = b._out(jax.vmap(dense)(q, k, v))
+    ref = b.output(jax.vmap(dense)(q, k, v))
     assert_close(a(X), ref)
     with pytest.raises(ValueError, match="self attention only"):
         a(X, context=X)

@@ -32,6 +32,9 @@ ATTENTION_NAMES = {
     "poolingformer_attention", "probsparse_attention", "relu_features", "rfa_features",
     "ring_attention", "routing_attention", "sequence_parallel_linear_attention",
     "sinkhorn_attention", "sparsemax", "synthesizer_attention",
+    # The one chunked causal scan and the delta rule's forms, which every recurrence runs on.
+    "causal_chunked", "causal_parallel", "causal_recurrent", "causal_step",
+    "gated_delta_chunked", "gated_delta_recurrent", "gated_delta_step",
     "token_learner", "topk_attention",
     # Attention with priors and multi-head variants.
     "AverageGate", "AverageState", "Disagreement", "attention_weights", "average_attention",
@@ -42,6 +45,8 @@ ATTENTION_NAMES = {
     "multiscale_patterns", "predict_gaussian_window", "predictive_attention", "predictive_conv",
     "realformer_attention", "realformer_flash_attention", "talking_heads_attention",
     "init_routing_votes", "routing_aggregation", "squash",
+    # Cluster-Former's attention (its layer is models.ClusterformerAttention).
+    "assign_clusters", "cluster_chunk_attention", "kmeans_centroids",
     # Every attention kind's record (xformers_jax.kinds.Kind), family by family.
     "KINDS",
 }
@@ -142,6 +147,7 @@ EXPERTS_NAMES = {
     "register_grouped_matmul", "router_logits", "router_z_loss", "top_k_route",
     # The dense, sparse and empty FFNs, and every FFN kind's record.
     "KINDS", "feed_forward", "no_feed_forward", "sparse_feed_forward",
+    "DISPATCH_MODES", "FFN_ACTIVATIONS", "GATED", "sparse_controller", "sparse_masked",
 }
 
 
@@ -150,7 +156,7 @@ def test_experts_names_are_pinned():
     nn = importlib.import_module("xformers_jax.nn")
     for name in ("FFNSpec", "Spec", "register_kind", "get_kind", "registered_kinds", "implements",
                  "MoEFeedForward", "ProductKeyMemory", "SparseFeedForward", "aux_losses",
-                 "aux_metrics", "SparseQKVAttention", "BlockCycle"):
+                 "aux_terms", "SparseQKVAttention", "BlockCycle"):
         assert hasattr(nn, name), name
     parallel = importlib.import_module("xformers_jax.parallel")
     for name in ("expert_parallel_moe", "gpipe", "pipeline_layers", "bubble_fraction"):
@@ -162,7 +168,7 @@ MIXERS_NAMES = {
     "causal_convolve", "fourier_mixing", "gated_delta", "gla", "lambda_mixing",
     "linear_recurrence", "pool_mixing", "retention", "s4d", "s4d_kernel", "s4d_step", "s5",
     "s5_step", "selective_scan", "selective_step", "spatial_gating", "ssd", "token_mixing_mlp",
-    "zoh", "lightweight_conv",
+    "zoh", "lightweight_conv", "GLA_CHUNK",
     # Every mixer's record (xformers_jax.kinds.Kind).
     "KINDS",
 }

@@ -326,7 +326,6 @@ def measure_here(case: Case, mode: str, *, min_repeats: int, budget_s: float,
     of the wall time. Failures become records with an ``error``, as in :func:`measure`."""
     import gc
 
-    import jax
 
     record = dict(name=case.name, mode=mode, params=case.params)
     work = None

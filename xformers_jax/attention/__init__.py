@@ -36,6 +36,13 @@ from .linear import linear_attention as linear_attention
 from .linear import linear_attention_init_state as linear_attention_init_state
 from .linear import linear_attention_step as linear_attention_step
 from .linear import LinearAttentionState as LinearAttentionState
+from .linear import causal_chunked as causal_chunked
+from .linear import causal_parallel as causal_parallel
+from .linear import causal_recurrent as causal_recurrent
+from .linear import causal_step as causal_step
+from .linear import gated_delta_chunked as gated_delta_chunked
+from .linear import gated_delta_recurrent as gated_delta_recurrent
+from .linear import gated_delta_step as gated_delta_step
 from .linear import performer_attention as performer_attention
 from .linear import relu_features as relu_features
 from .linear import rfa_features as rfa_features
@@ -64,6 +71,9 @@ from .lowrank import poolingformer_attention as poolingformer_attention
 from .lowrank import probsparse_attention as probsparse_attention
 from .lowrank import synthesizer_attention as synthesizer_attention
 from .lowrank import token_learner as token_learner
+from .learned import assign_clusters as assign_clusters
+from .learned import cluster_chunk_attention as cluster_chunk_attention
+from .learned import kmeans_centroids as kmeans_centroids
 from .learned import adaptive_span_attention as adaptive_span_attention
 from .learned import adaptive_span_penalty as adaptive_span_penalty
 from .learned import dam_attention as dam_attention

@@ -49,7 +49,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..kernels._tiles import STATS_DTYPE as STATS_DTYPE  # the kernel layer owns the dtype policy
+from ..kernels import STATS_DTYPE as STATS_DTYPE  # the kernel layer owns the dtype policy
 
 
 class QKV(NamedTuple):

@@ -13,7 +13,7 @@ import numpy as np
 from jaxtyping import Array, Bool, Float
 
 from . import _contract as C
-from ..kernels import _tiles
+from .. import kernels
 from .patterns import Causal, Pattern
 
 
@@ -102,18 +102,18 @@ def attend_logits(s, v, *, kv_mask=None, segment_ids=None, bias=None, pattern=No
     k_pos = jnp.arange(lk, dtype=jnp.int32)[None, :]
     if bias is not None:
         s = s + (bias(q_pos, k_pos) if callable(bias) else bias).astype(C.STATS_DTYPE)
-    mask = _tiles.dynamic_mask(kv_mask, *(segment_ids or (None, None)))
+    mask = kernels.dynamic_mask(kv_mask, *(segment_ids or (None, None)))
     if pattern is not None:
-        mask = _tiles.and_masks(mask, jnp.asarray(pattern.dense(lq, lk)))
+        mask = kernels.and_masks(mask, jnp.asarray(pattern.dense(lq, lk)))
     if mask is not None:
         s = jnp.where(mask, s, -jnp.inf)
-    m = jax.lax.stop_gradient(_tiles.safe_max(jnp.max(s, axis=-1)))
+    m = jax.lax.stop_gradient(kernels.safe_max(jnp.max(s, axis=-1)))
     p = jnp.exp(s - m[:, None])
     if mask is not None:
         p = jnp.where(mask, p, 0.0)
     weights = p / jnp.where(p.sum(-1) == 0, 1.0, p.sum(-1))[:, None]
     if dropout_rate > 0.0:
-        keep = _tiles.dropout_keep(_tiles.dropout_seed(key), q_pos, k_pos, dropout_rate)
+        keep = kernels.dropout_keep(kernels.dropout_seed(key), q_pos, k_pos, dropout_rate)
         weights = jnp.where(keep, weights / (1.0 - dropout_rate), 0.0)
     out = jnp.einsum(
         "qk,kd->qd", weights.astype(v.dtype), v, preferred_element_type=C.STATS_DTYPE
@@ -125,7 +125,7 @@ def _short_fwd_math(q, k, v, kv_mask, scale):
     s = jnp.einsum("qd,kd->qk", q, k, preferred_element_type=C.STATS_DTYPE) * scale
     if kv_mask is not None:
         s = jnp.where(kv_mask[None, :], s, -jnp.inf)
-    m = _tiles.safe_max(jnp.max(s, axis=-1))
+    m = kernels.safe_max(jnp.max(s, axis=-1))
     e = jnp.exp(s - m[:, None])  # exactly 0 at masked keys
     den = e.sum(-1)
     den = jnp.where(den == 0, 1.0, den)  # a query that sees no key gets zeros

@@ -1,9 +1,9 @@
 """Memory-efficient exact attention: ``flash_attention`` and ``block_sparse_attention``.
 
-Both are the same tiled online-softmax kernel (``xformers_jax.kernels._tiled``) reading a
+Both are the same tiled online-softmax kernel (``xformers_jax.kernels.attend_layout``) reading a
 :class:`~xformers_jax.attention.patterns.BlockLayout`: flash attention uses the layout of the
 full or causal pattern (optionally intersected with one you give), block-sparse attention the
-layout you give. See ``xformers_jax.kernels._tiled`` for the algorithm and its references.
+layout you give. See ``xformers_jax.kernels`` for the algorithm and its references.
 """
 
 from __future__ import annotations
@@ -14,15 +14,15 @@ import numpy as np
 from jaxtyping import Array, Bool, Float
 
 from . import _contract as C
-from ..kernels import _autotune, _dispatch
-from ..kernels._tiled import attend_layout
+from .. import kernels
+from ..kernels import attend_layout
 from ._dense import combined_pattern
 from .patterns import BlockLayout, Full, Pattern
 
 # Tile sizes for the XLA path when the machine's table is not used (ring attention, and the
 # fallback table's cheapest size): larger tiles amortise the scan's per-step cost, smaller ones
 # skip more of a causal or banded matrix. flash_attention's default for full and causal
-# attention is the machine's cheapest tile, ``kernels._autotune.default_block()``.
+# attention is the machine's cheapest tile, ``kernels.kernels.default_block()``.
 DEFAULT_BLOCK_Q = 512
 DEFAULT_BLOCK_K = 512
 
@@ -39,17 +39,17 @@ def _block(name: str, arg: str, value, length: int, default: int) -> int:
 
 
 # Relative cost per score element of one computed square tile, by tile size: this machine's
-# table (``kernels._autotune.tile_costs()``: measured once and cached, or the override in
+# table (``kernels.kernels.tile_costs()``: measured once and cached, or the override in
 # XFORMERS_JAX_TILES). Smaller tiles cost more per element (more scan steps, smaller matmuls;
 # 512 x 512 tiles also take the transposed backward) but skip more of a sparse pattern. The
 # fixed fallback, measured on a 2-core AMD EPYC: flash_attention fwd+bwd over Full() at
 # L=2048 (H=4, D=64) took 311, 234, 189 and 112 ms with 64, 128, 256 and 512 tiles.
-_TILE_COST = _autotune.DEFAULT_TILE_COST
+_TILE_COST = kernels.DEFAULT_TILE_COST
 
 
 def pattern_tile(pattern: Pattern, lq: int, lk: int) -> int:
     """The square tile size of the machine's tile cost table that computes ``pattern`` at
-    least cost (``kernels._autotune.tile_costs()``; ``_TILE_COST`` is the fixed fallback).
+    least cost (``kernels.kernels.tile_costs()``; ``_TILE_COST`` is the fixed fallback).
 
     Cost is the area of the tiles the pattern leaves non-empty times the tile size's cost per
     element. The non-empty tiles of every size come from one evaluation of the pattern on the
@@ -59,7 +59,7 @@ def pattern_tile(pattern: Pattern, lq: int, lk: int) -> int:
     222, 317 and 373) and 64 for ``BigBird(64)`` (431 ms against 796 at 128 and 1974 at 512);
     the full and causal patterns keep 512 there.
     """
-    return _pattern_tile(pattern, lq, lk, tuple(_autotune.tile_costs().items()))
+    return _pattern_tile(pattern, lq, lk, tuple(kernels.tile_costs().items()))
 
 
 @functools.lru_cache(maxsize=256)
@@ -83,8 +83,8 @@ def _pattern_tile(pattern: Pattern, lq: int, lk: int, table: tuple) -> int:
 def _pattern_blocks(name, pattern: Pattern, lq: int, lk: int, block_q, block_k):
     """Tile sizes for a pattern: the caller's, else equal tiles of about ``pattern_tile``."""
     tile = pattern_tile(pattern, lq, lk) if block_q is None or block_k is None else None
-    return (_block(name, "block_q", block_q, lq, tile or _autotune.default_block()),
-            _block(name, "block_k", block_k, lk, tile or _autotune.default_block()))
+    return (_block(name, "block_q", block_q, lq, tile or kernels.default_block()),
+            _block(name, "block_k", block_k, lk, tile or kernels.default_block()))
 
 
 def _run(name, x, layout, *, kv_mask, segs, bias, scale, dropout_rate, key, return_lse,
@@ -98,7 +98,7 @@ def _run(name, x, layout, *, kv_mask, segs, bias, scale, dropout_rate, key, retu
     if implementation != "xla":
         import pallas_kernels  # noqa: F401  registers the Pallas kernels; loaded only when asked
 
-    kernel = _dispatch.choose(name, implementation, call)
+    kernel = kernels.choose(name, implementation, call)
     if kernel is not None:
         out, lse = kernel(
             x.q, x.k, x.v, layout, kv_mask=kv_mask, segments=segs, bias=bias, scale=scale,
@@ -150,7 +150,7 @@ def flash_attention(
       scale: score scale, ``1/sqrt(Dk)`` by default.
       dropout_rate, key: attention dropout, identical to the reference's for the same key.
       block_q, block_k: tile sizes. By default the machine's cheapest tile per score element
-        (``kernels._autotune``: measured once and cached; 512 in the fixed fallback), or with
+        (``kernels.tile_costs``: measured once and cached; 512 in the fixed fallback), or with
         a ``pattern`` the size :func:`pattern_tile` finds cheapest for it.
       return_lse: also return the float32 log-sum-exp of each query's scores (-inf for a query
         that sees no key).
@@ -165,8 +165,8 @@ def flash_attention(
     )
     if pattern is None:
         # Full or causal: the machine's cheapest tile per element (512 in the fallback table).
-        bq = _block(name, "block_q", block_q, x.lq, _autotune.default_block())
-        bk = _block(name, "block_k", block_k, x.lk, _autotune.default_block())
+        bq = _block(name, "block_q", block_q, x.lq, kernels.default_block())
+        bk = _block(name, "block_k", block_k, x.lk, kernels.default_block())
         pattern = combined_pattern(name, None, causal) or Full()
     else:
         pattern = combined_pattern(name, pattern, causal)

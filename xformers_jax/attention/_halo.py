@@ -22,7 +22,7 @@ from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Bool, Float
 
 from .. import axes as X
-from ..kernels._tiles import pad_to
+from ..kernels import pad_to
 from . import _contract as C
 from ._exact import block_sparse_attention
 from .patterns import Local

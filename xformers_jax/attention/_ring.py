@@ -35,8 +35,7 @@ from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Bool, Float
 
 from .. import axes as X
-from ..kernels._tiled import attend_layout_backward
-from ..kernels._tiles import merge_by_lse, pad_to
+from ..kernels import attend_layout_backward, merge_by_lse, pad_to
 from . import _contract as C
 from ._exact import DEFAULT_BLOCK_K, DEFAULT_BLOCK_Q, _block, flash_attention
 from .patterns import Causal, Full

@@ -114,7 +114,7 @@ def hidden_states(model, inputs, *, mask=None, scores: bool = False):
                 raise ValueError("hidden_states: score maps need input position schemes; this "
                                  f"layer's attention has {type(attn.position).__name__}")
             h = block.norms[0](x) if block.placement == "pre" else x
-            q, k, _ = attn._project(h, None)
+            q, k, _ = attn.project(h, None)
             if attn.num_kv_heads != attn.num_heads:
                 k = jnp.repeat(k, attn.num_heads // attn.num_kv_heads, axis=2)
             maps.append(jnp.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(attn.head_dim))

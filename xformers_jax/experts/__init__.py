@@ -10,6 +10,7 @@ expert parallelism is in ``xformers_jax.parallel``. :data:`KINDS` holds every FF
 from ._balanced import balanced_assignment as balanced_assignment
 from ._balanced import base_route as base_route
 from ._dispatch import ACTIVATIONS as ACTIVATIONS
+from ._dispatch import MODES as DISPATCH_MODES
 from ._dispatch import ExpertWeights as ExpertWeights
 from ._dispatch import capacity as capacity
 from ._dispatch import capacity_slots as capacity_slots
@@ -19,9 +20,13 @@ from ._dispatch import moe_capacity as moe_capacity
 from ._dispatch import moe_dropless as moe_dropless
 from ._dispatch import moe_ffn as moe_ffn
 from ._dispatch import moe_reference as moe_reference
+from ._ffn import FFN_ACTIVATIONS as FFN_ACTIVATIONS
+from ._ffn import GATED as GATED
 from ._ffn import feed_forward as feed_forward
 from ._ffn import no_feed_forward as no_feed_forward
+from ._ffn import sparse_controller as sparse_controller
 from ._ffn import sparse_feed_forward as sparse_feed_forward
+from ._ffn import sparse_masked as sparse_masked
 from ._grouped import default_backend as default_backend
 from ._grouped import grouped_matmul as grouped_matmul
 from ._grouped import grouped_matmul_backends as grouped_matmul_backends

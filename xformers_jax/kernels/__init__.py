@@ -18,6 +18,13 @@ build on it.
 - ``merge_by_lse``/``merge_all_by_lse``: one softmax attention from partial attentions over
   disjoint key sets and their log-sum-exps (flash and ring attention's blockwise merge, Liu
   et al., 2023).
+- For kernel authors (the attention families, the mixers' scans, ``pallas_kernels``): the rest
+  of the tile numerics (``pad_to``, ``safe_max``, ``normalise``, ``log_sum_exp``,
+  ``and_masks``, ``dynamic_mask``, positional dropout's ``dropout_seed``/``dropout_keep``, the
+  recomputing backward's ``backward_stats``, ``tile_probs``, ``score_grad``,
+  ``merge_weighted``, the static ``TileConfig``), the Pallas planner (``plan``, ``Blocks``),
+  the tile autotuner (``default_block``, ``tile_costs``, ``DEFAULT_TILE_COST``), the
+  dispatch's ``choose`` and ``cdiv``.
 """
 
 from ._dispatch import kernels_for as kernels_for
@@ -34,3 +41,23 @@ from ._tiles import merge_all_by_lse as merge_all_by_lse
 from ._tiles import merge_by_lse as merge_by_lse
 from ._tiles import online_step as online_step
 from ._vjp import lse_vjp as lse_vjp
+from ._autotune import DEFAULT_TILE_COST as DEFAULT_TILE_COST
+from ._autotune import default_block as default_block
+from ._autotune import tile_costs as tile_costs
+from ._dispatch import choose as choose
+from ._layout import cdiv as cdiv
+from ._planner import Blocks as Blocks
+from ._planner import plan as plan
+from ._tiles import TileConfig as TileConfig
+from ._tiles import and_masks as and_masks
+from ._tiles import backward_stats as backward_stats
+from ._tiles import dropout_keep as dropout_keep
+from ._tiles import dropout_seed as dropout_seed
+from ._tiles import dynamic_mask as dynamic_mask
+from ._tiles import log_sum_exp as log_sum_exp
+from ._tiles import merge_weighted as merge_weighted
+from ._tiles import normalise as normalise
+from ._tiles import pad_to as pad_to
+from ._tiles import safe_max as safe_max
+from ._tiles import score_grad as score_grad
+from ._tiles import tile_probs as tile_probs

@@ -18,7 +18,7 @@ import numpy as np
 EMPTY, PARTIAL, FULL = 0, 1, 2
 
 
-def _cdiv(a: int, b: int) -> int:
+def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 

@@ -28,7 +28,7 @@ from ._layout import BlockLayout
 from ._layout import EMPTY, FULL, PARTIAL
 
 
-def _cdiv(a: int, b: int) -> int:
+def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
@@ -124,7 +124,7 @@ def retile(layout: BlockLayout, bq: int, bk: int):
     lq, lk = layout.lq, layout.lk
     if (bq, bk) == (layout.block_q, layout.block_k):
         return layout.kinds, layout.mask_index, layout.partial_masks
-    nq, nk = _cdiv(lq, bq), _cdiv(lk, bk)
+    nq, nk = cdiv(lq, bq), cdiv(lk, bk)
     # Min and max of the layout kinds over the real positions each new tile covers.
     per_row = np.repeat(layout.kinds, layout.block_q, axis=0)[:lq]
     starts_q, starts_k = np.arange(0, lq, bq), np.arange(0, lk, bk)

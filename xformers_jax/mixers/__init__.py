@@ -14,6 +14,7 @@ from ._mixing import lambda_mixing as lambda_mixing
 from ._mixing import pool_mixing as pool_mixing
 from ._mixing import spatial_gating as spatial_gating
 from ._mixing import token_mixing_mlp as token_mixing_mlp
+from ._recurrences import GLA_CHUNK as GLA_CHUNK
 from ._recurrences import gated_delta as gated_delta
 from ._recurrences import gla as gla
 from ._recurrences import linear_recurrence as linear_recurrence

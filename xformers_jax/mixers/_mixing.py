@@ -26,7 +26,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from ..attention import _contract as C
+from ..kernels import STATS_DTYPE
 
 
 def _check_x(name, x, kv_mask):
@@ -160,7 +160,7 @@ def lambda_mixing(q, k, v, rel, *, window: int | None = None, kv_mask=None):
     real = jnp.ones((length,), bool) if kv_mask is None else kv_mask
     if real.shape != (length,):
         raise ValueError(f"lambda_mixing: kv_mask must be bool[{length}], got {real.shape}")
-    f32 = C.STATS_DTYPE
+    f32 = STATS_DTYPE
     v = jnp.where(real[:, None], v.astype(f32), 0)
     logits = jnp.where(real[:, None], k.astype(f32), -jnp.inf)
     content = jnp.einsum("mk,mv->kv", jax.nn.softmax(logits, axis=0), v)

@@ -1,4 +1,4 @@
-"""Gated linear recurrences on the one chunked causal scan (``attention.linear._scan``).
+"""Gated linear recurrences on the one chunked causal scan (``attention.linear.causal_chunked``).
 
 Each is ``S_t = A_t S_{t-1} + k_t v_t^T``, ``o_t = q_t S_t`` for some decay ``A_t``:
 
@@ -11,7 +11,7 @@ Each is ``S_t = A_t S_{t-1} + k_t v_t^T``, ``o_t = q_t S_t`` for some decay ``A_
   ``S_t = exp(dt_t a) S_{t-1} + dt_t B_t x_t^T``, ``y_t = C_t S_t``.
 - Gated DeltaNet (Yang, Kautz and Hatamizadeh 2025, "Gated Delta Networks: Improving Mamba2
   with Delta Rule"): ``S_t = a_t (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T``, the delta
-  rule's chunked triangular solve (``attention.linear._delta``) with decays.
+  rule's chunked triangular solve (``attention.linear.gated_delta_chunked``) with decays.
 
 Every function takes one sequence and one head. ``implementation`` picks the form:
 ``"parallel"`` (quadratic, one chunk), ``"recurrent"`` (a scan over positions) or
@@ -24,8 +24,8 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from ..attention.linear._delta import gated_delta_chunked, gated_delta_recurrent
-from ..attention.linear._scan import causal_chunked, causal_parallel, causal_recurrent
+from ..attention.linear import (causal_chunked, causal_parallel, causal_recurrent,
+                                gated_delta_chunked, gated_delta_recurrent)
 
 FORMS = ("parallel", "recurrent", "chunked")
 

@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from ..kernels._tiles import pad_to
+from ..kernels import pad_to
 
 SSM_FORMS = ("fft", "recurrent")
 # Positions per block of the S4D kernel's Vandermonde product (see s4d_kernel): about sqrt(L)

@@ -22,7 +22,6 @@ from ._registry import get_model as get_model
 from ._registry import model_defaults as model_defaults
 from ._registry import register_model as register_model
 from ._registry import registered_models as registered_models
-from ._registry import section as section
 from ._trunk import Encoder as Encoder
 from ._trunk import pool as pool
 from ._classifiers import DualEncoder as DualEncoder
@@ -30,7 +29,6 @@ from ._classifiers import EncoderClassifier as EncoderClassifier
 from ._lm import CausalLM as CausalLM
 from ._memory_lm import MemoryModel as MemoryModel
 from ._memory_lm import SegmentCache as SegmentCache
-from ._memory_lm import block_memory as block_memory
 from ._memory_lm import generate_with_memory as generate_with_memory
 from ._memory_lm import has_memory as has_memory
 from ._memory_lm import retrospective_feed as retrospective_feed
@@ -71,5 +69,3 @@ from ._delight import GroupLinear as GroupLinear
 from ._delight import delight_scaling as delight_scaling
 from ._gbst import GBST as GBST
 from ._clusterformer import ClusterformerAttention as ClusterformerAttention
-from ._clusterformer import cluster_chunk_attention as cluster_chunk_attention
-from ._clusterformer import kmeans_centroids as kmeans_centroids

@@ -125,7 +125,7 @@ class FeedbackLM(MemoryModel):
             cache = eqx.combine(cache, cache_static)
 
             def attend(h):
-                q, k, v = block.attn._project(h, None)
+                q, k, v = block.attn.project(h, None)
                 keys = jnp.concatenate([cache.k, k.astype(cache.k.dtype)], 1)
                 values = jnp.concatenate([cache.v, v.astype(cache.v.dtype)], 1)
                 valid = jnp.broadcast_to(cache.valid, keys.shape[:1] + cache.valid.shape)
@@ -134,7 +134,7 @@ class FeedbackLM(MemoryModel):
                 mask = jnp.concatenate([valid, jnp.ones((keys.shape[0], 1), bool)], 1)
                 o = A.multihead(A.dot_product_attention)(q, keys.astype(q.dtype),
                                                         values.astype(q.dtype), kv_mask=mask)
-                return block.attn._out(o)
+                return block.attn.output(o)
 
             x = block.residual(0, x, attend)
             x = block.residual(1, x, block.ffn)
@@ -149,7 +149,7 @@ class FeedbackLM(MemoryModel):
             block = eqx.combine(params, static)
             cache = eqx.combine(cache, cache_static)
             h = block.norms[0](memory) if block.placement == "pre" else memory
-            _, k, v = block.attn._project(h, None)
+            _, k, v = block.attn.project(h, None)
             return eqx.filter(cache.append(k, v), eqx.is_array)
 
         caches = eqx.combine(jax.vmap(write)(dynamic, cache_dyn), cache_static)

@@ -23,7 +23,6 @@ import jax.numpy as jnp
 
 from ..nn import (MEMORY_ATTENTION_KINDS, AttentionSpec, CompressiveMemory, Memory, MemoryState,
                   NoPositions, TransformerXLRelative, XLMemory, sample_tokens, sinusoid)
-from ..nn._memory import _attend
 from ._lm import CausalLM
 from ._registry import TRUNK, register_model, section
 
@@ -75,7 +74,7 @@ def _layer_memory_kv(block, state: MemoryState):
     """One layer's memory keys/values (in the attention's input space, like ``__call__``)."""
     ctx, mask = state.context()
     ctx = block.norms[0](ctx) if block.placement == "pre" else ctx
-    _, k, v = block.attn._project(ctx[:, :1], ctx)
+    _, k, v = block.attn.project(ctx[:, :1], ctx)
     return k, v, mask
 
 
@@ -125,13 +124,13 @@ def _memory_decode_step(model, token, cache: SegmentCache):
         kv = {}
 
         def attend(h):
-            q, k, v = block.attn._project(h, None)
+            q, k, v = block.attn.project(h, None)
             kv["k"], kv["v"] = put(sk, k), put(sv, v)
             keys = jnp.concatenate([mk, kv["k"]], 1).astype(q.dtype)
             values = jnp.concatenate([mv, kv["v"]], 1).astype(q.dtype)
             mask = jnp.concatenate([mmask, jnp.broadcast_to(jnp.arange(seg) <= c, (b, seg))], 1)
-            return block.attn._out(_attend(block.attn, q, keys, values, q_pos, k_pos, mask,
-                                           None))
+            return block.attn.output(block.attn.exact_heads(q, keys, values, q_pos, k_pos,
+                                                            mask))
 
         fs = block.sublayers(inference=True)
         fs[0] = attend
@@ -229,7 +228,7 @@ def _memory_lengths(mem):
     return m, get("eval_mem_len", m), get("cmem_len"), get("eval_cmem_len", get("cmem_len"))
 
 
-def block_memory(mem: dict, dim: int):
+def _block_memory(mem: dict, dim: int):
     """The block memory a ``memory`` config section names (None for kind ``"none"``): an
     ``nn.XLMemory`` (``xl``, ``ernie``: ERNIE-Doc's same-layer recurrence) or a builder of an
     ``nn.CompressiveMemory``; unknown kinds and keys raise ValueError."""
@@ -257,7 +256,7 @@ def block_memory(mem: dict, dim: int):
 def memory_lm(config, task, key):
     """A causal LM over streams with relative positions and a block memory (Transformer-XL)."""
     mem = section(config, "memory")
-    memory = block_memory(mem, config.dim)  # checks the keys
+    memory = _block_memory(mem, config.dim)  # checks the keys
     # Relative positions (Transformer-XL's, with u and v) and no input positions: segments
     # carry no absolute position, memories sit at negative offsets.
     mm, em, cc, ec = _memory_lengths(mem)

@@ -28,7 +28,6 @@ import jax.numpy as jnp
 
 from .. import axes as X
 from ..attention.patterns import Pattern
-from ..attention.patterns._basic import _kinds, _tile_ranges
 from ..nn import AttentionSpec, FeedForward, LayerNorm, MultiHeadAttention
 
 
@@ -44,8 +43,8 @@ class _SuffixCausal(Pattern):
         return j <= i + (lk - lq)
 
     def block_kinds(self, lq, lk, block_q, block_k):
-        r0, r1, c0, c1 = _tile_ranges(lq, lk, block_q, block_k)
-        return _kinds(c1 <= r0 + (lk - lq), c0 > r1 + (lk - lq))
+        r0, r1, c0, c1 = Pattern.tile_bounds(lq, lk, block_q, block_k)
+        return Pattern.tile_kinds(c1 <= r0 + (lk - lq), c0 > r1 + (lk - lq))
 
 
 def _with_pattern(spec: AttentionSpec, pattern: Pattern) -> AttentionSpec:

@@ -26,8 +26,6 @@ import dataclasses
 import difflib
 from typing import Any, Callable, Mapping, final
 
-import jax.numpy as jnp
-
 from ..nn import AttentionSpec, FFNSpec, MixerSpec, aux_terms
 
 # The task types a model can serve (``train``'s tasks declare theirs): how a batch becomes the
@@ -40,22 +38,6 @@ TRUNK = dict(dim=512, num_layers=4, num_heads=8, hidden=1024)
 SLOTS = dict(attention=dict(kind="dot_product"), mixer=dict(kind="none"), ffn=dict(kind="dense"))
 # The task's own term (the mean cross-entropy of classification and language modelling).
 TASK_TERM = "cross_entropy"
-
-
-def default_terms(aux: Mapping, targets) -> dict:
-    """The scalar terms of a model's ``aux``: the FFN slot's per-layer outputs reduced
-    (``nn.aux_terms``: router losses summed over layers, tokens dropped, expert load) and every
-    other scalar entry as it is (ponder cost, reconstruction loss); arrays that are not
-    scalars (per-exit logits) are not terms."""
-    del targets
-    terms = aux_terms(aux)
-    for name, value in aux.items():
-        if name not in terms and jnp.ndim(value) == 0 and name not in _FFN_KEYS:
-            terms[name] = value
-    return terms
-
-
-_FFN_KEYS = frozenset({"load_balancing", "router_z", "dropped_fraction", "expert_load"})
 
 
 @final
@@ -109,8 +91,10 @@ class ModelKind:
         return {**out, **dict(overrides or {})}
 
     def terms(self, aux: Mapping, targets) -> dict:
-        """The named scalar terms of ``aux`` (and of the targets, :attr:`target_terms`)."""
-        out = default_terms(aux, targets)
+        """The named scalar terms of ``aux`` (``nn.aux_terms``: the FFN slot's outputs
+        reduced over layers, every other scalar entry as it is) and those of
+        :attr:`target_terms`, which need the targets."""
+        out = aux_terms(aux)
         if self.target_terms is not None:
             out.update(self.target_terms(aux, targets))
         return out

@@ -10,8 +10,10 @@ with :class:`AttentionSpec`, a token mixer replacing it with :class:`MixerSpec`,
 record (:func:`get_kind`, :func:`registered_kinds`, :func:`register_kind`).
 """
 
-from ._arch import LSRA as LSRA
+from ._mixer import LSRA as LSRA
 from ._attention import MultiHeadAttention as MultiHeadAttention
+from ._attention_layers import AllAttention as AllAttention
+from ._attention_layers import SparseQKVAttention as SparseQKVAttention
 from ._attention import check_sequence_parallel as check_sequence_parallel
 from ._attention import redraw_random_features as redraw_random_features
 from ._blocks import TransformerBlock as TransformerBlock
@@ -21,14 +23,11 @@ from ._carry import Carry as Carry
 from ._ffn import FeedForward as FeedForward
 from ._ffns import AUX_WEIGHTS as AUX_WEIGHTS
 from ._ffns import aux_losses as aux_losses
-from ._ffns import aux_metrics as aux_metrics
 from ._ffns import aux_terms as aux_terms
-from ._moe import AllAttention as AllAttention
 from ._moe import MoEFeedForward as MoEFeedForward
 from ._moe import NoFeedForward as NoFeedForward
 from ._moe import ProductKeyMemory as ProductKeyMemory
 from ._moe import SparseFeedForward as SparseFeedForward
-from ._moe import SparseQKVAttention as SparseQKVAttention
 from ._cycle import BlockCycle as BlockCycle
 from ._cycle import transformer_stack as transformer_stack
 from ._embed import Embedder as Embedder
@@ -71,7 +70,6 @@ from ._positions import TransformerXLRelative as TransformerXLRelative
 from ._positions import sinusoid as sinusoid
 from ._positions import t5_bucket as t5_bucket
 from ._precision import Policy as Policy
-from ..attention.learned._kinds import RoutingCentroids as RoutingCentroids
 from ._attention import routing_commitment_loss as routing_commitment_loss
 from ._mixer import MixerModule as MixerModule
 from ._mixer import SSM_PARAMETERS as SSM_PARAMETERS
@@ -85,6 +83,10 @@ from ._slots import implements as implements
 from ._slots import register_kind as register_kind
 from ._slots import registered_kinds as registered_kinds
 from ._sampling import sample_tokens as sample_tokens
+from ._pipeline import bubble_fraction as bubble_fraction
+from ._pipeline import gpipe as gpipe
+from ._pipeline import microbatches_for as microbatches_for
+from ._pipeline import pipeline_layers as pipeline_layers
 from ._stack import LayerStack as LayerStack
 from ._init import admin_initialize as admin_initialize
 from ._init import t_fixup as t_fixup

@@ -138,7 +138,10 @@ class MultiHeadAttention(eqx.Module):
         """The spec's hyperparameters, defaults filled, without the ``init_only`` ones."""
         return self.adapter.call_hyperparameters(self.spec.resolved)
 
-    def _project(self, x, context):
+    def project(self, x, context=None):
+        """The heads of ``x [B, Lq, dim]`` (and of ``context [B, Lk, kv_dim]`` for cross
+        attention): ``q [B, Lq, H, Dk]``, ``k [B, Lk, Hkv, Dk]``, ``v [B, Lk, Hkv, Dv]``, for
+        callers that attend their own way (memories, feedback, decoding)."""
         b, lq, _ = x.shape
         src = x if context is None else context
         q = (x @ self.wq.astype(x.dtype)).reshape(b, lq, self.num_heads, self.head_dim)
@@ -150,6 +153,22 @@ class MultiHeadAttention(eqx.Module):
         if not isinstance(self.position, BiasScheme):
             return None
         return self.position.bias(q, k, q_pos, k_pos, 1.0 / math.sqrt(self.head_dim))
+
+    def exact_heads(self, q, k, v, q_pos, k_pos, kv_mask, pattern=None):
+        """Exact softmax attention of heads ``q [B, Lq, H, Dk]`` over ``k, v [B, Lk, Hkv, D]``
+        at positions ``q_pos [B, Lq]``, ``k_pos [B, Lk]`` (this layer's q/k rotation or score
+        bias), keys ``kv_mask [B, Lk]`` and ``pattern`` (None: every unmasked key) ->
+        ``[B, Lq, H, Dv]``: how a memory (``nn.memory_attention``, decoding across segments)
+        attends with the layer's positions; ``flash`` for the ``flash`` kind, the dense
+        reference otherwise."""
+        if isinstance(self.position, QKScheme):
+            q, k = self.position.rotate(q, q_pos), self.position.rotate(k, k_pos)
+        kw = {}
+        if isinstance(self.position, BiasScheme):
+            kw["bias"] = self._bias(q, k, q_pos, k_pos)
+        fn = A.flash_attention if self.spec.kind == "flash" else A.dot_product_attention
+        return A.multihead(lambda *a, **k_: fn(*a, pattern=pattern, **k_),
+                           kwarg_axes={"bias": "batch_heads"})(q, k, v, kv_mask=kv_mask, **kw)
 
     def sequence_problem(self) -> str | None:
         """Why this layer cannot run with its sequence split over devices, or None."""
@@ -174,7 +193,8 @@ class MultiHeadAttention(eqx.Module):
                                       f"{shards} devices")
         return self.adapter.sequence.attend
 
-    def _out(self, o):
+    def output(self, o):
+        """The output projection of heads ``o [B, Lq, H, Dv]`` -> ``[B, Lq, dim]``."""
         b, lq = o.shape[:2]
         o = constrain(o, _HEADS)
         return constrain(o.reshape(b, lq, -1) @ self.wo.astype(o.dtype), _EMBED)
@@ -220,7 +240,7 @@ class MultiHeadAttention(eqx.Module):
                                  "state; build the model with eqx.nn.make_with_state and pass "
                                  "its state (carry=nn.Carry(state=state))")
             extra.update(state=carry.state.get(self.state_index), inference=inference)
-        q, k, v = self._project(x, context)
+        q, k, v = self.project(x, context)
         b, lq = x.shape[:2]
         q_mask = kv_mask if q_mask is None and context is None else q_mask
         if q_mask is not None and q_mask.shape != (b, lq):
@@ -239,7 +259,7 @@ class MultiHeadAttention(eqx.Module):
         o, value = o if carried else (o, None)
         if q_mask is not None:
             o = jnp.where(q_mask[:, :, None, None], o, jnp.zeros((), o.dtype))
-        out = self._out(o)
+        out = self.output(o)
         if carry is None:
             return out
         if self.carries_between_layers:
@@ -284,7 +304,7 @@ class MultiHeadAttention(eqx.Module):
         """One causal decoding step: x ``[B, 1, dim]`` at position ``cache.index``.
         Returns ``(out [B, 1, dim], new_cache)``."""
         b = x.shape[0]
-        q, k, v = self._project(x, None)
+        q, k, v = self.project(x, None)
         t_pos = jnp.broadcast_to(cache.index, (b, 1))
         if isinstance(self.position, QKScheme):
             q, k = self.position.rotate(q, t_pos), self.position.rotate(k, t_pos)
@@ -292,7 +312,7 @@ class MultiHeadAttention(eqx.Module):
             o, state = self.adapter.decoding.step(
                 cache.state, q[:, 0], k[:, 0], v[:, 0], self.variant_params,
                 **self._call_hyperparameters())
-            return self._out(o[:, None]), RecurrentCache(state, cache.index + 1)
+            return self.output(o[:, None]), RecurrentCache(state, cache.index + 1)
         cache = cache.append(k, v)
         valid = cache.valid
         decoding = self.adapter.decoding
@@ -308,7 +328,7 @@ class MultiHeadAttention(eqx.Module):
         o = A.multihead(A.dot_product_attention, kwarg_axes={"bias": "batch_heads"})(
             q, cache.k, cache.v, kv_mask=jnp.broadcast_to(valid, k_pos.shape), **kw
         )
-        return self._out(o), cache
+        return self.output(o), cache
 
 
 def redraw_random_features(model, key):

@@ -25,7 +25,6 @@ from .. import axes as X
 from ..axes import constrain
 from ._attention import MultiHeadAttention
 from ._carry import Carry
-from ._ffn import FeedForward
 from ._ffns import call_ffn
 from ._memory import Memory, MemoryState, memory_attention
 from ._norms import StatefulNorm, make_norm

@@ -7,7 +7,7 @@ the kind and the others the dense FFN. A ``LayerStack`` scans identical units, s
 stack scans :class:`BlockCycle` units of ``n`` blocks (``n - 1`` dense, then the kind's) over
 ``num_layers / n`` steps; the stack's ``num_layers`` counts units. Each unit's auxiliary outputs
 are its sparse block's, so the stack's ``aux`` has one row per sparse layer and the losses are
-still summed per layer (``nn._ffns.aux_losses``).
+still summed per layer (``nn.aux_terms``).
 """
 
 from __future__ import annotations

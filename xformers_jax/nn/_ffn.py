@@ -12,8 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from .. import axes as X
-from ..experts import feed_forward
-from ..experts._ffn import FFN_ACTIVATIONS, GATED
+from ..experts import FFN_ACTIVATIONS, GATED, feed_forward
 from ._slots import implements
 
 
@@ -22,7 +21,7 @@ class FeedForward(eqx.Module):
     """``act(x W1 [+ b1]) W2`` or, for gated kinds, ``(act(x W1) * (x V)) W2``.
 
     Args:
-      dim: model width. hidden: inner width. activation: one of ``experts._ffn.FFN_ACTIVATIONS``.
+      dim: model width. hidden: inner width. activation: one of ``experts.FFN_ACTIVATIONS``.
       chunk_size: if set, positions are processed ``chunk_size`` at a time with ``lax.map``
         (same result; peak activation memory proportional to the chunk).
       causal: accepted for the FFN slot's call (``FFNSpec.build``); a position-wise FFN is

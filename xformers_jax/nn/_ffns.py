@@ -13,13 +13,13 @@ FFN); the MoE kinds return :data:`MOE_AUX` keys: ``load_balancing`` and ``router
 losses of ``xformers_jax.experts``, scalars), ``dropped_fraction`` (scalar) and
 ``expert_load`` (``float32[E]``).
 
-**How auxiliary outputs leave the model.** A block called with ``return_aux=True`` returns its
-FFN's ``aux`` beside its usual result; ``LayerStack`` always asks its blocks for it and stacks
-it as a ``lax.scan`` output (a leading layer axis), and returns it with ``return_aux=True``;
-models pass ``return_aux`` through and return ``(logits, aux)``. :func:`aux_losses` sums each
-loss over layers (each layer's loss from its own router) and the trainer adds them to the
-cross-entropy with the config's coefficients (``config.loss``) and logs them with the
-statistics (:func:`aux_metrics`).
+**How auxiliary outputs leave the model.** A block called with a carry (``nn.Carry``) writes
+its FFN's ``aux`` into the carry it returns; ``LayerStack`` stacks every layer's as a
+``lax.scan`` output (a leading layer axis); models take ``return_aux=True`` and return
+``(logits, aux)``. :func:`aux_terms` turns it into named scalar terms for a loss and a log
+(each router loss summed over layers, each layer's from its own router; the statistics
+averaged), which a model kind weighs with its default weights (:data:`AUX_WEIGHTS`, Switch's
+and ST-MoE's coefficients) and the config's ``loss`` section.
 """
 
 from __future__ import annotations
@@ -49,32 +49,19 @@ def aux_losses(aux: Mapping) -> dict:
             for name in AUX_LOSSES}
 
 
-def aux_metrics(aux: Mapping) -> dict:
-    """Scalars to log: the summed losses, the mean dropped fraction over layers and the
-    largest expert load relative to uniform (1 at perfect balance, ``E`` if one expert takes
-    everything), averaged over layers."""
-    out = {}
-    if "load_balancing" in aux:
-        out.update({f"aux_{k}": v for k, v in aux_losses(aux).items()})
-    if "dropped_fraction" in aux:
-        out["tokens_dropped"] = jnp.mean(aux["dropped_fraction"])
-    if "expert_load" in aux:
-        load = aux["expert_load"]
-        out["max_expert_load"] = jnp.mean(load.max(-1) * load.shape[-1])
-    return out
-
-
 # The default weights of the FFN slot's loss terms in a training loss (Switch's load
 # balancing, ST-MoE's router z-loss): model kinds declare them with their own terms.
 AUX_WEIGHTS = {"load_balancing": LOAD_BALANCING_COEF, "router_z": Z_LOSS_COEF}
 
 
 def aux_terms(aux: Mapping) -> dict:
-    """The FFN slot's outputs in a model's ``aux`` (leading layer axis) as named scalars for a
-    loss and a log: ``load_balancing`` and ``router_z`` summed over layers (each layer's loss
-    from its own router), ``tokens_dropped`` (the mean dropped fraction over layers) and
-    ``max_expert_load`` (the largest expert load relative to uniform, averaged over layers: 1
-    at perfect balance, ``E`` if one expert takes everything). Empty without MoE layers."""
+    """A model's auxiliary outputs as named scalars for a loss and a log: the FFN slot's
+    (:data:`MOE_AUX`, leading layer axis) reduced, ``load_balancing`` and ``router_z`` summed
+    over layers (each layer's loss from its own router), ``tokens_dropped`` (the mean dropped
+    fraction over layers) and ``max_expert_load`` (the largest expert load relative to
+    uniform, averaged over layers: 1 at perfect balance, ``E`` if one expert takes
+    everything); every other scalar entry as it is (a ponder cost, a reconstruction loss).
+    Entries that are neither (per-exit logits) are not terms."""
     out = {}
     if "load_balancing" in aux:
         out.update(aux_losses(aux))
@@ -83,5 +70,7 @@ def aux_terms(aux: Mapping) -> dict:
     if "expert_load" in aux:
         load = aux["expert_load"]
         out["max_expert_load"] = jnp.mean(load.max(-1) * load.shape[-1])
+    for name, value in aux.items():
+        if name not in MOE_AUX and jnp.ndim(value) == 0:
+            out[name] = value
     return out
-

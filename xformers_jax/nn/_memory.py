@@ -40,7 +40,6 @@ import jax.numpy as jnp
 
 from .. import attention as A
 from ._attention import MultiHeadAttention
-from ._positions import BiasScheme, QKScheme
 
 COMPRESSIONS = ("max", "mean", "conv", "dilated_conv", "most_used")
 # The attention kinds that take a memory: exact softmax over [memory; segment] with the causal
@@ -249,7 +248,7 @@ def compress(kind: str, x, mask, rate: int, weight=None, bias=None, usage=None):
 def _content_attention(attn: MultiHeadAttention, h, mem, mem_mask, return_weights=False):
     """Content-only multi-head attention of queries ``h [B, L, D]`` over ``mem [B, n, D]``
     (no positions, no causal mask): the attention the reconstruction loss compares."""
-    q, k, v = attn._project(h, mem)
+    q, k, v = attn.project(h, mem)
     f = A.multihead(lambda q1, k1, v1, kv_mask: A.dot_product_attention(
         q1, k1, v1, kv_mask=kv_mask, return_weights=return_weights))
     return f(q, k, v, kv_mask=mem_mask)
@@ -359,7 +358,7 @@ def memory_attention(attn: MultiHeadAttention, h, ctx, ctx_mask, *, kv_mask=None
     if ctx.shape[0] != b or ctx.shape[2] != h.shape[2] or ctx_mask.shape != ctx.shape[:2]:
         raise ValueError(f"memory_attention: memory {ctx.shape} (mask {ctx_mask.shape}) does not "
                          f"match the segment {h.shape}")
-    q, k, v = attn._project(h, jnp.concatenate([ctx.astype(h.dtype), h], 1))
+    q, k, v = attn.project(h, jnp.concatenate([ctx.astype(h.dtype), h], 1))
     q_pos = (jnp.broadcast_to(jnp.arange(l, dtype=jnp.int32), (b, l)) if positions is None
              else positions.astype(jnp.int32))
     k_pos = jnp.concatenate([q_pos[:, :1] - jnp.arange(m, 0, -1, dtype=jnp.int32)[None],
@@ -367,23 +366,7 @@ def memory_attention(attn: MultiHeadAttention, h, ctx, ctx_mask, *, kv_mask=None
     seg_mask = jnp.ones((b, l), bool) if kv_mask is None else kv_mask
     full_mask = jnp.concatenate([ctx_mask, seg_mask], 1)
     # The causal band over [memory; segment]: query i (key index M + i) sees keys <= M + i.
-    o = _attend(attn, q, k, v, q_pos, k_pos, full_mask, A.patterns.Local(m + l, m))
+    o = attn.exact_heads(q, k, v, q_pos, k_pos, full_mask, A.patterns.Local(m + l, m))
     if kv_mask is not None:
         o = jnp.where(kv_mask[:, :, None, None], o, jnp.zeros((), o.dtype))
-    return attn._out(o)
-
-
-def _attend(attn: MultiHeadAttention, q, k, v, q_pos, k_pos, kv_mask, pattern):
-    """Heads ``q [B, Lq, H, Dk]`` over ``k, v [B, Lk, Hkv, D]`` at positions ``q_pos [B,
-    Lq]``, ``k_pos [B, Lk]`` (the attention's q/k rotation or score bias), keys ``kv_mask``,
-    ``pattern`` (None: every unmasked key) -> ``[B, Lq, H, Dv]``."""
-    if isinstance(attn.position, QKScheme):
-        q, k = attn.position.rotate(q, q_pos), attn.position.rotate(k, k_pos)
-    kw = {}
-    if isinstance(attn.position, BiasScheme):
-        kw["bias"] = attn._bias(q, k, q_pos, k_pos)
-    fn = A.dot_product_attention if attn.spec.kind == "dot_product" else A.flash_attention
-    return A.multihead(lambda *a, **k_: fn(*a, pattern=pattern, **k_),
-                       kwarg_axes={"bias": "batch_heads"})(q, k, v, kv_mask=kv_mask, **kw)
-
-
+    return attn.output(o)

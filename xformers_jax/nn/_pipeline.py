@@ -18,7 +18,6 @@ micro-batch).
 
 from __future__ import annotations
 
-import equinox as eqx
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P

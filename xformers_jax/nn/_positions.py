@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .. import axes as X
-from ..attention._contract import STATS_DTYPE
+from ..kernels import STATS_DTYPE
 
 
 def sinusoid(positions, dim: int, base: float = 10000.0):

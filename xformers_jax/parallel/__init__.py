@@ -7,24 +7,28 @@ attention and the sequence-parallel linear scan live in their families, ``attent
 ``attention.linear._sequence_parallel``, so models can reach them; they are re-exported here).
 The axis vocabulary is :mod:`xformers_jax.axes`. Without an active mesh every sharding call is
 a no-op. Pipeline parallelism (GPipe over the ``stage`` axis: ``gpipe``, ``pipeline_layers``,
-``microbatches_for``, ``bubble_fraction``) lives with the layer stacks in ``nn._pipeline``.
+``microbatches_for``, ``bubble_fraction``) lives with the layer stacks in ``nn``, which
+every LayerStack reaches on a mesh with a ``stage`` axis; it is re-exported here.
 """
 
 from .. import axes as axes
 from ..axes import active as active
 from ._checkpoint import checkpoint_contents as checkpoint_contents
+from ._checkpoint import checkpoint_tree as checkpoint_tree
 from ._checkpoint import convert_index_checkpoint as convert_index_checkpoint
+from ._checkpoint import fill_arrays as fill_arrays
 from ._checkpoint import restore_checkpoint as restore_checkpoint
+from ._checkpoint import restore_target as restore_target
 from ._checkpoint import save_checkpoint as save_checkpoint
 from ..attention import (
     sequence_parallel_linear_attention as sequence_parallel_linear_attention)
 from ._mesh import make_mesh as make_mesh
 from ..experts import expert_parallel_moe as expert_parallel_moe
-from ..nn._pipeline import STAGE as STAGE
-from ..nn._pipeline import bubble_fraction as bubble_fraction
-from ..nn._pipeline import microbatches_for as microbatches_for
-from ..nn._pipeline import gpipe as gpipe
-from ..nn._pipeline import pipeline_layers as pipeline_layers
+from ..axes import STAGE as STAGE
+from ..nn import bubble_fraction as bubble_fraction
+from ..nn import microbatches_for as microbatches_for
+from ..nn import gpipe as gpipe
+from ..nn import pipeline_layers as pipeline_layers
 from ._mesh import resolve_mesh_shape as resolve_mesh_shape
 from ._mesh import use_mesh as use_mesh
 from ._multihost import global_batch as global_batch

@@ -107,7 +107,7 @@ def _nest(flat: dict[Path, Any]) -> dict:
     return tree
 
 
-def _path_tree(state) -> dict:
+def checkpoint_tree(state) -> dict:
     """The nested dict that is saved for ``state``: its array leaves keyed by path."""
     return _nest(_arrays_by_path(state))
 
@@ -213,7 +213,7 @@ def _sharding_by_path(paths: list[Path], shardings) -> dict[Path, jax.sharding.S
     return out
 
 
-def _restore_target(like, stored_tree, shardings, where: str) -> dict:
+def restore_target(like, stored_tree, shardings, where: str) -> dict:
     """The checked abstract tree to restore ``like``'s arrays from a checkpoint.
 
     Args:
@@ -234,7 +234,7 @@ def _restore_target(like, stored_tree, shardings, where: str) -> dict:
                   for p, x in expected.items()})
 
 
-def _fill(like, restored: dict):
+def fill_arrays(like, restored: dict):
     """``like`` with each array leaf replaced by the restored array at its path."""
     leaves, treedef = jax.tree_util.tree_flatten_with_path(like)
     values = []
@@ -267,7 +267,7 @@ def save_checkpoint(directory: str, state) -> None:
     """Saves the array leaves of ``state`` under ``directory`` (which must not exist yet),
     keyed by their tree paths (see the module docstring for the layout)."""
     with ocp.StandardCheckpointer() as ckpt:
-        ckpt.save(os.path.abspath(directory), _path_tree(state))
+        ckpt.save(os.path.abspath(directory), checkpoint_tree(state))
         ckpt.wait_until_finished()
 
 
@@ -324,7 +324,7 @@ def restore_checkpoint(directory: str, like, shardings=None, *, prefix: str | No
                              f"there it has {keys}")
         stored = stored[k]
         where = f"{directory} under {_show(pre)!r}"
-    target = _restore_target(like, stored, shardings, where)
+    target = restore_target(like, stored, shardings, where)
     for k in reversed(pre):
         target = {k: target}
     with ocp.Checkpointer(ocp.PyTreeCheckpointHandler()) as ckpt:
@@ -333,7 +333,7 @@ def restore_checkpoint(directory: str, like, shardings=None, *, prefix: str | No
             partial_restore=bool(pre)))
     for k in pre:
         restored = restored[k]
-    return _fill(like, restored)
+    return fill_arrays(like, restored)
 
 
 def convert_index_checkpoint(old_dir: str, new_dir: str, template) -> list[str]:

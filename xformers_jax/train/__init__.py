@@ -2,6 +2,9 @@
 metrics (JSONL, TensorBoard, a progress bar), dynamic loss scaling, tasks and the loop behind ``xformers_jax_experiments/train.py``."""
 
 from ._checkpoint import Checkpointer as Checkpointer
+from ._compress import Compression as Compression
+from ._compress import restore_model as restore_model
+from ._compress import state_dir as state_dir
 from ._config import PRECISIONS as PRECISIONS
 from ._config import base_config as base_config
 from ._config import model_config as model_config
@@ -32,5 +35,4 @@ from ._objective import make_loss_fn as make_loss_fn
 from ._objective import make_metrics_fn as make_metrics_fn
 from ._tasks import build_model as build_model
 from ._tasks import make_task as make_task
-from ._tasks import model_inputs as model_inputs
 from ._tasks import register_task as register_task

@@ -6,9 +6,9 @@ test evaluation reads it). Each step directory ``<step>/`` holds two items:
 
 - ``state/``: the train state's arrays keyed by tree path (``step``, ``model/...``,
   ``opt_state/0/mu/...``, ``key``), the format of :func:`xformers_jax.parallel.save_checkpoint`
-  and by the same code (``parallel._checkpoint``): restoring checks the stored paths, shapes and
-  dtypes against the template first and names the first difference; ``parallel.
-  checkpoint_contents`` lists it and ``parallel.restore_checkpoint(..., prefix="model")`` reads
+  and by the same code (``parallel.checkpoint_tree``, ``restore_target``, ``fill_arrays``):
+  restoring checks the stored paths, shapes and dtypes against the template first and names
+  the first difference; ``parallel.checkpoint_contents`` lists it and ``parallel.restore_checkpoint(..., prefix="model")`` reads
   a part of it. Index-keyed checkpoints of earlier versions fail with a pointer to
   ``parallel.convert_index_checkpoint`` (which converts a whole ``workdir``).
 - ``data/``: the input's state, one JSON file per process (``process_<i>-of-<n>.json``),
@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
-from ..parallel._checkpoint import _fill, _path_tree, _restore_target
+from ..parallel import checkpoint_tree, fill_arrays, restore_target
 
 
 def _copy(leaf):
@@ -93,7 +93,7 @@ class Checkpointer:
 
     @staticmethod
     def _args(state, data_state):
-        tree = jax.tree.map(_copy, _path_tree(state))
+        tree = jax.tree.map(_copy, checkpoint_tree(state))
         return ocp.args.Composite(state=ocp.args.StandardSave(tree),
                                   data=grain.checkpoint.CheckpointSave(_DataState(data_state)))
 
@@ -118,7 +118,7 @@ class Checkpointer:
         # the checkpoint.
         stored = manager.item_metadata(step)["state"].tree
         where = os.path.join(str(manager.directory), str(step), "state")
-        target = _restore_target(template, stored, shardings, where)
+        target = restore_target(template, stored, shardings, where)
         earlier = os.path.join(str(manager.directory), str(step), "data", "metadata")
         if os.path.exists(earlier):
             # Written before the Grain pipeline: the data state is orbax's JSON item (which
@@ -126,11 +126,11 @@ class Checkpointer:
             restored = manager.restore(step, args=ocp.args.Composite(
                 state=ocp.args.StandardRestore(target)))
             with open(earlier) as fh:
-                return _fill(template, restored["state"]), json.load(fh)
+                return fill_arrays(template, restored["state"]), json.load(fh)
         restored = manager.restore(step, args=ocp.args.Composite(
             state=ocp.args.StandardRestore(target),
             data=grain.checkpoint.CheckpointRestore(_DataState())))
-        return _fill(template, restored["state"]), restored["data"].state
+        return fill_arrays(template, restored["state"]), restored["data"].state
 
     def latest_step(self) -> int | None:
         return self.latest.latest_step()

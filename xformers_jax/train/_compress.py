@@ -47,7 +47,7 @@ import optax
 
 from .. import compress as C
 from .. import data as D
-from .. import models, nn, parallel
+from .. import models, parallel
 from ._objective import forward
 from ._tasks import build_model
 
@@ -134,8 +134,10 @@ def best_from_step(config) -> int:
 
 # -- before training ----------------------------------------------------------------------------
 
-def _state_dir(path: str) -> str:
-    """A checkpoint's ``state`` directory: a workdir's best (else latest) step, or ``path``."""
+def state_dir(path: str) -> str:
+    """The ``state`` directory of a trainer workdir's best (else latest) checkpoint, or
+    ``path`` itself (a checkpoint's ``state`` directory): where ``parallel.restore_checkpoint``
+    reads a trained model from."""
     for sub in ("best", "checkpoints"):
         root = os.path.join(path, sub)
         if os.path.isdir(root):
@@ -149,7 +151,7 @@ def restore_model(path: str, model_config, task, key):
     """The model of ``model_config`` restored by path (orbax) from a trainer workdir's best
     (else latest) step, or from a checkpoint's ``state`` directory."""
     like = eqx.filter_eval_shape(build_model, model_config, task, key)
-    return parallel.restore_checkpoint(_state_dir(path), like, prefix="model")
+    return parallel.restore_checkpoint(state_dir(path), like, prefix="model")
 
 
 def load_teacher(config, task, key):
@@ -185,7 +187,7 @@ def prepare_model(config, model, teacher):
     (DistilBERT), fake-quantized (QAT), with LayerDrop, and with TinyBERT's projections
     (:class:`Student`)."""
     if config.init_from:
-        model = parallel.restore_checkpoint(_state_dir(config.init_from), model, prefix="model")
+        model = parallel.restore_checkpoint(state_dir(config.init_from), model, prefix="model")
     if config.distill.init == "every_other":
         student = C.distilbert_init(teacher)
         if jax.tree.structure(student) != jax.tree.structure(model) or any(

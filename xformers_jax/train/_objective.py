@@ -11,7 +11,6 @@ config's ``loss`` section) and every term is a logged metric.
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 import optax
 

@@ -7,7 +7,6 @@ fp32, B=1, H=4, D=64, lifted with ``multihead``. The dense reference stops at L=
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 
 from xformers_jax.attention import dot_product_attention, flash_attention, multihead
 from xformers_jax_experiments.bench_lib import (Case, Results, Workload, linear_growth_check,

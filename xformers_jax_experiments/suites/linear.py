@@ -28,7 +28,7 @@ from xformers_jax.attention import (
     multihead,
 )
 from xformers_jax.attention.linear import _linear
-from xformers_jax.attention.linear._scan import causal_chunked, causal_recurrent
+from xformers_jax.attention.linear import causal_chunked, causal_recurrent
 from xformers_jax_experiments.bench_lib import (
     Case,
     Results,

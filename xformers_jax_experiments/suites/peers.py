@@ -43,7 +43,7 @@ LONG = 16384          # forward only: fwd+bwd at 16K would take minutes per case
 WITH_LONG = os.environ.get("PEERS_LONG", "1") != "0"
 JAX_NN_MAX = 4096     # jax.nn.dot_product_attention holds [H, L, L] scores
 # The forward's tile matmuls alone (``tile_matmuls``) at flash's own tile (0: the machine's,
-# ``kernels._autotune``) and at 1024, the larger tile that ran as fast on the Sapphire Rapids;
+# ``kernels.default_block``) and at 1024, the larger tile that ran as fast on the Sapphire Rapids;
 # larger ones ran slower (2048: 89 against 81 ms at L=4096, timed once in one process).
 TILE_BOUND_BLOCKS, TILE_BOUND_BLOCKS_QUICK = (0, 1024), (32, 64)
 STEP_LENGTHS = (2048, 4096)
@@ -141,16 +141,16 @@ def tile_matmuls(q, k, v, block: int | None = None):
     """Flash attention's forward with everything but its two tile matmuls taken out: per
     head, for each ``block``-row query tile, ``acc += (q_t k_t^T) v_t`` over the key tiles
     (no scale, no running max, no exponential, no normaliser). ``q, k, v [B, L, H, D]``,
-    ``L`` a multiple of ``block`` (the machine's flash tile, ``kernels._autotune``, by
+    ``L`` a multiple of ``block`` (the machine's flash tile, ``kernels.default_block``, by
     default). Its time is what XLA's matmul kernels alone need for the forward's FLOPs at
     flash's tiles: a floor for any flash forward built from them. Not attention: the suite
     times it, nothing else calls it."""
     import jax
     import jax.numpy as jnp
 
-    from xformers_jax.kernels import _autotune
+    from xformers_jax import kernels
 
-    b = block or _autotune.default_block()
+    b = block or kernels.default_block()
     B, L, H, D = q.shape
     if L % b:
         raise ValueError(f"tile_matmuls: L = {L} must be a multiple of the tile {b}")

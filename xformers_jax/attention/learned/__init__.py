@@ -1,11 +1,14 @@
-"""Learned and content-based sparsity: LSH (Reformer), routing, Sinkhorn, entmax, top-k,
-adaptive span, DAM.
+"""Learned and content-based sparsity: LSH (Reformer), routing, Cluster-Former's clusters,
+Sinkhorn, entmax, top-k, adaptive span, DAM.
 
 Every public name here is also exported by ``xformers_jax.attention``.
 """
 
 from ._adaptive_span import adaptive_span_attention as adaptive_span_attention
 from ._adaptive_span import adaptive_span_penalty as adaptive_span_penalty
+from ._clusterformer import assign_clusters as assign_clusters
+from ._clusterformer import cluster_chunk_attention as cluster_chunk_attention
+from ._clusterformer import kmeans_centroids as kmeans_centroids
 from ._dam import dam_attention as dam_attention
 from ._dam import dam_mask as dam_mask
 from ._dam import dam_penalty as dam_penalty

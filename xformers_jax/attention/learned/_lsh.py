@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float
 
 from .. import _contract as C
-from ...kernels._tiles import merge_all_by_lse
+from ...kernels import merge_all_by_lse
 from ._sorted_chunks import chunk_attention, permute, sort_by_code
 
 # Reformer masks a token's own key with a large finite penalty rather than -inf: it then

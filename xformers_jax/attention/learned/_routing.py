@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float
 
 from .. import _contract as C
-from ...kernels import _tiles
+from ... import kernels
 from ._sorted_chunks import (
     chunk_attention, pack_bits, permute, shared_count, sort_by_code,
 )
@@ -183,22 +183,22 @@ def _balanced(x, mu, q_unit, k_unit, q_real, k_real, window, scale):
     shared = shared_count(bits_q[idx_q][:, :, None, :], bits_k[idx_k][:, None, :, :])
     s = s - jnp.log(jnp.maximum(shared, 1).astype(jnp.float32))
     s = jnp.where(k_real[idx_k][:, None, :], s, -jnp.inf)
-    m = jax.lax.stop_gradient(_tiles.safe_max(s.max(-1)))
+    m = jax.lax.stop_gradient(kernels.safe_max(s.max(-1)))
     p = jnp.exp(s - m[..., None])
     l = p.sum(-1)
-    part = _tiles.normalise(
+    part = kernels.normalise(
         jnp.einsum("cqk,ckd->cqd", p.astype(x.v.dtype), x.v[idx_k],
                    preferred_element_type=C.STATS_DTYPE), l)
-    lse = _tiles.log_sum_exp(m, l)
+    lse = kernels.log_sum_exp(m, l)
 
     # Merge each query's occurrences (one per cluster that chose it) by their log-sum-exp.
     flat_q, flat_lse = idx_q.reshape(-1), lse.reshape(-1)
     top = jnp.full((x.lq,), -jnp.inf, jnp.float32).at[flat_q].max(flat_lse)
-    top = jax.lax.stop_gradient(_tiles.safe_max(top))
+    top = jax.lax.stop_gradient(kernels.safe_max(top))
     w = jnp.exp(flat_lse - top[flat_q])
     num = jnp.zeros((x.lq, x.dv), jnp.float32).at[flat_q].add(w[:, None] * part.reshape(-1, x.dv))
     den = jnp.zeros((x.lq,), jnp.float32).at[flat_q].add(w)
-    return _tiles.normalise(num, den)
+    return kernels.normalise(num, den)
 
 
 def _causal(x, mu, route, real, window, scale):

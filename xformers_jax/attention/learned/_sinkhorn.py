@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float
 
 from .. import _contract as C
-from ...kernels import _tiles
+from ... import kernels
 
 
 # On CPU, when one head's block scores (all query blocks together) would exceed
@@ -386,13 +386,13 @@ def sinkhorn_attention(
                         s_bias.reshape(-1))]
         scores = [jnp.einsum("qd,kd->qk", qi, kk, preferred_element_type=C.STATS_DTYPE) * scale
                   + bias for kk, _, bias in keysets]
-        m = jax.lax.stop_gradient(_tiles.safe_max(
+        m = jax.lax.stop_gradient(kernels.safe_max(
             functools.reduce(jnp.maximum, [sc.max(-1) for sc in scores])))
         es = [jnp.exp(sc - m[:, None]) for sc in scores]
         acc = sum(jnp.einsum("qk,kd->qd", e.astype(x.v.dtype), vv,
                              preferred_element_type=C.STATS_DTYPE)
                   for e, (_, vv, _) in zip(es, keysets))
-        return _tiles.normalise(acc, sum(e.sum(-1) for e in es))
+        return kernels.normalise(acc, sum(e.sum(-1) for e in es))
 
     per_block = (qb, kb, vb, real_b, sk, sv, s_bias) if sortcut is None else (qb,)
     group = _block_group(n, b, 2 * b if sortcut is None else sortcut * b)

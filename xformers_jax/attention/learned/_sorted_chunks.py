@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from .._contract import STATS_DTYPE
-from ...kernels import _tiles
+from ... import kernels
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=())
@@ -85,12 +85,12 @@ def chunk_attention(q_s, k_s, v_s, score_fn, *, chunk: int, scale: float):
     vc = with_previous_chunk(v_s, chunk, 0)
     s = jnp.einsum("ncd,nkd->nck", qc, kc, preferred_element_type=STATS_DTYPE) * scale
     s = score_fn(s)
-    m = jax.lax.stop_gradient(_tiles.safe_max(jnp.max(s, axis=-1)))
+    m = jax.lax.stop_gradient(kernels.safe_max(jnp.max(s, axis=-1)))
     p = jnp.exp(s - m[..., None])
     l = p.sum(axis=-1)
     acc = jnp.einsum("nck,nkd->ncd", p.astype(v_s.dtype), vc, preferred_element_type=STATS_DTYPE)
-    out = _tiles.normalise(acc, l)
-    return out.reshape(n * chunk, -1), _tiles.log_sum_exp(m, l).reshape(n * chunk)
+    out = kernels.normalise(acc, l)
+    return out.reshape(n * chunk, -1), kernels.log_sum_exp(m, l).reshape(n * chunk)
 
 
 def pack_bits(member):

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float
 
 from .. import _contract as C
-from ...kernels import _tiles
+from ... import kernels
 
 
 def topk_attention(
@@ -54,7 +54,7 @@ def topk_attention(
     if top_k < x.lk:
         kth = jax.lax.stop_gradient(jax.lax.top_k(s, top_k)[0][:, -1:])
         s = jnp.where(s >= kth, s, -jnp.inf)
-    m = jax.lax.stop_gradient(_tiles.safe_max(s.max(-1)))
+    m = jax.lax.stop_gradient(kernels.safe_max(s.max(-1)))
     p = jnp.exp(s - m[:, None])
     out = jnp.einsum("qk,kd->qd", p.astype(x.v.dtype), x.v, preferred_element_type=C.STATS_DTYPE)
-    return _tiles.normalise(out, p.sum(-1)).astype(x.q.dtype)
+    return kernels.normalise(out, p.sum(-1)).astype(x.q.dtype)

@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from ...kernels._tiles import pad_to
+from ...kernels import pad_to
 
 
 def _decay(ld_t):

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float
 
 from .. import _contract as C
-from ...kernels import _tiles
+from ... import kernels
 from .._exact import flash_attention
 from ..patterns import Local
 
@@ -36,7 +36,7 @@ def _project(k, v, w_p, real, segment):
     logits = seg(jnp.einsum("ld,dr->lr", k, w_p, preferred_element_type=C.STATS_DTYPE))
     real_s = seg(real)[..., None]
     m = jax.lax.stop_gradient(
-        _tiles.safe_max(jnp.where(real_s, logits, -jnp.inf).max(1, keepdims=True)))
+        kernels.safe_max(jnp.where(real_s, logits, -jnp.inf).max(1, keepdims=True)))
     p = jnp.where(real_s, jnp.exp(logits - m), 0.0)
     p = p / jnp.maximum(p.sum(1, keepdims=True), jnp.finfo(C.STATS_DTYPE).tiny)
     pk = jnp.einsum("slr,sld->srd", p, seg(k).astype(C.STATS_DTYPE)).reshape(-1, k.shape[1])
@@ -108,5 +108,5 @@ def long_short_attention(
     far, lse_far = flash_attention(x.q.astype(C.STATS_DTYPE), pk, pv, kv_mask=valid, bias=bias,
                                    scale=scale, return_lse=True)
     # One softmax over the union of the two disjoint key sets.
-    out, _ = _tiles.merge_by_lse(local, lse_local, far, lse_far)
+    out, _ = kernels.merge_by_lse(local, lse_local, far, lse_far)
     return out.astype(x.q.dtype)

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float
 
 from .. import _contract as C
-from ...kernels import _tiles
+from ... import kernels
 from .._exact import flash_attention
 from ..patterns import Local
 
@@ -99,4 +99,4 @@ def lowrank_band_attention(
     # A branch that saw no key returned zeros; its weight moves to the other branch.
     w_far = jnp.where(jnp.isneginf(lse_far), 0.0, 1.0 - g)
     w_band = jnp.where(jnp.isneginf(lse_band), 0.0, g)
-    return _tiles.merge_weighted((far, band), (w_far, w_band)).astype(x.q.dtype)
+    return kernels.merge_weighted((far, band), (w_far, w_band)).astype(x.q.dtype)

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float
 
 from .. import _contract as C
-from ...kernels import _tiles
+from ... import kernels
 from .._dense import dot_product_attention, short_softmax_attention
 
 
@@ -58,12 +58,12 @@ def _luna_causal(q, k, v, p, kv_mask, scale, chunk):
         m0, den0, acc0 = carry
         sc, kvc, qc = xs
         m = jax.lax.stop_gradient(jnp.maximum(m0[None], jax.lax.cummax(sc, axis=0)))
-        m_safe = _tiles.safe_max(m)
+        m_safe = kernels.safe_max(m)
         w = jnp.where(seen[:, :, None], jnp.exp(sc[None] - m_safe[:, None]), 0.0)
         rescale = jnp.where(jnp.isneginf(m0)[None], 0.0, jnp.exp(m0[None] - m_safe))
         den = den0[None] * rescale + w.sum(1)
         acc = acc0[None] * rescale[..., None] + jnp.einsum("tjl,jd->tld", w, kvc)
-        packed = _tiles.normalise(acc, den)
+        packed = kernels.normalise(acc, den)
         out = jax.vmap(lambda qt, pt: dot_product_attention(
             qt[None], pt[:, :dk], pt[:, dk:], scale=scale)[0])(qc, packed)
         return (m[-1], den[-1], acc[-1]), out

@@ -16,7 +16,7 @@ from typing import ClassVar
 
 import numpy as np
 
-from ...kernels._layout import EMPTY, FULL, PARTIAL, BlockLayout, _cdiv
+from ...kernels import EMPTY, FULL, PARTIAL, BlockLayout, cdiv
 
 # Host-side evaluation of a generic pattern visits the mask in query-row chunks of about this
 # many elements, so building a layout never holds the whole L x L matrix.
@@ -55,13 +55,30 @@ class Pattern:
         j = np.arange(lk, dtype=np.int64)[None, :]
         return np.broadcast_to(self.mask(i, j, lq, lk), (lq, lk)).copy()
 
+    @staticmethod
+    def tile_bounds(lq: int, lk: int, block_q: int, block_k: int):
+        """For closed-form :meth:`block_kinds`: the first and last real query row ``[nq, 1]``
+        and key column ``[1, nk]`` of every ``block_q x block_k`` tile, ``(r0, r1, c0, c1)``."""
+        nq, nk = cdiv(lq, block_q), cdiv(lk, block_k)
+        r0 = np.arange(nq, dtype=np.int64)[:, None] * block_q
+        r1 = np.minimum(r0 + block_q, lq) - 1
+        c0 = np.arange(nk, dtype=np.int64)[None, :] * block_k
+        c1 = np.minimum(c0 + block_k, lk) - 1
+        return r0, r1, c0, c1
+
+    @staticmethod
+    def tile_kinds(full: np.ndarray, empty: np.ndarray) -> np.ndarray:
+        """For closed-form :meth:`block_kinds`: ``int8`` tile kinds from where every pair of a
+        tile is kept (``full``) and where none is (``empty``); PARTIAL elsewhere."""
+        return np.where(full, FULL, np.where(empty, EMPTY, PARTIAL)).astype(np.int8)
+
     def block_kinds(self, lq: int, lk: int, block_q: int, block_k: int) -> np.ndarray:
         """``int8[nq, nk]``: which tiles are empty (0), partial (1) or full (2).
 
         A tile is judged only on the real positions it covers (``< lq``, ``< lk``). Overrides
         may answer PARTIAL conservatively; :meth:`layout` re-checks partial tiles exactly.
         """
-        nq, nk = _cdiv(lq, block_q), _cdiv(lk, block_k)
+        nq, nk = cdiv(lq, block_q), cdiv(lk, block_k)
         kinds = np.empty((nq, nk), np.int8)
         j = np.arange(lk, dtype=np.int64)[None, :]
         rows = max(block_q, (_EVAL_CHUNK_ELEMENTS // max(lk, 1)) // block_q * block_q)
@@ -69,7 +86,7 @@ class Pattern:
             stop = min(lq, start + rows)
             i = np.arange(start, stop, dtype=np.int64)[:, None]
             m = np.broadcast_to(self.mask(i, j, lq, lk), (stop - start, lk))
-            pad_q, pad_k = _cdiv(stop - start, block_q) * block_q, nk * block_k
+            pad_q, pad_k = cdiv(stop - start, block_q) * block_q, nk * block_k
             valid = np.zeros((pad_q, pad_k), bool)
             valid[: stop - start, :lk] = True
             full = np.zeros((pad_q, pad_k), bool)
@@ -103,7 +120,7 @@ class Pattern:
 def _layout(pattern: Pattern, lq: int, lk: int, block_q: int, block_k: int) -> BlockLayout:
     kinds = np.asarray(pattern.block_kinds(lq, lk, block_q, block_k), np.int8).copy()
     nq, nk = kinds.shape
-    if (nq, nk) != (_cdiv(lq, block_q), _cdiv(lk, block_k)):
+    if (nq, nk) != (cdiv(lq, block_q), cdiv(lk, block_k)):
         raise AssertionError(f"{pattern!r}.block_kinds returned shape {kinds.shape}")
     if lk % block_k:
         # The last key tile holds padding, so it can never be free of an in-tile mask.

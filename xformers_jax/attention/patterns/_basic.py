@@ -6,21 +6,8 @@ import dataclasses
 
 import numpy as np
 
-from ._base import EMPTY, FULL, PARTIAL, Pattern, _cdiv
+from ._base import FULL, Pattern, cdiv
 
-
-def _tile_ranges(lq: int, lk: int, block_q: int, block_k: int):
-    """First and last real query row ``[nq, 1]`` and key column ``[1, nk]`` of every tile."""
-    nq, nk = _cdiv(lq, block_q), _cdiv(lk, block_k)
-    r0 = np.arange(nq, dtype=np.int64)[:, None] * block_q
-    r1 = np.minimum(r0 + block_q, lq) - 1
-    c0 = np.arange(nk, dtype=np.int64)[None, :] * block_k
-    c1 = np.minimum(c0 + block_k, lk) - 1
-    return r0, r1, c0, c1
-
-
-def _kinds(full: np.ndarray, empty: np.ndarray) -> np.ndarray:
-    return np.where(full, FULL, np.where(empty, EMPTY, PARTIAL)).astype(np.int8)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,7 +18,7 @@ class Full(Pattern):
         return np.ones(np.broadcast_shapes(np.shape(i), np.shape(j)), bool)
 
     def block_kinds(self, lq, lk, block_q, block_k):
-        return np.full((_cdiv(lq, block_q), _cdiv(lk, block_k)), FULL, np.int8)
+        return np.full((cdiv(lq, block_q), cdiv(lk, block_k)), FULL, np.int8)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,8 +31,8 @@ class Causal(Pattern):
         return j <= i
 
     def block_kinds(self, lq, lk, block_q, block_k):
-        r0, r1, c0, c1 = _tile_ranges(lq, lk, block_q, block_k)
-        return _kinds(c1 <= r0, c0 > r1)
+        r0, r1, c0, c1 = Pattern.tile_bounds(lq, lk, block_q, block_k)
+        return Pattern.tile_kinds(c1 <= r0, c0 > r1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,10 +59,10 @@ class Local(Pattern):
         return (j >= i - self.left) & (j <= i + self.right)
 
     def block_kinds(self, lq, lk, block_q, block_k):
-        r0, r1, c0, c1 = _tile_ranges(lq, lk, block_q, block_k)
+        r0, r1, c0, c1 = Pattern.tile_bounds(lq, lk, block_q, block_k)
         full = (c0 >= r1 - self.left) & (c1 <= r0 + self.right)
         empty = (c1 < r0 - self.left) | (c0 > r1 + self.right)
-        return _kinds(full, empty)
+        return Pattern.tile_kinds(full, empty)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,10 +83,10 @@ class KeyPadding(Pattern):
         return np.broadcast_to(j < self.length, np.broadcast_shapes(np.shape(i), np.shape(j)))
 
     def block_kinds(self, lq, lk, block_q, block_k):
-        r0, r1, c0, c1 = _tile_ranges(lq, lk, block_q, block_k)
+        r0, r1, c0, c1 = Pattern.tile_bounds(lq, lk, block_q, block_k)
         full = np.broadcast_to(c1 < self.length, (r0.shape[0], c0.shape[1]))
         empty = np.broadcast_to(c0 >= self.length, full.shape)
-        return _kinds(full, empty)
+        return Pattern.tile_kinds(full, empty)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,7 +125,7 @@ class Segments(Pattern):
         return (qi == kj) & (qi >= 0)
 
     def block_kinds(self, lq, lk, block_q, block_k):
-        r0, r1, c0, c1 = _tile_ranges(lq, lk, block_q, block_k)
+        r0, r1, c0, c1 = Pattern.tile_bounds(lq, lk, block_q, block_k)
         kv = self.kv_lengths or self.lengths
         q_first, q_last = self._ids(r0, self.lengths), self._ids(r1, self.lengths)
         k_first, k_last = self._ids(c0, kv), self._ids(c1, kv)
@@ -151,4 +138,4 @@ class Segments(Pattern):
         full = (q_first == q_last) & (k_first == k_last) & (q_first == k_first) & (q_first >= 0)
         overlap_hi = np.minimum(q_last_s, np.minimum(k_last_s, big - 1))
         empty = np.maximum(q_first_s, k_first_s) > overlap_hi
-        return _kinds(full, empty)
+        return Pattern.tile_kinds(full, empty)

@@ -18,8 +18,8 @@ from typing import ClassVar
 
 import numpy as np
 
-from ._base import EMPTY, FULL, PARTIAL, Intersection, Pattern, Union, _cdiv
-from ._basic import Local, _kinds, _tile_ranges
+from ._base import Pattern, cdiv
+from ._basic import Local
 
 
 def _check_int(cls: str, name: str, value, minimum: int) -> int:
@@ -33,10 +33,10 @@ def _interval_kinds(lo, hi, lq, lk, block_q, block_k, exact=True):
 
     With ``exact=False`` the interval is only a hull (e.g. a dilated band): no tile is FULL.
     """
-    r0, r1, c0, c1 = _tile_ranges(lq, lk, block_q, block_k)
+    r0, r1, c0, c1 = Pattern.tile_bounds(lq, lk, block_q, block_k)
     empty = (hi(r1) < c0) | (lo(r0) > c1)
     full = (lo(r1) <= c0) & (hi(r0) >= c1) if exact else np.zeros_like(empty)
-    return _kinds(full, empty)
+    return Pattern.tile_kinds(full, empty)
 
 
 def _count_in(sorted_positions: np.ndarray, a, b):
@@ -51,12 +51,12 @@ def block_matrix_kinds(blocks: np.ndarray, block: int, lq, lk, block_q, block_k)
 
     Any tiling works: a 2-D prefix sum counts the pattern blocks each tile touches.
     """
-    r0, r1, c0, c1 = _tile_ranges(lq, lk, block_q, block_k)
+    r0, r1, c0, c1 = Pattern.tile_bounds(lq, lk, block_q, block_k)
     pr0, pr1, pc0, pc1 = r0 // block, r1 // block, c0 // block, c1 // block
     s = np.zeros((blocks.shape[0] + 1, blocks.shape[1] + 1), np.int64)
     s[1:, 1:] = np.cumsum(np.cumsum(blocks, axis=0), axis=1)
     count = s[pr1 + 1, pc1 + 1] - s[pr0, pc1 + 1] - s[pr1 + 1, pc0] + s[pr0, pc0]
-    return _kinds(count == (pr1 - pr0 + 1) * (pc1 - pc0 + 1), count == 0)
+    return Pattern.tile_kinds(count == (pr1 - pr0 + 1) * (pc1 - pc0 + 1), count == 0)
 
 
 def block_matrix_mask(blocks: np.ndarray, block: int, i, j, lq, lk):
@@ -103,10 +103,10 @@ class Dilated(Pattern):
 
 def _strided_kinds(stride, lq, lk, block_q, block_k):
     """Tiles holding some (i, j) with ``(i - j) mod stride == 0``."""
-    r0, r1, c0, c1 = _tile_ranges(lq, lk, block_q, block_k)
+    r0, r1, c0, c1 = Pattern.tile_bounds(lq, lk, block_q, block_k)
     lo, hi = r0 - c1, r1 - c0  # every difference in [lo, hi] occurs in the tile
     nonempty = (hi // stride) * stride >= lo
-    return _kinds(np.broadcast_to(stride == 1, nonempty.shape), ~nonempty)
+    return Pattern.tile_kinds(np.broadcast_to(stride == 1, nonempty.shape), ~nonempty)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -191,13 +191,13 @@ class Fixed(Pattern):
 
     def _summary_kinds(self, lq, lk, block_q, block_k):
         s, c = self.stride, self.c
-        r0, r1, c0, c1 = _tile_ranges(lq, lk, block_q, block_k)
+        r0, r1, c0, c1 = Pattern.tile_bounds(lq, lk, block_q, block_k)
 
         def below(x):  # summary columns in [0, x)
             return (x // s) * c + np.maximum(0, x % s - (s - c))
 
         count = np.broadcast_to(below(c1 + 1) - below(c0), (r0.shape[0], c0.shape[1]))
-        return _kinds(count == (c1 - c0 + 1), count == 0)
+        return Pattern.tile_kinds(count == (c1 - c0 + 1), count == 0)
 
     def block_kinds(self, lq, lk, block_q, block_k):
         block = BlockLocal(self.stride).block_kinds(lq, lk, block_q, block_k)
@@ -223,10 +223,10 @@ class Global(Pattern):
 
     def block_kinds(self, lq, lk, block_q, block_k):
         g = np.asarray(self.tokens, np.int64)
-        r0, r1, c0, c1 = _tile_ranges(lq, lk, block_q, block_k)
+        r0, r1, c0, c1 = Pattern.tile_bounds(lq, lk, block_q, block_k)
         rows, cols = _count_in(g, r0, r1), _count_in(g, c0, c1)
         full = (rows == r1 - r0 + 1) | (cols == c1 - c0 + 1)
-        return _kinds(full, (rows == 0) & (cols == 0))
+        return Pattern.tile_kinds(full, (rows == 0) & (cols == 0))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -311,7 +311,7 @@ class LogSparse(Pattern):
         return m
 
     def _distance_kinds(self, lq, lk, block_q, block_k):
-        r0, r1, c0, c1 = _tile_ranges(lq, lk, block_q, block_k)
+        r0, r1, c0, c1 = Pattern.tile_bounds(lq, lk, block_q, block_k)
         lo, hi = r0 - c1, r1 - c0  # every signed distance in [lo, hi] occurs in the tile
         dmin = np.where((lo <= 0) & (hi >= 0), 0, np.minimum(np.abs(lo), np.abs(hi)))
         dmax = np.maximum(np.abs(lo), np.abs(hi))
@@ -320,7 +320,7 @@ class LogSparse(Pattern):
         while t <= max(lq, lk):
             nonempty |= (dmin <= self.local + t) & (dmax >= self.local + t)
             t *= 2
-        return _kinds(dmax <= self.local, ~nonempty)
+        return Pattern.tile_kinds(dmax <= self.local, ~nonempty)
 
     def block_kinds(self, lq, lk, block_q, block_k):
         kinds = self._distance_kinds(lq, lk, block_q, block_k)
@@ -488,7 +488,7 @@ class BPTree(Pattern):
         levels, index = [np.zeros(self.num_tokens, np.int64)], [np.arange(self.num_tokens)]
         level, count = 0, self.num_tokens
         while count > 1:
-            level, count = level + 1, _cdiv(count, 2)
+            level, count = level + 1, cdiv(count, 2)
             levels.append(np.full(count, level, np.int64))
             index.append(np.arange(count, dtype=np.int64))
         return np.concatenate(levels), np.concatenate(index)

@@ -14,8 +14,7 @@ from typing import ClassVar
 
 import numpy as np
 
-from ._base import Pattern, _cdiv
-from ._basic import _tile_ranges
+from ._base import Pattern, cdiv
 from ._sparse import _check_int, block_matrix_kinds, block_matrix_mask
 
 
@@ -50,7 +49,7 @@ class Random(Pattern):
             _check_int("Random", "block", self.block, 1)
 
     def _blocks(self, lq, lk) -> np.ndarray:
-        nbq, nbk = _cdiv(lq, self.block), _cdiv(lk, self.block)
+        nbq, nbk = cdiv(lq, self.block), cdiv(lk, self.block)
         keys = _random_keys(self.seed, self.num_keys, nbq, nbk)
         out = np.zeros((nbq, nbk), bool)
         out[np.arange(nbq)[:, None], keys] = True
@@ -66,7 +65,7 @@ class Random(Pattern):
     def block_kinds(self, lq, lk, block_q, block_k):
         if self.block is not None:
             return block_matrix_kinds(self._blocks(lq, lk), self.block, lq, lk, block_q, block_k)
-        r0, _, c0, _ = _tile_ranges(lq, lk, block_q, block_k)
+        r0, _, c0, _ = Pattern.tile_bounds(lq, lk, block_q, block_k)
         kinds = np.zeros((r0.shape[0], c0.shape[1]), np.int8)
         keys = _random_keys(self.seed, self.num_keys, lq, lk)
         rows = np.broadcast_to(np.arange(lq)[:, None] // block_q, keys.shape)
@@ -122,7 +121,7 @@ class BigBird(Pattern):
 
 @functools.lru_cache(maxsize=64)
 def _bigbird_blocks(p: BigBird, lq: int, lk: int) -> np.ndarray:
-    nbq, nbk = _cdiv(lq, p.block), _cdiv(lk, p.block)
+    nbq, nbk = cdiv(lq, p.block), cdiv(lk, p.block)
     half = p.num_window_blocks // 2
     qb, kb = np.arange(nbq)[:, None], np.arange(nbk)[None, :]
     out = np.abs(qb - kb) <= half

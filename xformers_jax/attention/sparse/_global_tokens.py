@@ -12,7 +12,6 @@ from jaxtyping import Array, Bool, Float
 from .. import _contract as C
 from .._exact import block_sparse_attention
 from ..patterns import KeyPadding, Longformer, Pattern
-from ..patterns._basic import _kinds, _tile_ranges
 from ..patterns._sparse import _count_in, _interval_kinds
 
 
@@ -41,9 +40,9 @@ class _Rows(Pattern):
         return np.broadcast_to(np.isin(i, self.rows), np.broadcast_shapes(np.shape(i), np.shape(j)))
 
     def block_kinds(self, lq, lk, block_q, block_k):
-        r0, r1, c0, _ = _tile_ranges(lq, lk, block_q, block_k)
+        r0, r1, c0, _ = Pattern.tile_bounds(lq, lk, block_q, block_k)
         n = np.broadcast_to(_count_in(np.asarray(self.rows, np.int64), r0, r1), (r0.shape[0], c0.shape[1]))
-        return _kinds(n == r1 - r0 + 1, n == 0)
+        return Pattern.tile_kinds(n == r1 - r0 + 1, n == 0)
 
 
 def _ones_or(mask, n):

@@ -4,10 +4,11 @@ with ``nn.implements``; their records are ``xformers_jax.mixers.KINDS``) and wha
 
 from .._slots import MixerSpec, make_mixer
 from ._base import SSM_PARAMETERS, MixerModule, ssm_parameters
+from ._lite import LSRA
 from ._mlp import FNet, GMLP, Lambda, MLPMixer, PoolFormer
 from ._recurrent import GLA, GatedDeltaNet, Mamba, Mamba2, RetNet
 from ._ssm import S4D, S5
 
-__all__ = ["FNet", "GLA", "GMLP", "GatedDeltaNet", "Lambda", "MLPMixer", "Mamba", "Mamba2",
+__all__ = ["FNet", "GLA", "GMLP", "GatedDeltaNet", "LSRA", "Lambda", "MLPMixer", "Mamba", "Mamba2",
            "MixerModule", "MixerSpec", "PoolFormer", "RetNet", "S4D", "S5", "SSM_PARAMETERS",
            "make_mixer", "ssm_parameters"]

@@ -19,10 +19,8 @@ import jax
 import jax.numpy as jnp
 
 from ... import mixers as M
-from ...attention.linear._delta import gated_delta_step
-from ...attention.linear._scan import causal_step
-from ...mixers._recurrences import GLA_CHUNK
-from ...mixers._ssm import selective_step
+from ...attention.linear import causal_step, gated_delta_step
+from ...mixers import GLA_CHUNK, selective_step
 from .._slots import implements
 from ._base import (MixerModule, both_ways, check_mask, dense, log_uniform, recurrent_cache,
                         zero_padded)
@@ -171,7 +169,7 @@ class GLA(_QKVRecurrence):
     """Gated linear attention (Yang et al. 2024): keys of width ``head_dim / 2``, low-rank
     data-dependent gates ``alpha = sigmoid(x W1 W2 + b)^(1/16)``, a swish output gate and
     per-head RMS normalisation. Hyperparameters: ``chunk_size`` (default 16,
-    ``mixers._recurrences.GLA_CHUNK``), ``implementation``."""
+    ``mixers.GLA_CHUNK``), ``implementation``."""
 
     wa1: jax.Array
     wa2: jax.Array

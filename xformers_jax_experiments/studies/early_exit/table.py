@@ -30,7 +30,6 @@ from absl import app, flags
 
 from xformers_jax import models, train
 from xformers_jax.data import DataIterator
-from xformers_jax.train._compress import restore_model
 from xformers_jax_experiments import run_lib
 from xformers_jax_experiments.configs.lra import listops
 
@@ -79,7 +78,7 @@ def main(argv):
                for name, c in configs.items()}
     config = configs["early_exit"]
     task = train.make_task(config.data, config.seed)
-    model = restore_model(os.path.join(_WORKDIR.value, "early_exit"), config.model, task,
+    model = train.restore_model(os.path.join(_WORKDIR.value, "early_exit"), config.model, task,
                           jax.random.PRNGKey(config.seed))
     n, bs = config.model.num_layers, config.batch_size
     ent = _entropies(model, task.validation, task.padded, bs)

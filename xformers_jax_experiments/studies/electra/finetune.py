@@ -34,7 +34,6 @@ from absl import app, flags
 
 from xformers_jax import data as D
 from xformers_jax import parallel, train
-from xformers_jax.train._compress import _state_dir
 from xformers_jax_experiments import run_lib
 from xformers_jax_experiments.configs import compress as configs
 
@@ -86,7 +85,7 @@ def main(argv):
     e_task = train.make_task(ec.data, ec.seed)
     key = jax.random.PRNGKey(ec.seed)
     like = eqx.filter_eval_shape(train.build_model, ec.model, e_task, key)
-    pretrained = parallel.restore_checkpoint(_state_dir(_ELECTRA.value), like, prefix="model")
+    pretrained = parallel.restore_checkpoint(train.state_dir(_ELECTRA.value), like, prefix="model")
 
     def fresh(seed):  # the same architecture, freshly initialised for each seed
         return train.build_model(ec.model, e_task, jax.random.PRNGKey(ec.seed + 1 + seed))

@@ -23,6 +23,7 @@ import os
 import numpy as np
 from absl import app, flags
 
+from xformers_jax import train
 from xformers_jax_experiments import run_lib
 
 _TASKS = flags.DEFINE_string("tasks", "pathfinder,image", "LRA image tasks (config modules).")

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 
 from ...mixers import lightweight_conv
 from .._attention import MultiHeadAttention
-from .._mixer._base import MixerModule
+from ._base import MixerModule
 from .._slots import AttentionSpec, implements
 
 
