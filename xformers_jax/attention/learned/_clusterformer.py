@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jaxtyping import Array, Bool, Float, Int
 
 from ._sorted_chunks import chunk_attention, permute, sort_by_code
 
@@ -22,8 +23,17 @@ def assign_clusters(h, centroids):
     return jnp.argmin(d, axis=-1).astype(jnp.int32)
 
 
-def cluster_chunk_attention(q, k, v, clusters, num_clusters: int, *, chunk: int,
-                            kv_mask=None, scale=None):
+def cluster_chunk_attention(
+    q: Float[Array, "seq qk_dim"],
+    k: Float[Array, "seq qk_dim"],
+    v: Float[Array, "seq v_dim"],
+    clusters: Int[Array, "seq"],
+    num_clusters: int,
+    *,
+    chunk: int,
+    kv_mask: Bool[Array, "seq"] | None = None,
+    scale: float | None = None,
+) -> Float[Array, "seq v_dim"]:
     """One head of one sequence: attention within chunks of the sequence sorted by
     ``(clusters, position)``.
 
