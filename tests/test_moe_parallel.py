@@ -102,6 +102,29 @@ def test_gpipe_layer_stack_equals_unpipelined():
                                  num_microbatches=2)
 
 
+def test_gpipe_runs_the_stacks_own_step_with_layerdrop_and_timesteps():
+    """The pipeline runs each layer through the stack's one step body, so LayerDrop (the same
+    per-layer keys decide which layers are skipped) and the Universal Transformer's timestep
+    embedding give the unpipelined stack's outputs."""
+    import xformers_jax.nn as nn
+    from jax.sharding import Mesh
+
+    x = jax.random.normal(jax.random.key(2), (4, 6, 8))
+    mask = jnp.arange(6)[None] < jnp.array([[6], [5], [4], [6]])
+    mesh = Mesh(np.array(jax.devices()[:4]), (parallel.STAGE,))
+    key = jax.random.key(3)
+    for setting in (dict(layerdrop=0.5), dict(universal=True)):
+        stack = nn.LayerStack(lambda k: nn.TransformerBlock(8, 2, 16, key=k), 4,
+                              key=jax.random.key(1), **setting)
+        run = jax.jit(lambda s, x: parallel.pipeline_layers(
+            s, x, mesh=mesh, num_microbatches=2, kv_mask=mask, key=key), **_O0)
+        ref = jax.jit(lambda s, x: s(x, kv_mask=mask, key=key), **_O0)
+        assert_close(run(stack, x), ref(stack, x))
+        if "layerdrop" in setting:  # some layers skipped, some run: the test means something
+            dropped = stack.dropped_layers(key)
+            assert 0 < int(dropped.sum()) < 4
+
+
 def test_gpipe_moe_aux_is_the_mean_over_microbatches():
     """A pipelined MoE stack (capacity dispatch, so each micro-batch's capacity decides what is
     dropped) equals the unpipelined stack run on each micro-batch: outputs, every layer's aux
