@@ -10,7 +10,9 @@ expert parallelism is in ``xformers_jax.parallel``. :data:`KINDS` holds every FF
 from ._balanced import balanced_assignment as balanced_assignment
 from ._balanced import base_route as base_route
 from ._dispatch import ACTIVATIONS as ACTIVATIONS
+from ._dispatch import CAPACITY_GROUPS as CAPACITY_GROUPS
 from ._dispatch import MODES as DISPATCH_MODES
+from ._dispatch import CapacityState as CapacityState
 from ._dispatch import ExpertWeights as ExpertWeights
 from ._dispatch import capacity as capacity
 from ._dispatch import capacity_slots as capacity_slots
@@ -20,6 +22,7 @@ from ._dispatch import moe_capacity as moe_capacity
 from ._dispatch import moe_dropless as moe_dropless
 from ._dispatch import moe_ffn as moe_ffn
 from ._dispatch import moe_reference as moe_reference
+from ._dispatch import sequence_capacity_slots as sequence_capacity_slots
 from ._ffn import FFN_ACTIVATIONS as FFN_ACTIVATIONS
 from ._ffn import GATED as GATED
 from ._ffn import feed_forward as feed_forward

@@ -17,6 +17,26 @@ through the residual: the layer adds 0 for them, gates are not renormalised):
 
 Padded tokens and slots with gate 0 (GShard's randomly skipped second choice) claim no slot.
 
+Which tokens share a capacity (``group``):
+
+* ``"batch"`` (GShard, Switch): all ``T = B * L`` tokens of the call are one group, in
+  row-major order, with the capacity above. A token's fate depends on the other rows and
+  (through ``C``, and through ``priority="choice"``) on later tokens: NOT causal-safe, and a
+  prefix or a decoding step routes differently from the full sequence.
+* ``"sequence"``: each row is its own group, admitted token by token under a RUNNING capacity:
+  expert ``e`` takes the ``t``-th token of a row iff fewer than
+  ``u_t = ceil(capacity_factor * n_t * k / E)`` of the row's earlier tokens went to ``e``,
+  ``n_t`` the number of real tokens up to and including ``t``. A token's fate depends only on
+  its own row's earlier tokens, so training, scoring a prefix and decoding agree; a decoder
+  carries the per-row per-expert counts (:class:`CapacityState`). Since ``u_t`` is
+  non-decreasing and a count grows by at most one per token, the count before token ``t`` obeys
+  ``c_{t+1} = min(c_t + w_t, u_t)`` (``w_t``: the token asks for ``e``), whose closed form
+  ``c_t = W_t + min(c_0, min_{s<t} (u_s - W_{s+1}))`` (``W_t`` the requests before ``t``) is a
+  cumulative sum and a cumulative minimum: no sequential scan. A token's ``k`` choices are
+  distinct experts (every token-choice router gives distinct ones), so ``priority`` has no
+  role. At the full length ``u`` is ``ceil(capacity_factor * L * k / E)`` per row, the buffer
+  (``B`` times that per expert) is the size of a batch group's.
+
 **Dropless dispatch** (Gale et al., 2022, "MegaBlocks"): the ``T * k`` assignments are sorted by
 expert and every expert's rows go through one grouped matmul (:mod:`._grouped`, XLA's
 ``ragged_dot`` by default); no capacity, nothing dropped, causal-safe.
@@ -40,6 +60,19 @@ from ._routers import ExpertChoice, Routing
 ACTIVATIONS = {"relu": jax.nn.relu, "gelu": jax.nn.gelu, "swish": jax.nn.swish}
 PRIORITIES = ("choice", "token")
 MODES = ("capacity", "dropless")
+CAPACITY_GROUPS = ("batch", "sequence")
+
+
+class CapacityState(NamedTuple):
+    """The decoding state of ``"sequence"`` capacity: per row, the assignments each expert has
+    taken (``counts int32[B, E]``) and the real tokens seen (``seen int32[B]``)."""
+
+    counts: jax.Array
+    seen: jax.Array
+
+    @classmethod
+    def empty(cls, batch: int, num_experts: int) -> "CapacityState":
+        return cls(jnp.zeros((batch, num_experts), jnp.int32), jnp.zeros((batch,), jnp.int32))
 
 
 class ExpertWeights(NamedTuple):
@@ -127,13 +160,73 @@ def capacity_slots(routing: Routing, num_experts: int, capacity_factor: float, *
     return pos.astype(jnp.int32), kept, c_static
 
 
+def sequence_capacity_slots(routing: Routing, num_experts: int, capacity_factor: float, *,
+                            length: int, mask=None, state: CapacityState | None = None):
+    """``"sequence"`` capacity (see the module docstring): the ``T = B * length`` tokens are
+    ``B`` rows of ``length`` in row-major order, each admitted under its own running capacity,
+    starting from ``state`` (the counts a decoder carried; None: a fresh row). Returns
+    ``(position int32[T, k], kept bool[T, k], C_static, new_state)``: ``position`` is the slot
+    in the expert's buffer of ``C_static = B * min(length, ceil(capacity_factor * length * k /
+    E))`` slots
+    (row ``b`` owns slots ``[b * C_row, (b + 1) * C_row)``; ``C_row = length`` when a state is
+    given)."""
+    t, k = routing.experts.shape
+    e = num_experts
+    if length < 1 or t % length:
+        raise ValueError(f"sequence capacity: {t} tokens are not rows of length {length}")
+    b = t // length
+    real = jnp.ones((t,), bool) if mask is None else mask
+    active = (routing.gates != 0) & real[:, None]
+    state_given = state is not None
+    if not state_given:
+        state = CapacityState.empty(b, e)
+    # w[b, t, e]: the token asks expert e (its k choices are distinct experts).
+    want = (jax.nn.one_hot(routing.experts, e, dtype=jnp.int32)
+            * active[..., None]).sum(1).reshape(b, length, e)
+    seen = state.seen[:, None] + jnp.cumsum(real.reshape(b, length), axis=1, dtype=jnp.int32)
+    cap = jnp.ceil(capacity_factor * seen.astype(jnp.float32) * k / e).astype(jnp.int32)
+    w_incl = jnp.cumsum(want, axis=1)  # W_{t+1}
+    floor = jax.lax.cummin(cap[..., None] - w_incl, axis=1)  # min_{s<=t} (u_s - W_{s+1})
+    floor = jnp.minimum(state.counts[:, None], floor)
+    prev = jnp.concatenate([state.counts[:, None], (w_incl + floor)[:, :-1]], axis=1)  # c_t
+    take = (want > 0) & (prev < cap[..., None])  # [b, L, e]
+    rank = prev - state.counts[:, None]  # slot among this call's assignments of the row
+    # A row gives an expert at most one assignment per token, and from a fresh state at most
+    # u at the full length; a carried state may have unused capacity, so only the length bounds.
+    c_row = length if state_given else min(length, capacity(length, e, k, capacity_factor))
+    flat = lambda a: a.reshape(t, e)  # noqa: E731
+    kept = active & jnp.take_along_axis(flat(take), routing.experts, axis=1)
+    pos = jnp.take_along_axis(flat(rank), routing.experts, axis=1)
+    pos = pos + (jnp.arange(t) // length * c_row)[:, None]
+    new = CapacityState(w_incl[:, -1] + floor[:, -1], seen[:, -1])
+    return pos.astype(jnp.int32), kept, b * c_row, new
+
+
 def moe_capacity(x, routing: Routing, weights: ExpertWeights, *, capacity_factor: float = 1.25,
-                 priority: str = "choice", activation: str = "gelu", mask=None):
-    """Capacity dispatch: ``x [T, d]`` -> ``(y [T, d], kept bool[T, k])``."""
+                 priority: str = "choice", activation: str = "gelu", mask=None,
+                 group: str = "batch", length: int | None = None,
+                 state: CapacityState | None = None):
+    """Capacity dispatch: ``x [T, d]`` -> ``(y [T, d], kept bool[T, k])``; with
+    ``group="sequence"`` (rows of ``length``, see :func:`sequence_capacity_slots`) ``(y, kept,
+    new_state)``."""
     _check(x, weights, activation)
-    t, d = x.shape
     e = weights.w1.shape[0]
+    if group == "sequence":
+        pos, kept, c, new = sequence_capacity_slots(routing, e, capacity_factor, length=length,
+                                                    mask=mask, state=state)
+        return (*_capacity_combine(x, routing, weights, pos, kept, c, activation), new)
+    if group != "batch":
+        raise ValueError(f"capacity dispatch: group must be one of {CAPACITY_GROUPS}, got "
+                         f"{group!r}")
     pos, kept, c = capacity_slots(routing, e, capacity_factor, priority=priority, mask=mask)
+    return _capacity_combine(x, routing, weights, pos, kept, c, activation)
+
+
+def _capacity_combine(x, routing, weights, pos, kept, c, activation):
+    """The ``[E, c, d]`` buffers filled at ``pos``, the experts run, the outputs gathered back
+    with their gates (dropped assignments add 0): ``(y [T, d], kept)``."""
+    d = x.shape[1]
+    e = weights.w1.shape[0]
     slot = jnp.where(kept, routing.experts * c + pos, e * c)  # trash row e * c
     buf = jnp.zeros((e * c + 1, d), x.dtype).at[slot.reshape(-1)].add(
         jnp.repeat(x, routing.experts.shape[1], axis=0))
@@ -225,12 +318,16 @@ def moe_dropless(x, routing: Routing, weights: ExpertWeights, *, activation: str
 
 def moe_ffn(x, routing: Routing, weights: ExpertWeights, *, mode: str = "dropless",
             capacity_factor: float = 1.25, priority: str = "choice", activation: str = "gelu",
-            backend: str | None = None, mask=None):
+            backend: str | None = None, mask=None, group: str = "batch",
+            length: int | None = None):
     """One function, two modes: ``(y [T, d], kept bool[T, k])``; dropless keeps every active
-    assignment."""
+    assignment. Capacity dispatch groups the tokens by ``group`` (``"sequence"``: rows of
+    ``length``, each from a fresh :class:`CapacityState`)."""
     if mode == "capacity":
-        return moe_capacity(x, routing, weights, capacity_factor=capacity_factor,
-                            priority=priority, activation=activation, mask=mask)
+        out = moe_capacity(x, routing, weights, capacity_factor=capacity_factor,
+                           priority=priority, activation=activation, mask=mask, group=group,
+                           length=length)
+        return out[:2]
     if mode == "dropless":
         y = moe_dropless(x, routing, weights, activation=activation, backend=backend, mask=mask)
         kept = routing.gates != 0

@@ -77,7 +77,7 @@ class CausalLM(eqx.Module):
     def decode_step(self, token, caches, position):
         """token ``int[B]`` at ``position`` -> ``(logits [B, vocab], caches)``."""
         x, _ = self.embed(token[:, None], causal=True, offset=position)
-        h, caches = self.layers.decode(x, caches)
+        h, caches = self.layers.decode(x, caches, tokens=token[:, None])
         h = finish(self.final_norm, h)
         return (h @ self.head.astype(h.dtype))[:, 0], caches
 

@@ -17,6 +17,7 @@ from ._attention_layers import SparseQKVAttention as SparseQKVAttention
 from ._attention import check_sequence_parallel as check_sequence_parallel
 from ._attention import redraw_random_features as redraw_random_features
 from ._blocks import TransformerBlock as TransformerBlock
+from ._cache import BlockCache as BlockCache
 from ._cache import KVCache as KVCache
 from ._cache import RecurrentCache as RecurrentCache
 from ._carry import Carry as Carry

@@ -24,8 +24,9 @@ import jax.numpy as jnp
 from .. import axes as X
 from ..axes import constrain
 from ._attention import MultiHeadAttention
+from ._cache import BlockCache
 from ._carry import Carry
-from ._ffns import call_ffn
+from ._ffns import call_ffn, decode_ffn, init_ffn_cache
 from ._memory import Memory, MemoryState, memory_attention
 from ._norms import StatefulNorm, make_norm
 from ._positions import PositionScheme
@@ -222,19 +223,33 @@ class TransformerBlock(eqx.Module):
         return x, outs
 
     def init_cache(self, batch: int, max_len: int, dtype=jnp.float32):
-        return self.attn.init_cache(batch, max_len, dtype)
+        """The decoding cache: the attention's (or mixer's), in a
+        :class:`~xformers_jax.nn.BlockCache` with the FFN's when the FFN keeps a state
+        (capacity routing's expert counts)."""
+        attn = self.attn.init_cache(batch, max_len, dtype)
+        ffn = init_ffn_cache(self.ffn, batch)
+        return attn if ffn is None else BlockCache(attn, ffn)
 
-    def decode(self, x, cache, *, context=None, context_mask=None):
-        """One decoding step ``x: [B, 1, dim]``; returns ``(y, cache)``."""
+    def decode(self, x, cache, *, tokens=None, context=None, context_mask=None):
+        """One decoding step ``x: [B, 1, dim]`` (``tokens int[B, 1]``: the step's token ids,
+        for hash-routed FFNs); returns ``(y, cache)``."""
+        attn_cache, ffn_cache = (cache.attn, cache.ffn) if isinstance(cache, BlockCache) \
+            else (cache, None)
+
         def attn(h):
-            nonlocal cache
-            y, cache = self.attn.decode(h, cache)
+            nonlocal attn_cache
+            y, attn_cache = self.attn.decode(h, attn_cache)
+            return y
+
+        def ffn(h):
+            nonlocal ffn_cache
+            y, ffn_cache = decode_ffn(self.ffn, h, ffn_cache, tokens=tokens)
             return y
 
         fs = [attn]
         if self.cross is not None:
             fs.append(lambda h: self.cross(h, context, kv_mask=context_mask))
-        fs.append(lambda h: call_ffn(self.ffn, h, inference=True)[0])
+        fs.append(ffn)
         for i, f in enumerate(fs):
             x = self.residual(i, x, f)
-        return x, cache
+        return x, attn_cache if ffn_cache is None else BlockCache(attn_cache, ffn_cache)

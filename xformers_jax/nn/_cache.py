@@ -59,3 +59,13 @@ class RecurrentCache(eqx.Module):
 
     state: Any
     index: jax.Array
+
+
+class BlockCache(eqx.Module):
+    """A block's decoding state when its FFN keeps one: the mixer's or attention's cache
+    (``attn``) and the FFN's (``ffn``, e.g. the per-row expert counts of capacity routing,
+    ``experts.CapacityState``). A block whose FFN keeps none decodes with the ``attn`` cache
+    alone."""
+
+    attn: Any
+    ffn: Any

@@ -51,10 +51,10 @@ class BlockCycle(eqx.Module):
     def init_cache(self, batch: int, max_len: int, dtype=jnp.float32):
         return tuple(b.init_cache(batch, max_len, dtype) for b in self.blocks)
 
-    def decode(self, x, cache, *, context=None, context_mask=None):
+    def decode(self, x, cache, *, tokens=None, context=None, context_mask=None):
         new = []
         for block, c in zip(self.blocks, cache):
-            x, c = block.decode(x, c, context=context, context_mask=context_mask)
+            x, c = block.decode(x, c, tokens=tokens, context=context, context_mask=context_mask)
             new.append(c)
         return x, tuple(new)
 

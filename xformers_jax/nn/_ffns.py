@@ -13,6 +13,12 @@ FFN); the MoE kinds return :data:`MOE_AUX` keys: ``load_balancing`` and ``router
 losses of ``xformers_jax.experts``, scalars), ``dropped_fraction`` (scalar) and
 ``expert_load`` (``float32[E]``).
 
+**Decoding.** An FFN whose routing keeps a state across positions (capacity MoE with
+``"sequence"`` groups: the per-row per-expert counts) has ``init_cache(batch)`` and
+``decode(x [B, 1, dim], cache, *, tokens) -> (y, cache)``; :func:`init_ffn_cache` and
+:func:`decode_ffn` call them, and every other FFN runs on the step's token as in a forward call
+(cache None). A block whose FFN keeps a state decodes with a ``nn.BlockCache``.
+
 **How auxiliary outputs leave the model.** A block called with a carry (``nn.Carry``) writes
 its FFN's ``aux`` into the carry it returns; ``LayerStack`` stacks every layer's as a
 ``lax.scan`` output (a leading layer axis); models take ``return_aux=True`` and return
@@ -40,6 +46,20 @@ def call_ffn(ffn, x, *, mask=None, tokens=None, key=None, inference=False):
     if isinstance(ffn, FeedForward):
         return ffn(x), {}
     return ffn(x, mask=mask, tokens=tokens, key=key, inference=inference)
+
+
+def init_ffn_cache(ffn, batch: int):
+    """The FFN's decoding state for ``batch`` rows, or None when it keeps none."""
+    init = getattr(ffn, "init_cache", None)
+    return None if init is None else init(batch)
+
+
+def decode_ffn(ffn, x, cache, *, tokens=None):
+    """One decoding step of an FFN, ``x [B, 1, dim]`` (``tokens int[B, 1]``): ``(y,
+    cache)``."""
+    if cache is None:
+        return call_ffn(ffn, x, tokens=tokens, inference=True)[0], None
+    return ffn.decode(x, cache, tokens=tokens)
 
 
 def aux_losses(aux: Mapping) -> dict:

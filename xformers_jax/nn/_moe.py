@@ -43,17 +43,24 @@ class MoEFeedForward(eqx.Module):
         is the auction's epsilon, see ``experts._balanced``; not causal-safe: raises with
         ``causal=True``).
       mode: ``"dropless"`` (grouped matmul, ``backend``) or ``"capacity"``
-        (``capacity_factor``, ``priority``); see ``xformers_jax.experts._dispatch``. In a
-        causal model capacity dispatch with k > 1 needs ``priority="token"`` (raises
-        otherwise).
+        (``capacity_factor``, ``priority``, ``capacity_group``); see
+        ``xformers_jax.experts._dispatch``.
+      capacity_group: which tokens share an expert's capacity: ``"sequence"`` (each row on its
+        own, a running capacity by position: causal, row-independent, decodes with the counts
+        as state; with k > 1 it needs ``priority="token"``) or ``"batch"`` (GShard/Switch: the
+        call's ``B * L`` tokens as one group: mixes rows and counts later tokens, so a causal
+        layer raises). None: ``"sequence"`` when ``causal``, else ``"batch"``.
       jitter: multiplicative router-input noise in training (Switch: 1e-2).
       activation: ``"gelu"``, ``"relu"``, ``"swish"``; ``gated=True`` for GLU-style experts.
-    Call: ``x [B, L, dim]`` -> ``(y [B, L, dim], aux)`` (:data:`._ffns.MOE_AUX`). Tokens are
-    routed over the whole batch (one group of ``B * L`` tokens). Under an active mesh with an
-    ``expert`` axis of size > 1 the layer runs expert-parallel
-    (``experts.expert_parallel_moe``: one routing group per device, experts split over
-    ``expert``, tokens exchanged by ``all_to_all``); that form supports the top-k router with
-    capacity dispatch and no jitter or random second choice, and raises otherwise.
+    Call: ``x [B, L, dim]`` -> ``(y [B, L, dim], aux)`` (:data:`._ffns.MOE_AUX`); ``tokens
+    int[B, L]`` for hash routing. Decoding: ``init_cache(batch)`` (a ``CapacityState`` for
+    ``"sequence"`` capacity, None when routing keeps no state) and ``decode(x [B, 1, dim],
+    cache, tokens=) -> (y, cache)``. Under an active mesh with an ``expert`` axis of size > 1
+    the layer runs expert-parallel (``experts.expert_parallel_moe``: experts split over
+    ``expert``, tokens exchanged by ``all_to_all``; ``"batch"`` capacity has one routing group
+    per device, ``"sequence"`` capacity gives the same result as one device); that form
+    supports the top-k router with capacity dispatch and no jitter or random second choice,
+    and raises otherwise.
     """
 
     w_router: jax.Array | None = X.param(X.EMBED, X.EXPERTS)
@@ -68,6 +75,7 @@ class MoEFeedForward(eqx.Module):
     mode: str = eqx.field(static=True)
     capacity_factor: float = eqx.field(static=True)
     priority: str = eqx.field(static=True)
+    capacity_group: str = eqx.field(static=True)
     renormalize: bool = eqx.field(static=True)
     second_policy: str = eqx.field(static=True)
     groups: int = eqx.field(static=True)
@@ -81,7 +89,8 @@ class MoEFeedForward(eqx.Module):
                  priority: str = "choice", renormalize: bool = True, second_policy: str = "all",
                  groups: int = 1, jitter: float = 0.0, activation: str = "gelu",
                  gated: bool = False, backend: str | None = None, vocab_size: int = 256,
-                 hash_seed: int = 0, base_eps: float = 1e-4, causal: bool = False, key):
+                 hash_seed: int = 0, base_eps: float = 1e-4, capacity_group: str | None = None,
+                 causal: bool = False, key):
         if router not in ROUTERS:
             raise ValueError(f"MoEFeedForward: router must be one of {ROUTERS}, got {router!r}")
         if mode not in M.DISPATCH_MODES:
@@ -95,10 +104,23 @@ class MoEFeedForward(eqx.Module):
                              "token of the batch (a token's expert depends on later tokens), so "
                              "it is not causal-safe (causal=True)")
         slots = {"top_k": k, "prototype": groups}.get(router, 1)
-        if causal and mode == "capacity" and slots > 1 and priority != "token":
-            raise ValueError(f"MoEFeedForward: capacity dispatch with {slots} choices per token "
-                             "and priority='choice' lets a token's later choices depend on later "
-                             "tokens; use priority='token' or mode='dropless' when causal")
+        if capacity_group is None:
+            capacity_group = "sequence" if causal else "batch"
+        if capacity_group not in M.CAPACITY_GROUPS:
+            raise ValueError(f"MoEFeedForward: capacity_group must be one of "
+                             f"{M.CAPACITY_GROUPS} or None, got {capacity_group!r}")
+        if causal and mode == "capacity" and capacity_group == "batch":
+            raise ValueError("MoEFeedForward: capacity_group='batch' routes the call's B x L "
+                             "tokens as one group, so a token's expert depends on other rows "
+                             "and on later tokens: not causal-safe (causal=True); use "
+                             "capacity_group='sequence' or mode='dropless'")
+        if mode == "capacity" and capacity_group == "sequence" and slots > 1 \
+                and priority != "token":
+            raise ValueError(f"MoEFeedForward: capacity_group='sequence' admits a row's "
+                             f"assignments token by token, so with {slots} choices per token "
+                             f"priority='choice' (every first choice before any second, which "
+                             f"lets a token's later choices depend on later tokens) does not "
+                             f"apply: use priority='token' or mode='dropless'")
         if router == "prototype" and num_experts % groups:
             raise ValueError(f"MoEFeedForward: {num_experts} experts do not split into "
                              f"{groups} groups")
@@ -112,6 +134,7 @@ class MoEFeedForward(eqx.Module):
                            if router == "hash" else None)
         self.num_experts, self.router, self.k, self.mode = num_experts, router, k, mode
         self.capacity_factor, self.priority = capacity_factor, priority
+        self.capacity_group = capacity_group
         self.renormalize, self.second_policy, self.groups = renormalize, second_policy, groups
         self.jitter, self.activation, self.backend = jitter, activation, backend
         self.base_eps = base_eps
@@ -135,14 +158,40 @@ class MoEFeedForward(eqx.Module):
         return M.top_k_route(logits, self.k, renormalize=self.renormalize,
                              second_policy=self.second_policy, mask=mask, key=ks)
 
+    @property
+    def _sequence_capacity(self) -> bool:
+        return self.mode == "capacity" and self.capacity_group == "sequence" \
+            and self.router not in ("expert_choice", "base")
+
+    def init_cache(self, batch: int, max_len: int | None = None, dtype=None):
+        """The decoding state for ``batch`` rows: a fresh ``experts.CapacityState`` for
+        ``"sequence"`` capacity, None when routing keeps no state (dropless: each token is
+        routed on its own)."""
+        del max_len, dtype
+        return M.CapacityState.empty(batch, self.num_experts) if self._sequence_capacity \
+            else None
+
+    def decode(self, x, cache, *, tokens=None):
+        """One decoding step ``x [B, 1, dim]`` (``tokens int[B, 1]`` for hash routing) with
+        the state of :meth:`init_cache`: ``(y, cache)``, equal to the step's position of the
+        full-sequence call."""
+        y, _, cache = self._run(x, None, tokens, None, True, cache)
+        return y, cache
+
     def __call__(self, x, *, mask=None, tokens=None, key=None, inference=False):
+        y, aux, _ = self._run(x, mask, tokens, key, inference, None)
+        return y, aux
+
+    def _run(self, x, mask, tokens, key, inference, cache):
         b, length, d = x.shape
         xf = x.reshape(b * length, d)
         m = None if mask is None else mask.reshape(-1)
         t = None if tokens is None else tokens.reshape(-1)
         if X.mesh_axis_size(X.EXPERT) > 1:
-            y, aux = self._expert_parallel(xf, m)
-            return y.reshape(b, length, d), aux
+            if cache is not None:
+                raise ValueError("MoEFeedForward: the expert-parallel form does not decode")
+            y, aux = self._expert_parallel(xf, m, length)
+            return y.reshape(b, length, d), aux, None
         r = self.route(xf, mask=m, tokens=t, key=key, inference=inference)
         w = M.ExpertWeights(self.w1, self.w2, self.w_gate)
         real = jnp.ones((b * length,), bool) if m is None else m
@@ -154,10 +203,15 @@ class MoEFeedForward(eqx.Module):
             hits = (r.gates > 0).sum(1).astype(jnp.float32)
             aux = dict(load_balancing=jnp.zeros(()), router_z=M.router_z_loss(r.logits, mask=m),
                        dropped_fraction=dropped, expert_load=hits / jnp.maximum(hits.sum(), 1))
-            return y.reshape(b, length, d), aux
-        y, kept = M.moe_ffn(xf, r, w, mode=self.mode, capacity_factor=self.capacity_factor,
-                            priority=self.priority, activation=self.activation,
-                            backend=self.backend, mask=m)
+            return y.reshape(b, length, d), aux, None
+        if self._sequence_capacity:
+            y, kept, cache = M.moe_capacity(
+                xf, r, w, capacity_factor=self.capacity_factor, activation=self.activation,
+                mask=m, group="sequence", length=length, state=cache)
+        else:
+            y, kept = M.moe_ffn(xf, r, w, mode=self.mode, capacity_factor=self.capacity_factor,
+                                priority=self.priority, activation=self.activation,
+                                backend=self.backend, mask=m)
         active = (r.gates != 0) & real[:, None]
         # BASE layers balance by construction and add no auxiliary loss.
         no_loss = self.router == "base"
@@ -167,10 +221,9 @@ class MoEFeedForward(eqx.Module):
             router_z=jnp.zeros(()) if no_loss else M.router_z_loss(r.logits, mask=m),
             dropped_fraction=1.0 - kept.sum() / jnp.maximum(active.sum(), 1),
             expert_load=M.expert_load(r.experts, self.num_experts, mask=m, kept=active))
-        return y.reshape(b, length, d), aux
+        return y.reshape(b, length, d), aux, cache
 
-
-    def _expert_parallel(self, xf, m):
+    def _expert_parallel(self, xf, m, length):
         unsupported = [name for name, bad in (
             ("router != 'top_k'", self.router != "top_k"), ("mode != 'capacity'",
                                                              self.mode != "capacity"),
@@ -183,7 +236,8 @@ class MoEFeedForward(eqx.Module):
         return M.expert_parallel_moe(xf, self.w_router, w, k=self.k,
                                      capacity_factor=self.capacity_factor,
                                      priority=self.priority, renormalize=self.renormalize,
-                                     activation=self.activation, mask=m)
+                                     activation=self.activation, mask=m,
+                                     length=length if self._sequence_capacity else None)
 
 
 @implements("product_key")

@@ -266,8 +266,9 @@ class LayerStack(eqx.Module):
         return eqx.filter_vmap(
             lambda p: eqx.combine(p, static).init_cache(batch, max_len, dtype))(dynamic)
 
-    def decode(self, x, caches, *, context=None, context_mask=None):
-        """One decoding step through every layer: ``x [B, 1, dim]`` -> ``(y, caches)``."""
+    def decode(self, x, caches, *, tokens=None, context=None, context_mask=None):
+        """One decoding step through every layer: ``x [B, 1, dim]`` (``tokens int[B, 1]``, the
+        step's token ids, for hash-routed FFNs) -> ``(y, caches)``."""
         if self.reversible:
             raise NotImplementedError("LayerStack.decode: reversible stacks do not decode")
         dynamic, static = self.per_layer()
@@ -278,7 +279,8 @@ class LayerStack(eqx.Module):
             if self.universal:
                 x = x + sinusoid(t, x.shape[-1]).astype(x.dtype)
             y, cache = eqx.combine(params, static).decode(
-                x, eqx.combine(cache, cache_static), context=context, context_mask=context_mask)
+                x, eqx.combine(cache, cache_static), tokens=tokens, context=context,
+                context_mask=context_mask)
             return y, eqx.filter(cache, eqx.is_array)
 
         x, new = jax.lax.scan(step, x, (dynamic, cache_dyn, jnp.arange(self.num_layers)))
