@@ -1,9 +1,13 @@
 """The FFN kinds (the block's ``ffn=`` slot) as :class:`~xformers_jax.kinds.Kind` records:
 the dense FFN, the mixtures of experts (family ``experts``) and the capacity layers (family
 ``capacity``). ``decoding="token"``: the kind runs on one new token at a time; None: it cannot
-(its routing ranks tokens against each other). Each kind's layer (the record's adapter) is the
-``xformers_jax.nn`` module that declares it with ``nn.implements``; the MoE kinds share
-``nn.MoEFeedForward`` and differ by their ``router`` (a fixed layer argument) and defaults."""
+(its routing ranks tokens against each other). The MoE kinds that claim ``causal`` hold it in
+every mode a causal model accepts: dropless dispatch, and capacity dispatch with ``"sequence"``
+groups (``capacity_group``; the causal default), whose counts are the decoding state; capacity
+over a ``"batch"`` group is not causal and a causal layer refuses it. Each kind's layer (the
+record's adapter) is the ``xformers_jax.nn`` module that declares it with ``nn.implements``;
+the MoE kinds share ``nn.MoEFeedForward`` and differ by their ``router`` (a fixed layer
+argument) and defaults."""
 
 from __future__ import annotations
 
@@ -27,8 +31,13 @@ def _moe(**defaults):
         "mode": ("dropless", "dispatch: 'dropless' (grouped matmul) or 'capacity'"),
         "capacity_factor": (1.25, "expert slots relative to an even share (capacity dispatch, "
                                   "expert choice)"),
-        "priority": ("choice", "which assignments claim capacity first: 'choice' or 'token' "
-                               "(causal-safe)"),
+        "priority": ("choice", "which assignments claim capacity first in a 'batch' group: "
+                               "'choice' or 'token' ('sequence' groups need 'token' for k > 1)"),
+        "capacity_group": (None, "tokens sharing a capacity: 'sequence' (each row alone, a "
+                                 "running capacity by position: causal, decodes) or 'batch' "
+                                 "(GShard's B x L group: mixes rows and sees later tokens, so "
+                                 "NOT causal: refused in causal models); None: 'sequence' when "
+                                 "causal, else 'batch'"),
         "renormalize": (True, "renormalise the top-k gates to sum to 1"),
         "second_policy": ("all", "the top-k router's later choices: 'all' or 'random' "
                                  "(GShard's random second expert)"),

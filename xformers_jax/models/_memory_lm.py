@@ -16,13 +16,15 @@ from __future__ import annotations
 
 import abc
 import functools
+from typing import Any
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 
 from ..nn import (MEMORY_ATTENTION_KINDS, AttentionSpec, CompressiveMemory, Memory, MemoryState,
-                  NoPositions, TransformerXLRelative, XLMemory, sample_tokens, sinusoid)
+                  NoPositions, TransformerXLRelative, XLMemory, decode_ffn, init_ffn_cache,
+                  sample_tokens, sinusoid)
 from ._lm import CausalLM
 from ._registry import TRUNK, register_model, section
 
@@ -57,7 +59,10 @@ class SegmentCache(eqx.Module):
     the ``memory`` (:class:`MemoryState`), its keys/values ``mem_k, mem_v [N, B, Mc + M, Hkv,
     Dk]`` (mask ``mem_mask``), the current segment's keys/values ``seg_k, seg_v [N, B, S, Hkv,
     Dk]`` and each layer's inputs/outputs ``x_in, x_out [N, B, S, D]`` on it (what the memory
-    update reads when the segment is full), and ``count``, the segment's tokens so far."""
+    update reads when the segment is full), ``count``, the segment's tokens so far, and ``ffn``
+    each layer's FFN decoding state (``nn.init_ffn_cache``: capacity routing's counts, which
+    start afresh with every segment, as in ``model(segment, memory=)``; None when the FFN keeps
+    none)."""
 
     memory: MemoryState
     mem_k: jax.Array
@@ -68,6 +73,7 @@ class SegmentCache(eqx.Module):
     x_in: jax.Array
     x_out: jax.Array
     count: jax.Array
+    ffn: Any = None
 
 
 def _layer_memory_kv(block, state: MemoryState):
@@ -86,8 +92,9 @@ def _segment_cache(model, memory: MemoryState, segment_len: int) -> SegmentCache
     n, b = mmask.shape[:2]
     d = model.head.shape[0]
     zeros = lambda *shape: jnp.zeros((n, b, segment_len, *shape), mk.dtype)  # noqa: E731
+    ffn = jax.vmap(lambda p: init_ffn_cache(eqx.combine(p, static).ffn, b))(dynamic)
     return SegmentCache(memory, mk, mv, mmask, zeros(*mk.shape[3:]), zeros(*mv.shape[3:]),
-                        zeros(d), zeros(d), jnp.zeros((), jnp.int32))
+                        zeros(d), zeros(d), jnp.zeros((), jnp.int32), ffn)
 
 
 def _next_segment(model, cache: SegmentCache) -> SegmentCache:
@@ -117,7 +124,7 @@ def _memory_decode_step(model, token, cache: SegmentCache):
         buf, new.astype(buf.dtype), c, axis=1)
 
     def layer(x, inputs):
-        params, t, mk, mv, mmask, sk, sv, xin, xout = inputs
+        params, t, mk, mv, mmask, sk, sv, xin, xout, fc = inputs
         block = eqx.combine(params, static)
         if stack.universal:
             x = x + sinusoid(t, x.shape[-1]).astype(x.dtype)
@@ -132,20 +139,24 @@ def _memory_decode_step(model, token, cache: SegmentCache):
             return block.attn.output(block.attn.exact_heads(q, keys, values, q_pos, k_pos,
                                                             mask))
 
+        def ffn(h):
+            y, kv["ffn"] = decode_ffn(block.ffn, h, fc, tokens=token[:, None])
+            return y
+
         fs = block.sublayers(inference=True)
-        fs[0] = attend
+        fs[0], fs[-1] = attend, ffn
         y = x
         for i, f in enumerate(fs):
             y = block.residual(i, y, f)
-        return y, (kv["k"], kv["v"], put(xin, x), put(xout, y))
+        return y, (kv["k"], kv["v"], put(xin, x), put(xout, y), kv["ffn"])
 
     xs = (dynamic, jnp.arange(stack.num_layers), cache.mem_k, cache.mem_v, cache.mem_mask,
-          cache.seg_k, cache.seg_v, cache.x_in, cache.x_out)
-    x, (sk, sv, xin, xout) = jax.lax.scan(layer, x, xs)
+          cache.seg_k, cache.seg_v, cache.x_in, cache.x_out, cache.ffn)
+    x, (sk, sv, xin, xout, ffn) = jax.lax.scan(layer, x, xs)
     h = x if model.final_norm is None else model.final_norm(x)
     logits = (h @ model.head.astype(h.dtype))[:, 0]
     return logits, SegmentCache(cache.memory, cache.mem_k, cache.mem_v, cache.mem_mask, sk, sv,
-                                xin, xout, c + 1)
+                                xin, xout, c + 1, ffn)
 
 
 def generate_with_memory(model, prompt, max_new_tokens: int, *, segment_len: int, key=None,

@@ -52,10 +52,11 @@ class Encoder(eqx.Module):
                  return_aux=False):
         """Returns ``(hidden [B, L(+1), dim], mask)``, and the new ``state`` third when an
         ``eqx.nn.State`` is passed (stateful attention, e.g. routing); with ``return_aux`` the
-        layers' auxiliary outputs (``nn.aux_terms``) come last."""
+        layers' auxiliary outputs (``nn.aux_terms``) come last. Token ids reach the layers
+        (hash routing), the CLS position as ``nn.CLS_TOKEN_ID`` (0)."""
         x, mask = self.embed(inputs, mask=mask)
         h, new, aux = run_with_aux(self.layers, x, state, kv_mask=mask, key=key,
-                                   inference=inference)
+                                   inference=inference, tokens=self.embed.token_ids(inputs))
         h = finish(self.final_norm, h)
         out = (h, mask) if state is None else (h, mask, new)
         return (*out, aux) if return_aux else out

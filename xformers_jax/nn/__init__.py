@@ -25,12 +25,15 @@ from ._ffn import FeedForward as FeedForward
 from ._ffns import AUX_WEIGHTS as AUX_WEIGHTS
 from ._ffns import aux_losses as aux_losses
 from ._ffns import aux_terms as aux_terms
+from ._ffns import decode_ffn as decode_ffn
+from ._ffns import init_ffn_cache as init_ffn_cache
 from ._moe import MoEFeedForward as MoEFeedForward
 from ._moe import NoFeedForward as NoFeedForward
 from ._moe import ProductKeyMemory as ProductKeyMemory
 from ._moe import SparseFeedForward as SparseFeedForward
 from ._cycle import BlockCycle as BlockCycle
 from ._cycle import transformer_stack as transformer_stack
+from ._embed import CLS_TOKEN_ID as CLS_TOKEN_ID
 from ._embed import Embedder as Embedder
 from ._memory import COMPRESSIONS as COMPRESSIONS
 from ._memory import CompressiveMemory as CompressiveMemory

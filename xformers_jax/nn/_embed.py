@@ -14,6 +14,11 @@ from ..axes import constrain
 from ._positions import InputScheme, SinusoidalPositions
 
 
+# The token id the CLS position carries for layers that read ids (hash routing): the CLS
+# token is a learned vector outside the vocabulary, so it is routed as id 0.
+CLS_TOKEN_ID = 0
+
+
 class Embedder(eqx.Module):
     """Token ids (a table) or continuous features (a linear map) to ``[B, L, dim]``, plus an
     input position scheme and an optional learned CLS token prepended to the sequence."""
@@ -39,6 +44,17 @@ class Embedder(eqx.Module):
         if not isinstance(self.positions, InputScheme):
             raise ValueError(f"Embedder: {type(self.positions).__name__} is not an input position "
                              "scheme; give it to the blocks (block=dict(position=...))")
+
+    def token_ids(self, inputs):
+        """The token ids aligned with the embedded sequence, for layers that read them (hash
+        routing): ``inputs int[B, L]`` with :data:`CLS_TOKEN_ID` prepended when ``cls``
+        (``int[B, L + 1]``); None for continuous inputs."""
+        if self.table is None:
+            return None
+        if self.cls is None:
+            return inputs
+        return jnp.concatenate([jnp.full((inputs.shape[0], 1), CLS_TOKEN_ID, inputs.dtype),
+                                inputs], axis=1)
 
     def __call__(self, inputs, *, mask=None, causal=False, offset=0):
         """inputs: ``int[B, L]`` or ``[B, L, F]``; mask ``bool[B, L]``. Returns ``(x, mask)``
