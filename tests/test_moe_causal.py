@@ -80,8 +80,8 @@ def _lm(kind, **hp):
 
 @jit0
 def _runs(model, tokens, changed):
-    """The forward, its dropped fraction, the forward with one token changed, a prefix of 7,
-    and prefill of 5 followed by one decode step per remaining token."""
+    """The forward, its dropped fraction, the forward with one token changed, each row run
+    alone, a prefix of 7, and prefill of 5 followed by one decode step per remaining token."""
     logits, aux = model(tokens, return_aux=True)
     logits_p, caches = model.prefill(tokens[:, :5], model.init_cache(B, L))
 
@@ -91,7 +91,9 @@ def _runs(model, tokens, changed):
 
     _, steps = jax.lax.scan(step, caches, jnp.arange(5, L))
     decoded = jnp.concatenate([logits_p, jnp.moveaxis(steps, 0, 1)], 1)
-    return logits, aux["dropped_fraction"], model(changed), model(tokens[:, :7]), decoded
+    alone = jax.lax.map(lambda row: model(row[None])[0], tokens)
+    return (logits, aux["dropped_fraction"], model(changed), alone, model(tokens[:, :7]),
+            decoded)
 
 
 @pytest.mark.parametrize("kind", sorted(CAPACITY))
@@ -99,12 +101,14 @@ def test_capacity_kinds_in_a_causal_lm_keep_rows_prefixes_and_decoding(kind):
     model = _lm(kind)
     tokens = jax.random.randint(jax.random.key(1), (B, L), 0, VOCAB)
     changed = tokens.at[0, 9].set((tokens[0, 9] + 7) % VOCAB)
-    logits, dropped, other, prefix, decoded = _runs(model, tokens, changed)
+    logits, dropped, other, alone, prefix, decoded = _runs(model, tokens, changed)
     assert float(dropped.max()) > 0  # the capacity drops assignments: the checks bind
-    # Row 0's token 9 moves nothing in the other rows, nor row 0 before it.
+    # Row 0's token 9 moves nothing in the other rows, nor row 0 before it; every row scores
+    # alone as in the batch.
     assert_close(other[1:], logits[1:])
     assert_close(other[0, :9], logits[0, :9])
     assert not np.allclose(other[0, 9], logits[0, 9])
+    assert_close(alone, logits)
     # A prefix scores as the same positions of the longer run.
     assert_close(prefix, logits[:, :7])
     # prefill + one decoding step per token equal the forward call.
