@@ -63,6 +63,23 @@ def test_expert_parallel_equals_one_device(sizes):
         assert_close(a, b, EXACT_GRAD)
 
 
+def test_expert_parallel_sequence_capacity_equals_one_device_routing():
+    # "sequence" capacity routes each row on its own: the expert-parallel form (rows of 8 over
+    # 8 devices) equals the one-device layer's dispatch over all T tokens, whatever the mesh.
+    x, wr, w, mask = _setup()
+    mesh = parallel.make_mesh({"data": 2, "expert": 4})
+    ep = jax.jit(functools.partial(M.expert_parallel_moe, mesh=mesh, k=2, capacity_factor=1.0,
+                                   priority="token", length=8), **_O0)
+    y1, a1 = ep(x, wr, w, mask=mask)
+    r = M.top_k_route(M.router_logits(x, wr), 2, mask=mask)
+    y0, kept, _ = M.moe_capacity(x, r, w, capacity_factor=1.0, mask=mask, group="sequence",
+                                 length=8)
+    assert_close(y1, y0)
+    assert float(a1["dropped_fraction"]) > 0 and not bool(kept[mask].all())
+    with pytest.raises(ValueError, match="whole rows of 16"):
+        M.expert_parallel_moe(x, wr, w, mesh=mesh, length=16)
+
+
 def test_no_drops_equal_dropless_and_errors():
     x, wr, w, mask = _setup()
     y, aux = jax.jit(functools.partial(M.grouped_moe, groups=8, k=2, capacity_factor=8.0))(
