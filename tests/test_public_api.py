@@ -148,6 +148,8 @@ EXPERTS_NAMES = {
     # The dense, sparse and empty FFNs, and every FFN kind's record.
     "KINDS", "feed_forward", "no_feed_forward", "sparse_feed_forward",
     "DISPATCH_MODES", "FFN_ACTIVATIONS", "GATED", "sparse_controller", "sparse_masked",
+    # Capacity over each sequence (causal), with its decoding state.
+    "CAPACITY_GROUPS", "CapacityState", "sequence_capacity_slots",
 }
 
 
@@ -156,7 +158,8 @@ def test_experts_names_are_pinned():
     nn = importlib.import_module("xformers_jax.nn")
     for name in ("FFNSpec", "Spec", "register_kind", "get_kind", "registered_kinds", "implements",
                  "MoEFeedForward", "ProductKeyMemory", "SparseFeedForward", "aux_losses",
-                 "aux_terms", "SparseQKVAttention", "BlockCycle"):
+                 "aux_terms", "SparseQKVAttention", "BlockCycle", "BlockCache", "init_ffn_cache",
+                 "decode_ffn", "CLS_TOKEN_ID"):
         assert hasattr(nn, name), name
     parallel = importlib.import_module("xformers_jax.parallel")
     for name in ("expert_parallel_moe", "gpipe", "pipeline_layers", "bubble_fraction"):
