@@ -1,6 +1,7 @@
 """Training: train state, optimizers and schedules, the jitted step, orbax checkpoints,
 metrics (JSONL, TensorBoard, a progress bar), dynamic loss scaling, tasks and the loop behind ``xformers_jax_experiments/train.py``."""
 
+from ._checkpoint import CheckpointCorrupt as CheckpointCorrupt
 from ._checkpoint import Checkpointer as Checkpointer
 from ._compress import Compression as Compression
 from ._compress import restore_model as restore_model
