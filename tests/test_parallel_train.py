@@ -161,7 +161,7 @@ def test_checkpoint_from_one_mesh_resumes_on_another(runs, tmp_path):
     assert_close(np.array(_losses(workdir)), np.array(_losses(sharded_dir)), EXACT_GRAD)
 
 
-def test_mesh_config_errors_and_strategies():
+def test_mesh_config_errors_and_strategies(tmp_path):
     assert train.resolve_mesh({"strategy": "data+tensor", "tensor": 2})["data"] == 4
     assert train.resolve_mesh({"data": 1}) == dict.fromkeys(parallel.axes.MESH_AXES, 1)
     with pytest.raises(ValueError, match="unknown axes"):
@@ -170,4 +170,4 @@ def test_mesh_config_errors_and_strategies():
     with pytest.raises(ValueError, match="not divisible by the 8 batch shards"):
         with config.unlocked():
             config.batch_size, config.num_microbatches = 4, 1
-        train.train_and_evaluate(config, "/nonexistent/never-written")
+        train.train_and_evaluate(config, str(tmp_path))

@@ -1,6 +1,8 @@
 """Training: train state, optimizers and schedules, the jitted step, orbax checkpoints,
-metrics (JSONL, TensorBoard, a progress bar), dynamic loss scaling, tasks and the loop behind ``xformers_jax_experiments/train.py``."""
+metrics (JSONL, TensorBoard, a progress bar), dynamic loss scaling, tasks, the run record and
+workdir lock, and the loop behind ``xformers_jax_experiments/train.py``."""
 
+from ._checkpoint import CheckpointCorrupt as CheckpointCorrupt
 from ._checkpoint import Checkpointer as Checkpointer
 from ._compress import Compression as Compression
 from ._compress import restore_model as restore_model
@@ -10,6 +12,8 @@ from ._config import base_config as base_config
 from ._config import model_config as model_config
 from ._config import set_model_kind as set_model_kind
 from ._config import validate_config as validate_config
+from ._lock import WorkdirLock as WorkdirLock
+from ._lock import WorkdirLocked as WorkdirLocked
 from ._loop import evaluate as evaluate
 from ._loop import train_and_evaluate as train_and_evaluate
 from ._loss_scale import DynamicLossScale as DynamicLossScale
@@ -20,6 +24,9 @@ from ._metrics import read_jsonl as read_jsonl
 from ._optim import make_optimizer as make_optimizer
 from ._optim import make_schedule as make_schedule
 from ._progress import ProgressBar as ProgressBar
+from ._record import ConfigChanged as ConfigChanged
+from ._record import RunRecord as RunRecord
+from ._record import config_json as config_json
 from ._sharding import ShardingPlan as ShardingPlan
 from ._sharding import make_sharding_plan as make_sharding_plan
 from ._sharding import resolve_mesh as resolve_mesh

@@ -15,6 +15,27 @@ test evaluation reads it). Each step directory ``<step>/`` holds two items:
   written and read by Grain's own orbax handler (``grain.checkpoint.CheckpointHandler``): the
   trainer's Grain iterator state (``DataIterator.get_state``) and the open logging
   interval's sums, so that a resumed run reads the batches and logs the means it would have.
+- ``checksums/``: a fingerprint of each array of ``state/`` (``_integrity.fingerprints``:
+  computed on the devices before the save, 16 hex digits per tree path), written by orbax's
+  JSON handler inside the same step, so it is committed with the arrays (orbax writes a step
+  into a temporary directory and renames it when every item is written).
+
+Restoring reads the newest step and checks it: its checksums are there, orbax's metadata
+reads, every array reads and its fingerprint is the one saved. A step that fails (bytes
+overwritten or cut off in an array file, ``_METADATA`` or ``manifest.ocdbt`` gone, an empty
+step directory, no checksums) is reported with the reason and moved to
+``<dir>.corrupt/<step>`` (kept to inspect; orbax would refuse to save that step again), and
+the step before it is tried; when no step is intact the restore raises naming each step's
+problem, and moves nothing. A template that does not match the stored tree is not corruption:
+it raises at once (``parallel.restore_target``). Steps of an earlier version (no step of the
+directory has checksums) restore unverified, with a warning.
+
+Retention is the checkpointer's, not orbax's: orbax deletes the oldest steps when a new save
+finishes even if the new one failed, so ``checkpoints/`` is trimmed to the newest ``keep``
+steps only after a save has finished without error (at the next ``save`` or ``wait``): the
+newest good step is never deleted in favour of one that did not make it to disk, and up to
+``keep + 1`` steps exist while a save is in flight. ``best/`` keeps its best two: if the best
+is found damaged, the next one is evaluated.
 
 Saves are asynchronous; ``wait`` finishes them.
 """
@@ -23,14 +44,17 @@ from __future__ import annotations
 
 import json
 import os
+import time
 
 import grain
 import jax
 import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
+from absl import logging
 
 from ..parallel import checkpoint_tree, fill_arrays, restore_target
+from ._integrity import fingerprints
 
 
 def _copy(leaf):
@@ -44,8 +68,22 @@ def _copy(leaf):
 
 def _handlers():
     # Registered up front so that item_metadata can read a step's tree before any restore.
-    return dict(state=ocp.StandardCheckpointHandler(),
-                data=grain.checkpoint.CheckpointHandler())
+    return {"state": ocp.StandardCheckpointHandler(),
+            "data": grain.checkpoint.CheckpointHandler(),
+            "checksums": ocp.JsonCheckpointHandler()}
+
+
+class CheckpointCorrupt(RuntimeError):
+    """No intact checkpoint to restore: every step of the directory failed its check."""
+
+
+class _Damaged(Exception):
+    """One step failed its check (the reason is the message)."""
+
+
+def _reason(error: BaseException) -> str:
+    text = f"{type(error).__name__}: {error}".splitlines()[0]
+    return text if len(text) <= 300 else text[:300] + "..."
 
 
 class _DataState(grain.DatasetIterator):
@@ -80,29 +118,43 @@ class Checkpointer:
                  best_mode: str = "max"):
         if best_mode not in ("max", "min"):
             raise ValueError(f"best_mode must be 'max' or 'min', got {best_mode!r}")
+        if keep < 1:
+            raise ValueError(f"keep must be >= 1, got {keep}")
         workdir = os.path.abspath(workdir)
+        self.keep = keep
+        # max_to_keep=None: orbax keeps every step, `_trim` deletes (see the module doc).
         self.latest = ocp.CheckpointManager(
             os.path.join(workdir, "checkpoints"), item_handlers=_handlers(),
-            options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True))
+            options=ocp.CheckpointManagerOptions(max_to_keep=None, create=True))
         self.best_metric = best_metric
         self.best = ocp.CheckpointManager(
             os.path.join(workdir, "best"), item_handlers=_handlers(),
             options=ocp.CheckpointManagerOptions(
-                max_to_keep=1, create=True, best_fn=lambda m: m[best_metric],
+                max_to_keep=2, create=True, best_fn=lambda m: m[best_metric],
                 best_mode=best_mode))
 
     @staticmethod
     def _args(state, data_state):
-        tree = jax.tree.map(_copy, checkpoint_tree(state))
-        return ocp.args.Composite(state=ocp.args.StandardSave(tree),
-                                  data=grain.checkpoint.CheckpointSave(_DataState(data_state)))
+        tree = checkpoint_tree(state)
+        sums = fingerprints(tree)  # of the arrays as they are, before the copy is written
+        return ocp.args.Composite(state=ocp.args.StandardSave(jax.tree.map(_copy, tree)),
+                                  data=grain.checkpoint.CheckpointSave(_DataState(data_state)),
+                                  checksums=ocp.args.JsonSave({"fingerprints": sums}))
+
+    def _trim(self) -> None:
+        # After the last save finished without error (wait_until_finished raises otherwise):
+        # every step on disk is one this run wrote or one verified (or older) at restore.
+        for step in sorted(self.latest.all_steps())[:-self.keep]:
+            self.latest.delete(step)
 
     def save(self, step: int, state, data_state: dict, *, force: bool = False) -> None:
         """Saves to ``checkpoints/`` at ``step`` (``force`` also when not on an interval)."""
+        self.latest.wait_until_finished()
+        self._trim()
         self.latest.save(step, args=self._args(state, data_state), force=force)
 
     def save_best(self, step: int, state, data_state: dict, metrics: dict) -> None:
-        """Offers the step to ``best/``; orbax keeps it only while it ranks best.
+        """Offers the step to ``best/``; orbax keeps it while it ranks among the best two.
 
         A run that stopped after evaluating a step but before its next ``checkpoints/`` save
         redoes that step on resume; resume is exact, so the state is the one ``best/`` already
@@ -112,25 +164,89 @@ class Checkpointer:
         self.best.save(step, args=self._args(state, data_state),
                        metrics={self.best_metric: float(metrics[self.best_metric])}, force=True)
 
-    def _restore(self, manager, step, template, shardings):
+    @staticmethod
+    def _has_checksums(manager, step) -> bool:
+        return os.path.isdir(os.path.join(str(manager.directory), str(step), "checksums"))
+
+    def _restore(self, manager, step, template, shardings, verify: bool):
+        """``(state, data_state)`` of ``step``; ``_Damaged`` when the step fails its check."""
+        where = os.path.join(str(manager.directory), str(step))
+        if verify and not self._has_checksums(manager, step):
+            raise _Damaged("no checksums/ (an interrupted or damaged save)")
+        try:
+            stored = manager.item_metadata(step)["state"].tree
+            if not stored:
+                raise ValueError("no arrays in its metadata")
+            saved = (manager.restore(step, args=ocp.args.Composite(
+                checksums=ocp.args.JsonRestore()))["checksums"]["fingerprints"]
+                if verify else None)
+        except Exception as e:  # whatever orbax raises on a damaged step
+            raise _Damaged(f"its metadata or checksums do not read ({_reason(e)})") from e
         # The stored tree's paths, shapes and dtypes are checked against the template before
-        # any array is read; orbax then reads each target shard's slice, whatever mesh wrote
-        # the checkpoint.
-        stored = manager.item_metadata(step)["state"].tree
-        where = os.path.join(str(manager.directory), str(step), "state")
-        target = restore_target(template, stored, shardings, where)
-        earlier = os.path.join(str(manager.directory), str(step), "data", "metadata")
-        if os.path.exists(earlier):
-            # Written before the Grain pipeline: the data state is orbax's JSON item (which
-            # DataIterator.set_state refuses by name: its batches are not Grain's).
-            restored = manager.restore(step, args=ocp.args.Composite(
-                state=ocp.args.StandardRestore(target)))
-            with open(earlier) as fh:
-                return fill_arrays(template, restored["state"]), json.load(fh)
-        restored = manager.restore(step, args=ocp.args.Composite(
-            state=ocp.args.StandardRestore(target),
-            data=grain.checkpoint.CheckpointRestore(_DataState())))
-        return fill_arrays(template, restored["state"]), restored["data"].state
+        # any array is read (a mismatch is the caller's, and raises); orbax then reads each
+        # target shard's slice, whatever mesh wrote the checkpoint.
+        target = restore_target(template, stored, shardings, os.path.join(where, "state"))
+        earlier = os.path.join(where, "data", "metadata")
+        try:
+            if os.path.exists(earlier):
+                # Written before the Grain pipeline: the data state is orbax's JSON item (which
+                # DataIterator.set_state refuses by name: its batches are not Grain's).
+                restored = manager.restore(step, args=ocp.args.Composite(
+                    state=ocp.args.StandardRestore(target)))
+                with open(earlier) as fh:
+                    data_state = json.load(fh)
+            else:
+                restored = manager.restore(step, args=ocp.args.Composite(
+                    state=ocp.args.StandardRestore(target),
+                    data=grain.checkpoint.CheckpointRestore(_DataState())))
+                data_state = restored["data"].state
+        except Exception as e:
+            raise _Damaged(f"its arrays or data state do not read ({_reason(e)})") from e
+        if verify:
+            got = fingerprints(restored["state"])
+            bad = sorted(p for p in set(got) | set(saved) if got.get(p) != saved.get(p))
+            if bad:
+                raise _Damaged(f"{len(bad)} array(s) differ from their checksums, first "
+                               f"{bad[0]!r} (saved {saved.get(bad[0])}, read {got.get(bad[0])})")
+        return fill_arrays(template, restored["state"]), data_state
+
+    def _restore_intact(self, manager, steps, template, shardings, what: str):
+        """The first of ``steps`` that passes its check; damaged ones before it are reported
+        and moved aside. ``CheckpointCorrupt`` when none passes (nothing is moved)."""
+        verify = any(self._has_checksums(manager, s) for s in steps)
+        if steps and not verify:
+            logging.warning("%s: written without checksums (an earlier version): restoring "
+                            "step %d unverified", manager.directory, steps[0])
+        damaged = []
+        for step in steps:
+            try:
+                out = self._restore(manager, step, template, shardings, verify)
+            except _Damaged as e:
+                damaged.append((step, str(e)))
+                continue
+            for bad, why in damaged:
+                moved = self._move_aside(manager, bad)
+                logging.warning("%s step %d is damaged (%s): moved to %s; resuming from step "
+                                "%d", what, bad, why, moved, step)
+            if damaged:
+                manager.reload()
+            return out
+        if damaged:
+            lines = "; ".join(f"step {s}: {why}" for s, why in damaged)
+            raise CheckpointCorrupt(
+                f"no intact checkpoint in {manager.directory}: {lines}. Nothing was moved; "
+                "move the damaged steps away (or use another workdir) to start afresh")
+        return None
+
+    @staticmethod
+    def _move_aside(manager, step) -> str:
+        if jax.process_index() != 0:
+            return "(by process 0)"
+        directory = str(manager.directory)
+        aside = os.path.join(directory + ".corrupt", f"{step}.{time.strftime('%Y%m%d-%H%M%S')}")
+        os.makedirs(os.path.dirname(aside), exist_ok=True)
+        os.rename(os.path.join(directory, str(step)), aside)
+        return aside
 
     def latest_step(self) -> int | None:
         return self.latest.latest_step()
@@ -144,18 +260,27 @@ class Checkpointer:
         first difference before anything is read. ``shardings`` (a ``NamedSharding`` per
         array of it, e.g. ``ShardingPlan.state``, or one for all) places the restored arrays,
         on any mesh (default: one local device).
+
+        Each step is checked before it is returned (see the module doc): a damaged latest
+        step is reported and moved aside and the one before it restored; ``CheckpointCorrupt``
+        when no step is intact.
         """
-        step = self.latest.latest_step()
-        return None if step is None else self._restore(self.latest, step, template, shardings)
+        steps = sorted(self.latest.all_steps(), reverse=True)
+        return self._restore_intact(self.latest, steps, template, shardings, "checkpoint")
 
     def restore_best(self, template, shardings=None):
-        """``(state, data_state)`` of the best checkpoint, or None when there is none."""
-        step = self.best.best_step()
-        return None if step is None else self._restore(self.best, step, template, shardings)
+        """``(state, data_state)`` of the best intact checkpoint, or None when there is none
+        (checked as ``restore_latest``; a damaged best is moved aside and the next best
+        read)."""
+        best = self.best.best_step()
+        steps = [] if best is None else [best] + sorted(
+            (s for s in self.best.all_steps() if s != best), reverse=True)
+        return self._restore_intact(self.best, steps, template, shardings, "best checkpoint")
 
     def wait(self) -> None:
-        """Blocks until pending asynchronous saves are written."""
+        """Blocks until pending asynchronous saves are written (then trims ``checkpoints/``)."""
         self.latest.wait_until_finished()
+        self._trim()
         self.best.wait_until_finished()
 
     def close(self) -> None:

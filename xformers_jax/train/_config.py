@@ -20,7 +20,8 @@ import difflib
 
 import ml_collections
 
-from .. import models
+from .. import models, nn
+from ..kinds import SLOTS
 from . import _compress
 from ._optim import SCHEDULES
 from ._tasks import get_task
@@ -117,6 +118,20 @@ def _compare(config, reference, path="", open_sections=()):
             _compare(config[k], reference[k], f"{path}{k}.", open_sections)
 
 
+def _check_slot(name: str, section) -> None:
+    """A slot section's hyperparameters against its kind's registered ones (with "did you
+    mean"), so that a misspelt one set on the command line stops the run before anything is
+    built. Sections of other registries (``memory``) and kinds the slot's registry does not
+    hold (``none``) are checked when the model is built."""
+    if name not in SLOTS or section.kind not in nn.registered_kinds(name):
+        return
+    try:
+        nn.get_kind(name, section.kind).check_names(
+            {k: v for k, v in section.items() if k != "kind"})
+    except ValueError as e:
+        raise ValueError(f"model.{name}: {e}") from None
+
+
 def validate_config(config: ml_collections.ConfigDict) -> None:
     """ValueError naming the first unknown / missing key or bad value."""
     if "data" not in config or "task" not in config.data:
@@ -133,6 +148,7 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
     for name in slots:
         if "kind" not in config.model[name]:
             raise ValueError(f"model.{name} needs a 'kind'")
+        _check_slot(name, config.model[name])
     kind.weights(dict(config.loss))  # names only terms the model returns
     task_type = get_task(config.data.task).type
     if task_type not in kind.serves:

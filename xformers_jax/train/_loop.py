@@ -15,10 +15,12 @@ from ..data import DataIterator
 from ._checkpoint import Checkpointer
 from ._compress import Compression
 from ._config import validate_config
+from ._lock import acquire_for_job
 from ._loss_scale import DynamicLossScale
 from ._metrics import IntervalMean, MetricWriter
 from ._optim import make_optimizer, make_schedule
 from ._progress import ProgressBar, format_duration
+from ._record import RunRecord
 from ._sharding import make_sharding_plan, resolve_mesh
 from ._state import create_train_state
 from ._step import make_eval_step, make_train_step
@@ -73,7 +75,32 @@ class _Preemption:
         signal.signal(signal.SIGTERM, self._previous)
 
 
-def train_and_evaluate(config, workdir: str, *, on_step=None) -> dict:
+def train_and_evaluate(config, workdir: str, *, on_step=None,
+                       allow_config_change: bool = False) -> dict:
+    """Trains per ``config`` in ``workdir`` (see ``_train_and_evaluate``), owning it.
+
+    Takes the workdir's lock (``_lock.py``: a second trainer raises ``WorkdirLocked`` naming
+    the first) and checks and extends its run record (``_record.py``): a config other than
+    the recorded one raises ``ConfigChanged`` unless ``allow_config_change``; a finished run
+    returns its recorded result with ``already_finished=True`` and writes nothing.
+    """
+    validate_config(config)
+    lock = acquire_for_job(workdir)
+    try:
+        record = RunRecord(workdir, writer=jax.process_index() == 0)
+        finished = record.begin(config, allow_config_change=allow_config_change)
+        if finished is not None:
+            logging.warning("run already finished at step %d; nothing to do", finished["step"])
+            return {**finished, "already_finished": True}
+        result = _train_and_evaluate(config, workdir, on_step=on_step)
+        if not result.get("preempted"):
+            record.finish(result)
+        return result
+    finally:
+        lock.release()
+
+
+def _train_and_evaluate(config, workdir: str, *, on_step=None) -> dict:
     """Trains per ``config`` in ``workdir``, resuming from its latest checkpoint.
 
     Sharded per ``config.mesh`` and ``config.sharding`` (``make_sharding_plan``; by default
