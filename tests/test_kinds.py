@@ -12,13 +12,18 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import xformers_jax.models as models
-
-import xformers_jax.nn as nn
 from tests.fast_jit import jit0
 from tests.tolerances import EXACT_GRAD, assert_close
-from xformers_jax.kinds import (REQUIRED, SLOTS, AttentionAdapter, Hyperparameter, Kind,
-                                KVDecoding, Paper)
+from xformers_jax import models, nn
+from xformers_jax.kinds import (
+    REQUIRED,
+    SLOTS,
+    AttentionAdapter,
+    Hyperparameter,
+    Kind,
+    KVDecoding,
+    Paper,
+)
 
 ALL = [(slot, name) for slot in SLOTS for name in nn.registered_kinds(slot)
        if nn.get_kind(slot, name).missing() == ()]
@@ -255,7 +260,7 @@ _TOKENS = jax.random.randint(jax.random.PRNGKey(2), (B, L), 0, VOCAB)
 _OTHER_ROWS = _TOKENS.at[0].set(jax.random.randint(jax.random.PRNGKey(3), (L,), 0, VOCAB))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _causal_runs(slot, name, hp):
     """One compiled program per causal kind, in ``models.CausalLM``: ``{"full", "rows",
     "prefix", "decode"}`` logits (``decode``: the exception, if decoding cannot be traced)."""
@@ -290,7 +295,7 @@ def _causal_runs(slot, name, hp):
     return jax.tree.map(np.asarray, out)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _encoder_runs(slot, name, hp):
     model, state = _model(models.EncoderClassifier, slot, name, hp, 3, pooling="mean",
                           vocab_size=VOCAB)
@@ -362,14 +367,14 @@ def _attend(mha, q, k, v, x, params):
     return out[0] if mha.state_index is not None or mha.carries_between_layers else out
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _padding_program(slot, name):
     """``(inputs, run)``: the kind's inputs with finite junk at padded positions, and
     ``run(inputs) -> (outputs, gradients)`` compiled once: the outputs zeroed at padded
     positions (and an FFN kind's aux outputs), and the gradients of a fixed projection of the
     real outputs with respect to every input and the kind's own parameters."""
     rng = np.random.default_rng(6)
-    normal = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.float32)  # noqa: E731
+    normal = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.float32)
     key = jax.random.PRNGKey(4)
     if slot == "attention":
         spec = nn.AttentionSpec(name, nn.get_kind(slot, name).test_hyperparameters)
@@ -382,7 +387,7 @@ def _padding_program(slot, name):
             q, k, v, x = inputs
             return _attend(layer, q, k, v, x, own), {}
     else:
-        field, make = _SPECS[slot]
+        make = _SPECS[slot][1]
         spec = make(name, nn.get_kind(slot, name).test_hyperparameters)
         if slot == "mixer":
             layer = jit0(lambda k: nn._mixer.make_mixer(spec, DIM, HEADS, causal=False,
