@@ -50,7 +50,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..kernels import STATS_DTYPE as STATS_DTYPE  # the kernel layer owns the dtype policy
-from ..kernels._tiles import select_real_keys
+from ..kernels import select_real_keys
 
 
 class QKV(NamedTuple):
