@@ -233,6 +233,10 @@ class Kind:
       decoding: one of :data:`DECODINGS` of its slot, or None (cannot decode step by step;
         the default).
       bias: whether additive score biases (ALiBi, T5, ...) are supported (default no).
+      mixes_rows: whether one batch row's outputs depend on the other rows by design (expert
+        choice routing picks tokens over the whole batch); such a kind cannot be causal (a
+        row's later tokens would reach another row's earlier outputs) and is refused in causal
+        models. Every other kind keeps the rows of a batch independent.
       fixed_length: whether its parameters are sized by the maximum length (sequences up to
         ``max_len`` only; Linformer's projections, the Synthesizer's dense logits, ...).
       test_hyperparameters: what the kind needs at the tiny test size (attention: ``L =
@@ -257,6 +261,7 @@ class Kind:
     causal: bool
     decoding: str | None = None
     bias: bool = False
+    mixes_rows: bool = False
     fixed_length: bool = False
     test_hyperparameters: Any = ()
     hyperparameters: Mapping[str, Hyperparameter] = dataclasses.field(default_factory=dict)
@@ -284,6 +289,9 @@ class Kind:
         object.__setattr__(self, "hyperparameters", types.MappingProxyType(declared))
         object.__setattr__(self, "layer_arguments",
                            types.MappingProxyType(dict(self.layer_arguments)))
+        if self.mixes_rows and self.causal:
+            raise ValueError(f"Kind {self.name!r} mixes batch rows, so it cannot claim causal "
+                             "support: a token of one row would reach earlier outputs of another")
         modes = DECODINGS[self.slot]
         if self.decoding not in (*modes, None):
             raise ValueError(f"Kind {self.name!r}: decoding must be one of {modes} or None, got "

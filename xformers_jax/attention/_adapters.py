@@ -22,6 +22,21 @@ IMPLEMENTATION = {
 }
 
 
+def real_only(kv_mask, *arrays):
+    """``arrays [B, L, ...]`` with the positions ``kv_mask [B, L]`` marks as padding replaced
+    by zeros, by a select (one array alone if one is given; None passes through): what an
+    adapter does before computing anything of its own from keys, values or the block input
+    (beta gates, global projections, dense maps), so that ``0 * nan`` never reaches a real
+    output or a gradient."""
+    if kv_mask is None:
+        out = arrays
+    else:
+        out = tuple(None if a is None else jnp.where(
+            kv_mask.reshape(*kv_mask.shape, *[1] * (a.ndim - 2)), a, jnp.zeros((), a.dtype))
+            for a in arrays)
+    return out[0] if len(out) == 1 else out
+
+
 def lifted(fn: Callable, arg_axes=(), kwarg_axes=None, *, unpack: bool = False,
            takes_q_mask: bool = False) -> Callable:
     """An ``attend`` for a one-head function of the contract, lifted with ``multihead``.

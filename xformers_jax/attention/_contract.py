@@ -50,6 +50,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..kernels import STATS_DTYPE as STATS_DTYPE  # the kernel layer owns the dtype policy
+from ..kernels import select_real_keys
 
 
 class QKV(NamedTuple):
@@ -179,9 +180,17 @@ def real_positions(mask, length: int):
 
 def check_qkv_mask(name: str, q, k, v, kv_mask):
     """:func:`check_qkv` and :func:`check_kv_mask` together, the prologue of most variants:
-    returns ``(QKV, kv_mask or None)``."""
+    returns ``(QKV, kv_mask or None)``, the masked keys and values selected out (zeros), so
+    that no product of a variant sees their content (``0 * nan`` is NaN)."""
     x = check_qkv(name, q, k, v)
-    return x, check_kv_mask(name, kv_mask, x.lk)
+    kv_mask = check_kv_mask(name, kv_mask, x.lk)
+    return _real_keys(x, kv_mask), kv_mask
+
+
+def _real_keys(x: QKV, kv_mask) -> QKV:
+    if kv_mask is None:
+        return x
+    return x._replace(k=select_real_keys(x.k, kv_mask), v=select_real_keys(x.v, kv_mask))
 
 
 def check_segment_ids(name: str, segment_ids, lq: int, lk: int):
@@ -280,4 +289,4 @@ def check_softmax_args(name: str, q, k, v, kv_mask, segment_ids, bias, dropout_r
     segs = check_segment_ids(name, segment_ids, x.lq, x.lk)
     bias = check_bias(name, bias, x.lq, x.lk)
     check_dropout(name, dropout_rate, key)
-    return x, kv_mask, segs, bias, resolve_scale(x.dk, scale)
+    return _real_keys(x, kv_mask), kv_mask, segs, bias, resolve_scale(x.dk, scale)

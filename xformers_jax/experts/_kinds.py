@@ -78,6 +78,7 @@ KINDS = (
     Kind("expert_choice", expert_choice_ffn, "experts",
          Paper("Zhou et al.", 2022, "Mixture-of-Experts with Expert Choice Routing"),
          "O(capacity_factor * dim * hidden)", _MOE_MEMORY, causal=False, decoding=None,
+         mixes_rows=True,
          test_hyperparameters=_TINY, hyperparameters=_moe(capacity_factor=2.0),
          layer_arguments={"router": "expert_choice"}),
     Kind("hash", hash_route, "experts",

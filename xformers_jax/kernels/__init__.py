@@ -59,5 +59,6 @@ from ._tiles import merge_weighted as merge_weighted
 from ._tiles import normalise as normalise
 from ._tiles import pad_to as pad_to
 from ._tiles import safe_max as safe_max
+from ._tiles import select_real_keys as select_real_keys
 from ._tiles import score_grad as score_grad
 from ._tiles import tile_probs as tile_probs

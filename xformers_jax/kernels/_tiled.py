@@ -426,6 +426,7 @@ def _prepare(q, k, v, layout, *, kv_mask, segments, bias, scale, dropout_rate, k
     gather = _gather_width(layout)
     lq_p = layout.num_q_blocks * layout.block_q
     lk_p = layout.num_k_blocks * layout.block_k
+    k, v = _tiles.select_real_keys(k, kv_mask), _tiles.select_real_keys(v, kv_mask)
     padded = (pad_to(q, lq_p), pad_to(k, lk_p), pad_to(v, lk_p))
     kv_mask_p = pad_to(kv_mask, lk_p, value=False) if kv_mask is not None else jnp.zeros((0,), bool)
     if segments is not None:

@@ -73,6 +73,16 @@ def dynamic_mask(kv_mask, q_seg, kv_seg):
     return mask
 
 
+def select_real_keys(x: jax.Array, kv_mask) -> jax.Array:
+    """``x [Lk, D]`` with the rows of masked keys replaced by zeros, by a select: a masked
+    key's probability is 0, but ``0 * nan`` and ``0 * inf`` are NaN, so a product with its
+    key or value (``p v``, ``dO v^T``, ``ds k``) must never see its content. ``O(Lk D)``,
+    once per call, not per tile."""
+    if kv_mask is None:
+        return x
+    return jnp.where(kv_mask[:, None], x, jnp.zeros((), x.dtype))
+
+
 def and_masks(a, b):
     if a is None:
         return b

@@ -103,7 +103,10 @@ def s4d(u, dt, a, b, c, d, *, c_reverse=None, kv_mask=None, implementation: str 
     Args:
       u: ``[L, H]``. dt: ``[H]``. a, b, c: ``[H, N]`` complex. d: ``[H]``.
       c_reverse: ``[H, N]`` complex or None (causal).
-      kv_mask: ``bool[L]`` or None: padded inputs are zeroed.
+      kv_mask: ``bool[L]`` or None: padded steps neither write nor decay. The convolution's
+        kernel is indexed by distance, so the real positions are gathered to the front (in
+        order) before it and the outputs scattered back: a hole in the middle then changes no
+        distance between real tokens (``O(L)`` gathers beside the ``O(L log L)`` FFT).
       implementation: ``"fft"`` (kernel and FFT convolution) or ``"recurrent"`` (a scan over
         positions with a complex ``[H, N]`` state).
 
@@ -116,6 +119,9 @@ def s4d(u, dt, a, b, c, d, *, c_reverse=None, kv_mask=None, implementation: str 
         raise ValueError(f"s4d: u must be [L, H] with dt [H] and a, b, c [H, N], got u "
                          f"{u.shape}, dt {dt.shape}, a {a.shape}")
     u = _masked_input(name, u, kv_mask).astype(jnp.float32)
+    # The real positions first (a stable order), then the padded ones, whose zero inputs then
+    # follow every real token.
+    order = None if kv_mask is None else jnp.argsort(~kv_mask, stable=True)
 
     def one_way(u, c):
         if implementation == "fft":
@@ -128,9 +134,12 @@ def s4d(u, dt, a, b, c, d, *, c_reverse=None, kv_mask=None, implementation: str 
 
         return lax.scan(step, jnp.zeros(a.shape, jnp.complex64), u)[1]
 
-    y = one_way(u, c)
+    uc = u if order is None else u[order]
+    y = one_way(uc, c)
     if c_reverse is not None:
-        y = y + one_way(u[::-1], c_reverse)[::-1]
+        y = y + one_way(uc[::-1], c_reverse)[::-1]
+    if order is not None:
+        y = jnp.zeros_like(y).at[order].set(y)
     return y + d * u
 
 

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from ...kinds import AttentionAdapter, Kind, Paper, RecurrentDecoding, SequenceParallel
-from .._adapters import broadcast_state, grouped_step, lifted
+from .._adapters import broadcast_state, grouped_step, lifted, real_only
 from .._multihead import multihead
 from ._delta import delta_rule_attention, delta_rule_init_state, delta_rule_step
 from ._feature_maps import FEATURE_MAPS, init_random_projection
@@ -115,6 +115,7 @@ def _beta_logits(k, params):
 
 def _delta(q, k, v, params, *, causal, kv_mask, bias, key, feature_map="dpfp", q_mask=None,
            **kw):
+    k, v = real_only(kv_mask, k, v)
     beta = jnp.moveaxis(_beta_logits(k, params), 1, 2)  # [B, H, L]
     f = multihead(functools.partial(delta_rule_attention, feature_map=feature_map, **kw),
                   arg_axes=("batch_heads",))

@@ -41,8 +41,10 @@ def predict_gaussian_window(q, params, length):
 
     Args:
       q: ``[Lq, Dk]``. params: ``(W_p, u_p, u_d)`` from :func:`init_gaussian_window`.
-      length: ``I``, the number of real keys (a traced scalar is fine: a padded sequence
-        passes its real length, so the padding amount moves no centre).
+      length: ``I``, the number of keys a query may see: a scalar (every real key; a padded
+        sequence passes its real length, so the padding amount moves no centre) or ``[Lq]``,
+        one per query (causal attention: the real keys up to the query, so no later token
+        moves a centre and a prefix predicts what the longer sequence does).
 
     Returns:
       ``(center [Lq], sigma [Lq])`` in float32.
@@ -55,8 +57,14 @@ def predict_gaussian_window(q, params, length):
     return center, sigma
 
 
-def _real_length(kv_mask, lk):
-    return jnp.asarray(lk, jnp.float32) if kv_mask is None else jnp.sum(kv_mask, dtype=jnp.float32)
+def _real_length(kv_mask, lk, lq, causal):
+    """Yang et al.'s ``I`` per query: the real keys, or with ``causal`` the real keys ``j <= i``
+    (query ``i`` sees keys up to ``i``, the kernel's causal alignment; ``[Lq]``)."""
+    real = jnp.ones((lk,), bool) if kv_mask is None else kv_mask
+    if not causal:
+        return jnp.sum(real, dtype=jnp.float32)
+    seen = jnp.cumsum(real, dtype=jnp.float32)
+    return seen[jnp.minimum(jnp.arange(lq), lk - 1)]
 
 
 def _with_prior(name, q, k, v, kv_mask, prior, *, causal, scale, block_q, block_k,
@@ -94,7 +102,9 @@ def gaussian_prior_attention(
     Args:
       q: ``[Lq, Dk]``. k: ``[Lk, Dk]``. v: ``[Lk, Dv]``.
       params: the predictor ``(W_p, u_p, u_d)`` (:func:`init_gaussian_window`); the centre and
-        window are predicted from each query with ``I`` = the number of real keys. Or pass
+        window are predicted from each query with ``I`` = the number of real keys it may see
+        (with ``causal``, those up to the query: the paper's ``I`` is the sequence length,
+        which in a causal model would count the tokens that follow). Or pass
         ``center [Lq]`` and ``sigma [Lq]`` directly (then ``params`` is None).
       causal, kv_mask, scale, key, block_q, block_k: the contract and the tiles.
 
@@ -111,7 +121,8 @@ def gaussian_prior_attention(
     def prior(x, kv_mask):
         c, sg = center, sigma
         if params is not None:
-            c, sg = predict_gaussian_window(x.q, params, _real_length(kv_mask, x.lk))
+            c, sg = predict_gaussian_window(x.q, params,
+                                            _real_length(kv_mask, x.lk, x.lq, causal))
         c, sg = jnp.asarray(c, jnp.float32), jnp.asarray(sg, jnp.float32)
         if c.shape != (x.lq,) or sg.shape != (x.lq,):
             raise ValueError(f"{name}: center and sigma must have shape (Lq,) = ({x.lq},) but "

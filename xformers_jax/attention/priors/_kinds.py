@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from ...kinds import REQUIRED, AttentionAdapter, Kind, Paper, RecurrentDecoding
-from .._adapters import TILES, broadcast_state, grouped_step, lifted
+from .._adapters import TILES, broadcast_state, grouped_step, lifted, real_only
 from ._average import (AverageGate, average_attention, average_attention_init_state,
                        average_attention_step, init_average_gate)
 from ._collaborative import collaborative_attention, collaborative_mixing_from_heads
@@ -215,7 +215,7 @@ def _scores_and_count(batch, lq, lk, hp, *, num_heads, head_dim, num_layers):
 
 def _predictive(q, k, v, conv, *, causal, kv_mask, bias, key, carry, q_mask=None, alpha=0.5,
                 implementation="dense"):
-    k, v = _all_heads(q, k, v)
+    k, v = real_only(kv_mask, *_all_heads(q, k, v))
     prev, t = carry
     # The first layer has no map below it: vanilla attention (alpha = 1).
     a = jnp.where(t == 0, 1.0, alpha)
@@ -234,7 +234,7 @@ def _lazy(q, k, v, params, *, causal, kv_mask, bias, key, carry, q_mask=None, ev
           implementation="dense"):
     if not (isinstance(every, int) and every >= 1):
         raise ValueError(f"attention kind 'lazy': every must be a positive int, got {every!r}")
-    k, v = _all_heads(q, k, v)
+    k, v = real_only(kv_mask, *_all_heads(q, k, v))
     prev, t = carry
 
     def weights():

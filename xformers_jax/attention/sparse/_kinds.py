@@ -36,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ...kinds import REQUIRED, AttentionAdapter, Kind, Paper
-from .._adapters import IMPLEMENTATION, TILES
+from .._adapters import IMPLEMENTATION, TILES, real_only
 from .._exact import block_sparse_attention
 from .._multihead import multihead
 from ..patterns import PerHead
@@ -152,6 +152,7 @@ def _longformer(q, k, v, params, *, causal, kv_mask, bias, key, inputs, window,
     f = multihead(functools.partial(longformer_attention, window=window, dilation=dilation,
                                     global_tokens=global_tokens, **kw),
                   arg_axes=("batch_heads",) * 3)
+    inputs = real_only(kv_mask, inputs)
     return f(q, k, v, *_project(inputs, params, q.shape[2]), causal=causal, kv_mask=kv_mask)
 
 
@@ -161,6 +162,7 @@ def _etc(q, k, v, params, *, causal, kv_mask, bias, key, inputs, num_global, rad
     if not 0 < g < length:
         raise ValueError(f"attention kind 'etc': num_global={g} must be in [1, {length}) for a "
                          f"sequence of length {length}")
+    inputs = real_only(kv_mask, inputs)
     masks = {} if kv_mask is None else {"kv_mask": kv_mask[:, g:],
                                         "global_kv_mask": kv_mask[:, :g]}
     f = multihead(functools.partial(etc_attention, radius=radius, **kw),

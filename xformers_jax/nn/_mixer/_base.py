@@ -69,11 +69,15 @@ def zero_padded(y, kv_mask):
 
 
 def check_mask(name, x, kv_mask):
+    """``x`` with its padded positions set to zero by a select, after checking the shapes:
+    every mixer starts from it, so no content of a padded position (NaN and infinities
+    included) reaches a real output or gradient through a product with a zero mask."""
     if x.ndim != 3:
         raise ValueError(f"{name}: x must be [B, L, dim], got shape {x.shape}")
     if kv_mask is not None and kv_mask.shape != x.shape[:2]:
         raise ValueError(f"{name}: kv_mask must be bool[B, L] = {list(x.shape[:2])}, got shape "
                          f"{kv_mask.shape}")
+    return zero_padded(x, kv_mask)
 
 
 def both_ways(fn, arrays, kv_mask, causal):

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 
 from ...mixers import lightweight_conv
 from .._attention import MultiHeadAttention
-from ._base import MixerModule
+from ._base import MixerModule, check_mask
 from .._slots import AttentionSpec, implements
 
 
@@ -61,6 +61,7 @@ class LSRA(MixerModule):
         self.causal = causal
 
     def __call__(self, x, *, kv_mask=None, positions=None, key=None):
+        x = check_mask("LSRA", x, kv_mask)
         half = x.shape[-1] // 2
         a, c = x[..., :half], x[..., half:]
         long = self.attn(a, kv_mask=kv_mask, positions=positions, key=key)

@@ -41,7 +41,7 @@ class MLPMixer(MixerModule):
         self.b2 = jnp.zeros((max_len,))
 
     def __call__(self, x, *, kv_mask=None, positions=None, key=None):
-        check_mask("MLPMixer", x, kv_mask)
+        x = check_mask("MLPMixer", x, kv_mask)
         y = _per_sequence(lambda x, m: M.token_mixing_mlp(x, self.w1, self.b1, self.w2,
                                                           self.b2, kv_mask=m), x, kv_mask)
         return zero_padded(y, kv_mask)
@@ -88,7 +88,7 @@ class GMLP(MixerModule):
         return jnp.concatenate([z[..., :e], self.norm(z[..., e:]).astype(z.dtype)], -1)
 
     def __call__(self, x, *, kv_mask=None, positions=None, key=None):
-        check_mask("GMLP", x, kv_mask)
+        x = check_mask("GMLP", x, kv_mask)
         z = self._gated_input(x)
         extra = None if self.w_attn is None else self._tiny_attention(x, kv_mask)
         y = jax.vmap(lambda z, m, a: M.spatial_gating(
@@ -158,7 +158,7 @@ class FNet(MixerModule):
         self.max_len = max_len
 
     def __call__(self, x, *, kv_mask=None, positions=None, key=None):
-        check_mask("FNet", x, kv_mask)
+        x = check_mask("FNet", x, kv_mask)
         y = _per_sequence(lambda x, m: M.fourier_mixing(x, max_len=self.max_len, kv_mask=m),
                           x, kv_mask)
         return zero_padded(y, kv_mask)
@@ -174,7 +174,7 @@ class PoolFormer(MixerModule):
         self.pool_size = pool_size
 
     def __call__(self, x, *, kv_mask=None, positions=None, key=None):
-        check_mask("PoolFormer", x, kv_mask)
+        x = check_mask("PoolFormer", x, kv_mask)
         y = _per_sequence(lambda x, m: M.pool_mixing(x, pool_size=self.pool_size, kv_mask=m),
                           x, kv_mask)
         return zero_padded(y, kv_mask)
@@ -206,7 +206,7 @@ class Lambda(MixerModule):
         self.num_heads, self.window = num_heads, window
 
     def __call__(self, x, *, kv_mask=None, positions=None, key=None):
-        check_mask("Lambda", x, kv_mask)
+        x = check_mask("Lambda", x, kv_mask)
         b, length, dim = x.shape
         q = (x @ self.wq.astype(x.dtype)).reshape(b, length, self.num_heads, -1)
         k, v = x @ self.wk.astype(x.dtype), x @ self.wv.astype(x.dtype)

@@ -83,7 +83,7 @@ class _HeadRecurrence(MixerModule):
         return dict(implementation=self.implementation, chunk_size=self.chunk_size)
 
     def __call__(self, x, *, kv_mask=None, positions=None, key=None):
-        check_mask(type(self).__name__, x, kv_mask)
+        x = check_mask(type(self).__name__, x, kv_mask)
         per_head, shared, ctx = self._inputs(x, kv_mask)
         o = _per_head(self._core, self.causal, per_head, shared, kv_mask=kv_mask)
         return zero_padded(self._out(x, o, ctx), kv_mask)
@@ -427,7 +427,7 @@ class Mamba(MixerModule):
         return y.astype(x.dtype) @ self.w_out.astype(x.dtype)
 
     def __call__(self, x, *, kv_mask=None, positions=None, key=None):
-        check_mask("Mamba", x, kv_mask)
+        x = check_mask("Mamba", x, kv_mask)
         inner = self.skip.shape[0]
         xz = x @ self.w_in.astype(x.dtype)
         xs, z = xz[..., :inner], xz[..., inner:]

@@ -70,7 +70,7 @@ class _DiagonalSSM(MixerModule):
         return cplx(self.c), None if self.c_reverse is None else cplx(self.c_reverse)
 
     def __call__(self, x, *, kv_mask=None, positions=None, key=None):
-        check_mask(type(self).__name__, x, kv_mask)
+        x = check_mask(type(self).__name__, x, kv_mask)
         *system, c_rev = self.system()
         y = jax.vmap(lambda u, m: self._run(u, *system, self.d, c_reverse=c_rev, kv_mask=m,
                                             implementation=self.implementation),
