@@ -184,6 +184,8 @@ class MoEFeedForward(eqx.Module):
 
     def _run(self, x, mask, tokens, key, inference, cache):
         b, length, d = x.shape
+        if mask is not None:  # padded rows selected out: a router's 0 * nan is NaN
+            x = jnp.where(mask[..., None], x, jnp.zeros((), x.dtype))
         xf = x.reshape(b * length, d)
         m = None if mask is None else mask.reshape(-1)
         t = None if tokens is None else tokens.reshape(-1)
