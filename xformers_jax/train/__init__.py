@@ -10,6 +10,9 @@ from ._config import base_config as base_config
 from ._config import model_config as model_config
 from ._config import set_model_kind as set_model_kind
 from ._config import validate_config as validate_config
+from ._guard import Guard as Guard
+from ._guard import InvalidDataError as InvalidDataError
+from ._guard import NonFiniteError as NonFiniteError
 from ._loop import evaluate as evaluate
 from ._loop import train_and_evaluate as train_and_evaluate
 from ._loss_scale import DynamicLossScale as DynamicLossScale
@@ -19,6 +22,7 @@ from ._metrics import MetricWriter as MetricWriter
 from ._metrics import read_jsonl as read_jsonl
 from ._optim import make_optimizer as make_optimizer
 from ._optim import make_schedule as make_schedule
+from ._optim import trainable as trainable
 from ._progress import ProgressBar as ProgressBar
 from ._sharding import ShardingPlan as ShardingPlan
 from ._sharding import make_sharding_plan as make_sharding_plan
