@@ -106,11 +106,13 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, *,
         model = eqx.apply_updates(state.model, updates)
         metrics = dict(metrics, loss=loss, grad_norm=optax.tree.norm(grads))
         # A faulty step changes neither the model nor the optimizer state (only the key, the
-        # step count and the loss scale move on).
+        # step count and the loss scale move on). A cond, not an elementwise select: the new
+        # values are computed outside it exactly as without the guard (a select fused into
+        # `params + updates` may round differently by an ulp).
         sound = faults == 0
-        keep = lambda new, old: jax.tree.map(  # noqa: E731
-            lambda a, b: jnp.where(sound, a, b) if eqx.is_array(a) else a, new, old)
-        model, opt_state = keep(model, state.model), keep(opt_state, state.opt_state)
+        new, static = eqx.partition((model, opt_state), eqx.is_array)
+        old = eqx.filter((state.model, state.opt_state), eqx.is_array)
+        model, opt_state = eqx.combine(jax.lax.cond(sound, lambda: new, lambda: old), static)
         if loss_scale is not None:
             metrics.update(loss_scale=state.loss_scale.scale,
                            skipped=(~sound).astype(jnp.float32))
