@@ -100,9 +100,9 @@ def test_non_decodable_kind_has_no_cache():
 
 def test_performer_feature_redraw():
     model = _lm(nn.AttentionSpec("performer", {"num_features": 16}), jax.random.PRNGKey(0))
-    old = model.layers.layers.attn.variant_params
+    old = model.layers.layers.attn.variant_params.value  # a fixed buffer (axes.Buffer)
     new_model = nn.redraw_random_features(model, jax.random.PRNGKey(9))
-    new = new_model.layers.layers.attn.variant_params
+    new = new_model.layers.layers.attn.variant_params.value
     assert new.shape == old.shape == (2, 16, 8)
     assert not np.allclose(np.asarray(new), np.asarray(old))
     assert not np.allclose(np.asarray(new[0]), np.asarray(new[1]))

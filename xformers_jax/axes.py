@@ -13,6 +13,14 @@ module:
 
   :func:`declared_axes` reads them back for any tree, whatever the attribute is called;
   leading axes a layer stack adds (``eqx.filter_vmap`` over layers) are named ``layers``.
+- **roles**: what a parameter is decides whether weight decay applies (:func:`decayed`): a
+  declared parameter with two or more axes is a weight, one with fewer (a bias, a gain, a
+  norm's scale) is not, and ``param(..., decay=False)`` says so of a table that is not a
+  weight (learned position tables); an undeclared array counts its dimensions without the
+  layer axes of the :func:`stacked` fields above it. **Fixed buffers** (Performer's random
+  features, LSH rotations, ALiBi's slopes: arrays nothing learns) are wrapped in
+  :class:`Buffer`; the trainer's optimizer leaves them out (:func:`fixed_buffers`) and
+  checkpoints keep them.
 - **activations** are annotated with :func:`constrain` (a no-op outside a mesh).
 - **the active mesh** (set by ``xformers_jax.parallel.use_mesh``) is read with :func:`active`;
   attention kinds that run sharded over ``length`` (ring attention, the sequence-parallel
@@ -65,22 +73,56 @@ HIDDEN = (BATCH, LENGTH, MLP)
 LOGITS = (BATCH, LENGTH, VOCAB)
 
 _META = "logical_axes"
+_DECAY = "weight_decay"
+_STACKED = "stacked_layers"
 
 
 # -- parameters ---------------------------------------------------------------------------------
 
-def param(*names: str | None, **field_kwargs):
+def param(*names: str | None, decay: bool | None = None, **field_kwargs):
     """An Equinox field whose array has one logical axis name per dimension.
 
     ``w: jax.Array = param(EMBED, HEADS)``. Other keyword arguments go to ``eqx.field``. A
     field holding None (an optional weight) is fine. Unknown names raise at class definition.
+    ``decay``: whether weight decay applies (:func:`decayed`); None: when two or more axes
+    are declared (a weight matrix, not a bias or a gain).
     """
     unknown = [n for n in names if n is not None and n not in LOGICAL_AXES]
     if unknown:
         raise ValueError(f"axes.param: unknown logical axes {unknown}; known: {LOGICAL_AXES}")
     metadata = dict(field_kwargs.pop("metadata", {}) or {})
     metadata[_META] = tuple(names)
+    if decay is not None:
+        metadata[_DECAY] = bool(decay)
     return eqx.field(metadata=metadata, **field_kwargs)
+
+
+def stacked(**field_kwargs):
+    """An Equinox field holding modules built under ``eqx.filter_vmap`` over layers (a layer
+    stack's blocks): every array below it has one leading ``layers`` axis, which
+    :func:`decayed` does not count as one of the parameter's own."""
+    metadata = dict(field_kwargs.pop("metadata", {}) or {})
+    metadata[_STACKED] = True
+    return eqx.field(metadata=metadata, **field_kwargs)
+
+
+class Buffer(eqx.Module):
+    """A fixed, non-learned array inside a model (Performer's random projection, Reformer's
+    LSH rotations, a fixed random synthesizer's logits, ALiBi's slopes, Cluster-Former's
+    k-means centroids): saved and restored with the model, never differentiated, never
+    touched by the optimizer (no optimizer state, no weight decay, not in the gradient norm).
+
+    ``value`` is the array; code that uses it reads ``buffer.value`` (or :func:`unbuffer` on a
+    pytree), under ``stop_gradient``.
+    """
+
+    value: jax.Array
+
+
+def unbuffer(tree):
+    """``tree`` with every :class:`Buffer` replaced by its value under ``stop_gradient``."""
+    return jax.tree.map(lambda b: jax.lax.stop_gradient(b.value) if isinstance(b, Buffer) else b,
+                        tree, is_leaf=lambda x: isinstance(x, Buffer))
 
 
 class Names(tuple):
@@ -90,13 +132,18 @@ class Names(tuple):
 jax.tree_util.register_pytree_node(Names, lambda n: ((), tuple(n)), lambda aux, _: Names(aux))
 
 
-def _field_axes(node, name: str):
+def _field(node, name: str):
     if not dataclasses.is_dataclass(node):
         return None
     for f in dataclasses.fields(node):
         if f.name == name:
-            return f.metadata.get(_META)
+            return f
     return None
+
+
+def _field_axes(node, name: str):
+    field = _field(node, name)
+    return None if field is None else field.metadata.get(_META)
 
 
 def _child(node, key):
@@ -109,6 +156,60 @@ def _child(node, key):
     if isinstance(key, jax.tree_util.FlattenedIndexKey):
         return jax.tree_util.tree_leaves(node)[key.key]
     raise TypeError(f"declared_axes: cannot follow key {key!r}")
+
+
+class _Found(NamedTuple):
+    names: tuple | None  # the declaring field's names (None: undeclared)
+    decay: bool | None  # the declaring field's decay (None: by the number of axes)
+    layers: int  # stacked layer axes above the leaf
+    buffer: bool  # inside a Buffer
+    ndim: int
+
+
+def _walk(tree):
+    """Per array leaf of ``tree``, what the fields on its path declare (a :class:`_Found`);
+    None for other leaves."""
+    def one(path, leaf):
+        if not eqx.is_array(leaf):
+            return None
+        node, meta, layers, buffer = tree, {}, 0, False
+        for i, key in enumerate(path):
+            buffer = buffer or isinstance(node, Buffer)
+            field = _field(node, key.name) if isinstance(key, jax.tree_util.GetAttrKey) else None
+            if field is not None and field.metadata.get(_STACKED):
+                layers += 1
+            if i == len(path) - 1:
+                meta = {} if field is None else field.metadata
+            node = _child(node, key)
+        return _Found(meta.get(_META), meta.get(_DECAY), layers, buffer, leaf.ndim)
+
+    return jax.tree_util.tree_map_with_path(one, tree)
+
+
+def decayed(tree):
+    """Whether weight decay applies to each array leaf of ``tree`` (a bool pytree; None at
+    other leaves): a weight is a declared parameter with two or more axes (or ``decay=True``)
+    or an undeclared array with two or more dimensions besides its stacked ``layers`` axes;
+    biases, gains and norm scales (one axis), ``decay=False`` fields (position tables) and
+    :class:`Buffer` values never decay."""
+    def rule(found):
+        if found is None:
+            return None
+        if found.buffer:
+            return False
+        if found.decay is not None:
+            return found.decay
+        own = len(found.names) if found.names is not None else found.ndim - found.layers
+        return own >= 2
+
+    return jax.tree.map(rule, _walk(tree), is_leaf=lambda x: isinstance(x, _Found))
+
+
+def fixed_buffers(tree):
+    """True for each array leaf of ``tree`` inside a :class:`Buffer` (None at non-array
+    leaves): what an optimizer must leave out."""
+    return jax.tree.map(lambda f: None if f is None else f.buffer, _walk(tree),
+                        is_leaf=lambda x: isinstance(x, _Found))
 
 
 def declared_axes(tree):

@@ -149,6 +149,17 @@ def run_dir(base: str, index: int) -> str:
     return os.path.join(base, f"{index:03d}")
 
 
+def _remote_path(path: str) -> str:
+    """``path`` quoted for the remote shell: a value is data, never code (a ``--repo_dir``
+    holding ``; rm -rf ~`` is a directory name); a leading ``~/`` stays unquoted so that the
+    remote shell still expands it to the worker's home."""
+    if path == "~":
+        return "~"
+    if path.startswith("~/"):
+        return "~/" + shlex.quote(path[2:])
+    return shlex.quote(path)
+
+
 def tpu_commands(config: str, base: str, runs, overrides=(), *, tpu: str, zone: str,
                  project: str | None = None, repo_dir: str = "~/xformers_jax",
                  python: str = "python3") -> list[str]:
@@ -157,7 +168,7 @@ def tpu_commands(config: str, base: str, runs, overrides=(), *, tpu: str, zone: 
     out = []
     for i, run in enumerate(runs):
         args = run_args(config, run_dir(base, i), run, overrides, python=python, multihost=True)
-        remote = f"cd {repo_dir} && " + " ".join(shlex.quote(a) for a in args)
+        remote = f"cd {_remote_path(repo_dir)} && " + " ".join(shlex.quote(a) for a in args)
         cmd = ["gcloud", "compute", "tpus", "tpu-vm", "ssh", tpu, f"--zone={zone}"]
         cmd += [f"--project={project}"] if project else []
         cmd += ["--worker=all", f"--command={remote}"]

@@ -25,6 +25,8 @@ TPU pod, SLURM, or ``JAX_COORDINATOR_ADDRESS`` / ``JAX_NUM_PROCESSES`` / ``JAX_P
 set) the JAX distributed runtime is initialised first (``--multihost`` forces it:
 ``xformers_jax_experiments/sweep.py`` uses it on TPU pods). Log lines below WARNING are hidden
 unless ``--verbosity=0`` is given: the progress bar and the evaluations are shown on stderr.
+A run whose loss, gradients or updates stop being finite, or whose data hold out-of-range ids,
+exits with status 1 and a line naming the step and the cause (``config.on_nonfinite``).
 """
 
 import difflib
@@ -173,6 +175,10 @@ def main(argv):
                                           allow_config_change=_ALLOW_CONFIG_CHANGE.value)
     except (train.ConfigChanged, train.WorkdirLocked, train.CheckpointCorrupt) as e:
         sys.exit(f"{type(e).__name__}: {e}")  # refused: nothing was trained or written
+    except (train.NonFiniteError, train.InvalidDataError) as e:
+        # A run that diverged or met bad data has no result to print: exit non-zero with
+        # the cause (the checkpoints hold only steps before it).
+        raise SystemExit(f"training stopped: {type(e).__name__}: {e}") from e
     if _CONFIG.value.data.task == "lm" and "test_loss" in result:
         result["test_bits_per_byte"] = result["test_loss"] / math.log(2)
     print(json.dumps(result))

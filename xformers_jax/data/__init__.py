@@ -10,6 +10,8 @@ from ._bytes import ByteWindows as ByteWindows
 from ._bytes import StdlibBytesClassification as StdlibBytesClassification
 from ._bytes import encode_bytes as encode_bytes
 from ._bytes import stdlib_bytes_lm as stdlib_bytes_lm
+from ._checks import check_arrays as check_arrays
+from ._checks import check_range as check_range
 from ._iterators import ArraySource as ArraySource
 from ._iterators import DataIterator as DataIterator
 from ._iterators import batches as batches

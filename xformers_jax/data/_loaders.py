@@ -17,12 +17,14 @@ tokens (``byte + 1``, padding 0) like the offline byte tasks.
 from __future__ import annotations
 
 import csv
+import math
 import os
 import pickle
 
 import numpy as np
 
 from ._bytes import ByteWindows, encode_bytes
+from ._checks import check_range
 from ._iterators import ArraySource
 from ._listops import encode as encode_listops, tokenize as tokenize_listops
 
@@ -65,13 +67,14 @@ def load_aan(data_dir: str, split: str, *, seq_len: int) -> ArraySource:
     path = _require(os.path.join(data_dir, f"new_aan_pairs.{name}.tsv"), "AAN pairs")
     first, second, targets = [], [], []
     with open(path, newline="", encoding="utf-8") as fh:
-        for row in csv.reader(fh, delimiter="\t", quoting=csv.QUOTE_NONE):
-            try:
-                label = int(float(row[0]))
-            except ValueError:
-                continue  # the header line
+        reader = csv.reader(fh, delimiter="\t", quoting=csv.QUOTE_NONE)
+        for row in reader:
+            where = f"{path}, line {reader.line_num}"
+            if reader.line_num == 1 and row and _is_header(row[0]):
+                continue
             if len(row) != 5:
-                raise ValueError(f"{path}: expected 5 tab-separated columns, got {len(row)}")
+                raise ValueError(f"{where}: expected 5 tab-separated columns, got {len(row)}")
+            label = _label(row[0], 2, where)
             first.append(encode_bytes(row[3].encode(), seq_len))
             second.append(encode_bytes(row[4].encode(), seq_len))
             targets.append(label)
@@ -79,14 +82,78 @@ def load_aan(data_dir: str, split: str, *, seq_len: int) -> ArraySource:
                         "targets": np.asarray(targets, np.int32)})
 
 
+# The only globals a CIFAR python batch refers to: numpy's array, dtype and scalar
+# reconstruction (``numpy.core`` before numpy 2, ``numpy._core`` after) and ``_codecs.encode``
+# (how protocol 2 writes bytes from Python 3). A pickle naming anything else (``os.system``,
+# ``builtins.eval``, ...) is refused before it is called: unpickling calls what it names.
+_CIFAR_GLOBALS = frozenset({
+    *((m, n) for m in ("numpy.core.multiarray", "numpy._core.multiarray")
+      for n in ("_reconstruct", "scalar")),
+    ("numpy", "ndarray"), ("numpy", "dtype"), ("_codecs", "encode")})
+
+
+class _ArrayUnpickler(pickle.Unpickler):
+    """Unpickles dicts, lists, bytes, numbers and numpy arrays, and nothing that runs code."""
+
+    def find_class(self, module, name):
+        if (module, name) in _CIFAR_GLOBALS:
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(
+            f"refusing to load {module}.{name} from a data file: a CIFAR batch holds only "
+            "numpy arrays, bytes and lists (a pickle naming other callables can run code)")
+
+
+def _read_cifar_batch(path: str) -> dict:
+    """One CIFAR python batch (``{b"data": uint8[N, 3072], b"labels": [N ints], ...}``),
+    read without running code from the file (a restricted unpickler: numpy arrays and
+    builtins only; ``pickle.UnpicklingError`` names anything else the file asks for)."""
+    with open(path, "rb") as fh:
+        batch = _ArrayUnpickler(fh, encoding="bytes").load()
+    if not isinstance(batch, dict) or b"data" not in batch or b"labels" not in batch:
+        raise ValueError(f"{path}: not a CIFAR batch (a dict with b'data' and b'labels'), got "
+                         f"{type(batch).__name__}"
+                         f"{sorted(batch) if isinstance(batch, dict) else ''}")
+    return batch
+
+
+def _is_header(cell: str) -> bool:
+    try:
+        float(cell)
+    except ValueError:
+        return True
+    return False
+
+
+def _label(cell: str, num_classes: int, where: str) -> int:
+    """A label cell as an int in ``[0, num_classes)`` (``"1"`` or ``"1.0"``; ``"0.5"``, ``"-1"``
+    and ``"10"`` of 10 classes raise naming the line)."""
+    try:
+        value = float(cell)
+    except ValueError:
+        raise ValueError(f"{where}: label {cell!r} is not a number") from None
+    if not math.isfinite(value) or value != int(value):
+        raise ValueError(f"{where}: label {cell!r} is not an integer")
+    if not 0 <= value < num_classes:
+        raise ValueError(f"{where}: label {int(value)} is outside [0, {num_classes})")
+    return int(value)
+
+
 def _cifar_batches(data_dir: str, names) -> tuple[np.ndarray, np.ndarray]:
     images, labels = [], []
     for name in names:
         path = _require(os.path.join(data_dir, "cifar-10-batches-py", name), "CIFAR-10 batch")
-        with open(path, "rb") as fh:
-            batch = pickle.load(fh, encoding="bytes")
-        images.append(np.asarray(batch[b"data"], np.uint8).reshape(-1, 3, 32, 32))
-        labels.append(np.asarray(batch[b"labels"], np.int32))
+        batch = _read_cifar_batch(path)
+        data = np.asarray(batch[b"data"])
+        if data.dtype != np.uint8 or data.ndim != 2 or data.shape[1] != 3 * 32 * 32:
+            raise ValueError(f"{path}: b'data' must be uint8[N, 3072], got {data.dtype}"
+                             f"{list(data.shape)}")
+        label = np.asarray(batch[b"labels"])
+        if label.shape != (len(data),) or not np.issubdtype(label.dtype, np.integer):
+            raise ValueError(f"{path}: b'labels' must be {len(data)} integers, got "
+                             f"{label.dtype}{list(label.shape)}")
+        check_range(label, 0, 10, f"{path}: label of image", what="label")
+        images.append(data.reshape(-1, 3, 32, 32))
+        labels.append(label.astype(np.int32))
     return np.concatenate(images).transpose(0, 2, 3, 1), np.concatenate(labels)
 
 
@@ -117,9 +184,14 @@ def load_listops_tsv(data_dir: str, split: str, *, max_length: int = 2000) -> Ar
     path = _require(os.path.join(data_dir, f"basic_{name}.tsv"), "ListOps TSV")
     inputs, targets = [], []
     with open(path, newline="", encoding="utf-8") as fh:
-        for row in csv.DictReader(fh, delimiter="\t"):
-            inputs.append(encode_listops(tokenize_listops(row["Source"]), max_length))
-            targets.append(int(row["Target"]))
+        reader = csv.DictReader(fh, delimiter="\t")
+        for row in reader:
+            where = f"{path}, line {reader.line_num}"
+            try:
+                inputs.append(encode_listops(tokenize_listops(row["Source"]), max_length))
+            except ValueError as e:
+                raise ValueError(f"{where}: {e}") from None
+            targets.append(_label(row["Target"], 10, where))
     return ArraySource({"inputs": np.stack(inputs), "targets": np.asarray(targets, np.int32)})
 
 

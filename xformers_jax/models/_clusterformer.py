@@ -30,6 +30,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 
+from .. import axes as X
 from ..attention import assign_clusters, cluster_chunk_attention, kmeans_centroids
 
 
@@ -44,7 +45,8 @@ class ClusterformerAttention(eqx.Module):
     wk: jax.Array
     wv: jax.Array
     wo: jax.Array
-    centroids: jax.Array
+    # Not trained by gradients (k-means refreshes them): a fixed buffer for the optimizer.
+    centroid_buffer: X.Buffer
     num_heads: int = eqx.field(static=True)
     chunk: int = eqx.field(static=True)
 
@@ -60,14 +62,20 @@ class ClusterformerAttention(eqx.Module):
         ks = jax.random.split(key, 5)
         self.wq, self.wk, self.wv, self.wo = (jax.random.normal(k, (dim, dim)) / math.sqrt(dim)
                                               for k in ks[:4])
-        self.centroids = jax.random.normal(ks[4], (num_clusters, dim))
+        self.centroid_buffer = X.Buffer(jax.random.normal(ks[4], (num_clusters, dim)))
         self.num_heads, self.chunk = num_heads, chunk
 
     def with_centroids(self, h, *, mask=None, iterations: int = 10, key):
         """This layer with centroids from k-means over hidden states ``h [..., dim]``."""
         c = kmeans_centroids(h, self.centroids.shape[0], mask=mask, iterations=iterations,
                              key=key)
-        return eqx.tree_at(lambda m: m.centroids, self, c.astype(self.centroids.dtype))
+        return eqx.tree_at(lambda m: m.centroid_buffer.value, self,
+                           c.astype(self.centroids.dtype))
+
+    @property
+    def centroids(self) -> jax.Array:
+        """``[K, dim]``: the k-means centroids (a fixed buffer: no optimizer touches them)."""
+        return self.centroid_buffer.value
 
     def __call__(self, x, *, kv_mask=None, key=None):
         b, length, dim = x.shape

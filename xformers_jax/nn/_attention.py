@@ -130,6 +130,12 @@ class MultiHeadAttention(eqx.Module):
         return self.spec.record
 
     @property
+    def params(self):
+        """The kind's arrays as its adapter takes them: ``variant_params`` with fixed buffers
+        (``axes.Buffer``: random features, LSH rotations) unwrapped, under ``stop_gradient``."""
+        return X.unbuffer(self.variant_params)
+
+    @property
     def adapter(self) -> AttentionAdapter:
         """How this layer runs its kind (the record's adapter)."""
         return self.record.adapter
@@ -252,7 +258,7 @@ class MultiHeadAttention(eqx.Module):
             q, k = self.position.rotate(q, q_pos), self.position.rotate(k, k_pos)
         causal = self.causal and context is None
         o = self._attend(causal)(
-            q, k, v, self.variant_params, causal=causal, kv_mask=kv_mask, q_mask=q_mask,
+            q, k, v, self.params, causal=causal, kv_mask=kv_mask, q_mask=q_mask,
             bias=self._bias(q, k, q_pos, k_pos), key=key, **extra, **self._call_hyperparameters(),
         )
         carried = self.state_index is not None or self.carries_between_layers
@@ -296,7 +302,7 @@ class MultiHeadAttention(eqx.Module):
                                  self.head_dim, dtype, ring=ring)
         if isinstance(decoding, RecurrentDecoding):
             state = decoding.init_state(batch, self.num_heads, self.head_dim, self.head_dim,
-                                        self.variant_params, **hp)
+                                        self.params, **hp)
             return RecurrentCache(state, jnp.zeros((), jnp.int32))
         raise NotImplementedError(f"attention kind {self.spec.kind!r} has no decoding cache")
 
@@ -310,7 +316,7 @@ class MultiHeadAttention(eqx.Module):
             q, k = self.position.rotate(q, t_pos), self.position.rotate(k, t_pos)
         if isinstance(cache, RecurrentCache):
             o, state = self.adapter.decoding.step(
-                cache.state, q[:, 0], k[:, 0], v[:, 0], self.variant_params,
+                cache.state, q[:, 0], k[:, 0], v[:, 0], self.params,
                 **self._call_hyperparameters())
             return self.output(o[:, None]), RecurrentCache(state, cache.index + 1)
         cache = cache.append(k, v)
@@ -340,7 +346,7 @@ def redraw_random_features(model, key):
     def redraw(node):
         if not isinstance(node, MultiHeadAttention) or node.spec.kind != "performer":
             return node
-        old = node.variant_params
+        old = node.variant_params.value
         count[0] += 1
         sub = jax.random.fold_in(key, count[0])
         lead = old.shape[:-2]
@@ -349,7 +355,8 @@ def redraw_random_features(model, key):
         draw = lambda k: A.init_random_projection(k, old.shape[-2], old.shape[-1])  # noqa: E731
         for _ in lead:
             draw = jax.vmap(draw)
-        return eqx.tree_at(lambda m: m.variant_params, node, draw(keys).astype(old.dtype))
+        return eqx.tree_at(lambda m: m.variant_params, node,
+                           X.Buffer(draw(keys).astype(old.dtype)))
 
     return jax.tree_util.tree_map(redraw, model,
                                   is_leaf=lambda x: isinstance(x, MultiHeadAttention))

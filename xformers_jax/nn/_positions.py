@@ -91,7 +91,8 @@ class LearnedPositions(InputScheme):
     """A learned table of ``max_len`` absolute embeddings (Gehring et al., 2017; Devlin et al.,
     2019); not inductive."""
 
-    table: jax.Array = X.param(None, X.EMBED)
+    # A position table, not a weight: not decayed.
+    table: jax.Array = X.param(None, X.EMBED, decay=False)
 
     def __init__(self, max_len: int, dim: int, *, key):
         self.table = 0.02 * jax.random.normal(key, (max_len, dim))
@@ -248,13 +249,13 @@ class ALiBi(BiasScheme):
     """Attention with linear biases: ``-m_h |i - j|`` (Press et al., 2022). A relative bias in
     the spirit of T5 (Raffel et al., 2020)."""
 
-    slopes: jax.Array
+    slopes: X.Buffer  # fixed, never trained
 
     def __init__(self, num_heads: int):
-        self.slopes = jnp.asarray(alibi_slopes(num_heads), jnp.float32)
+        self.slopes = X.Buffer(jnp.asarray(alibi_slopes(num_heads), jnp.float32))
 
     def per_head_arrays(self):
-        return jax.lax.stop_gradient(self.slopes)
+        return jax.lax.stop_gradient(self.slopes.value)
 
     def arrays(self, q, k, q_pos, k_pos, head, scale):
         return (head,)
@@ -285,7 +286,7 @@ def t5_bucket(relative, *, bidirectional: bool, num_buckets: int, max_distance: 
 class T5Bias(BiasScheme):
     """A learned scalar per (head, relative-distance bucket) (Raffel et al., 2020, T5)."""
 
-    table: jax.Array
+    table: jax.Array = X.param(None, None, decay=False)  # a position table: not decayed
     num_buckets: int = eqx.field(static=True)
     max_distance: int = eqx.field(static=True)
     bidirectional: bool = eqx.field(static=True)
@@ -318,7 +319,7 @@ class ShawRelative(BiasScheme):
     """Shaw et al. (2018): ``k'_j = k_j + R_clip(i-j)``, as the score term
     ``scale * q_i . R_clip(i-j)``. Only ``q R^T`` (``[Lq, 2K+1]``) is built, never ``L x L``."""
 
-    embeddings: jax.Array
+    embeddings: jax.Array = X.param(None, None, decay=False)  # a position table
     max_offset: int = eqx.field(static=True)
 
     def __init__(self, head_dim: int, max_offset: int = 16, *, key):
@@ -344,7 +345,7 @@ class DeBERTaRelative(BiasScheme):
     ``q_i . (r_ij W^{K,R})`` plus position-to-content ``k_j . (r_ij W^{Q,R})`` with Shaw's
     clipped relative embeddings ``r_ij``; built from ``[L, 2K+1]`` tables."""
 
-    embeddings: jax.Array
+    embeddings: jax.Array = X.param(None, None, decay=False)  # a position table
     w_kr: jax.Array
     w_qr: jax.Array
     max_offset: int = eqx.field(static=True)
@@ -449,10 +450,10 @@ class TUPE(BiasScheme):
     ``(p_i W^{Q,P}) . (p_j W^{K,P})`` plus a bucketed relative scalar ``b_{j-i}``. The learned
     absolute embeddings ``p`` live here, not on the inputs."""
 
-    table: jax.Array
+    table: jax.Array = X.param(None, None, decay=False)  # position tables: not decayed
     w_qp: jax.Array
     w_kp: jax.Array
-    rel: jax.Array
+    rel: jax.Array = X.param(None, None, decay=False)
     num_buckets: int = eqx.field(static=True)
     max_distance: int = eqx.field(static=True)
 

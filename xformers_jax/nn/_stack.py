@@ -64,7 +64,7 @@ class LayerStack(eqx.Module):
     leading layer axis, sliced per layer by the scan (``sharing="none"``, not reversible).
     """
 
-    layers: eqx.Module
+    layers: eqx.Module = X.stacked()
     num_layers: int = eqx.field(static=True)
     remat: str = eqx.field(static=True)
     sharing: str = eqx.field(static=True)

@@ -14,6 +14,9 @@ from ._config import set_model_kind as set_model_kind
 from ._config import validate_config as validate_config
 from ._lock import WorkdirLock as WorkdirLock
 from ._lock import WorkdirLocked as WorkdirLocked
+from ._guard import Guard as Guard
+from ._guard import InvalidDataError as InvalidDataError
+from ._guard import NonFiniteError as NonFiniteError
 from ._loop import evaluate as evaluate
 from ._loop import train_and_evaluate as train_and_evaluate
 from ._loss_scale import DynamicLossScale as DynamicLossScale
@@ -23,6 +26,7 @@ from ._metrics import MetricWriter as MetricWriter
 from ._metrics import read_jsonl as read_jsonl
 from ._optim import make_optimizer as make_optimizer
 from ._optim import make_schedule as make_schedule
+from ._optim import trainable as trainable
 from ._progress import ProgressBar as ProgressBar
 from ._record import ConfigChanged as ConfigChanged
 from ._record import RunRecord as RunRecord

@@ -23,6 +23,7 @@ import ml_collections
 from .. import models, nn
 from ..kinds import SLOTS
 from . import _compress
+from ._guard import check_config
 from ._optim import SCHEDULES
 from ._tasks import get_task
 
@@ -73,6 +74,10 @@ def base_config(task: str, model: str | None = None) -> ml_collections.ConfigDic
     # the dynamic loss scale below.
     c.precision = "float32"
     c.loss_scale = ml_collections.ConfigDict(dict(init_scale=2.0 ** 15, growth_interval=2000))
+    # A step with a non-finite loss, gradient or update: "stop" the run (naming the step) or
+    # "skip" it (counted); more skipped steps in a row than this stop the run (_guard.py).
+    c.on_nonfinite = "stop"
+    c.max_consecutive_skips = 25
     # Mesh axis sizes (-1 fills; {"strategy": "data+tensor", "tensor": 2} names a strategy)
     # and the sharding rules (empty: the defaults). See _sharding.py.
     c.mesh = ml_collections.ConfigDict({"data": -1})
@@ -158,6 +163,7 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
         raise ValueError(f"optim.schedule must be one of {SCHEDULES}, got "
                          f"{config.optim.schedule!r}")
     _compress.validate(config)
+    check_config(config)  # optimizer, loss-scale and guard ranges
     if config.precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}, got {config.precision!r}")
     if not isinstance(config.mesh, ml_collections.ConfigDict):

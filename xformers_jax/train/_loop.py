@@ -16,6 +16,7 @@ from ._checkpoint import Checkpointer
 from ._compress import Compression
 from ._config import validate_config
 from ._lock import acquire_for_job
+from ._guard import INVALID_DATA, Guard, InvalidDataError
 from ._loss_scale import DynamicLossScale
 from ._metrics import IntervalMean, MetricWriter
 from ._optim import make_optimizer, make_schedule
@@ -30,12 +31,17 @@ from ._tasks import build_model, make_task, spec_of
 
 def evaluate(eval_step, model, source, batch_size: int) -> dict[str, float]:
     """Mean loss and accuracy over a whole split, in order (the last batch may be short)."""
-    it = DataIterator(source, batch_size=min(batch_size, len(source)), shuffle=False,
-                      num_epochs=1, drop_remainder=False)
+    size = min(batch_size, len(source))
+    it = DataIterator(source, batch_size=size, shuffle=False, num_epochs=1, drop_remainder=False)
     totals = {}
-    for batch in it:
+    for i, batch in enumerate(it):
         for k, v in eval_step(model, batch).items():
             totals[k] = totals.get(k, 0.0) + float(v)
+        if totals.get(INVALID_DATA):
+            raise InvalidDataError(
+                f"evaluation batch {i} (examples {i * size}..) holds "
+                f"{int(totals[INVALID_DATA])} token ids or labels outside the task's vocabulary "
+                "or classes (xformers_jax.data.check_arrays finds them)")
     return {"loss": totals["loss_sum"] / totals["count"],
             "accuracy": totals["correct"] / totals["count"]}
 
@@ -175,7 +181,11 @@ def _train_and_evaluate(config, workdir: str, *, on_step=None) -> dict:
         state = plan.place_state(state)
     train_step = make_train_step(loss_fn, optimizer,
                                  num_microbatches=config.num_microbatches, loss_scale=loss_scale,
-                                 sharding=plan)
+                                 sharding=plan, count_skipped=config.on_nonfinite == "skip")
+    # Reads each step's faults where the loop waits for the device anyway, before anything is
+    # logged, evaluated or saved: a non-finite or bad-data step stops the run (_guard.py).
+    guard = Guard(config.on_nonfinite, config.max_consecutive_skips,
+                  loss_scaled=loss_scale is not None)
     eval_step = make_eval_step(make_metrics_fn(task, policy, kind=config.model.kind,
                                                weights=config.loss), sharding=plan)
     writer = MetricWriter(workdir, tensorboard=config.tensorboard,
@@ -191,8 +201,11 @@ def _train_and_evaluate(config, workdir: str, *, on_step=None) -> dict:
         while step < total:
             state, metrics = train_step(state, plan.place_batch(next(train_iter)))
             step += 1
+            faults = metrics.pop("faults")
+            guard.add(step, faults, metrics)
             interval.add(metrics)
             if step % config.log_every == 0 or step == total:
+                guard.check()
                 rate = bar.rate()
                 row = interval.mean()
                 row["learning_rate"] = float(schedule(step - 1))
@@ -204,6 +217,7 @@ def _train_and_evaluate(config, workdir: str, *, on_step=None) -> dict:
                              row["loss"], row["accuracy"])
             bar.update(step, **shown)
             if step % config.eval_every == 0 or step == total:
+                guard.check()
                 validation = run_eval(eval_step, state.model, task.validation, config.batch_size)
                 writer.write(step, {f"validation_{k}": v for k, v in validation.items()})
                 bar.message(f"step {step}: validation loss {validation['loss']:.4f} "
@@ -211,11 +225,13 @@ def _train_and_evaluate(config, workdir: str, *, on_step=None) -> dict:
                 if step >= compression.best_from:  # pruning done: the final sparsity
                     checkpointer.save_best(step, state, data_state(), validation)
             if step % config.checkpoint_every == 0 or step == total:
+                guard.check()
                 checkpointer.save(step, state, data_state(), force=True)
             if on_step is not None:
                 on_step(step)
             if preemption.requested and step < total:
                 logging.warning("SIGTERM at step %d: saving and exiting", step)
+                guard.check()
                 checkpointer.save(step, state, data_state(), force=True)
                 return {"preempted": True, "step": step}
         checkpointer.wait()

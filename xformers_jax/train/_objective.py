@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import optax
 
 from .. import models, nn
+from ._guard import INVALID_DATA, count_invalid
 from ._tasks import Task, model_inputs, spec_of
 
 
@@ -49,6 +50,12 @@ def task_terms(task: Task, logits, batch) -> dict:
             "accuracy": (logits.argmax(-1) == labels).mean()}
 
 
+def _invalid(task: Task, batch):
+    supervised = spec_of(task).type != "self_supervised"
+    return count_invalid(batch, vocab_size=task.vocab_size,
+                         num_classes=task.num_classes if supervised else None)
+
+
 def make_loss_fn(task: Task, policy: nn.Policy | None = None, weights=None, *,
                  kind: str | None = None):
     """``loss_fn(model, batch, key) -> (loss, metrics)`` for a model of kind ``kind`` (default:
@@ -67,6 +74,9 @@ def make_loss_fn(task: Task, policy: nn.Policy | None = None, weights=None, *,
         terms.update(model_kind.terms(aux, batch.get("targets")))
         loss = sum(w[name] * value for name, value in terms.items() if w.get(name))
         metrics = dict(terms)
+        # Out-of-range ids would be clamped (embeddings) or wrapped (labels) silently: the
+        # step refuses a batch holding any (_guard.py).
+        metrics[INVALID_DATA] = _invalid(task, batch)
         if carry is not None:
             metrics["carry"] = carry
         return jnp.asarray(loss, jnp.float32), metrics
@@ -76,7 +86,8 @@ def make_loss_fn(task: Task, policy: nn.Policy | None = None, weights=None, *,
 
 def make_metrics_fn(task: Task, policy: nn.Policy | None = None, *, kind: str | None = None,
                     weights=None):
-    """``metrics_fn(model, batch) -> {"loss_sum", "correct", "count"}`` (and ``carry``), sums
+    """``metrics_fn(model, batch) -> {"loss_sum", "correct", "count", "invalid_data"}`` (and
+    ``carry``), sums
     for evaluation (no randomness): the cross-entropy and correct predictions summed over
     examples, or over tokens for language modelling; for a self-supervised task the loss
     (:func:`make_loss_fn`'s) and accuracy times the batch's examples."""
@@ -86,7 +97,8 @@ def make_metrics_fn(task: Task, policy: nn.Policy | None = None, *, kind: str | 
         def self_supervised(model, batch):
             loss, metrics = loss_fn(model, batch, None)
             n = jnp.asarray(batch["inputs"].shape[0])
-            return {"loss_sum": loss * n, "correct": metrics["accuracy"] * n, "count": n}
+            return {"loss_sum": loss * n, "correct": metrics["accuracy"] * n, "count": n,
+                    INVALID_DATA: metrics[INVALID_DATA]}
 
         return self_supervised
 
@@ -96,7 +108,7 @@ def make_metrics_fn(task: Task, policy: nn.Policy | None = None, *, kind: str | 
         out = {"loss_sum": optax.softmax_cross_entropy_with_integer_labels(logits,
                                                                            labels).sum(),
                "correct": (logits.argmax(-1) == labels).sum(),
-               "count": jnp.asarray(labels.size)}
+               "count": jnp.asarray(labels.size), INVALID_DATA: _invalid(task, batch)}
         return out if carry is None else dict(out, carry=carry)
 
     return metrics_fn

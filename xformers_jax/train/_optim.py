@@ -1,5 +1,12 @@
 """Learning-rate schedules and the optimizer (optax AdamW with clipping).
 
+Weight decay applies by what a parameter is (``axes.decayed``): weight matrices (declared with
+two or more logical axes, or undeclared arrays with two or more dimensions besides a layer
+stack's ``layers`` axis) decay; biases, gains, norm scales and position tables (declared
+``decay=False``) do not. Fixed buffers (``axes.Buffer``: random features, LSH rotations,
+ALiBi's slopes) are not optimizer parameters at all (:func:`trainable`): no optimizer state,
+no update, not in the gradient norm; checkpoints keep them with the model.
+
 State space parameters (``nn.SSM_PARAMETERS``: S4D/S5's ``log_dt``, ``A`` and ``B``, Mamba's
 ``a_log`` and ``dt_bias``) are never weight-decayed and may have their own learning rate
 (``ssm_schedule``): the S4 line of work trains them with a smaller rate and no decay (Gu et al.
@@ -9,11 +16,12 @@ and its LRA results depend on it.
 
 from __future__ import annotations
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import optax
 
-from .. import nn
+from .. import axes, nn
 
 SCHEDULES = ("constant", "rsqrt", "cosine")
 
@@ -42,11 +50,25 @@ def make_schedule(name: str, *, learning_rate: float, warmup_steps: int,
     return schedule
 
 
+def trainable_mask(model):
+    """True for each floating-point array of ``model`` the optimizer trains (every one but
+    the fixed buffers, ``axes.Buffer``); False elsewhere (a filter spec for
+    ``eqx.partition``)."""
+    buffers = axes.fixed_buffers(model)
+    return jax.tree.map(lambda leaf, b: eqx.is_inexact_array(leaf) and not b, model, buffers,
+                        is_leaf=lambda x: x is None)
+
+
+def trainable(model):
+    """``model``'s trainable arrays (``eqx.filter`` by :func:`trainable_mask`): what the
+    optimizer is initialised on and updates."""
+    return eqx.filter(model, trainable_mask(model))
+
+
 def _decay_mask(params):
-    # Weight decay on matrices only: biases, norm scales and other vectors are not decayed,
-    # nor are state space parameters.
+    # Weights decay by their declared role (axes.decayed); state space parameters never do.
     ssm = nn.ssm_parameters(params)
-    return jax.tree.map(lambda p, s: p.ndim >= 2 and not s, params, ssm)
+    return jax.tree.map(lambda d, s: bool(d) and not s, axes.decayed(params), ssm)
 
 
 def _ssm_rate(schedule, ssm_schedule) -> optax.GradientTransformation:

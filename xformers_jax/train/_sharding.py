@@ -24,6 +24,7 @@ from jax.sharding import PartitionSpec as P
 
 from .. import parallel
 from .. import axes as A
+from ._optim import trainable
 from ._state import TrainState
 
 def resolve_mesh(mesh_config) -> dict[str, int]:
@@ -98,8 +99,7 @@ def make_sharding_plan(config, state: TrainState, optimizer) -> ShardingPlan:
     compute_rules = tuple(s.compute_rules) or parallel.DEFAULT_COMPUTE_RULES
     replicated = NamedSharding(mesh, P())
     model = parallel.param_shardings(state.model, param_rules, mesh)
-    trained = parallel.param_shardings(eqx.filter(state.model, eqx.is_inexact_array),
-                                       param_rules, mesh)
+    trained = parallel.param_shardings(trainable(state.model), param_rules, mesh)
     opt = parallel.optimizer_shardings(optimizer, state.opt_state, trained, mesh)
     shardings = TrainState(
         step=replicated, model=model, opt_state=opt, key=replicated,

@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import optax
 
 from ._loss_scale import DynamicLossScale, LossScaleState
+from ._optim import trainable
 
 
 class TrainState(eqx.Module):
@@ -32,9 +33,10 @@ class TrainState(eqx.Module):
 def create_train_state(model: eqx.Module, optimizer: optax.GradientTransformation,
                        key: jax.Array, *, loss_scale: DynamicLossScale | None = None,
                        carry=None) -> TrainState:
-    """A step-0 state: the optimizer initialised on the model's floating-point arrays (and the
-    loss-scale state machine's first state for float16 training)."""
-    params = eqx.filter(model, eqx.is_inexact_array)
+    """A step-0 state: the optimizer initialised on the model's trainable arrays (its
+    floating-point arrays but the fixed buffers, ``_optim.trainable``) and the loss-scale
+    state machine's first state for float16 training."""
+    params = trainable(model)
     return TrainState(step=jnp.zeros((), jnp.int32), model=model,
                       opt_state=optimizer.init(params), key=key,
                       loss_scale=None if loss_scale is None else loss_scale.init(),

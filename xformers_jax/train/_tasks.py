@@ -127,7 +127,15 @@ def make_task(data_config, seed: int) -> Task:
     """The task named by ``data_config.task`` (see ``TASKS``); splits use seeds derived from
     ``seed`` so that they never share an example index stream."""
     spec = get_task(data_config.task)
-    return dataclasses.replace(spec.make(data_config, seed), spec=spec)
+    task = spec.make(data_config, seed)
+    # Token ids and labels out of range would be clamped or wrapped silently inside the
+    # model (data._checks): refuse them here, naming the split, the row and the value.
+    for name in ("train", "validation", "test"):
+        arrays = getattr(getattr(task, name), "arrays", None)
+        if arrays is not None:
+            D.check_arrays(arrays, vocab_size=task.vocab_size, num_classes=task.num_classes,
+                           where=f"task {data_config.task!r} {name} split")
+    return dataclasses.replace(task, spec=spec)
 
 
 def build_model(model_config, task: Task, key: jax.Array, *,

@@ -16,6 +16,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from ... import axes as X
 from ...kinds import REQUIRED, AttentionAdapter, Kind, Paper
 from .._adapters import lifted
 from .._multihead import multihead
@@ -29,7 +30,8 @@ from ._topk import topk_attention
 
 
 def _lsh_init(key, hp, *, num_heads, head_dim, max_len):
-    return init_lsh_rotations(key, head_dim, hp["num_buckets"], hp["num_rounds"])
+    # Reformer's random rotations are fixed (never trained): a buffer.
+    return X.Buffer(init_lsh_rotations(key, head_dim, hp["num_buckets"], hp["num_rounds"]))
 
 
 def _lsh(q, k, v, rotations, **kw):

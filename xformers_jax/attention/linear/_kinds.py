@@ -15,6 +15,7 @@ import math
 import jax
 import jax.numpy as jnp
 
+from ... import axes as X
 from ...kinds import AttentionAdapter, Kind, Paper, RecurrentDecoding, SequenceParallel
 from .._adapters import broadcast_state, grouped_step, lifted, real_only
 from .._multihead import multihead
@@ -67,9 +68,10 @@ _PERFORMER_MAPS = {"softmax": "favor_positive", "relu": "relu"}
 
 
 def _performer_init(key, hp, *, num_heads, head_dim, max_len):
-    # Random features are redrawn by re-initialising with a new key, never trained.
+    # Random features are redrawn by re-initialising with a new key, never trained: a fixed
+    # buffer, which no optimizer updates or decays.
     m = 2 * head_dim if hp["num_features"] is None else hp["num_features"]
-    return init_random_projection(key, m, head_dim)
+    return X.Buffer(init_random_projection(key, m, head_dim))
 
 
 def _performer(q, k, v, projection, **kw):

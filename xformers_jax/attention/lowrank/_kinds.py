@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import jax
 
+from ... import axes as X
 from ...kinds import REQUIRED, AttentionAdapter, Kind, Paper
 from .._adapters import lifted
 from ._clustered import clustered_attention, improved_clustered_attention
@@ -53,8 +54,10 @@ def _long_short(q, k, v, w_p, *, causal=False, segment_size=None, **kw):
 
 def _synthesizer_init(key, hp, *, num_heads, head_dim, max_len):
     keys = jax.random.split(key, len(hp["forms"]))
-    return {f: init_synthesizer(k, f, head_dim, max_len, rank=hp["rank"])
-            for f, k in zip(hp["forms"], keys)}
+    # The fixed random form's logits are never trained (Tay et al.): a buffer.
+    params = {f: init_synthesizer(k, f, head_dim, max_len, rank=hp["rank"])
+              for f, k in zip(hp["forms"], keys)}
+    return {f: X.Buffer(p) if f == "fixed_random" else p for f, p in params.items()}
 
 
 _CLUSTERS = {
