@@ -170,7 +170,7 @@ def test_trainer_script_exits_non_zero_naming_the_cause(tmp_path):
         "import sys\n"
         "from absl import app\n"
         "from xformers_jax import train\n"
-        "def diverged(config, workdir):\n"
+        "def diverged(config, workdir, **kwargs):\n"
         "    raise train.NonFiniteError('step 15: non-finite loss (loss nan)')\n"
         "train.train_and_evaluate = diverged\n"
         "from xformers_jax_experiments import train as script\n"
