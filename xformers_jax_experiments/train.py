@@ -9,7 +9,10 @@ The README's main job (a Performer on generated ListOps, a few minutes on a CPU)
 
 Configs are locked ``ml_collections.ConfigDict``s: ``--config.optim.learning_rate=1e-4``
 overrides a value, a key that does not exist is an error. A run resumes from the latest
-checkpoint in ``--workdir``; SIGTERM saves one before exiting. The workdir collects
+checkpoint in ``--workdir``. SIGTERM (a preemption) saves one and exits with status
+``PREEMPTED`` (75, sysexits' EX_TEMPFAIL: not finished, rerun the same command to resume); on
+several processes every process stops after the same step, whichever of them got the signal.
+The workdir collects
 ``metrics.jsonl``, TensorBoard events, ``checkpoints/`` (the last N), ``best/`` and
 ``curves.png`` (when matplotlib is installed). ``--config.mesh='{"data": -1, "tensor": 2}'``
 shards the run over a device mesh (BUILD.md, "Sharding and multi-host"). On several hosts (a
@@ -22,6 +25,7 @@ unless ``--verbosity=0`` is given: the progress bar and the evaluations are show
 import json
 import math
 import os
+import sys
 
 import jax
 
@@ -36,11 +40,15 @@ _MULTIHOST = flags.DEFINE_bool("multihost", False, "Call jax.distributed.initial
                                "environment decides (xformers_jax.parallel.initialize_from_env).")
 flags.mark_flags_as_required(["config", "workdir"])
 
+# The exit status of a preempted run: a checkpoint is saved, the run is resumable, not done.
+PREEMPTED = 75
+
 
 def summary(result: dict) -> str:
     """The final lines a person reads: test accuracy (and bits per byte for language models)."""
     if result.get("preempted"):
-        return f"preempted at step {result['step']}: checkpoint saved, rerun to resume"
+        return (f"preempted at step {result['step']}: checkpoint saved, rerun the same command "
+                f"to resume (exit status {PREEMPTED})")
     line = (f"step {result['step']} (best checkpoint: step {result['best_step']}): "
             f"test accuracy {result['test_accuracy']:.4f}, test loss {result['test_loss']:.4f}")
     if "test_bits_per_byte" in result:
@@ -68,6 +76,8 @@ def main(argv):
         result["test_bits_per_byte"] = result["test_loss"] / math.log(2)
     print(json.dumps(result))
     print(summary(result))
+    if result.get("preempted"):
+        sys.exit(PREEMPTED)
     if _CONFIG.value.plot and not result.get("preempted") and jax.process_index() == 0:
         curves = plot_curves(_WORKDIR.value)
         if curves:

@@ -12,9 +12,12 @@ test evaluation reads it). Each step directory ``<step>/`` holds two items:
   a part of it. Index-keyed checkpoints of earlier versions fail with a pointer to
   ``parallel.convert_index_checkpoint`` (which converts a whole ``workdir``).
 - ``data/``: the input's state, one JSON file per process (``process_<i>-of-<n>.json``),
-  written and read by Grain's own orbax handler (``grain.checkpoint.CheckpointHandler``): the
+  written by Grain's own orbax handler (``grain.checkpoint.CheckpointHandler``): the
   trainer's Grain iterator state (``DataIterator.get_state``) and the open logging
   interval's sums, so that a resumed run reads the batches and logs the means it would have.
+  Both are positions in the global batches and means of global values, the same on every
+  process, so a run resumes on any process count: each process reads its own file when the
+  count is the same and otherwise any file, after checking that they all agree.
 
 Saves are asynchronous; ``wait`` finishes them.
 """
@@ -49,9 +52,9 @@ def _handlers():
 
 
 class _DataState(grain.DatasetIterator):
-    """A data state dict in the form Grain's checkpoint handler saves and restores: an
-    iterator whose state it is (the handler writes ``get_state()`` of each process as JSON
-    and hands the file's contents to ``set_state``)."""
+    """A data state dict in the form Grain's checkpoint handler saves: an iterator whose
+    state it is (the handler writes ``get_state()`` of each process as JSON;
+    ``_read_data_state`` reads it back)."""
 
     def __init__(self, state=None):
         super().__init__()
@@ -65,6 +68,28 @@ class _DataState(grain.DatasetIterator):
 
     def set_state(self, state: dict) -> None:
         self.state = state
+
+
+def _read_data_state(directory: str) -> dict:
+    """The data state Grain's handler wrote (``process_<i>-of-<n>.json``), for this process
+    whatever the process count ``n`` of the run that wrote it: the states are positions in
+    the global batches, so every process's file holds the same one."""
+    own = os.path.join(directory, f"process_{jax.process_index()}-of-{jax.process_count()}.json")
+    if os.path.exists(own):
+        with open(own) as fh:
+            return json.load(fh)
+    names = sorted(f for f in os.listdir(directory) if f.startswith("process_"))
+    if not names:
+        raise ValueError(f"{directory} holds no data state (process_<i>-of-<n>.json)")
+    states = []
+    for name in names:
+        with open(os.path.join(directory, name)) as fh:
+            states.append(json.load(fh))
+    if any(s != states[0] for s in states):
+        raise ValueError(f"{directory}: the processes' data states differ ({names}), so the "
+                         f"run cannot resume on {jax.process_count()} processes; resume it on "
+                         f"the process count that wrote it")
+    return states[0]
 
 
 class Checkpointer:
@@ -85,11 +110,15 @@ class Checkpointer:
             os.path.join(workdir, "checkpoints"), item_handlers=_handlers(),
             options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True))
         self.best_metric = best_metric
+        # Its own barrier names: on several processes, a save to best/ and one to
+        # checkpoints/ at the same step would otherwise meet at one barrier and fail.
         self.best = ocp.CheckpointManager(
             os.path.join(workdir, "best"), item_handlers=_handlers(),
             options=ocp.CheckpointManagerOptions(
                 max_to_keep=1, create=True, best_fn=lambda m: m[best_metric],
-                best_mode=best_mode))
+                best_mode=best_mode,
+                multiprocessing_options=ocp.options.MultiprocessingOptions(
+                    barrier_sync_key_prefix="best")))
 
     @staticmethod
     def _args(state, data_state):
@@ -128,9 +157,9 @@ class Checkpointer:
             with open(earlier) as fh:
                 return fill_arrays(template, restored["state"]), json.load(fh)
         restored = manager.restore(step, args=ocp.args.Composite(
-            state=ocp.args.StandardRestore(target),
-            data=grain.checkpoint.CheckpointRestore(_DataState())))
-        return fill_arrays(template, restored["state"]), restored["data"].state
+            state=ocp.args.StandardRestore(target)))
+        return fill_arrays(template, restored["state"]), _read_data_state(
+            os.path.join(str(manager.directory), str(step), "data"))
 
     def latest_step(self) -> int | None:
         return self.latest.latest_step()
