@@ -21,6 +21,7 @@ import sys
 import jax
 import ml_collections
 import numpy as np
+import pytest
 
 from tests.test_train import ROOT, _rows, _tiny_config
 from tests.train_state import final_state
@@ -114,3 +115,17 @@ def test_two_processes_stop_together_and_resume_on_one_or_two(tmp_path):
     # On one process (two devices): reads the two processes' data state.
     _assert_same_run(train.train_and_evaluate(_config(), stopped), stopped, straight,
                      straight_dir)
+
+
+def test_data_states_that_differ_refuse_another_process_count(tmp_path):
+    from etils import epath
+
+    from xformers_jax.train._checkpoint import _read_data_state
+
+    state = {"iterator": {"next_index": 5}, "interval": {}}
+    for i in range(2):
+        (tmp_path / f"process_{i}-of-2.json").write_text(json.dumps(state))
+    assert _read_data_state(epath.Path(tmp_path)) == state  # written by 2, read by 1
+    (tmp_path / "process_1-of-2.json").write_text(json.dumps({**state, "iterator": {}}))
+    with pytest.raises(ValueError, match="differ.*resume it on the process count"):
+        _read_data_state(epath.Path(tmp_path))

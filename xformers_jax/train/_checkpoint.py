@@ -70,25 +70,21 @@ class _DataState(grain.DatasetIterator):
         self.state = state
 
 
-def _read_data_state(directory: str) -> dict:
-    """The data state Grain's handler wrote (``process_<i>-of-<n>.json``), for this process
-    whatever the process count ``n`` of the run that wrote it: the states are positions in
-    the global batches, so every process's file holds the same one."""
-    own = os.path.join(directory, f"process_{jax.process_index()}-of-{jax.process_count()}.json")
-    if os.path.exists(own):
-        with open(own) as fh:
-            return json.load(fh)
-    names = sorted(f for f in os.listdir(directory) if f.startswith("process_"))
-    if not names:
+def _read_data_state(directory) -> dict:
+    """The data state Grain's handler wrote (``process_<i>-of-<n>.json`` under ``directory``,
+    an ``epath.Path``), for this process whatever the process count ``n`` of the run that
+    wrote it: the states are positions in the global batches, so every file holds the same."""
+    own = directory / f"process_{jax.process_index()}-of-{jax.process_count()}.json"
+    if own.exists():
+        return json.loads(own.read_text())
+    files = sorted(p for p in directory.iterdir() if p.name.startswith("process_"))
+    if not files:
         raise ValueError(f"{directory} holds no data state (process_<i>-of-<n>.json)")
-    states = []
-    for name in names:
-        with open(os.path.join(directory, name)) as fh:
-            states.append(json.load(fh))
+    states = [json.loads(p.read_text()) for p in files]
     if any(s != states[0] for s in states):
-        raise ValueError(f"{directory}: the processes' data states differ ({names}), so the "
-                         f"run cannot resume on {jax.process_count()} processes; resume it on "
-                         f"the process count that wrote it")
+        raise ValueError(f"{directory}: the data states of {[p.name for p in files]} differ, "
+                         f"so the run cannot resume on {jax.process_count()} processes; "
+                         f"resume it on the process count that wrote it")
     return states[0]
 
 
@@ -159,7 +155,7 @@ class Checkpointer:
         restored = manager.restore(step, args=ocp.args.Composite(
             state=ocp.args.StandardRestore(target)))
         return fill_arrays(template, restored["state"]), _read_data_state(
-            os.path.join(str(manager.directory), str(step), "data"))
+            manager.directory / str(step) / "data")
 
     def latest_step(self) -> int | None:
         return self.latest.latest_step()
