@@ -281,22 +281,24 @@ def _resumed(run: Run, workdir, kept: int | None, ref=None) -> Outcome:
 
 # -- the runners -----------------------------------------------------------------------------
 
+def _array_files(step_dir) -> list[str]:
+    # The files OCDBT keeps the arrays' bytes in (each process's data files; not every one of
+    # them holds bytes a restore reads, so the damage goes to each).
+    return glob.glob(os.path.join(step_dir, "state", "ocdbt.process_*", "d", "*"))
+
+
 def _corrupt_bytes(step_dir):
-    # 64 bytes overwritten in the middle of the largest array file.
-    files = [f for f in glob.glob(os.path.join(step_dir, "state", "**", "*"), recursive=True)
-             if os.path.isfile(f) and "/d/" in f]
-    path = max(files, key=os.path.getsize)
-    with open(path, "r+b") as fh:
-        fh.seek(os.path.getsize(path) // 2)
-        fh.write(b"\xa5" * 64)
+    # 64 bytes overwritten in the middle of each array file.
+    for path in _array_files(step_dir):
+        with open(path, "r+b") as fh:
+            fh.seek(os.path.getsize(path) // 2)
+            fh.write(b"\xa5" * 64)
 
 
 def _truncate(step_dir):
-    files = [f for f in glob.glob(os.path.join(step_dir, "state", "**", "*"), recursive=True)
-             if os.path.isfile(f) and "/d/" in f]
-    path = max(files, key=os.path.getsize)
-    with open(path, "r+b") as fh:
-        fh.truncate(os.path.getsize(path) // 2)
+    for path in _array_files(step_dir):
+        with open(path, "r+b") as fh:
+            fh.truncate(os.path.getsize(path) // 2)
 
 
 def _delete_metadata(step_dir):
