@@ -125,8 +125,9 @@ class Outcome:
     wrong: bool = False  # exit 0 with other metrics than the uninterrupted run
 
     def text(self) -> str:
-        what = self.what + (f" ({self.detail})" if self.detail else "")
-        return (f"observed: {what[:110]}; hang: {'yes' if self.hang else 'no'}; "
+        what = " ".join((self.what + (f" ({self.detail})" if self.detail else "")).split())
+        # The harness keeps 200 characters of the error this becomes.
+        return (f"observed: {what[:75]}; hang: {'yes' if self.hang else 'no'}; "
                 f"silent wrong result: {'yes' if self.wrong else 'no'}")
 
 
@@ -249,11 +250,17 @@ def good_steps(workdir) -> list[int]:
     return sorted(int(d) for d in os.listdir(where) if d.isdigit())
 
 
+# Exceptions that are slips of code, never a message meant for the user.
+_SLIPS = ("AttributeError", "KeyError", "TypeError", "IndexError", "NameError",
+          "AssertionError", "UnboundLocalError")
+
+
 def _clear(run: Run) -> str | None:
     """The error a failed run gave, if it is clear: the last line of stderr, from an exception
-    the project's own code raised (or no traceback at all), not one deep in a library."""
+    the project's own code raised on purpose (or no traceback at all), not one deep in a
+    library nor a slip such as an AttributeError."""
     lines = [l for l in run.stderr.strip().splitlines() if l.strip()]
-    if not lines:
+    if not lines or lines[-1].strip().split(":")[0].split(".")[-1] in _SLIPS:
         return None
     frames = re.findall(r'File "([^"]+)"', run.stderr)
     project = (os.path.join(ROOT, "xformers_jax"), os.path.join(ROOT, "xformers_jax_experiments"))
@@ -282,9 +289,13 @@ def _resumed(run: Run, workdir, kept: int | None, ref=None) -> Outcome:
 # -- the runners -----------------------------------------------------------------------------
 
 def _array_files(step_dir) -> list[str]:
-    # The files OCDBT keeps the arrays' bytes in (each process's data files; not every one of
-    # them holds bytes a restore reads, so the damage goes to each).
-    return glob.glob(os.path.join(step_dir, "state", "ocdbt.process_*", "d", "*"))
+    # The files OCDBT keeps the arrays' bytes in (``d/`` of the step and of each process's
+    # database, whichever the save left; not every one holds bytes a restore reads, so the
+    # damage goes to each).
+    files = glob.glob(os.path.join(step_dir, "state", "**", "d", "*"), recursive=True)
+    if not files:
+        raise FileNotFoundError(f"no array data files under {step_dir}/state")
+    return files
 
 
 def _corrupt_bytes(step_dir):
