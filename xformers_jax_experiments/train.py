@@ -13,13 +13,16 @@ slot kinds' hyperparameters may be set whether or not the config lists them
 (``--config.model.attention.num_features=64`` for a Performer: the slot sections are open, and
 the kind's registry checks the names). ``--print_config`` prints the resolved config and exits.
 
-A run resumes from the latest intact checkpoint in ``--workdir``; SIGTERM saves one before
-exiting. The workdir collects ``config.json`` and ``run.json`` (the run record: code and package
-versions, finished or not), ``metrics.jsonl``, TensorBoard events, ``checkpoints/`` (the last
-N, each array checksummed), ``best/`` and ``curves.png`` (when matplotlib is installed), and
-holds ``lock`` while a trainer runs in it: a second trainer on the same workdir refuses. A
-resume with another config refuses, listing the changed keys, unless ``--allow_config_change``;
-a finished run is not run again. ``--config.mesh='{"data": -1, "tensor": 2}'``
+A run resumes from the latest intact checkpoint in ``--workdir``. SIGTERM (a preemption) saves
+one and exits with status ``PREEMPTED`` (75, sysexits' EX_TEMPFAIL: not finished, rerun the
+same command to resume); on several processes every process stops after the same step,
+whichever of them got the signal. The workdir collects ``config.json`` and ``run.json`` (the
+run record: code and package versions, finished or not), ``metrics.jsonl``, TensorBoard
+events, ``checkpoints/`` (the last N, each array checksummed), ``best/`` and ``curves.png``
+(when matplotlib is installed), and holds ``lock`` while a trainer runs in it: a second
+trainer on the same workdir refuses. A resume with another config refuses, listing the
+changed keys, unless ``--allow_config_change``; a finished run is not run again.
+``--config.mesh='{"data": -1, "tensor": 2}'``
 shards the run over a device mesh (BUILD.md, "Sharding and multi-host"). On several hosts (a
 TPU pod, SLURM, or ``JAX_COORDINATOR_ADDRESS`` / ``JAX_NUM_PROCESSES`` / ``JAX_PROCESS_ID``
 set) the JAX distributed runtime is initialised first (``--multihost`` forces it:
@@ -131,11 +134,15 @@ def _parse_flags(argv: list[str]) -> list[str]:
             config.model[section][key] = value
     return rest
 
+# The exit status of a preempted run: a checkpoint is saved, the run is resumable, not done.
+PREEMPTED = 75
+
 
 def summary(result: dict) -> str:
     """The final lines a person reads: test accuracy (and bits per byte for language models)."""
     if result.get("preempted"):
-        return f"preempted at step {result['step']}: checkpoint saved, rerun to resume"
+        return (f"preempted at step {result['step']}: checkpoint saved, rerun the same command "
+                f"to resume (exit status {PREEMPTED})")
     line = ""
     if result.get("already_finished"):
         line = f"run already finished at step {result['step']}; nothing to do. "
@@ -183,7 +190,9 @@ def main(argv):
         result["test_bits_per_byte"] = result["test_loss"] / math.log(2)
     print(json.dumps(result))
     print(summary(result))
-    if (_CONFIG.value.plot and not result.get("preempted") and not result.get("already_finished")
+    if result.get("preempted"):
+        sys.exit(PREEMPTED)
+    if (_CONFIG.value.plot and not result.get("already_finished")
             and jax.process_index() == 0):
         curves = plot_curves(_WORKDIR.value)
         if curves:

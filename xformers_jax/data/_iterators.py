@@ -4,10 +4,12 @@ A source is a Grain random-access data source: ``len(source)`` and ``source[i] -
 dict[str, np.ndarray]`` whose example ``i`` is a pure function of ``i`` (the generators here
 derive each example's rng from ``(seed, i)``; the loaders hold arrays). :func:`batches` builds
 the pipeline as Grain transformations (``grain.MapDataset``): a global shuffle per epoch,
-this process's disjoint share of it (``grain.sharding.ShardOptions``), batches, repeated
-epochs. :class:`DataIterator` iterates it; its state is Grain's iterator state (a small dict)
-which the trainer stores in the run's orbax checkpoint through Grain's own checkpoint handler,
-so a restarted run reads exactly the batches it would have read. Worker processes
+cut into global batches, of which this process reads its contiguous block of rows
+(``grain.sharding.ShardOptions`` index and count), repeated epochs. The global batches are
+the same for any process count, so :class:`DataIterator`'s state (Grain's iterator state, a
+small dict: the index of the next global batch) is the same on every process and for every
+process count: the trainer stores it in the run's orbax checkpoint, and a run restarted on
+another number of processes reads exactly the global batches it would have read. Worker processes
 (``worker_count``, Grain's ``mp_prefetch``) are optional; the default reads in one
 background thread.
 """
@@ -54,25 +56,28 @@ def batches(source, *, batch_size: int, seed: int = 0, shuffle: bool = True,
             num_epochs: int | None = None, drop_remainder: bool = True) -> grain.MapDataset:
     """The batches of ``source`` as a Grain ``MapDataset``: ``{name: array[batch_size, ...]}``.
 
-    Per epoch: a global permutation of all examples (seeded, different each epoch), then this
-    process's share, every ``shard_count``-th example from ``shard_index``: the processes'
-    shares are disjoint, and with ``shard_options.drop_remainder`` (as the trainer sets it)
-    equally long, so all hosts run the same number of steps. Batches do not cross epochs
-    (``drop_remainder`` drops each epoch's last partial batch). ``num_epochs=None`` repeats
-    forever.
+    Per epoch: a global permutation of all examples (seeded, different each epoch) cut into
+    global batches of ``batch_size * shard_count`` examples; this process's batch is rows
+    ``shard_index * batch_size`` to ``(shard_index + 1) * batch_size`` of each (the rows its
+    devices hold when the batch axis is split over processes in order, as
+    ``jax.make_array_from_process_local_data`` assembles them). The processes' shares are
+    disjoint and, with ``shard_options.drop_remainder`` (as the trainer sets it), equally
+    many, so all hosts run the same number of steps; the global batches, and so the run, do
+    not depend on the process count. Batches do not cross epochs (``drop_remainder`` drops
+    each epoch's last partial batch). ``num_epochs=None`` repeats forever.
     """
     shard = shard_options or grain.sharding.NoSharding()
-    n = len(source)
-    usable = n // shard.shard_count * shard.shard_count if shard.drop_remainder else n
-    per_process = len(range(shard.shard_index, usable, shard.shard_count))
-    if batch_size < 1 or (drop_remainder and per_process < batch_size):
-        raise ValueError(f"batch_size={batch_size} does not fit {per_process} examples "
-                         f"per process ({n} over {shard.shard_count} processes)")
+    n, count = len(source), shard.shard_count
+    if batch_size < 1 or (drop_remainder and n < batch_size * count):
+        raise ValueError(f"batch_size={batch_size} per process does not fit {n} examples "
+                         f"over {count} processes (a global batch of {batch_size * count})")
     ds = grain.MapDataset.source(source)
     if shuffle:
         ds = ds.shuffle(seed=_shuffle_seed(seed))
-    ds = ds[shard.shard_index:usable:shard.shard_count]
-    return ds.batch(batch_size, drop_remainder=drop_remainder).repeat(num_epochs)
+    # Process-sized batch k is block k % count of global batch k // count.
+    ds = ds.batch(batch_size, drop_remainder=drop_remainder)
+    usable = len(ds) // count * count if shard.drop_remainder else len(ds)
+    return ds[shard.shard_index:usable:count].repeat(num_epochs)
 
 
 class DataIterator:
@@ -83,8 +88,9 @@ class DataIterator:
       batch_size: examples per batch on THIS process (the per-host batch).
       seed: shuffling seed; ``shuffle=False`` keeps index order (evaluation).
       process_index, process_count: this process's share (Grain ``ShardOptions`` with
-        ``drop_remainder=True``): every process gets ``len(source) // process_count``
-        examples per epoch, the remainder is dropped so all hosts run the same number of steps.
+        ``drop_remainder=True``): rows ``process_index * batch_size ...`` of each global batch
+        of ``batch_size * process_count`` examples (:func:`batches`); every process reads
+        the same number of batches, and the state is the same on every process.
       num_epochs: None repeats forever; otherwise StopIteration after that many epochs.
       drop_remainder: drop the last partial batch of each epoch (True for training).
       worker_count: Grain worker processes producing batches (0: none, the batches are

@@ -12,9 +12,12 @@ test evaluation reads it). Each step directory ``<step>/`` holds two items:
   a part of it. Index-keyed checkpoints of earlier versions fail with a pointer to
   ``parallel.convert_index_checkpoint`` (which converts a whole ``workdir``).
 - ``data/``: the input's state, one JSON file per process (``process_<i>-of-<n>.json``),
-  written and read by Grain's own orbax handler (``grain.checkpoint.CheckpointHandler``): the
+  written by Grain's own orbax handler (``grain.checkpoint.CheckpointHandler``): the
   trainer's Grain iterator state (``DataIterator.get_state``) and the open logging
   interval's sums, so that a resumed run reads the batches and logs the means it would have.
+  Both are positions in the global batches and means of global values, the same on every
+  process, so a run resumes on any process count: each process reads its own file when the
+  count is the same and otherwise any file, after checking that they all agree.
 - ``checksums/``: a fingerprint of each array of ``state/`` (``_integrity.fingerprints``:
   computed on the devices before the save, 16 hex digits per tree path), written by orbax's
   JSON handler inside the same step, so it is committed with the arrays (orbax writes a step
@@ -87,9 +90,9 @@ def _reason(error: BaseException) -> str:
 
 
 class _DataState(grain.DatasetIterator):
-    """A data state dict in the form Grain's checkpoint handler saves and restores: an
-    iterator whose state it is (the handler writes ``get_state()`` of each process as JSON
-    and hands the file's contents to ``set_state``)."""
+    """A data state dict in the form Grain's checkpoint handler saves: an iterator whose
+    state it is (the handler writes ``get_state()`` of each process as JSON;
+    ``_read_data_state`` reads it back)."""
 
     def __init__(self, state=None):
         super().__init__()
@@ -103,6 +106,24 @@ class _DataState(grain.DatasetIterator):
 
     def set_state(self, state: dict) -> None:
         self.state = state
+
+
+def _read_data_state(directory) -> dict:
+    """The data state Grain's handler wrote (``process_<i>-of-<n>.json`` under ``directory``,
+    an ``epath.Path``), for this process whatever the process count ``n`` of the run that
+    wrote it: the states are positions in the global batches, so every file holds the same."""
+    own = directory / f"process_{jax.process_index()}-of-{jax.process_count()}.json"
+    if own.exists():
+        return json.loads(own.read_text())
+    files = sorted(p for p in directory.iterdir() if p.name.startswith("process_"))
+    if not files:
+        raise FileNotFoundError(f"{directory} holds no data state (process_<i>-of-<n>.json)")
+    states = [json.loads(p.read_text()) for p in files]
+    if any(s != states[0] for s in states):
+        raise ValueError(f"{directory}: the data states of {[p.name for p in files]} differ, "
+                         f"so the run cannot resume on {jax.process_count()} processes; "
+                         f"resume it on the process count that wrote it")
+    return states[0]
 
 
 class Checkpointer:
@@ -127,11 +148,15 @@ class Checkpointer:
             os.path.join(workdir, "checkpoints"), item_handlers=_handlers(),
             options=ocp.CheckpointManagerOptions(max_to_keep=None, create=True))
         self.best_metric = best_metric
+        # Its own barrier names: on several processes, a save to best/ and one to
+        # checkpoints/ at the same step would otherwise meet at one barrier and fail.
         self.best = ocp.CheckpointManager(
             os.path.join(workdir, "best"), item_handlers=_handlers(),
             options=ocp.CheckpointManagerOptions(
                 max_to_keep=2, create=True, best_fn=lambda m: m[best_metric],
-                best_mode=best_mode))
+                best_mode=best_mode,
+                multiprocessing_options=ocp.options.MultiprocessingOptions(
+                    barrier_sync_key_prefix="best")))
 
     @staticmethod
     def _args(state, data_state):
@@ -197,11 +222,15 @@ class Checkpointer:
                     data_state = json.load(fh)
             else:
                 restored = manager.restore(step, args=ocp.args.Composite(
-                    state=ocp.args.StandardRestore(target),
-                    data=grain.checkpoint.CheckpointRestore(_DataState())))
-                data_state = restored["data"].state
+                    state=ocp.args.StandardRestore(target)))
+                data_state = None
         except Exception as e:
             raise _Damaged(f"its arrays or data state do not read ({_reason(e)})") from e
+        if data_state is None:
+            try:
+                data_state = _read_data_state(manager.directory / str(step) / "data")
+            except (OSError, json.JSONDecodeError) as e:  # states that differ raise ValueError
+                raise _Damaged(f"its data state does not read ({_reason(e)})") from e
         if verify:
             got = fingerprints(restored["state"])
             bad = sorted(p for p in set(got) | set(saved) if got.get(p) != saved.get(p))

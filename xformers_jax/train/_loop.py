@@ -8,9 +8,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from absl import logging
+from jax.experimental import multihost_utils
 
 from .. import axes as X
-from .. import nn
+from .. import nn, parallel
 from ..data import DataIterator
 from ._checkpoint import Checkpointer
 from ._compress import Compression
@@ -68,17 +69,36 @@ def _majority_accuracy(task) -> float | None:
 
 
 class _Preemption:
-    """Turns SIGTERM into a flag the loop checks after each step (then it saves and exits)."""
+    """Whether to stop after a step because of SIGTERM: the same step on every process.
+
+    One process: a SIGTERM handler sets a flag that the loop reads after each step. Several
+    processes: JAX's preemption sync point (``multihost_utils.reached_preemption_sync_point``,
+    asked after every step). The coordination service's notifier, installed by
+    ``jax.distributed.initialize``, catches SIGTERM on any process (within about a second);
+    the processes then agree on one step past the largest any of them has reached, and all of
+    them are told to stop at it. (Processes stopping on their own SIGTERM stopped at different
+    steps, each waiting for the others in its checkpoint's barrier.) No Python handler then:
+    it would replace the notifier's.
+    """
 
     def __init__(self):
         self.requested = False
-        self._previous = signal.signal(signal.SIGTERM, self._handle)
+        self.several = jax.process_count() > 1
+        if not self.several:
+            self._previous = signal.signal(signal.SIGTERM, self._handle)
 
     def _handle(self, signum, frame):
         self.requested = True
 
+    def stop(self, step: int) -> bool:
+        """Called after every step by every process; True: save ``step`` and stop."""
+        if self.several:
+            return multihost_utils.reached_preemption_sync_point(step)
+        return self.requested
+
     def restore(self):
-        signal.signal(signal.SIGTERM, self._previous)
+        if not self.several:
+            signal.signal(signal.SIGTERM, self._previous)
 
 
 def train_and_evaluate(config, workdir: str, *, on_step=None,
@@ -116,7 +136,9 @@ def _train_and_evaluate(config, workdir: str, *, on_step=None) -> dict:
     the best checkpoint),
     checkpoints the train state with the data iterator's position; at the end evaluates the
     best checkpoint on the test split.
-    SIGTERM saves a checkpoint at the current step and returns ``{"preempted": True, "step"}``.
+    SIGTERM saves a checkpoint at the current step and returns ``{"preempted": True, "step"}``;
+    on several processes all of them stop after the same step (JAX's preemption sync point),
+    whichever of them received it.
     ``on_step(step)`` is called after every step (tests use it to interrupt a run).
     ``config.precision`` runs the model in bfloat16 or float16 (with dynamic loss scaling).
 
@@ -156,7 +178,17 @@ def _train_and_evaluate(config, workdir: str, *, on_step=None) -> dict:
         logging.info("GPipe over %d stages, %d micro-batches per step: bubble fraction %.3f",
                      pipeline["pipeline_stages"], pipeline["pipeline_microbatches"],
                      pipeline["pipeline_bubble"])
-    # config.batch_size is the global batch: each process reads its share.
+    # config.batch_size is the global batch: each process reads its share, rows
+    # [i * b, (i + 1) * b) of each global batch (data.batches), which must be the rows that
+    # its devices hold (the mesh orders devices by process).
+    if jax.process_count() > 1:
+        b, i = config.batch_size // jax.process_count(), jax.process_index()
+        rows = parallel.process_batch_slice(plan.batch, (config.batch_size,))
+        if rows != slice(i * b, (i + 1) * b):
+            raise ValueError(f"process {i} of {jax.process_count()} holds rows {rows} of the "
+                             f"global batch of {config.batch_size} under the mesh "
+                             f"{dict(plan.mesh.shape)}, not its share [{i * b}:{(i + 1) * b}]: "
+                             f"split the batch axis over the processes")
     train_iter = DataIterator(task.train, batch_size=config.batch_size // jax.process_count(),
                               seed=config.seed, process_index=jax.process_index(),
                               process_count=jax.process_count(),
@@ -224,15 +256,19 @@ def _train_and_evaluate(config, workdir: str, *, on_step=None) -> dict:
                             f"accuracy {validation['accuracy']:.4f}")
                 if step >= compression.best_from:  # pruning done: the final sparsity
                     checkpointer.save_best(step, state, data_state(), validation)
-            if step % config.checkpoint_every == 0 or step == total:
+            saved = step % config.checkpoint_every == 0 or step == total
+            if saved:
                 guard.check()
                 checkpointer.save(step, state, data_state(), force=True)
             if on_step is not None:
                 on_step(step)
-            if preemption.requested and step < total:
-                logging.warning("SIGTERM at step %d: saving and exiting", step)
-                guard.check()
-                checkpointer.save(step, state, data_state(), force=True)
+            if preemption.stop(step) and step < total:
+                logging.warning("preempted (SIGTERM): %s stop after step %d, saved to resume",
+                                f"all {jax.process_count()} processes"
+                                if preemption.several else "the run", step)
+                if not saved:
+                    guard.check()
+                    checkpointer.save(step, state, data_state(), force=True)
                 return {"preempted": True, "step": step}
         checkpointer.wait()
         best = checkpointer.restore_best(state, plan.state)
