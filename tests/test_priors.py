@@ -63,7 +63,10 @@ def _visible(lq, lk, causal, mask):
 
 def _yang_ref(q, k, v, params, causal, mask):
     w_p, u_p, u_d = params
-    n = L if mask is None else float(np.sum(mask))
+    # The paper's I, the sequence length, is the number of keys a query may see: all real keys,
+    # or when causal those up to the query itself (a prefix must not depend on what follows).
+    real = np.ones(L) if mask is None else np.asarray(mask, float)
+    n = jnp.asarray(np.cumsum(real) if causal else np.full(L, real.sum()), jnp.float32)
     h = jnp.tanh(q @ w_p)
     p = n * jax.nn.sigmoid(h @ u_p)                     # eq. 5: the centre
     sig = n * jax.nn.sigmoid(h @ u_d) / 2               # eqs. 6-7: D_i, sigma = D_i / 2
@@ -157,7 +160,9 @@ def _aan_ref(q, v, gate, causal, mask):
     g = jnp.stack(rows)
     z = jnp.concatenate([q, g], -1) @ gate.w + gate.b                   # eq. 2: the gates
     i_g, f_g = jax.nn.sigmoid(z[:, :D]), jax.nn.sigmoid(z[:, D:])
-    return i_g * v + f_g * g                                            # eq. 3
+    # eq. 3; a padded position's own value is selected out by the contract (its row is padding,
+    # which the module zeros, either way)
+    return i_g * (m[:, None] * v) + f_g * g
 
 
 @pytest.mark.parametrize("causal", [False, True])
