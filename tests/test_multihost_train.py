@@ -104,10 +104,13 @@ def test_two_processes_stop_together_and_resume_on_one_or_two(tmp_path):
 
     stopped = str(tmp_path / "two")
     first = _two_processes(stopped, "stop")
-    # Both stop after the same step, past the later SIGTERM, and save it (once).
+    # Both stop after the same step and save it (once). The step is at or after the first
+    # SIGTERM (process 0's, after step STOP_AT); how far past depends on how soon the
+    # notifier hears it, so process 1 may stop before its own SIGTERM (after STOP_AT + 1):
+    # on their own the two would stop at STOP_AT and STOP_AT + 1.
     assert first[0] == first[1], first
     step = first[0]["step"]
-    assert first[0]["preempted"] and STOP_AT + 1 <= step < STEPS, first
+    assert first[0]["preempted"] and STOP_AT <= step < STEPS, first
     assert int(max(os.listdir(os.path.join(stopped, "checkpoints")), key=int)) == step
     data_files = sorted(f for f in os.listdir(os.path.join(stopped, "checkpoints", str(step),
                                                              "data")) if f.startswith("process"))

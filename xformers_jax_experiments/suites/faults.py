@@ -90,7 +90,7 @@ train.Checkpointer.save = announced
 run = train.train_and_evaluate
 sigterm_at = int(os.environ.get("FAULTS_SIGTERM_AT", "0"))
 slow = float(os.environ.get("FAULTS_SLOW_S", "0"))
-def hooked(config, workdir, on_step=None):
+def hooked(config, workdir, on_step=None, **kwargs):
     import jax
     def on(step):
         print(f"STEP {step}", flush=True)
@@ -98,10 +98,40 @@ def hooked(config, workdir, on_step=None):
             os.kill(os.getpid(), signal.SIGTERM)
         if step >= sigterm_at:
             time.sleep(slow)
-    return run(config, workdir, on_step=on)
+    return run(config, workdir, on_step=on, **kwargs)
 train.train_and_evaluate = hooked
+# FAULTS_NAN_AT=<step>: that step's loss is NaN (its batch carries a factor the loss is
+# multiplied by); FAULTS_BAD_ID_AT=<step>: that step's batch holds a token id out of range.
+nan_at = int(os.environ.get("FAULTS_NAN_AT", "0"))
+bad_id_at = int(os.environ.get("FAULTS_BAD_ID_AT", "0"))
+if nan_at or bad_id_at:
+    import numpy as np
+    from xformers_jax.train import _loop
+    make_loss, make_step = _loop.make_loss_fn, _loop.make_train_step
+    def loss_maker(*args, **kwargs):
+        loss_fn = make_loss(*args, **kwargs)
+        def poisoned(model, batch, key):
+            batch = dict(batch)
+            factor = batch.pop("poison")[0]
+            loss, metrics = loss_fn(model, batch, key)
+            return loss * factor, metrics
+        return poisoned
+    def step_maker(*args, **kwargs):
+        run_step, calls = make_step(*args, **kwargs), [0]
+        def wrapped(state, batch):
+            calls[0] += 1
+            rows = batch["targets"].shape[0]
+            factor = np.nan if calls[0] == nan_at else 1.0
+            batch = dict(batch, poison=np.full((rows,), factor, np.float32))
+            if calls[0] == bad_id_at:
+                inputs = np.array(batch["inputs"])
+                inputs[0, 0] = 10**6
+                batch["inputs"] = inputs
+            return run_step(state, batch)
+        return wrapped
+    _loop.make_loss_fn, _loop.make_train_step = loss_maker, step_maker
 sys.argv = ["train", *sys.argv[1:]]
-app.run(cli.main)
+app.run(cli.main, flags_parser=cli.parse_flags)
 """
 
 
@@ -259,7 +289,8 @@ def _clear(run: Run) -> str | None:
     """The error a failed run gave, if it is clear: the last line of stderr, from an exception
     the project's own code raised on purpose (or no traceback at all), not one deep in a
     library nor a slip such as an AttributeError."""
-    lines = [l for l in run.stderr.strip().splitlines() if l.strip()]
+    lines = [l for l in run.stderr.strip().splitlines()
+             if l.strip() and not l.startswith("Pass --helpshort")]  # absl's hint after it
     if not lines or lines[-1].strip().split(":")[0].split(".")[-1] in _SLIPS:
         return None
     frames = re.findall(r'File "([^"]+)"', run.stderr)
@@ -316,6 +347,10 @@ def _delete_metadata(step_dir):
     os.remove(os.path.join(step_dir, "state", "_METADATA"))
 
 
+def _delete_manifest(step_dir):
+    os.remove(os.path.join(step_dir, "state", "manifest.ocdbt"))
+
+
 def _empty_step(step_dir):
     shutil.rmtree(step_dir)
     os.mkdir(step_dir)
@@ -323,7 +358,8 @@ def _empty_step(step_dir):
 
 # A damage done to the latest checkpoint step directory of a stopped run.
 DAMAGES = {"corrupt_bytes": _corrupt_bytes, "truncate": _truncate,
-           "delete_metadata": _delete_metadata, "empty_step": _empty_step}
+           "delete_metadata": _delete_metadata, "delete_manifest": _delete_manifest,
+           "empty_step": _empty_step}
 
 
 def interrupted(workdir, *, stop: str, ms: float = 0.0, damage: str | None = None) -> Outcome:
@@ -426,6 +462,101 @@ def concurrent(workdir, *, delay_s: float) -> Outcome:
     return Outcome(REFUSE, f"the other finished exactly: {message[:60]}")
 
 
+def poisoned(workdir, *, at: int, **env) -> Outcome:
+    """A run whose step ``at`` goes wrong in memory (``env``: FAULTS_NAN_AT or
+    FAULTS_BAD_ID_AT): it must stop non-zero with a clear error naming that step, with no
+    checkpoint of that step or later written."""
+    run = train(workdir, **env)
+    if run.code is None:
+        return Outcome("hung", f"killed after {TIMEOUT_S:.0f} s", hang=True)
+    steps = good_steps(workdir)
+    if any(s >= at for s in steps):
+        return Outcome("saved after the fault", f"steps {steps}", wrong=True)
+    if run.code == 0:
+        return Outcome("finished", "exit 0 after a faulty step", wrong=True)
+    message = _clear(run)
+    if message is None or f"step {at}" not in message:
+        return Outcome("refused unclearly", (message or run.stderr.strip()[-60:])[:60])
+    return Outcome(REFUSE, f"exit {run.code}, steps {steps} kept: {message[:60]}")
+
+
+def changed_config(workdir, *, flags: tuple) -> Outcome:
+    """A run stopped by SIGTERM, resumed with ``flags`` changing its config: it must refuse,
+    naming the change, and keep its checkpoints."""
+    first = train(workdir, FAULTS_SIGTERM_AT=5)
+    if first.code is None:
+        return Outcome("hung", "on SIGTERM", hang=True)
+    steps = good_steps(workdir)
+    return _resumed(train(workdir, flags), workdir, steps[-1] if steps else None)
+
+
+def finished_rerun(workdir) -> Outcome:
+    """A finished run run again: it must write nothing twice (every row once) and report the
+    recorded result."""
+    first = train(workdir)
+    if first.code != 0:
+        return Outcome("not finished", f"exit {first.code}")
+    rows = _raw_rows(workdir)
+    again = train(workdir)
+    if again.code is None:
+        return Outcome("hung", "on the rerun", hang=True)
+    if again.code != 0 or _raw_rows(workdir) != rows:
+        return Outcome("rows written twice or refused", f"exit {again.code}", wrong=True)
+    return Outcome(RESUME, "nothing written twice")
+
+
+def snippet(workdir, *, code: str, says: str) -> Outcome:
+    """A bad input given to the library's API (``code``, run in a subprocess with ``W`` the
+    scenario's directory): it must end in a clear error matching ``says``."""
+    os.makedirs(workdir, exist_ok=True)
+    try:
+        proc = subprocess.run([sys.executable, "-c", f"W = {workdir!r}\n{code}"], cwd=ROOT,
+                              env=_env(1), capture_output=True, text=True, timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        return Outcome("hung", f"killed after {TIMEOUT_S:.0f} s", hang=True)
+    run = Run(proc.returncode, proc.stdout, proc.stderr)
+    if run.code == 0:
+        return Outcome("accepted", run.stdout.strip()[-60:], wrong=True)
+    message = _clear(run)
+    if message is None or not re.search(says, message, re.IGNORECASE):
+        return Outcome("unclear error", run.stderr.strip()[-60:])
+    return Outcome(ERROR, message[:80])
+
+
+# Bad data given to the loaders: a label out of range in a ListOps TSV, a token id out of
+# range in a task split, a CIFAR batch whose pickle would run code (the marker file must not
+# appear).
+_TSV = r"""
+import os
+from xformers_jax import data
+os.makedirs(W, exist_ok=True)
+with open(os.path.join(W, "basic_train.tsv"), "w") as fh:
+    fh.write("Source\tTarget\n( [MAX 2 9 ] )\t9\n( [MIN 2 9 ] )\t10\n")
+data.load_listops_tsv(W, "train")
+"""
+_IDS = """
+import numpy as np
+from xformers_jax import data
+data.check_arrays({"inputs": np.array([[1, 2], [3, 20]]), "targets": np.array([0, 1])},
+                  vocab_size=20, num_classes=10, where="train split")
+"""
+_CIFAR = """
+import os, pickle
+from xformers_jax import data
+class Evil:
+    def __reduce__(self):
+        return (os.system, ("touch " + os.path.join(W, "PWNED"),))
+root = os.path.join(W, "cifar-10-batches-py")
+os.makedirs(root, exist_ok=True)
+with open(os.path.join(root, "test_batch"), "wb") as fh:
+    pickle.dump({b"data": Evil(), b"labels": [0]}, fh)
+try:
+    data.load_cifar10(W, "test")
+finally:
+    assert not os.path.exists(os.path.join(W, "PWNED")), "the pickle ran code"
+"""
+
+
 def bad_flags(workdir, *, flags: tuple, says: str) -> Outcome:
     """The trainer with ``flags`` must exit non-zero with a clear error matching ``says``."""
     run = train(workdir, flags)
@@ -455,8 +586,17 @@ SCENARIOS = (
                "interrupted", {"stop": "sigterm", "damage": d}) for d in DAMAGES),
     Scenario("two trainers on one workdir, started together", "fault", REFUSE, "concurrent",
              {"delay_s": 0.0}),
+    Scenario("two trainers on one workdir, started 3 s apart", "fault", REFUSE, "concurrent",
+             {"delay_s": 3.0}),
+    Scenario("NaN loss at step 7", "fault", REFUSE, "poisoned",
+             {"at": 7, "FAULTS_NAN_AT": 7}),
+    Scenario("token id out of range at step 7", "fault", REFUSE, "poisoned",
+             {"at": 7, "FAULTS_BAD_ID_AT": 7}),
+    Scenario("resumed with another seed", "fault", REFUSE, "changed_config",
+             {"flags": ("--config.seed=1",)}),
+    Scenario("a finished run run again", "fault", RESUME, "finished_rerun", {}),
     Scenario("--config.foo=1 (unknown key)", "input", ERROR, "bad_flags",
-             {"flags": ("--config.foo=1",), "says": "foo.*did you mean|unknown.*foo"}),
+             {"flags": ("--config.foo=1",), "says": "no key 'foo'|foo.*did you mean"}),
     Scenario("--config.optim.schedule=linearr", "input", ERROR, "bad_flags",
              {"flags": ("--config.optim.schedule=linearr",), "says": "schedule"}),
     Scenario("--config.num_train_steps=0", "input", ERROR, "bad_flags",
@@ -465,6 +605,17 @@ SCENARIOS = (
              {"flags": ("--config.optim.learning_rate=1e3",), "says": "finite|nan|diverg"}),
     Scenario("--config.optim.warmup_steps=-5", "input", ERROR, "bad_flags",
              {"flags": ("--config.optim.warmup_steps=-5",), "says": "warmup"}),
+    Scenario("--config.optim.learning_rate=nan", "input", ERROR, "bad_flags",
+             {"flags": ("--config.optim.learning_rate=nan",), "says": "learning_rate"}),
+    Scenario("--config.model.attention.num_featurs=8 (a slot hyperparameter's typo)", "input",
+             ERROR, "bad_flags", {"flags": ("--config.model.attention.num_featurs=8",),
+                                  "says": "num_featurs"}),
+    Scenario("ListOps TSV with label 10", "input", ERROR, "snippet",
+             {"code": _TSV, "says": "label.*10|10.*label"}),
+    Scenario("token id 20 in a split of vocabulary 20", "input", ERROR, "snippet",
+             {"code": _IDS, "says": "token id"}),
+    Scenario("CIFAR batch whose pickle would run code", "input", ERROR, "snippet",
+             {"code": _CIFAR, "says": "Unpickl|refuse|not allowed|forbidden"}),
 )
 # Quick mode (a smoke test, and what tests/test_benchmark_harness.py builds): two bad inputs
 # that cost one short trainer start each.
