@@ -65,7 +65,7 @@ def _padding_program(slot, name):
         layer = jit0(lambda k: nn.MultiHeadAttention(DIM, HEADS, spec=spec, max_len=L, key=k))(
             key)
         inputs = [normal(B, L, HEADS, DIM // HEADS) for _ in range(3)] + [normal(B, L, DIM)]
-        own = layer.variant_params
+        own = layer.params  # fixed buffers unwrapped, as the layer passes them
 
         def apply(inputs, own):
             q, k, v, x = inputs

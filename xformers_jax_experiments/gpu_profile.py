@@ -35,7 +35,8 @@ _CASES = flags.DEFINE_string(
     "first that matches), mode=fwd|fwdbwd (default fwdbwd).")
 _STEPS = flags.DEFINE_integer("steps", 3, "Traced steps per case.")
 _TOP = flags.DEFINE_integer("top", 8, "Kernels listed per case.")
-_OUT = flags.DEFINE_string("out", None, "Also write the summary here.")
+# Not "out": plot.py defines that flag, and both modules may be imported in one process.
+_OUT = flags.DEFINE_string("summary_out", None, "Also write the summary here.")
 
 
 def _parse(spec: str):

@@ -83,7 +83,7 @@ done
 
 if [ "${PROFILE:-1}" = 1 ]; then
   timeout "${PROFILE_TIMEOUT:-90}" $PY -m xformers_jax_experiments.gpu_profile \
-    --out="$OUT/profile.txt" \
+    --summary_out="$OUT/profile.txt" \
     ${PROFILE_CASES:+--cases="$PROFILE_CASES"} \
     2>&1 | grep -v "^[IW][0-9]" >> "$OUT/session.log"
   log "profile done"
