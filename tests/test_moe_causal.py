@@ -181,12 +181,15 @@ def test_hash_routing_decodes_with_the_step_ids():
     assert not np.allclose(zeros[:, 1:], forward[:, 1:])  # the ids matter here
 
 
-def test_hash_routing_on_the_memory_path_reads_the_ids():
+def _memory_path(ffn, seed):
+    """A one-layer memory LM with ``ffn`` over two segments of ``L`` tokens: ``(logits of
+    the two segment calls, the first call's aux, logits fed token by token through the
+    segment cache across the boundary)``."""
     from xformers_jax.models._memory_lm import _memory_decode_step, _segment_cache
     model = models.CausalLM(VOCAB, DIM, 1, HEADS, HIDDEN, max_len=3 * L,
                             positions=nn.NoPositions(),
-                            block=dict(ffn=HASH, memory=nn.XLMemory(L)), key=jax.random.key(0))
-    tokens = jax.random.randint(jax.random.key(6), (B, 2 * L), 0, VOCAB)
+                            block=dict(ffn=ffn, memory=nn.XLMemory(L)), key=jax.random.key(0))
+    tokens = jax.random.randint(jax.random.key(seed), (B, 2 * L), 0, VOCAB)
 
     @jit0
     def run(model, tokens):
@@ -198,7 +201,11 @@ def test_hash_routing_on_the_memory_path_reads_the_ids():
                               tokens.T)
         return jnp.concatenate([first, second], 1), aux, jnp.moveaxis(fed, 0, 1)
 
-    forward, aux, fed = run(model, tokens)
+    return model, tokens, *run(model, tokens)
+
+
+def test_hash_routing_on_the_memory_path_reads_the_ids():
+    model, tokens, forward, aux, fed = _memory_path(HASH, 6)
     table = model.layers.layers.ffn.hash_table
     assert_close(aux["expert_load"][0], _hash_load(table, tokens[:, :L]))
     # Token by token through the segment cache (across the boundary) as the segment calls.
@@ -206,23 +213,7 @@ def test_hash_routing_on_the_memory_path_reads_the_ids():
 
 
 def test_capacity_counts_restart_with_each_segment_on_the_memory_path():
-    from xformers_jax.models._memory_lm import _memory_decode_step, _segment_cache
     spec = nn.FFNSpec("switch", {"num_experts": E, "mode": "capacity", "capacity_factor": 1.0})
-    model = models.CausalLM(VOCAB, DIM, 1, HEADS, HIDDEN, max_len=3 * L,
-                            positions=nn.NoPositions(),
-                            block=dict(ffn=spec, memory=nn.XLMemory(L)), key=jax.random.key(0))
-    tokens = jax.random.randint(jax.random.key(7), (B, 2 * L), 0, VOCAB)
-
-    @jit0
-    def run(model, tokens):
-        memory = model.init_memory(B)
-        (first, memory), aux = model(tokens[:, :L], memory=memory, return_aux=True)
-        second, _ = model(tokens[:, L:], memory=memory)
-        cache = _segment_cache(model, model.init_memory(B), L)
-        _, fed = jax.lax.scan(lambda c, t: _memory_decode_step(model, t, c)[::-1], cache,
-                              tokens.T)
-        return jnp.concatenate([first, second], 1), aux, jnp.moveaxis(fed, 0, 1)
-
-    forward, aux, fed = run(model, tokens)
+    _, _, forward, aux, fed = _memory_path(spec, 7)
     assert float(aux["dropped_fraction"][0]) > 0
     assert_close(fed, forward)
