@@ -90,3 +90,20 @@ def test_no_leak_gradients_and_decoding_in_pieces():
     with pytest.raises(ValueError, match="dot_product"):
         models.FeedbackLM(VOCAB, DIM, 1, HEADS, 32, block=dict(spec=nn.AttentionSpec("linear")),
                       key=jax.random.key(0))
+
+
+def test_ffn_kinds_without_auxiliary_terms_run_and_experts_are_refused():
+    """The step runs the FFN slot by its contract (a product-key memory returns ``(y, {})``);
+    a mixture of experts, whose losses the position-by-position scan would drop, is refused
+    by name."""
+    spec = nn.FFNSpec("product_key", nn.get_kind("ffn", "product_key").test_hyperparameters)
+    model = models.FeedbackLM(VOCAB, DIM, 1, HEADS, 32, block=dict(ffn=spec),
+                              key=jax.random.key(0))
+    tokens = jax.random.randint(jax.random.key(3), (B, L), 1, VOCAB)
+    full = _run(model, tokens)
+    changed = _run(model, tokens.at[:, L // 2].set(tokens[:, L // 2] % (VOCAB - 1) + 1))
+    assert bool(jnp.isfinite(full).all())
+    np.testing.assert_array_equal(np.asarray(full[:, :L // 2]), np.asarray(changed[:, :L // 2]))
+    with pytest.raises(ValueError, match="'switch' is a mixture of experts"):
+        models.FeedbackLM(VOCAB, DIM, 1, HEADS, 32, block=dict(ffn=nn.FFNSpec("switch")),
+                          key=jax.random.key(0))

@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 
 from .. import attention as A
-from ..nn import Embedder, KVCache, transformer_stack
+from ..nn import Embedder, KVCache, decode_ffn, get_kind, transformer_stack
 from ._memory_lm import MemoryModel
 from ._registry import SLOTS, TRUNK, block_kwargs, register_model
 from ._trunk import finish
@@ -78,6 +78,13 @@ class FeedbackLM(MemoryModel):
                                                  and spec.kind != "dot_product"):
             raise ValueError("FeedbackLM: blocks use dot_product attention with input "
                              "positions only (the feedback memory is its own attention)")
+        ffn = block.get("ffn")
+        if ffn is not None and get_kind("ffn", ffn.kind).family == "experts":
+            raise ValueError(
+                f"FeedbackLM: FFN kind {ffn.kind!r} is a mixture of experts, whose auxiliary "
+                "losses (load balancing, router z) and routing state the Feedback "
+                "Transformer's position-by-position scan does not collect; use a dense, "
+                "product_key or sparse_ffn FFN")
         k1, k2, k3 = jax.random.split(key, 3)
         self.embed = Embedder(dim, vocab_size=vocab_size, positions=positions, key=k1)
         self.layers, self.final_norm = transformer_stack(
@@ -137,7 +144,7 @@ class FeedbackLM(MemoryModel):
                 return block.attn.output(o)
 
             x = block.residual(0, x, attend)
-            x = block.residual(1, x, block.ffn)
+            x = block.residual(1, x, lambda h: decode_ffn(block.ffn, h, None)[0])
             return x, x
 
         top, states = jax.lax.scan(layer, x, (dynamic, cache_dyn))
