@@ -312,6 +312,10 @@ def test_hash_and_prototype_routes():
     r = M.hash_route(ids, table, 6)
     np.testing.assert_array_equal(np.asarray(r.experts[:, 0]), table[[0, 5, 255, 5]])
     assert_close(r.gates, np.ones((4, 1)))
+    # Ids past the table (a larger vocabulary) wrap around instead of all taking its last entry.
+    wide = jnp.arange(256, 256 + 64)
+    got = np.asarray(jax.jit(lambda i: M.hash_route(i, table, 6).experts[:, 0])(wide))
+    np.testing.assert_array_equal(got, table[np.arange(64)])
     x, wr, _ = _setup(9)
     logits = M.router_logits(x, wr)
     pr = M.prototype_route(logits, 2)

@@ -128,12 +128,16 @@ def balanced_hash_table(vocab_size: int, num_experts: int, seed: int = 0) -> np.
 
 
 def hash_route(token_ids, table, num_experts: int, *, mask=None) -> Routing:
-    """Hash routing: token id -> ``table[id]`` (see :func:`balanced_hash_table`), gate 1, no
-    learned router. ``token_ids int[T]``; ``probs`` is the one-hot assignment and ``logits``
-    zero (the losses are constants)."""
+    """Hash routing: token id -> ``table[id mod len(table)]`` (see
+    :func:`balanced_hash_table`), gate 1, no learned router. ``token_ids int[T]``; ``probs``
+    is the one-hot assignment and ``logits`` zero (the losses are constants). Ids beyond the
+    table (a vocabulary larger than the kind's ``vocab_size``) wrap around, so they spread
+    over the experts like the others (an index past the end would be clamped by XLA, sending
+    every such id to the last entry's expert)."""
     if token_ids.ndim != 1:
         raise ValueError(f"hash_route: token_ids must be [tokens], got shape {token_ids.shape}")
-    experts = jnp.asarray(table)[token_ids][:, None].astype(jnp.int32)
+    table = jnp.asarray(table)
+    experts = table[token_ids % table.shape[0]][:, None].astype(jnp.int32)
     gates = jnp.ones(experts.shape, ROUTER_DTYPE)
     if mask is not None:
         gates = gates * mask[:, None]
