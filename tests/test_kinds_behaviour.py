@@ -12,12 +12,9 @@ import numpy as np
 import pytest
 
 from tests.fast_jit import jit0
+from tests.test_kinds import ALL
 from tests.tolerances import assert_close
 from xformers_jax import models, nn
-from xformers_jax.kinds import SLOTS
-
-ALL = [(slot, name) for slot in SLOTS for name in nn.registered_kinds(slot)
-       if nn.get_kind(slot, name).missing() == ()]
 
 
 # -- the records against behaviour --------------------------------------------------------------
@@ -25,13 +22,11 @@ ALL = [(slot, name) for slot in SLOTS for name in nn.registered_kinds(slot)
 # A record that claims causal support must give the logits of a prefix equal to those positions
 # of a longer run; one that claims decoding, ``prefill`` + ``decode_step`` equal to one forward
 # call; every kind, outputs of one batch row independent of the others (a kind that couples the
-# rows says so with ``Kind.mixes_rows``, and no such kind may claim causal support); and
-# padding content, NaN and infinities included, in keys or values, changes no real output and
-# no gradient at a real position. Each kind is one compiled program per check family, at the
-# test hyperparameters' size (L = max_len = 16), at XLA's backend optimisation level 0.
+# rows says so with ``Kind.mixes_rows``, and no such kind may claim causal support). Each
+# kind is one compiled program per check family, at the test hyperparameters' size
+# (L = max_len = 16), at XLA's backend optimisation level 0.
 
 B, L, PREFIX, DIM, HEADS, HIDDEN, VOCAB = 2, 16, 11, 16, 2, 32, 20
-REAL = (11, 13)  # real tokens of the two batch rows in the padding checks
 _SPECS = {"attention": ("spec", nn.AttentionSpec), "mixer": ("mixer", nn.MixerSpec),
           "ffn": ("ffn", nn.FFNSpec)}
 # Beside each kind at its test hyperparameters, the configurations of shared layers that claim

@@ -13,14 +13,12 @@ import numpy as np
 import pytest
 
 from tests.fast_jit import jit0
+from tests.test_kinds import ALL
 from tests.tolerances import EXACT_GRAD, assert_close
 from xformers_jax import nn
-from xformers_jax.kinds import SLOTS
 
-ALL = [(slot, name) for slot in SLOTS for name in nn.registered_kinds(slot)
-       if nn.get_kind(slot, name).missing() == ()]
 
-B, L, PREFIX, DIM, HEADS, HIDDEN, VOCAB = 2, 16, 11, 16, 2, 32, 20
+B, L, DIM, HEADS, HIDDEN, VOCAB = 2, 16, 16, 2, 32, 20
 REAL = (11, 13)  # real tokens of the two batch rows in the padding checks
 _SPECS = {"attention": ("spec", nn.AttentionSpec), "mixer": ("mixer", nn.MixerSpec),
           "ffn": ("ffn", nn.FFNSpec)}
