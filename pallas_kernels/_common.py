@@ -201,7 +201,9 @@ class PallasAttention:
         plan = kernels.plan(layout, *self.blocks(dk, dv))
         fwd_q, fwd_k, stages = self.forward_options(dk, dv, dtype)
         fwd_plan = kernels.plan(layout, fwd_q, fwd_k)
-        if self.forward_blocks is None and _area(fwd_plan) > FORWARD_AREA_SLACK * _area(plan):
+        fixed = getattr(self.backend, "FIXED_FORWARD_TILES", False)
+        if (self.forward_blocks is None and not fixed
+                and _area(fwd_plan) > FORWARD_AREA_SLACK * _area(plan)):
             # Half-empty wider tiles over a fine-grained sparse layout: more work, not less.
             fwd_plan = plan
         return plan, fwd_plan, stages
@@ -222,6 +224,8 @@ class PallasAttention:
         if call.get("bias", "none") != "none":
             why.append(f"a {call['bias']} bias is not implemented in the kernel")
         why += self.backend.head_dim_problems(call["dk"], call["dv"])
+        if not self.interpret and hasattr(self.backend, "device_problems"):
+            why += self.backend.device_problems()
         tiles = self.blocks(call["dk"], call["dv"])
         forward = self.forward_options(call["dk"], call["dv"], call["dtype"])[:2]
         why += self.backend.block_problems(*tiles)

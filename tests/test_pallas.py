@@ -272,7 +272,7 @@ def test_query_that_sees_nothing_gives_zero_and_finite_grads():
 def test_registered_and_reasons_on_cpu():
     for op in ("flash_attention", "block_sparse_attention"):
         names = [kern.name for kern in pallas_kernels.kernels_for(op)]
-        assert names == ["pallas_gpu_blocksparse", "pallas_tpu_blocksparse"]
+        assert names == ["pallas_gpu_mosaic", "pallas_gpu_blocksparse", "pallas_tpu_blocksparse"]
     q, k, v, _ = _inputs(40, 40, 16, jnp.float32)
     with pytest.raises(NotImplementedError, match="runs on backend 'gpu', not 'cpu'"):
         flash_attention(q, k, v, causal=True, implementation="pallas")

@@ -154,7 +154,8 @@ def flash_attention(
         a ``pattern`` the size :func:`pattern_tile` finds cheapest for it.
       return_lse: also return the float32 log-sum-exp of each query's scores (-inf for a query
         that sees no key).
-      implementation: ``None`` (fastest available), ``"xla"`` or ``"pallas"``.
+      implementation: ``None`` (fastest available), ``"xla"``, ``"pallas"`` or a registered
+        kernel's name (``pallas_kernels.kernels_for(op)``; e.g. ``"pallas_gpu_mosaic"``).
 
     Returns:
       ``[Lq, Dv]`` in q's dtype, or ``(out, lse)``.

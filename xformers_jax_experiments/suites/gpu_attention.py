@@ -6,6 +6,9 @@ side by side in one run:
 - ``pallas flash``: ``flash_attention(..., implementation="pallas")`` through the public API
   (``multihead``), the Triton kernel of ``pallas_kernels._gpu_blocksparse`` with its default
   tiles (the forward kernel's own, ``default_forward``, and the backward's);
+- ``pallas mosaic``: ``flash_attention(..., implementation="pallas_gpu_mosaic")``, the
+  Hopper forward of ``pallas_kernels._gpu_mosaic`` (Mosaic GPU: ``wgmma``, TMA, warp
+  specialisation) with the Triton backward;
 - ``cudnn``: ``jax.nn.dot_product_attention(..., implementation="cudnn")``;
 - ``tokamax``: ``tokamax.dot_product_attention(..., implementation="mosaic")``, another
   Pallas library's flash attention (Mosaic GPU), where it installs;
@@ -95,10 +98,10 @@ def random_layout(L: int, density: float = DENSITY, tile: int = SPARSE_TILE,
                        np.zeros((0, tile, tile), bool))
 
 
-def _gpu_kernel():
+def _gpu_kernel(name: str = "pallas_gpu_blocksparse"):
     import pallas_kernels
 
-    kernel = pallas_kernels.kernels_for("flash_attention")[0]
+    kernel = {k.name: k for k in pallas_kernels.kernels_for("flash_attention")}[name]
     return kernel if _on_gpu() else kernel.with_options(interpret=True)
 
 
@@ -127,6 +130,12 @@ def build(impl: str, L: int, D: int = 64, causal: bool = False, B: int = 4, H: i
         fn = lambda q, k, v: lifted(q, k, v, causal=causal, implementation="pallas")  # noqa
         if not _on_gpu():
             fn = _direct(_gpu_kernel(), L, causal)
+    elif impl == "pallas mosaic":
+        lifted = multihead(flash_attention)
+        fn = lambda q, k, v: lifted(  # noqa: E731
+            q, k, v, causal=causal, implementation="pallas_gpu_mosaic")
+        if not _on_gpu():  # interpret mode: the kernel's Triton fallback
+            fn = _direct(_gpu_kernel("pallas_gpu_mosaic"), L, causal)
     elif impl == "pallas tiles":
         kernel = _gpu_kernel().with_options(block_q=bq, block_k=bk, num_stages=stages,
                                             runs=runs)
@@ -172,6 +181,8 @@ def device_timed(case: Case) -> bool:
 def cases(quick: bool) -> list[Case]:
     if quick:
         return [Case("pallas flash", _BUILD, dict(impl="pallas flash", L=128, D=64, B=1, H=2)),
+                Case("pallas mosaic", _BUILD, dict(impl="pallas mosaic", L=128, D=64, B=1,
+                                                   H=2)),
                 Case("cudnn", _BUILD, dict(impl="cudnn", L=128, D=64, B=1, H=2)),
                 Case("pallas sparse 10%", _BUILD,
                      dict(impl="pallas sparse", L=256, D=64, B=1, H=2))]
@@ -181,6 +192,7 @@ def cases(quick: bool) -> list[Case]:
             for L in LENGTHS:
                 p = dict(L=L, D=D, causal=causal)
                 out += [Case("pallas flash", _BUILD, dict(impl="pallas flash", **p)),
+                        Case("pallas mosaic", _BUILD, dict(impl="pallas mosaic", **p)),
                         Case("cudnn", _BUILD, dict(impl="cudnn", **p)),
                         Case("tokamax", _BUILD, dict(impl="tokamax", **p)),
                         Case("jax mgpu", _BUILD, dict(impl="jax mgpu", **p))]
@@ -222,6 +234,13 @@ def checks(r: Results):
                     [(L, r.time("cudnn", mode, L=L, D=D, causal=causal),
                       r.time("pallas flash", mode, L=L, D=D, causal=causal)) for L in LENGTHS],
                     at_least=0.8))
+            for causal in (False, True):
+                out.append(_worst(
+                    f"pallas mosaic throughput / cuDNN's, D={D}, {mode}"
+                    f"{', causal' if causal else ''}, L=4K-16K",
+                    [(L, r.time("cudnn", mode, L=L, D=D, causal=causal),
+                      r.time("pallas mosaic", mode, L=L, D=D, causal=causal))
+                     for L in LENGTHS if L >= 4096], at_least=0.9))
             for lengths in (short, long):
                 span = f"L={lengths[0] // 1024}K-{lengths[-1] // 1024}K"
                 out.append(_worst(

@@ -1,0 +1,430 @@
+"""Hopper (sm_90) flash attention forward in Mosaic GPU: warpgroup matmuls and TMA copies.
+
+The Triton kernels of ``_gpu_blocksparse`` issue neither ``wgmma`` nor bulk tensor copies on
+Hopper, which held them at 0.39-0.69x cuDNN's fused attention on an H200 (BUILD.md, "On a
+GPU"). This backend's forward is written for the chip in the manner of FlashAttention-3 (Shah
+et al., 2024): a CTA of three warpgroups, two computing 64 query rows each and one issuing
+the key and value tiles' TMA copies into a ring of shared-memory stages, with mbarriers
+saying when a stage is full and when both compute warpgroups are done with it, and a
+schedule barrier that lets one warpgroup's softmax overlap the other's matrix products. The
+scores stay in registers (``wgmma`` accumulators); the online softmax is the kernel layer's
+(``kernels.online_step``) in base 2 with the scale folded in.
+
+What it shares with the other kernels is the plan: a CTA owns one query block of the
+forward plan (128 rows) and walks that row's key blocks. For layouts whose partial tiles are a
+band ``i - left <= j <= i + right`` (dense, causal, sliding windows: ``Plan.band``) the
+visited blocks are a run computed in closed form from the program id, in three loops:
+partial blocks left of the full run (masked from positions), the full run (no mask), the
+partial blocks to its right. Keys past ``lk`` are masked the same way. Other layouts, key
+masks and segment ids run the Triton forward (:func:`forward` falls back); the backward is
+the Triton kernels' (``_gpu_blocksparse.backward``), which read this forward's ``lse``.
+
+Tiles: 2 x 64 query rows per CTA (``wgmma`` takes 64-row operands per warpgroup), 128 key
+rows per stage, two stages; head dims padded to a multiple of 64 up to 128 (a 128-byte
+swizzle holds 64 16-bit elements per row); bf16 and f16 only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+
+from xformers_jax import kernels
+from xformers_jax.kernels import STATS_DTYPE
+
+from . import _gpu_blocksparse as _triton
+
+MAX_HEAD_DIM = 128
+ROWS_PER_WG = 64  # a warpgroup's wgmma takes 64 query rows
+COMPUTE_WGS = 2
+BLOCK_Q = ROWS_PER_WG * COMPUTE_WGS
+BLOCK_K = 128
+STAGES = 2
+# The forward runs on its own tiles even where they cover more of a sparse layout than the
+# backward's (``_common.FORWARD_AREA_SLACK``): other tiles would take the Triton forward.
+FIXED_FORWARD_TILES = True
+_LOG2E = math.log2(math.e)
+_LN2 = math.log(2.0)
+_BIG = 1 << 30  # "no bound" for a band side (int32 arithmetic in the kernel)
+
+
+def _plgpu():
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    return plgpu
+
+
+def _row_layout(plgpu):
+    """The layout of one value per accumulator row (renamed across JAX versions)."""
+    row = getattr(plgpu.Layout, "WGMMA_ROW", None)
+    return row if row is not None else plgpu.Layout.WGMMA.reduce(1)
+
+
+def head_dim(d: int) -> int:
+    return max(64, -(-d // 64) * 64)
+
+
+def head_dim_problems(dk: int, dv: int) -> list[str]:
+    why = [f"head dim {d} > {MAX_HEAD_DIM}" for d in (dk, dv) if d > MAX_HEAD_DIM]
+    if dk != dv:
+        why.append(f"head dims of q/k ({dk}) and v ({dv}) differ")
+    return why
+
+
+def block_problems(bq: int, bk: int) -> list[str]:
+    return _triton.block_problems(bq, bk)
+
+
+def default_blocks(dk: int, dv: int) -> tuple[int, int]:
+    """The backward (Triton) kernels' tiles."""
+    return _triton.default_blocks(dk, dv)
+
+
+def default_forward(dk: int, dv: int, itemsize: int = 2) -> tuple[int, int, int | None]:
+    """This forward's tiles: ``(BLOCK_Q, BLOCK_K, STAGES)`` for 16-bit inputs."""
+    if itemsize > 2:
+        return _triton.default_forward(dk, dv, itemsize)
+    return BLOCK_Q, BLOCK_K, STAGES
+
+
+def device_problems() -> list[str]:
+    """Reasons the local GPU cannot run the kernel (it needs sm_90: wgmma, TMA)."""
+    dev = jax.devices()[0]
+    cap = getattr(dev, "compute_capability", None)
+    if dev.platform != "gpu" or cap is None:
+        return []  # not a GPU: the platform check names the problem
+    if str(cap).split(".")[0] != "9":
+        return [f"needs a Hopper GPU (compute capability 9.x), not {cap}"]
+    return []
+
+
+def dtype_problems(dtype) -> list[str]:
+    if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+        return [f"dtype {jnp.dtype(dtype)} is not bfloat16/float16 (wgmma operands)"]
+    return []
+
+
+@dataclasses.dataclass(frozen=True)
+class _Static:
+    lq: int  # padded query rows (a multiple of BLOCK_Q)
+    lk: int  # real keys
+    nk: int  # key blocks
+    left: int
+    right: int
+    d: int
+    scale: float
+    dtype: str
+
+
+def _ranges(st: _Static, q_lo):
+    """``(first, n, full_lo, full_n)`` of the key blocks a CTA with query rows
+    ``[q_lo, q_lo + BLOCK_Q)`` visits: the run ``first .. first + n - 1`` and, inside it, the
+    full blocks ``full_lo .. full_lo + full_n - 1`` (int32 scalars)."""
+    bk = BLOCK_K
+    i32 = lambda x: jnp.asarray(x, jnp.int32)  # noqa: E731
+    q_hi = q_lo + (BLOCK_Q - 1)
+    lo = jnp.maximum(q_lo - st.left, 0)
+    hi = jnp.minimum(q_hi + st.right, st.lk - 1)
+    first = lo // bk
+    last = jnp.minimum(hi // bk, st.nk - 1)
+    n = jnp.maximum(last - first + 1, 0)
+    # A block b is full when every row sees all its keys: b*bk >= q_hi - left,
+    # (b+1)*bk - 1 <= q_lo + right and (b+1)*bk <= lk.
+    f_lo = jnp.maximum(first, -((-(q_hi - st.left)) // bk))
+    f_hi = jnp.minimum(jnp.minimum(last, (q_lo + st.right + 1) // bk - 1), st.lk // bk - 1)
+    full_n = jnp.maximum(f_hi - f_lo + 1, 0)
+    f_lo = jnp.where(full_n > 0, f_lo, last + 1)
+    return i32(first), i32(n), i32(f_lo), i32(full_n)
+
+
+def ranges_host(st: _Static, q_lo: int) -> tuple[int, int, int, int]:
+    """:func:`_ranges` evaluated on the host (tests compare it with the plan's tiles)."""
+    return tuple(int(x) for x in _ranges(st, jnp.int32(q_lo)))
+
+
+def _kernel_call(st: _Static, n_seq: int):
+    plgpu = _plgpu()
+    dtype = jnp.dtype(st.dtype)
+    d, bk = st.d, BLOCK_K
+    row = _row_layout(plgpu)
+    scale2 = st.scale * _LOG2E
+    num_q_tiles = st.lq // BLOCK_Q
+
+    def body(q_ref, k_ref, v_ref, out_ref, lse_ref, scoped):
+        seq = lax.axis_index("seq")
+        qt = lax.axis_index("q_tile")
+        wg = lax.axis_index("wg")
+        (qo_smem2, k_smem, v_smem, lse_smem2), (k_full, v_full, q_full), consumed, sched = scoped
+        k_used, v_used = consumed
+        cta_q0 = qt * BLOCK_Q
+        first, n, f_lo, full_n = _ranges(st, cta_q0)
+        n_left = f_lo - first  # masked steps before the full run (all of them when none)
+
+        def schedule():
+            plgpu.barrier_arrive(sched)
+            plgpu.barrier_wait(sched)
+
+        @pl.when(wg < COMPUTE_WGS)
+        def _compute():
+            plgpu.set_max_registers(232, action="increase")
+            qo_smem = qo_smem2.at[wg]
+            lse_smem = lse_smem2.at[wg]
+            q0 = cta_q0 + wg * ROWS_PER_WG
+            plgpu.copy_gmem_to_smem(q_ref.at[seq, pl.ds(q0, ROWS_PER_WG)], qo_smem,
+                                    q_full.at[wg])
+            plgpu.barrier_wait(q_full.at[wg])
+            m = plgpu.layout_cast(jnp.full((ROWS_PER_WG,), -jnp.inf, jnp.float32), row)
+            l = plgpu.layout_cast(jnp.full((ROWS_PER_WG,), 0, jnp.float32), row)
+            acc = plgpu.layout_cast(jnp.full((ROWS_PER_WG, d), 0, jnp.float32),
+                                    plgpu.Layout.WGMMA)
+
+            @pl.when(n > 0)
+            def _():
+                plgpu.barrier_wait(k_full.at[0])
+
+            pl.when(wg == 1)(schedule)
+
+            def step(t, carry, masked: bool):
+                acc, m, l = carry
+                slot = lax.rem(t, jnp.int32(STAGES))
+
+                def qk(acc_ref):
+                    plgpu.wgmma(acc_ref, qo_smem, plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
+                    schedule()
+                    return acc_ref[...]
+
+                s = pl.run_scoped(qk, plgpu.ACC((ROWS_PER_WG, bk), jnp.float32))
+                plgpu.barrier_arrive(k_used.at[slot])
+                s = s * scale2
+                if masked:
+                    k0 = (first + t) * bk
+                    i = q0 + plgpu.broadcasted_iota(jnp.int32, (ROWS_PER_WG, bk), 0,
+                                                    layout=plgpu.Layout.WGMMA)
+                    j = k0 + plgpu.broadcasted_iota(jnp.int32, (ROWS_PER_WG, bk), 1,
+                                                    layout=plgpu.Layout.WGMMA)
+                    keep = (j >= i - st.left) & (j <= i + st.right) & (j < st.lk)
+                    s = jnp.where(keep, s, -jnp.inf)
+                m_new = jnp.maximum(m, s.max(axis=1))
+                shift = m_new
+                if masked:  # a row that has seen no key yet keeps m = -inf: shift by 0
+                    shift = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+                alpha = jnp.exp2(m - shift)
+                p = jnp.exp2(s - lax.broadcast_in_dim(shift, s.shape, [0]))
+                acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+                l = l * alpha + p.sum(axis=1)
+                p16 = p.astype(dtype)
+                acc, l, m_new, p16 = lax.optimization_barrier((acc, l, m_new, p16))
+                plgpu.barrier_arrive(sched)
+                plgpu.barrier_wait(v_full.at[slot])
+                plgpu.barrier_wait(sched)
+
+                def pv(acc_ref):
+                    plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
+                    nxt = t + 1
+
+                    @pl.when(nxt < n)
+                    def _():
+                        plgpu.barrier_wait(k_full.at[lax.rem(nxt, jnp.int32(STAGES))])
+
+                acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+                plgpu.barrier_arrive(v_used.at[slot])
+                return acc, m_new, l
+
+            carry = (acc, m, l)
+            carry = lax.fori_loop(0, n_left, functools.partial(step, masked=True), carry)
+            carry = lax.fori_loop(n_left, n_left + full_n,
+                                  functools.partial(step, masked=False), carry)
+            acc, m, l = lax.fori_loop(n_left + full_n, n, functools.partial(step, masked=True),
+                                      carry)
+            pl.when(wg == 0)(schedule)
+
+            seen = l > 0.0
+            inv = jnp.where(seen, 1.0 / jnp.where(seen, l, 1.0), 0.0)
+            acc = acc * lax.broadcast_in_dim(inv, acc.shape, [0])
+            qo_smem[...] = acc.astype(dtype)
+            lse_smem[...] = jnp.where(seen, m * _LN2 + jnp.log(jnp.where(seen, l, 1.0)),
+                                      -jnp.inf)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(qo_smem, out_ref.at[seq, pl.ds(q0, ROWS_PER_WG)])
+            plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[seq, pl.ds(q0, ROWS_PER_WG)])
+            plgpu.wait_smem_to_gmem(0)
+
+        @pl.when(wg == COMPUTE_WGS)
+        def _memory():
+            plgpu.set_max_registers(40, action="decrease")
+
+            def fetch(t, slot):
+                rows = pl.ds((first + t) * bk, bk)
+                plgpu.copy_gmem_to_smem(k_ref.at[seq, rows], k_smem.at[slot], k_full.at[slot])
+                plgpu.copy_gmem_to_smem(v_ref.at[seq, rows], v_smem.at[slot], v_full.at[slot])
+
+            for t in range(STAGES):
+                pl.when(t < n)(functools.partial(fetch, t, t))
+
+            @pl.loop(0, jnp.maximum(n - STAGES, 0))
+            def _(t):
+                slot = lax.rem(t, jnp.int32(STAGES))
+                nxt = t + STAGES
+                rows = pl.ds((first + nxt) * bk, bk)
+                plgpu.barrier_wait(k_used.at[slot])
+                plgpu.copy_gmem_to_smem(k_ref.at[seq, rows], k_smem.at[slot], k_full.at[slot])
+                plgpu.barrier_wait(v_used.at[slot])
+                plgpu.copy_gmem_to_smem(v_ref.at[seq, rows], v_smem.at[slot], v_full.at[slot])
+
+    def entry(q_ref, k_ref, v_ref, out_ref, lse_ref):
+        transforms = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+        smem = (
+            plgpu.SMEM((COMPUTE_WGS, ROWS_PER_WG, d), dtype, transforms=transforms),
+            plgpu.SMEM((STAGES, bk, d), dtype, transforms=transforms),
+            plgpu.SMEM((STAGES, bk, d), dtype, transforms=transforms),
+            plgpu.SMEM((COMPUTE_WGS, ROWS_PER_WG), jnp.float32),
+        )
+        pl.run_scoped(
+            lambda *scoped: body(q_ref, k_ref, v_ref, out_ref, lse_ref, scoped),
+            smem,
+            (plgpu.Barrier(num_barriers=STAGES), plgpu.Barrier(num_barriers=STAGES),
+             plgpu.Barrier(num_barriers=COMPUTE_WGS)),
+            (plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=STAGES),) * 2,
+            plgpu.Barrier(num_arrivals=COMPUTE_WGS),
+            collective_axes="wg",
+        )
+
+    return plgpu.kernel(
+        entry,
+        out_type=(jax.ShapeDtypeStruct((n_seq, st.lq, d), dtype),
+                   jax.ShapeDtypeStruct((n_seq, st.lq), jnp.float32)),
+        grid=(n_seq, num_q_tiles),
+        grid_names=("seq", "q_tile"),
+        num_threads=COMPUTE_WGS + 1,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+    )
+
+
+def _run_nd(st: _Static, q, k, v):
+    """``q, k, v [..., L, D]`` (any leading dims, k/v broadcast to q's) -> ``(out, lse)``."""
+    lead = q.shape[:-2]
+    k = jnp.broadcast_to(k, (*lead, *k.shape[-2:]))
+    v = jnp.broadcast_to(v, (*lead, *v.shape[-2:]))
+    n = int(np.prod(lead)) if lead else 1
+    flat = lambda x: x.reshape(n, *x.shape[-2:])  # noqa: E731
+    out, lse = _kernel_call(st, n)(flat(q), flat(k), flat(v))
+    return out.reshape(*lead, *out.shape[-2:]), lse.reshape(*lead, lse.shape[-1])
+
+
+@functools.lru_cache(maxsize=None)
+def _batched(st: _Static):
+    """The kernel as a function of ``[..., L, D]`` inputs whose ``vmap`` folds the mapped axis
+    into the kernel's sequence grid axis (one launch for every batch row and head) instead
+    of a loop."""
+
+    @jax.custom_batching.custom_vmap
+    def fn(q, k, v):
+        return _run_nd(st, q, k, v)
+
+    @fn.def_vmap
+    def _rule(axis_size, in_batched, q, k, v):
+        q, k, v = (x if b else jnp.broadcast_to(x, (axis_size, *x.shape))
+                   for x, b in zip((q, k, v), in_batched))
+        return fn(q, k, v), (True, True)
+
+    return fn
+
+
+def forward(cfg, plan, q, k, v, dyn):
+    """``(out [Lq_p, D], lse f32 [Lq_p])`` of one sequence and head (padded inputs, the
+    forward plan's tiles). Layouts that are not a band, calls with key masks or segment
+    ids, and interpret mode (no Mosaic GPU interpreter is used here) run the Triton forward
+    on the backward's tiles."""
+    kv_valid, segs = dyn
+    band = whole_band(plan)
+    if (cfg.interpret or kv_valid is not None or segs is not None or band is None
+            or (plan.block_q, plan.block_k) != (BLOCK_Q, BLOCK_K) or dtype_problems(q.dtype)):
+        return _fallback(cfg, plan, q, k, v, dyn)
+    st = _Static(lq=q.shape[0], lk=plan.lk, nk=plan.nk, left=band[0], right=band[1],
+                 d=q.shape[1], scale=float(cfg.scale), dtype=jnp.dtype(q.dtype).name)
+    out, lse = _batched(st)(q, k, v)
+    return out, lse.astype(STATS_DTYPE)
+
+
+def _band_mask(rows, cols, band, lk):
+    left, right = band
+    i, j = rows[:, None], cols[None, :]
+    return (j >= i - left) & (j <= i + right) & (j < lk)
+
+
+@functools.lru_cache(maxsize=256)
+def whole_band(plan) -> tuple[int, int] | None:
+    """``(left, right)`` such that ``i - left <= j <= i + right`` (and ``j < lk``) is the
+    plan's whole mask, every tile's kind included, or None when no band is (then the Triton
+    forward runs). ``Plan.band`` describes the partial tiles only (a causal layout's is
+    ``(block - 1, 0)``): each of its sides is tried as given and unbounded (``_BIG``)."""
+    from xformers_jax.kernels import EMPTY, FULL, PARTIAL  # noqa: F401
+
+    if plan.band is None and plan.has_partial:
+        return None
+    sides = [(_BIG, _BIG)] if plan.band is None else [
+        (min(int(l), _BIG), min(int(r), _BIG))
+        for l in dict.fromkeys((plan.band[0], _BIG)) for r in dict.fromkeys((plan.band[1], _BIG))]
+    bq, bk, lq, lk = plan.block_q, plan.block_k, plan.lq, plan.lk
+    r0 = np.arange(plan.nq) * bq
+    r1 = np.minimum(r0 + bq, lq) - 1  # last real row of each query block
+    c0 = np.arange(plan.nk) * bk
+    c1 = c0 + bk - 1
+    for left, right in sides:
+        if left + right < 0:
+            continue
+        full = ((c0[None, :] >= r1[:, None] - left) & (c1[None, :] <= r0[:, None] + right)
+                & (c1[None, :] < lk))
+        hit = (np.maximum(r0[:, None] - left, c0[None, :])
+               <= np.minimum(np.minimum(r1[:, None] + right, lk - 1), c1[None, :]))
+        kinds = np.where(full, FULL, np.where(hit, PARTIAL, EMPTY))
+        if not np.array_equal(kinds, plan.kinds):
+            continue
+        if (left, right) == tuple(min(int(x), _BIG) for x in (plan.band or ())):
+            return left, right  # the partial tiles are this band by construction
+        ok = True
+        for a, b in zip(*np.nonzero(plan.kinds == PARTIAL)):
+            rows = np.arange(r0[a], r1[a] + 1)
+            cols = np.arange(c0[b], c1[b] + 1)
+            want = (_band_mask(rows, cols, plan.band, lk) if plan.band is not None
+                    else plan.masks[plan.mask_index[a, b]][: len(rows)])
+            if not np.array_equal(_band_mask(rows, cols, (left, right), lk), want):
+                ok = False
+                break
+        if ok:
+            return left, right
+    return None
+
+
+def _fallback(cfg, plan, q, k, v, dyn):
+    """The Triton forward on the tiles the Triton kernel would pick for this layout
+    (``PallasAttention.plans``), the inputs re-padded to them."""
+    from ._common import PallasAttention
+
+    triton = PallasAttention("pallas_gpu_blocksparse", "gpu", _triton, interpret=cfg.interpret)
+    _, tri_plan, stages = triton.plans(plan.layout, q.shape[1], v.shape[1], q.dtype)
+    bq, bk = tri_plan.block_q, tri_plan.block_k
+    tri_cfg = dataclasses.replace(cfg, block_q=bq, block_k=bk, num_stages=stages)
+    lq, lk = tri_plan.nq * bq, tri_plan.nk * bk
+    q_t = kernels.pad_to(q[:lq], lq, 0)
+    k_t, v_t = kernels.pad_to(k[:lk], lk, 0), kernels.pad_to(v[:lk], lk, 0)
+    kv_valid, segs = dyn
+    dyn_t = (None if kv_valid is None else kernels.pad_to(kv_valid[:lk], lk, 0),
+             None if segs is None else (kernels.pad_to(segs[0][:lq], lq, 0, -1),
+                                        kernels.pad_to(segs[1][:lk], lk, 0, -2)))
+    out, lse = _triton.forward(tri_cfg, tri_plan, q_t, k_t, v_t, dyn_t)
+    return (kernels.pad_to(out[: q.shape[0]], q.shape[0], 0),
+            kernels.pad_to(lse[: q.shape[0]], q.shape[0], 0, -jnp.inf))
+
+
+def backward(cfg, plan, q, k, v, dyn, lse, delta, d_out):
+    """The Triton backward kernels (``_gpu_blocksparse.backward``) on the backward plan."""
+    return _triton.backward(cfg, plan, q, k, v, dyn, lse, delta, d_out)

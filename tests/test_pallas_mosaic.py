@@ -1,0 +1,213 @@
+"""The Hopper (Mosaic GPU) flash forward, ``pallas_kernels._gpu_mosaic``.
+
+On the CPU: the closed-form block walk against the planner (every layout the kernel accepts
+is its band exactly; the blocks a CTA visits are the tiles its rows see; the unmasked run is
+full for every row), an emulation of the kernel's three loops in NumPy against the dense
+softmax, the lowering of forward and gradient for CUDA, the Triton fallback (interpret mode)
+and dispatch by kernel name. On a Hopper GPU (``XFORMERS_JAX_TEST_PLATFORM=cuda``): the
+compiled kernel against the XLA path, outputs and gradients.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import pallas_kernels
+from pallas_kernels import _gpu_mosaic as M
+from pallas_kernels._common import PallasAttention
+from tests.tolerances import assert_close
+from xformers_jax import kernels
+from xformers_jax.attention import flash_attention, multihead
+from xformers_jax.attention import patterns as P
+
+ON_GPU = jax.default_backend() == "gpu"
+BAND_PATTERNS = [P.Full(), P.Causal(), P.Local(200, 0), P.Local(130, 70)]
+LENGTHS = [256, 1000]
+
+
+def _plan(pattern, L):
+    return kernels.plan(pattern.layout(L, L, M.BLOCK_Q, M.BLOCK_K), M.BLOCK_Q, M.BLOCK_K)
+
+
+def _static(plan, band, d=64):
+    return M._Static(lq=plan.nq * M.BLOCK_Q, lk=plan.lk, nk=plan.nk, left=band[0],
+                     right=band[1], d=d, scale=d ** -0.5, dtype="bfloat16")
+
+
+@pytest.mark.parametrize("L", LENGTHS)
+@pytest.mark.parametrize("pattern", BAND_PATTERNS, ids=repr)
+def test_band_is_the_whole_mask(pattern, L):
+    plan = _plan(pattern, L)
+    band = M.whole_band(plan)
+    assert band is not None
+    i, j = np.arange(L)[:, None], np.arange(L)[None, :]
+    np.testing.assert_array_equal(M._band_mask(np.arange(L), np.arange(L), band, L),
+                                  pattern.mask(i, j, L, L))
+
+
+def test_non_band_layouts_are_refused():
+    layout = P.Causal().layout(512, 512, 128, 128)
+    kinds = np.array(layout.kinds)
+    kinds[3, 0] = kernels.EMPTY  # a hole left of the diagonal: no band describes it
+    holed = kernels.BlockLayout(512, 512, 128, 128, kinds, layout.mask_index,
+                                layout.partial_masks)
+    assert M.whole_band(kernels.plan(holed, 128, 128)) is None
+
+
+@pytest.mark.parametrize("L", LENGTHS)
+@pytest.mark.parametrize("pattern", BAND_PATTERNS, ids=repr)
+def test_block_walk_matches_the_tiles(pattern, L):
+    """The run a CTA walks holds every tile any of its 128 rows sees (padded rows included),
+    and the unmasked part of it only tiles that every row sees whole."""
+    plan = _plan(pattern, L)
+    st = _static(plan, M.whole_band(plan))
+    cols = np.arange(plan.nk * M.BLOCK_K)
+    for a in range(plan.nq):
+        rows = np.arange(a * M.BLOCK_Q, (a + 1) * M.BLOCK_Q)
+        seen = M._band_mask(rows, cols, (st.left, st.right), L)
+        per_block = seen.reshape(len(rows), plan.nk, M.BLOCK_K)
+        any_seen = np.flatnonzero(per_block.any(axis=(0, 2)))
+        all_seen = np.flatnonzero(per_block.all(axis=(0, 2)))
+        first, n, f_lo, full_n = M.ranges_host(st, a * M.BLOCK_Q)
+        walked = np.arange(first, first + n)
+        assert set(any_seen) <= set(walked), (a, any_seen, walked)
+        assert set(walked) <= set(range(plan.nk))
+        np.testing.assert_array_equal(np.arange(f_lo, f_lo + full_n), all_seen)
+
+
+def _emulate(st, q, k, v):
+    """The kernel's algorithm in NumPy (float64): per CTA the masked, unmasked and masked loops
+    of base-2 online softmax over the closed-form run, each warpgroup's 64 rows on its own."""
+    out = np.zeros_like(q)
+    lse = np.full(q.shape[0], -np.inf)
+    c = st.scale / np.log(2.0)
+    for a in range(st.lq // M.BLOCK_Q):
+        first, n, f_lo, full_n = M.ranges_host(st, a * M.BLOCK_Q)
+        for wg in range(M.COMPUTE_WGS):
+            r = a * M.BLOCK_Q + wg * M.ROWS_PER_WG + np.arange(M.ROWS_PER_WG)
+            m = np.full(len(r), -np.inf)
+            l = np.zeros(len(r))
+            acc = np.zeros((len(r), q.shape[1]))
+            for t in range(n):
+                cols = (first + t) * M.BLOCK_K + np.arange(M.BLOCK_K)
+                s = q[r] @ k[cols].T * c
+                masked = not (f_lo - first <= t < f_lo - first + full_n)
+                if masked:
+                    s = np.where(M._band_mask(r, cols, (st.left, st.right), st.lk), s, -np.inf)
+                m_new = np.maximum(m, s.max(axis=1))
+                shift = np.where(m_new == -np.inf, 0.0, m_new) if masked else m_new
+                alpha = np.exp2(m - shift)
+                p = np.exp2(s - shift[:, None])
+                acc = acc * alpha[:, None] + p @ v[cols]
+                l = l * alpha + p.sum(axis=1)
+                m = m_new
+            seen = l > 0
+            out[r] = np.where(seen[:, None], acc / np.where(seen, l, 1.0)[:, None], 0.0)
+            lse[r] = np.where(seen, m * np.log(2.0) + np.log(np.where(seen, l, 1.0)), -np.inf)
+    return out, lse
+
+
+@pytest.mark.parametrize("pattern,L", [(P.Causal(), 1000), (P.Local(130, 70), 700),
+                                       (P.Full(), 300)], ids=repr)
+def test_emulated_kernel_equals_softmax(pattern, L):
+    plan = _plan(pattern, L)
+    st = _static(plan, M.whole_band(plan), d=16)
+    rng = np.random.default_rng(0)
+    lq_p, lk_p = plan.nq * M.BLOCK_Q, plan.nk * M.BLOCK_K
+    q = rng.normal(size=(lq_p, 16)) * 3  # large logits: the shifts matter
+    k = rng.normal(size=(lk_p, 16)) * 3
+    v = rng.normal(size=(lk_p, 16))
+    out, lse = _emulate(st, q, k, v)
+    s = q[:L] @ k[:L].T * st.scale
+    mask = pattern.mask(np.arange(L)[:, None], np.arange(L)[None, :], L, L)
+    s = np.where(mask, s, -np.inf)
+    ref_lse = np.log(np.exp(s - s.max(1, keepdims=True)).sum(1)) + s.max(1)
+    ref = np.exp(s - ref_lse[:, None]) @ v[:L]
+    np.testing.assert_allclose(out[:L], ref, rtol=1e-10, atol=1e-10)
+    np.testing.assert_allclose(lse[:L], ref_lse, rtol=1e-10, atol=1e-10)
+
+
+def _lowered(pattern, L, D, grad):
+    kernel = PallasAttention("pallas_gpu_mosaic", "gpu", M)
+    layout = pattern.layout(L, L, M.BLOCK_Q, M.BLOCK_K)
+
+    def one(q, k, v):
+        return kernel(q, k, v, layout, scale=D ** -0.5)[0]
+
+    fwd = jax.vmap(jax.vmap(one, in_axes=(1, 1, 1), out_axes=1))
+    f = fwd
+    if grad:
+        f = jax.grad(lambda q, k, v: fwd(q, k, v).astype(jnp.float32).sum(), argnums=(0, 1, 2))
+    x = jax.ShapeDtypeStruct((2, L, 3, D), jnp.bfloat16)
+    return jax.jit(f).trace(x, x, x).lower(lowering_platforms=("cuda",)).as_text()
+
+
+@pytest.mark.parametrize("pattern,L,D,grad", [(P.Causal(), 1000, 128, True),
+                                              (P.Local(200, 0), 512, 64, False)], ids=repr)
+def test_lowers_for_cuda(pattern, L, D, grad):
+    """Forward (and gradient: the Triton backward) lower for CUDA on this machine: one Mosaic
+    GPU launch for all batch rows and heads (the vmaps folded into its grid)."""
+    text = _lowered(pattern, L, D, grad)
+    assert text.count("custom_call @mosaic_gpu") == 1
+    assert ("__gpu$xla.gpu.triton" in text) == grad
+
+
+def test_fallbacks_run_the_triton_forward():
+    """Key masks (and interpret mode, on this CPU) take the Triton forward: equal to the XLA
+    path."""
+    kernel = PallasAttention("pallas_gpu_mosaic", "gpu", M, interpret=True)
+    rng = np.random.default_rng(1)
+    L, D = 200, 32
+    q, k, v = (jnp.asarray(rng.normal(size=(L, D)), jnp.float32) for _ in range(3))
+    kv_mask = jnp.arange(L) < 150
+    layout = P.Causal().layout(L, L, 128, 128)
+    out, lse = kernel(q, k, v, layout, kv_mask=kv_mask, scale=D ** -0.5)
+    ref, ref_lse = flash_attention(q, k, v, causal=True, kv_mask=kv_mask, return_lse=True,
+                                   implementation="xla")
+    assert_close(out, ref)
+    assert_close(lse, ref_lse)
+
+
+def test_dispatch_by_name():
+    names = [k.name for k in pallas_kernels.kernels_for("flash_attention")]
+    assert "pallas_gpu_mosaic" in names
+    q = jnp.ones((128, 64), jnp.bfloat16)
+    if not ON_GPU:
+        with pytest.raises(NotImplementedError, match="pallas_gpu_mosaic.*runs on backend"):
+            flash_attention(q, q, q, implementation="pallas_gpu_mosaic")
+    with pytest.raises(ValueError, match="registered kernel's name"):
+        flash_attention(q, q, q, implementation="pallas_gpu_nope")
+
+
+@pytest.mark.skipif(not ON_GPU, reason="needs a Hopper GPU")
+@pytest.mark.parametrize("causal,L,D,window", [(False, 2048, 64, None), (True, 1000, 128, None),
+                                               (True, 2048, 128, None), (True, 1536, 64, 300)])
+def test_compiled_kernel_equals_xla(causal, L, D, window):
+    """bf16 inputs, 2 x 4 heads with 2 key/value heads (GQA): outputs and gradients against
+    the XLA path in float32 on the same inputs."""
+    ks = jax.random.split(jax.random.PRNGKey(L + D), 4)
+    q = jax.random.normal(ks[0], (2, L, 4, D), jnp.bfloat16)
+    k, v = (jax.random.normal(kk, (2, L, 2, D), jnp.bfloat16) for kk in ks[1:3])
+    d_out = jax.random.normal(ks[3], (2, L, 4, D), jnp.float32)
+    pattern = None if window is None else P.Local(window, 0)
+    lifted = multihead(flash_attention)
+
+    def loss(impl, dtype):
+        def f(q, k, v):
+            kw = dict(causal=causal) if pattern is None else dict(pattern=pattern)
+            out = lifted(q.astype(dtype), k.astype(dtype), v.astype(dtype), implementation=impl,
+                         **kw)
+            return (out.astype(jnp.float32) * d_out).sum(), out
+        return jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2), has_aux=True))
+
+    (_, out), grads = loss("pallas_gpu_mosaic", jnp.bfloat16)(q, k, v)
+    (_, ref), ref_grads = loss("xla", jnp.float32)(q, k, v)
+    err = lambda a, b: float(jnp.linalg.norm(a.astype(jnp.float32) - b)  # noqa: E731
+                             / jnp.linalg.norm(b))
+    assert bool(jnp.isfinite(out.astype(jnp.float32)).all())
+    assert err(out, ref) < 1e-2, err(out, ref)
+    for g, r in zip(grads, ref_grads):
+        assert err(g, r) < 2e-2, err(g, r)
