@@ -128,7 +128,7 @@ def _ranges(st: _Static, q_lo):
     ``[q_lo, q_lo + BLOCK_Q)`` visits: the run ``first .. first + n - 1`` and, inside it, the
     full blocks ``full_lo .. full_lo + full_n - 1`` (int32 scalars)."""
     bk = BLOCK_K
-    i32 = lambda x: jnp.asarray(x, jnp.int32)  # noqa: E731
+    i32 = lambda x: jnp.asarray(x, jnp.int32)
     q_hi = q_lo + (BLOCK_Q - 1)
     lo = jnp.maximum(q_lo - st.left, 0)
     hi = jnp.minimum(q_hi + st.right, st.lk - 1)
@@ -314,12 +314,12 @@ def _run_nd(st: _Static, q, k, v):
     k = jnp.broadcast_to(k, (*lead, *k.shape[-2:]))
     v = jnp.broadcast_to(v, (*lead, *v.shape[-2:]))
     n = int(np.prod(lead)) if lead else 1
-    flat = lambda x: x.reshape(n, *x.shape[-2:])  # noqa: E731
+    flat = lambda x: x.reshape(n, *x.shape[-2:])
     out, lse = _kernel_call(st, n)(flat(q), flat(k), flat(v))
     return out.reshape(*lead, *out.shape[-2:]), lse.reshape(*lead, lse.shape[-1])
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _batched(st: _Static):
     """The kernel as a function of ``[..., L, D]`` inputs whose ``vmap`` folds the mapped axis
     into the kernel's sequence grid axis (one launch for every batch row and head) instead
@@ -366,7 +366,7 @@ def whole_band(plan) -> tuple[int, int] | None:
     plan's whole mask, every tile's kind included, or None when no band is (then the Triton
     forward runs). ``Plan.band`` describes the partial tiles only (a causal layout's is
     ``(block - 1, 0)``): each of its sides is tried as given and unbounded (``_BIG``)."""
-    from xformers_jax.kernels import EMPTY, FULL, PARTIAL  # noqa: F401
+    from xformers_jax.kernels import EMPTY, FULL, PARTIAL
 
     if plan.band is None and plan.has_partial:
         return None

@@ -205,7 +205,7 @@ def test_compiled_kernel_equals_xla(causal, L, D, window):
 
     (_, out), grads = loss("pallas_gpu_mosaic", jnp.bfloat16)(q, k, v)
     (_, ref), ref_grads = loss("xla", jnp.float32)(q, k, v)
-    err = lambda a, b: float(jnp.linalg.norm(a.astype(jnp.float32) - b)  # noqa: E731
+    err = lambda a, b: float(jnp.linalg.norm(a.astype(jnp.float32) - b)
                              / jnp.linalg.norm(b))
     assert bool(jnp.isfinite(out.astype(jnp.float32)).all())
     assert err(out, ref) < 1e-2, err(out, ref)
