@@ -221,6 +221,9 @@ class PallasAttention:
             why.append("attention dropout is not implemented in the kernel")
         if call.get("bias", "none") != "none":
             why.append(f"a {call['bias']} bias is not implemented in the kernel")
+        if call.get("flex"):
+            why.append("flex attention's " + ", ".join(call["flex"]) + " not implemented in "
+                       "the kernel")
         why += self.backend.head_dim_problems(call["dk"], call["dv"])
         tiles = self.blocks(call["dk"], call["dv"])
         forward = self.forward_options(call["dk"], call["dv"], call["dtype"])[:2]
