@@ -179,12 +179,12 @@ def flex_attention(
 # -- score and mask functions of the methods in the catalogue ------------------------------------
 
 
-def soft_cap(cap: float) -> Callable:
+def soft_cap_score(cap: float) -> Callable:
     """Gemma 2's logit soft-capping, ``cap * tanh(score / cap)`` (Gemma Team, 2024, "Gemma 2:
     Improving Open Language Models at a Practical Size"; 50.0 for attention there)."""
     cap = float(cap)
     if not cap > 0:
-        raise ValueError(f"soft_cap: cap must be positive, got {cap!r}")
+        raise ValueError(f"soft_cap_score: cap must be positive, got {cap!r}")
 
     def capped(score, b, h, q_idx, kv_idx):
         return cap * jnp.tanh(score / cap)
@@ -192,7 +192,7 @@ def soft_cap(cap: float) -> Callable:
     return capped
 
 
-def alibi(slopes) -> Callable:
+def alibi_score(slopes) -> Callable:
     """ALiBi's linear biases ``score - m_h |i - j|`` (Press et al., 2022, "Train Short, Test
     Long"); ``slopes f32[H]`` indexed by ``h`` (a parameter if traced)."""
 
@@ -202,7 +202,7 @@ def alibi(slopes) -> Callable:
     return linear_bias
 
 
-def relative_bias(table, bucket: Callable) -> Callable:
+def relative_bias_score(table, bucket: Callable) -> Callable:
     """A learned scalar per head and relative-position bucket, ``score + table[h,
     bucket(kv_idx - q_idx)]`` (T5: Raffel et al., 2020, with ``bucket`` T5's buckets, e.g.
     ``functools.partial(nn.t5_bucket, bidirectional=True, num_buckets=32,
@@ -214,18 +214,18 @@ def relative_bias(table, bucket: Callable) -> Callable:
     return bucket_bias
 
 
-def prefix_lm(prefix: int) -> MaskMod:
+def prefix_lm_mask(prefix: int) -> MaskMod:
     """The prefix LM mask (Raffel et al., 2020): every query sees the first ``prefix`` keys
     (bidirectional over the prefix) and the keys up to itself."""
-    prefix = C.check_positive_int("prefix_lm", "prefix", prefix)
+    prefix = C.check_positive_int("prefix_lm_mask", "prefix", prefix)
 
     def prefix_or_past(b, h, q_idx, kv_idx):
         return (kv_idx < prefix) | (kv_idx <= q_idx)
 
-    return MaskMod(prefix_or_past, ("prefix_lm", prefix))
+    return MaskMod(prefix_or_past, ("prefix_lm_mask", prefix))
 
 
-def streaming(window: int, sinks: int) -> Pattern:
+def streaming_mask(window: int, sinks: int) -> Pattern:
     """StreamingLLM's mask (Xiao et al., 2024, "Efficient Streaming Language Models with
     Attention Sinks"): the first ``sinks`` keys and a window of the ``window`` keys before each
     query (with ``causal=True``, the query itself and ``window`` keys back)."""
