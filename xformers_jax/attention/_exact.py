@@ -88,10 +88,10 @@ def _pattern_blocks(name, pattern: Pattern, lq: int, lk: int, block_q, block_k):
 
 
 def _run(name, x, layout, *, kv_mask, segs, bias, scale, dropout_rate, key, return_lse,
-         implementation, causal, flex=None):
+         implementation, causal, flex=None, op=None):
     """Runs the chosen kernel; ``flex``: flex attention's kernel arguments (``score_mod``,
     ``mask_mod``, ``sink``, ``index``: see ``kernels.attend_layout``), which only the XLA
-    path takes."""
+    path takes; ``op``: the kernel registry's operation (default ``name``)."""
     flex = flex or {}
     call = dict(
         lq=x.lq, lk=x.lk, dk=x.dk, dv=x.dv, dtype=x.q.dtype, layout=layout, causal=causal,
@@ -103,7 +103,7 @@ def _run(name, x, layout, *, kv_mask, segs, bias, scale, dropout_rate, key, retu
     if implementation != "xla":
         import pallas_kernels  # noqa: F401  registers the Pallas kernels; loaded only when asked
 
-    kernel = kernels.choose(name, implementation, call)
+    kernel = kernels.choose(op or name, implementation, call)
     if kernel is not None:
         out, lse = kernel(
             x.q, x.k, x.v, layout, kv_mask=kv_mask, segments=segs, bias=bias, scale=scale,

@@ -173,7 +173,8 @@ def flex_attention(
                 index=(batch_index, head_index))
     return _run(name, x, layout, kv_mask=kv_mask, segs=segs, bias=None, scale=scale,
                 dropout_rate=0.0, key=None, return_lse=return_lse,
-                implementation=implementation, causal=causal, flex=flex)
+                implementation=implementation, causal=causal, flex=flex,
+                op="block_sparse_attention")
 
 
 # -- score and mask functions of the methods in the catalogue ------------------------------------
