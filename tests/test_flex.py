@@ -151,7 +151,7 @@ def test_head_and_batch_index_through_multihead():
     windows = jnp.asarray([2, 5])
     offsets = jnp.asarray([0.5, -1.0])
     mask = MaskMod(lambda b, h, i, j: jnp.abs(i - j) <= windows[h])
-    score = lambda s, b, h, i, j: s + offsets[b]  # noqa: E731
+    score = lambda s, b, h, i, j: s + offsets[b]
     assert not mask.is_static()
     out = jit0(lambda q, k, v: multihead(flex_attention)(
         q, k, v, score_mod=score, mask_mod=mask, head_index=jnp.arange(H),

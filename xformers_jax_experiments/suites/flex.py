@@ -19,8 +19,15 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
-from xformers_jax.attention import (alibi_score, block_sparse_attention, flash_attention,
-                                    flex_attention, multihead, pattern_tile, soft_cap_score)
+from xformers_jax.attention import (
+    alibi_score,
+    block_sparse_attention,
+    flash_attention,
+    flex_attention,
+    multihead,
+    pattern_tile,
+    soft_cap_score,
+)
 from xformers_jax.attention.patterns import Causal, Local, MaskMod, document_mask
 from xformers_jax_experiments.bench_lib import Case, Results, Workload, ratio_check
 from xformers_jax_experiments.suites.attention import attention_flops, qkv
@@ -49,26 +56,26 @@ def build(variant: str, L: int, quick: bool = False, B: int = 1, D: int = 64):
     if variant == "flash":
         fn, flops = (lambda q, k, v: flash_attention(q, k, v)), attention_flops(L, B, H, D)
     elif variant == "flash_causal":
-        fn = lambda q, k, v: flash_attention(q, k, v, causal=True)  # noqa: E731
+        fn = lambda q, k, v: flash_attention(q, k, v, causal=True)
     elif variant == "alibi":
         slopes = jnp.asarray(2.0 ** (-8.0 * np.arange(1, H + 1) / H), jnp.float32)
-        fn = lambda q, k, v, head_index: flex_attention(  # noqa: E731
+        fn = lambda q, k, v, head_index: flex_attention(
             q, k, v, score_mod=alibi_score(slopes), causal=True, head_index=head_index)
     elif variant == "softcap":
-        fn = lambda q, k, v: flex_attention(q, k, v, score_mod=soft_cap_score(50.0),  # noqa: E731
+        fn = lambda q, k, v: flex_attention(q, k, v, score_mod=soft_cap_score(50.0),
                                             causal=True)
     elif variant in ("mask10", "hand10"):
         band = _band_mask(L) if variant == "mask10" else Local(_band(L), _band(L))
         flops = attention_flops(L, B, H, D) * band.layout(L, L, 64, 64).dense().mean()
         if variant == "mask10":
-            fn = lambda q, k, v: flex_attention(q, k, v, mask_mod=band, **tiles)  # noqa: E731
+            fn = lambda q, k, v: flex_attention(q, k, v, mask_mod=band, **tiles)
         else:
-            fn = lambda q, k, v: block_sparse_attention(q, k, v, band, **tiles)  # noqa: E731
+            fn = lambda q, k, v: block_sparse_attention(q, k, v, band, **tiles)
     elif variant == "documents":
         ids = np.repeat(np.arange(8), L // 8)
         mask = document_mask(ids) & Causal()
         flops = attention_flops(L // 8, B, H, D, causal=True) * 8
-        fn = lambda q, k, v: flex_attention(q, k, v, mask_mod=mask, **tiles)  # noqa: E731
+        fn = lambda q, k, v: flex_attention(q, k, v, mask_mod=mask, **tiles)
     elif variant == "layout":
         tile = pattern_tile(Local(_band(L), _band(L)), L, L)
 

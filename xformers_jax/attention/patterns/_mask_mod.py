@@ -21,7 +21,8 @@ mask in-tile), or over every tile when nothing static bounds it.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Hashable
+from collections.abc import Callable, Hashable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
