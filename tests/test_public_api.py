@@ -49,12 +49,15 @@ ATTENTION_NAMES = {
     "assign_clusters", "cluster_chunk_attention", "kmeans_centroids",
     # Every attention kind's record (xformers_jax.kinds.Kind), family by family.
     "KINDS",
+    # Flex attention and the score and mask functions of the catalogue's methods.
+    "flex_attention", "alibi_score", "prefix_lm_mask", "relative_bias_score", "soft_cap_score",
+    "streaming_mask",
 }
 PATTERN_NAMES = {
     "BPTree", "BigBird", "BlockBERT", "BlockLayout", "BlockLocal", "Cascade", "Causal", "Dilated",
     "EMPTY", "FULL", "Fixed", "Full", "Global", "ImageLocal1D", "ImageLocal2D", "Intersection",
     "KeyPadding", "Local", "LogSparse", "Longformer", "PARTIAL", "Pattern", "PerHead", "Random",
-    "Segments", "Star", "Strided", "Union",
+    "Segments", "Star", "Strided", "Union", "MaskMod", "document_mask",
 }
 FAMILIES = ("sparse", "linear", "lowrank", "learned", "priors")
 
