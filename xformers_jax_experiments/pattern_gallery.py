@@ -17,7 +17,7 @@ _LENGTH = flags.DEFINE_integer("length", 32, "Sequence length drawn (tokens).")
 
 
 def gallery(n: int) -> dict[str, tuple]:
-    """``name -> (pattern, length, causal)`` for every pattern of the issue."""
+    """``name -> (pattern, length, causal)`` for every sparse pattern in ``attention.patterns``."""
     bp = P.BPTree(n // 2)
     return {
         "full": (P.Full(), n, False),
