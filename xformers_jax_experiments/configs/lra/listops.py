@@ -23,6 +23,13 @@ VARIANT picks the attention (``transformer`` by default; see ``_common.VARIANTS`
   ``curves.png``, ``checkpoints/`` and ``best/`` are left in the workdir.
 
 - ``runlocal``: a smoke run (seconds to a minute): 16-64 tokens, depth 3, 400 steps.
+
+``get_hyper`` sweeps the learning rate (three values) over two seeds, six runs of the chosen
+variant and size, gathered into one table::
+
+    python -m xformers_jax_experiments.sweep \
+        --config=xformers_jax_experiments/configs/lra/listops.py:performer,runlocal \
+        --workdir=/tmp/listops_sweep --num_processes=2
 """
 
 from xformers_jax import train
@@ -54,3 +61,9 @@ def get_config(arg=None):
                       checkpoint_every=100))
     c.lock()
     return c
+
+
+def get_hyper(hyper):
+    """The sweep: learning rates around each size's default, two seeds each."""
+    return hyper.product([hyper.sweep("config.optim.learning_rate", [5e-4, 1e-3, 2e-3]),
+                          hyper.sweep("config.seed", [0, 1])])
