@@ -203,3 +203,16 @@ def test_unmeasured_checks_say_why_and_the_summary_counts_every_target():
     assert "| `s` | a CPU | 2026-01-01 00:00 | 3 | 1 | 1 | 1 |" in lines
     assert "| all | | | 3 | 1 | 1 | 1 |" in lines
     assert "| `s` | b | 0.50x | >= 1 |" in lines and "| `s` | a | 2.00x | >= 1 |" not in lines
+
+
+def test_render_shows_a_suites_notes(tmp_path):
+    payload = {"suite": "attention", "title": "t", "note": None, "quick": False,
+               "machine": {"cpu": "a CPU", "cores": 2, "backend": "cpu", "date": "d",
+                           "jax": "0"},
+               "matmul_gflops": 1.0, "records": [], "checks": []}
+    (tmp_path / "attention.json").write_text(json.dumps(payload))
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "attention.md").write_text("A profile said so.\n")
+    text = benchmark.render_markdown(str(tmp_path), str(tmp_path / "B.md"), plots=False)
+    assert "### `attention`: notes\n\nA profile said so.\n" in text
+    assert text.index("## Summary of targets") < text.index("## `attention`")

@@ -307,7 +307,10 @@ def target_summary(payloads: Sequence[dict]) -> list[str]:
 
 
 def render_markdown(results_dir: str, markdown_path: str, plots: bool = True) -> str:
-    """BENCHMARKS.md from every suite JSON in ``results_dir`` (generated; do not edit)."""
+    """BENCHMARKS.md from every suite JSON in ``results_dir`` (generated; do not edit): the
+    summary of every target first, then each suite's checks and cases, and its notes
+    (``results_dir/notes/<suite>.md``: what investigating its figures found) when it has
+    them."""
     payloads = []
     for name in available_suites():
         path = os.path.join(results_dir, f"{name}.json")
@@ -379,6 +382,10 @@ def render_markdown(results_dir: str, markdown_path: str, plots: bool = True) ->
                 ]
             out.append("| " + " | ".join(cells) + " |")
         out.append("")
+        notes = os.path.join(results_dir, "notes", f"{p['suite']}.md")
+        if os.path.exists(notes):
+            with open(notes) as f:
+                out += [f"### `{p['suite']}`: notes", "", f.read().rstrip("\n"), ""]
         png = os.path.join(results_dir, f"{p['suite']}.png")
         if plots and _plot(p, png):
             rel = os.path.relpath(png, os.path.dirname(os.path.abspath(markdown_path)))
