@@ -1,8 +1,10 @@
 """Every command and code block README.md shows is exercised: the Python block runs, the
 install lines name extras pyproject.toml defines, the main command's flags and config resolve
-to the run README describes, and the test command (which CI runs verbatim, .ci/run) installs
-what the suite's tools need."""
+to the run README describes and, shortened to a few steps, print the summary line README
+shows on the same data, and the test command (which CI runs verbatim, .ci/run) installs what
+the suite's tools need."""
 
+import importlib.util
 import json
 import os
 import pathlib
@@ -73,3 +75,29 @@ def test_main_command_resolves(tmp_path):
     assert config["data"]["task"] == "listops"
     assert f"step {config['num_train_steps']} " in README
     assert not any(tmp_path.iterdir())  # --print_config trains nothing
+
+
+SUMMARY = re.compile(r"step (\d+) \(best checkpoint: step \d+\): test accuracy (\d\.\d{4}), "
+                     r"test loss \d+\.\d{4} \(majority class: (\d\.\d{4})\)")
+
+
+def test_main_command_runs_and_prints_the_line_readme_shows(tmp_path):
+    """The main command verbatim, shortened to 4 steps: it says what it does before the first
+    step and ends with the summary line README shows, on the same data (the majority-class
+    baseline README states)."""
+    argv = shlex.split(_marked("main-command"))
+    argv = [a if not a.startswith("--workdir=") else f"--workdir={tmp_path / 'run'}"
+            for a in argv]
+    short = ["--config.num_train_steps=4", "--config.eval_every=2", "--config.log_every=2",
+             "--config.checkpoint_every=2", "--config.progress_bar=False"]
+    done = subprocess.run([sys.executable, *argv[1:], *short], cwd=ROOT,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stderr.lstrip().startswith("listops: classifier with performer attention")
+    (line,) = [m for m in SUMMARY.finditer(done.stdout)]
+    (shown,) = [m for m in SUMMARY.finditer(README)]
+    assert line.group(1) == "4" and shown.group(1) == "800"
+    assert line.group(3) == shown.group(3)  # the baseline README states is this data's
+    if importlib.util.find_spec("matplotlib"):
+        assert (tmp_path / "run" / "curves.png").exists()
