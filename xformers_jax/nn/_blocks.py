@@ -205,8 +205,8 @@ class TransformerBlock(eqx.Module):
         cross attention; segment_ids: ``int[B, L]`` for packed rows (the document of each
         token, 0 for padding: no document sees another; ``kv_mask`` also drops those 0;
         every slot's kind must honour them, :meth:`segment_problem`). Returns ``y``, or
-        ``(y, carry)`` when a :class:`~xformers_jax.nn.Carry` is given: its ``state`` updated (stateful norms and attention need one),
-        its ``memory`` (this layer's :class:`~xformers_jax.nn.MemoryState`; blocks with a
+        ``(y, carry)`` when a :class:`~xformers_jax.nn.Carry` is given: its ``state`` updated
+        (stateful norms and attention need one), its ``memory`` (this layer's :class:`~xformers_jax.nn.MemoryState`; blocks with a
         ``memory`` need one) the memory after this segment, its ``scores`` this layer's (for
         attention kinds that pass scores between layers, which need the previous layer's),
         and ``aux`` the FFN's auxiliary outputs (see :mod:`._ffns`)."""
