@@ -190,3 +190,26 @@ def test_the_trainer_refuses_packing_by_name(monkeypatch):
     train.set_model_kind(c, "unpacked_lm")
     with pytest.raises(ValueError, match="model.kind='unpacked_lm' does not take packed rows"):
         _tasks.build_model(c.model, task, jax.random.PRNGKey(0))
+
+
+def test_the_packed_lm_config_builds_and_scores_a_packed_batch():
+    import equinox as eqx
+
+    from xformers_jax_experiments.configs.lm import stdlib_bytes
+
+    config = stdlib_bytes.get_config("flash,packed,runlocal")
+    train.validate_config(config)
+    assert config.data.pack and not stdlib_bytes.get_config("flash,runlocal").data.pack
+    config.data.update(dict(seq_len=32))
+    config.model.update(dict(dim=16, num_layers=1, num_heads=2, hidden=32))
+    task = train.make_task(config.data, 0)
+    model = eqx.filter_eval_shape(train.build_model, config.model, task, jax.random.PRNGKey(0))
+    it = D.DataIterator(task.train, batch_size=4, seed=0)
+    batch = next(it)
+    it.close()
+    assert (batch["segment_ids"] > 0).any()
+    loss, _ = eqx.filter_eval_shape(train.make_loss_fn(task), model, batch,
+                                    jax.random.PRNGKey(1))
+    assert loss.shape == () and loss.dtype == jnp.float32
+    with pytest.raises(ValueError, match="honours segment ids.*got 'performer'"):
+        stdlib_bytes.get_config("performer,packed")

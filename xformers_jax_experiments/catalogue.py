@@ -27,13 +27,15 @@ layers: `xformers_jax/experts/_kinds.py`); do not edit by hand. `L` is the seque
 docstring); *causal*: usable in a causal model; *decoding*: how it runs one new token at a time
 (`kv` a growing key/value cache, `window` a ring buffer of the last keys, `recurrent` a
 fixed-size state, `token` each token on its own; `no`: it cannot); *fixed length*: its
-parameters or hyperparameters fix the sequence length (or bound it by `max_len`);
-*hyperparameters*: what a spec may give, `name=default`, or `name` alone when the spec must
+parameters or hyperparameters fix the sequence length (or bound it by `max_len`); *packs*:
+it honours segment ids, so packed rows (several documents per row, `data.pack=True`) give
+each document its outputs alone (`some`: for some hyperparameters, which its record's
+`segments` names; `no`: packing is refused naming it); *hyperparameters*: what a spec may give, `name=default`, or `name` alone when the spec must
 give it.
 """
 
 _COLUMNS = ("kind", "function", "paper", "time", "memory", "causal", "decoding", "bias",
-            "fixed length", "hyperparameters")
+            "fixed length", "packs", "hyperparameters")
 
 # Each slot a model fills by name: (title, how a model names a kind, the slot in nn's registry,
 # the family order). A slot nn's registry does not have is skipped.
@@ -49,6 +51,10 @@ def _yes(flag: bool) -> str:
     return "yes" if flag else "no"
 
 
+def _packs(k) -> str:
+    return "some" if callable(k.segments) else _yes(k.segments)
+
+
 def _hyperparameters(k) -> str:
     cells = [f"`{n}`" if h.required else f"`{n}={h.default!r}`"
              for n, h in k.hyperparameters.items()]
@@ -59,7 +65,7 @@ def _row(k) -> str:
     cells = (f"`{k.name}`", f"`{k.function.__name__}`",
              f"{k.paper.authors} ({k.paper.year}), *{k.paper.title}*", k.time, k.memory,
              _yes(k.causal), k.decoding or "no", _yes(k.bias), _yes(k.fixed_length),
-             _hyperparameters(k))
+             _packs(k), _hyperparameters(k))
     return "| " + " | ".join(cells).replace("\n", " ") + " |"
 
 
