@@ -266,7 +266,8 @@ class MultiHeadAttention(eqx.Module):
         if segment_ids is not None:
             extra["segment_ids"] = segment_ids
             kv_mask = self._check_segments(segment_ids, context, kv_mask, b, lq)
-            q_mask = kv_mask if q_mask is None else q_mask
+            # Self attention: the queries are the keys, so padding (segment 0) is out of both.
+            q_mask = kv_mask if q_mask is None else q_mask & kv_mask
         q_pos = _positions(b, lq) if positions is None else positions
         k_pos = q_pos if context is None else _positions(b, k.shape[1])
         if isinstance(self.position, QKScheme):
