@@ -187,6 +187,19 @@ def test_conv_positions_are_refused():
         nn.check_segments(model)
 
 
+def test_a_block_memory_and_batch_statistics_are_refused():
+    model = eqx.filter_eval_shape(lambda: models.CausalLM(
+        VOCAB, DIM, 1, HEADS, HIDDEN, max_len=L, block={"memory": nn.XLMemory(4)},
+        key=jax.random.PRNGKey(0)))
+    with pytest.raises(ValueError, match="a block memory carries"):
+        nn.check_segments(model)
+    # PowerNorm (a stateful norm: blocks in a list, not a stack).
+    block = eqx.filter_eval_shape(lambda: nn.TransformerBlock(
+        DIM, HEADS, HIDDEN, causal=True, norm="power", key=jax.random.PRNGKey(0)))
+    with pytest.raises(ValueError, match="PowerNorm normalises with statistics"):
+        nn.check_segments([block])
+
+
 def test_document_positions():
     seg = jnp.asarray([[1, 1, 1, 2, 2, 3, 0, 0], [1, 1, 1, 1, 1, 1, 1, 1]])
     np.testing.assert_array_equal(nn.document_positions(seg),

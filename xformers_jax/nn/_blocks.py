@@ -150,6 +150,10 @@ class TransformerBlock(eqx.Module):
                     "across documents")
         if self.cross is not None:
             return "cross attention takes a context, not packed rows"
+        stateful = [type(n).__name__ for n in self.norms if isinstance(n, StatefulNorm)]
+        if stateful:
+            return (f"{stateful[0]} normalises with statistics over the batch's tokens, so "
+                    "over the other documents")
         if isinstance(self.attn, MultiHeadAttention):
             problem = self.attn.segment_problem()
         else:
