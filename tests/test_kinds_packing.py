@@ -42,8 +42,10 @@ def _claims(slot, name, hp):
     return kind.segment_problem(kind.resolve({**dict(kind.test_hyperparameters), **dict(hp)}))
 
 
-CLAIMS = [c for c in CASES if _claims(*c) is None]
-REFUSES = [c for c in CASES if _claims(*c) is not None]
+# Beside CASES, the other scan of S5 (its reset is in the scan's transitions).
+_ALL = CASES + [("mixer", "s5", (("implementation", "sequential"),))]
+CLAIMS = [c for c in _ALL if _claims(*c) is None]
+REFUSES = [c for c in _ALL if _claims(*c) is not None]
 
 
 def _block(slot, name, hp):
@@ -198,6 +200,24 @@ def test_a_block_memory_and_batch_statistics_are_refused():
         DIM, HEADS, HIDDEN, causal=True, norm="power", key=jax.random.PRNGKey(0)))
     with pytest.raises(ValueError, match="PowerNorm normalises with statistics"):
         nn.check_segments([block])
+
+
+def test_bidirectional_s5_restarts_at_both_ends_of_a_document():
+    # The backward system (an encoder's S5) restarts at each document's last step.
+    from xformers_jax import mixers
+
+    k = jax.random.split(jax.random.PRNGKey(7), 5)
+    p, h = 4, 3
+    lam = -0.5 + 1j * jnp.arange(p, dtype=jnp.float32)
+    dt, d = jnp.full((p,), 0.1), jax.random.normal(k[0], (h,))
+    b, c, c_rev = (jax.random.normal(kk, shape) + 1j * jax.random.normal(kk, shape)
+                   for kk, shape in ((k[1], (p, h)), (k[2], (h, p)), (k[3], (h, p))))
+    u = jax.random.normal(k[4], (sum(DOCS), h))
+    seg = jnp.asarray(_SEGMENTS[:sum(DOCS)])
+    packed = mixers.s5(u, lam, dt, b, c, d, c_reverse=c_rev, segment_ids=seg)
+    for s, n in zip(_STARTS, DOCS):
+        alone = mixers.s5(u[s:s + n], lam, dt, b, c, d, c_reverse=c_rev)
+        assert_close(packed[s:s + n], alone, err_msg=f"document at {s}..{s + n - 1}")
 
 
 def test_document_positions():

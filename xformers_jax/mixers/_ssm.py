@@ -169,7 +169,7 @@ def _linear_scan(a, bx, implementation, reverse=False):
     return lax.scan(step, jnp.zeros_like(bx[0]), (a, bx), reverse=reverse)[1]
 
 
-def s5(u, lam, dt, b, c, d, *, c_reverse=None, kv_mask=None,
+def s5(u, lam, dt, b, c, d, *, c_reverse=None, kv_mask=None, segment_ids=None,
        implementation: str = "associative"):
     """S5 over one sequence: ``x_t = dLambda x_{t-1} + dB u_t``, ``y_t = Re(C x_t) + D u_t``.
 
@@ -178,6 +178,9 @@ def s5(u, lam, dt, b, c, d, *, c_reverse=None, kv_mask=None,
       c: ``[H, P]`` complex. d: ``[H]``. c_reverse: ``[H, P]`` or None: adds
         ``Re(C' x'_t)`` of the same system run backwards (bidirectional S5).
       kv_mask: ``bool[L]``: padded steps neither write nor decay.
+      segment_ids: ``int[L]`` or None: packed documents; the state restarts from zero where
+        the id changes (the transition into a document's first step is 0, and, run
+        backwards, the one out of its last), so each document's outputs are its own.
       implementation: ``"associative"`` (``lax.associative_scan``) or ``"sequential"``.
 
     Returns:
@@ -194,9 +197,18 @@ def s5(u, lam, dt, b, c, d, *, c_reverse=None, kv_mask=None,
     a = jnp.broadcast_to(da, bu.shape)
     if kv_mask is not None:
         a = jnp.where(kv_mask[:, None], a, 1)
+    a_reverse = a
+    if segment_ids is not None:
+        if segment_ids.shape != u.shape[:1]:
+            raise ValueError(f"s5: segment_ids must be int[L] = [{u.shape[0]}], got "
+                             f"{segment_ids.shape}")
+        change = segment_ids[1:] != segment_ids[:-1]
+        no = jnp.zeros((1,), bool)
+        a_reverse = jnp.where(jnp.concatenate([change, no])[:, None], 0, a)
+        a = jnp.where(jnp.concatenate([no, change])[:, None], 0, a)
     y = (_linear_scan(a, bu, implementation) @ c.T).real
     if c_reverse is not None:
-        y = y + (_linear_scan(a, bu, implementation, reverse=True) @ c_reverse.T).real
+        y = y + (_linear_scan(a_reverse, bu, implementation, reverse=True) @ c_reverse.T).real
     return y + d * u
 
 

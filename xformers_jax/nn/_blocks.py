@@ -177,7 +177,8 @@ class TransformerBlock(eqx.Module):
                 seg = {} if segment_ids is None else {"segment_ids": segment_ids}
                 return self.attn(h, kv_mask=kv_mask, positions=positions, key=key,
                                  inference=inference, carry=carry, **seg)
-            return self.attn(h, kv_mask=kv_mask, positions=positions, key=key), carry
+            seg = {} if segment_ids is None else {"segment_ids": segment_ids}
+            return self.attn(h, kv_mask=kv_mask, positions=positions, key=key, **seg), carry
 
         fs = [attn]
         if self.cross is not None:
