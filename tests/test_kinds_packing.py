@@ -42,8 +42,9 @@ def _claims(slot, name, hp):
     return kind.segment_problem(kind.resolve({**dict(kind.test_hyperparameters), **dict(hp)}))
 
 
-# Beside CASES, the other scan of S5 (its reset is in the scan's transitions).
-_ALL = CASES + [("mixer", "s5", (("implementation", "sequential"),))]
+# Beside CASES, the other scan of S5 and Mamba (their resets are in the scans' transitions).
+_ALL = CASES + [("mixer", "s5", (("implementation", "sequential"),)),
+                ("mixer", "mamba", (("implementation", "sequential"),))]
 CLAIMS = [c for c in _ALL if _claims(*c) is None]
 REFUSES = [c for c in _ALL if _claims(*c) is not None]
 
@@ -218,6 +219,27 @@ def test_bidirectional_s5_restarts_at_both_ends_of_a_document():
     for s, n in zip(_STARTS, DOCS):
         alone = mixers.s5(u[s:s + n], lam, dt, b, c, d, c_reverse=c_rev)
         assert_close(packed[s:s + n], alone, err_msg=f"document at {s}..{s + n - 1}")
+
+
+@pytest.mark.parametrize("reverse", [False, True])
+def test_the_selective_scan_restarts_across_groups(reverse):
+    # Groups of 4 positions: documents start inside a group and at a group's first position.
+    from xformers_jax import mixers
+
+    k = jax.random.split(jax.random.PRNGKey(8), 5)
+    n, dim, state = sum(DOCS), 3, 2
+    x, b, c = (jax.random.normal(kk, shape) for kk, shape in
+               ((k[0], (n, dim)), (k[1], (n, state)), (k[2], (n, state))))
+    delta = jax.nn.softplus(jax.random.normal(k[3], (n, dim)))
+    a = -jnp.exp(jax.random.normal(k[4], (dim, state)))
+    seg = jnp.asarray(_SEGMENTS[:n])
+    for form in ("associative", "sequential"):
+        packed = mixers.selective_scan(x, delta, a, b, c, segment_ids=seg, reverse=reverse,
+                                       implementation=form, group_positions=4)
+        for s, m in zip(_STARTS, DOCS):
+            alone = mixers.selective_scan(x[s:s + m], delta[s:s + m], a, b[s:s + m],
+                                          c[s:s + m], reverse=reverse, implementation=form)
+            assert_close(packed[s:s + m], alone, err_msg=f"{form}: document at {s}")
 
 
 def test_document_positions():

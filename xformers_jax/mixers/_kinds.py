@@ -60,6 +60,7 @@ KINDS = (
          Paper("Gu and Dao", 2023, "Mamba: Linear-Time Sequence Modeling with Selective State "
                "Spaces"),
          time="O(L D N)", memory="O(L D + G D N)", causal=True, decoding="recurrent",
+         segments=True,
          test_hyperparameters={"state_size": 4},
          hyperparameters={**_ssm(16, "associative", "'associative' or 'sequential'"),
                           **_SELECTIVE}),

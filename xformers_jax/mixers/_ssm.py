@@ -226,7 +226,8 @@ SELECTIVE_GROUP = 1024
 
 
 def selective_scan(x, delta, a, b, c, *, kv_mask=None, implementation: str = "associative",
-                   group_positions: int = SELECTIVE_GROUP, reverse: bool = False):
+                   group_positions: int = SELECTIVE_GROUP, reverse: bool = False,
+                   segment_ids=None):
     """Mamba's selective scan of one sequence (Gu and Dao 2023, Algorithm 2, without ``D x``).
 
     Args:
@@ -237,6 +238,9 @@ def selective_scan(x, delta, a, b, c, *, kv_mask=None, implementation: str = "as
         (a loop over positions: the reference).
       reverse: run from the last position to the first (the bidirectional form's second
         direction).
+      segment_ids: ``int[L]`` or None: packed documents; the state restarts from zero where
+        the id changes (in the direction of the scan), so each document's outputs are its
+        own.
 
     Returns:
       ``[L, D]`` float32.
@@ -252,31 +256,40 @@ def selective_scan(x, delta, a, b, c, *, kv_mask=None, implementation: str = "as
     if kv_mask is not None:
         x = _masked_input(name, x, kv_mask)
         delta = jnp.where(kv_mask[:, None], delta, 0)  # exp(0 A) = 1: no decay, no write
+    if segment_ids is not None and segment_ids.shape != (length,):
+        raise ValueError(f"selective_scan: segment_ids must be int[L] = [{length}], got "
+                         f"{segment_ids.shape}")
     if reverse:
         x, delta, b, c = (t[::-1] for t in (x, delta, b, c))
+        segment_ids = None if segment_ids is None else segment_ids[::-1]
+    # Where a document starts (in the scan's direction) the decay of the state before is 0.
+    keep = jnp.ones((length,), bool) if segment_ids is None else jnp.concatenate(
+        [jnp.ones((1,), bool), segment_ids[1:] == segment_ids[:-1]])
     if implementation == "sequential":
         def step(h, inputs):
-            x_t, d_t, b_t, c_t = inputs
-            h = jnp.exp(d_t[:, None] * a) * h + (d_t * x_t)[:, None] * b_t[None, :]
+            x_t, d_t, b_t, c_t, keep_t = inputs
+            decay = jnp.where(keep_t, jnp.exp(d_t[:, None] * a), 0.0)
+            h = decay * h + (d_t * x_t)[:, None] * b_t[None, :]
             return h, h @ c_t
 
-        y = lax.scan(step, jnp.zeros(a.shape, jnp.float32), (x, delta, b, c))[1]
+        y = lax.scan(step, jnp.zeros(a.shape, jnp.float32), (x, delta, b, c, keep))[1]
         return y[::-1] if reverse else y
 
     g = min(group_positions, length)
     n = -(-length // g)
     x, delta, b, c = (pad_to(t, n * g).reshape(n, g, -1) for t in (x, delta, b, c))
+    keep = pad_to(keep, n * g).reshape(n, g)
 
     @functools.partial(jax.checkpoint, prevent_cse=False)
     def group(h0, inputs):
-        x_g, d_g, b_g, c_g = inputs
-        da = jnp.exp(d_g[..., None] * a)  # [G, D, N]
+        x_g, d_g, b_g, c_g, keep_g = inputs
+        da = jnp.where(keep_g[:, None, None], jnp.exp(d_g[..., None] * a), 0.0)  # [G, D, N]
         bx = (d_g * x_g)[..., None] * b_g[:, None, :]
         bx = bx.at[0].add(da[0] * h0)
         h = _linear_scan(da, bx, "associative")
         return h[-1], jnp.einsum("gdn,gn->gd", h, c_g)
 
-    y = lax.scan(group, jnp.zeros(a.shape, jnp.float32), (x, delta, b, c))[1]
+    y = lax.scan(group, jnp.zeros(a.shape, jnp.float32), (x, delta, b, c, keep))[1]
     y = y.reshape(n * g, dim)[:length]
     return y[::-1] if reverse else y
 
