@@ -5,6 +5,7 @@ documents scored alone) and the trainer's refusals. Kind by kind equality is in
 
 import dataclasses
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import ml_collections
@@ -13,6 +14,7 @@ import optax
 import pytest
 
 from tests.fast_jit import jit0
+from tests.tolerances import EXACT_GRAD, assert_close
 from xformers_jax import data as D
 from xformers_jax import models, nn, train
 from xformers_jax.train import _tasks
@@ -153,6 +155,21 @@ def test_the_loss_of_a_packed_batch_is_the_mean_over_its_real_tokens():
     np.testing.assert_allclose(sums["loss_sum"], ce.sum(), rtol=2e-5)
     assert int(sums["correct"]) == int(correct.sum())
 
+    # The gradients too: the packed batch's against the documents alone, through the tiled
+    # kernel's backward with segment ids.
+    targets = np.zeros_like(tokens)
+    for i, d in enumerate(alone):
+        targets[i, :d.size - 1] = d[1:]
+
+    def alone_loss(m):
+        real = jnp.asarray(mask)
+        ce = optax.softmax_cross_entropy_with_integer_labels(m(tokens, mask=real), targets)
+        return jnp.where(real, ce, 0.0).sum() / real.sum()
+
+    grads = jit0(lambda m: eqx.filter_grad(lambda m: loss_fn(m, batch, None)[0])(m))(_LM)
+    expected = jit0(lambda m: eqx.filter_grad(alone_loss)(m))(_LM)
+    assert_close(grads, expected, EXACT_GRAD)
+
 
 # -- the trainer's switch ------------------------------------------------------------------------
 
@@ -193,8 +210,6 @@ def test_the_trainer_refuses_packing_by_name(monkeypatch):
 
 
 def test_the_packed_lm_config_builds_and_scores_a_packed_batch():
-    import equinox as eqx
-
     from xformers_jax_experiments.configs.lm import stdlib_bytes
 
     config = stdlib_bytes.get_config("flash,packed,runlocal")

@@ -56,6 +56,7 @@ class CausalLM(eqx.Module):
         ids (``nn.check_segments`` names any that does not)."""
         positions = None
         if segment_ids is not None:
+            segment_ids = jnp.asarray(segment_ids)
             if memory is not None:
                 raise ValueError("CausalLM: a memory carries one stream from segment to "
                                  "segment; packed rows (segment_ids) take none")

@@ -264,6 +264,7 @@ class MultiHeadAttention(eqx.Module):
             raise ValueError(f"MultiHeadAttention: q_mask must be bool[B, Lq] = [{b}, {lq}] but "
                              f"has shape {q_mask.shape}")
         if segment_ids is not None:
+            segment_ids = jnp.asarray(segment_ids)
             extra["segment_ids"] = segment_ids
             kv_mask = self._check_segments(segment_ids, context, kv_mask, b, lq)
             # Self attention: the queries are the keys, so padding (segment 0) is out of both.
