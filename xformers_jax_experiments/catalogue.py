@@ -30,8 +30,8 @@ fixed-size state, `token` each token on its own; `no`: it cannot); *fixed length
 parameters or hyperparameters fix the sequence length (or bound it by `max_len`); *packs*:
 it honours segment ids, so packed rows (several documents per row, `data.pack=True`) give
 each document its outputs alone (`some`: for some hyperparameters, which its record's
-`segments` names; `no`: packing is refused naming it); *hyperparameters*: what a spec may give, `name=default`, or `name` alone when the spec must
-give it.
+`segments` names; `no`: packing is refused naming it); *hyperparameters*: what a spec may
+give, `name=default`, or `name` alone when the spec must give it.
 """
 
 _COLUMNS = ("kind", "function", "paper", "time", "memory", "causal", "decoding", "bias",
