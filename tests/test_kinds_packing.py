@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from tests.fast_jit import jit0
-from tests.test_kinds_behaviour import CASES, DIM, HEADS, HIDDEN, L, VOCAB, _cases, _SPECS
+from tests.test_kinds_behaviour import _SPECS, CASES, DIM, HEADS, HIDDEN, VOCAB, L, _cases
 from tests.tolerances import assert_close
 from xformers_jax import models, nn
 from xformers_jax.kinds import NOUNS
