@@ -35,8 +35,10 @@ layers: `xformers_jax/experts/_kinds.py`); do not edit by hand. `L` is the seque
 docstring); *causal*: usable in a causal model; *decoding*: how it runs one new token at a time
 (`kv` a growing key/value cache, `window` a ring buffer of the last keys, `recurrent` a
 fixed-size state, `token` each token on its own; `no`: it cannot); *fixed length*: its
-parameters or hyperparameters fix the sequence length (or bound it by `max_len`);
-*hyperparameters*: what a spec may give, `name=default` and its meaning, **required** when
+parameters or hyperparameters fix the sequence length (or bound it by `max_len`); *packs*:
+it honours segment ids, so packed rows (several documents per row, `data.pack=True`) give
+each document its outputs alone (`some`: for some hyperparameters, which its record's
+`segments` names; `no`: packing is refused naming it); *hyperparameters*: what a spec may give, `name=default` and its meaning, **required** when
 the spec must give it (`nn.AttentionSpec("nystrom")` is refused for want of
 `num_landmarks`); *step time, step memory*: one training step of the LRA byte-level Text
 classifier at L = 4096 with this kind, over the same step with dense `dot_product` attention
@@ -45,7 +47,7 @@ below 1 is cheaper.
 """
 
 _COLUMNS = ("kind", "function", "paper", "time", "memory", "causal", "decoding", "bias",
-            "fixed length", "step time", "step memory", "hyperparameters")
+            "fixed length", "packs", "step time", "step memory", "hyperparameters")
 
 _RESULTS = os.path.join(os.path.dirname(__file__), "results")
 # (suite, label, the length the ratios are read at): each a training step per attention kind.
@@ -136,6 +138,10 @@ def paper_url(paper) -> str:
             + urllib.parse.quote_plus(title))
 
 
+def _packs(k) -> str:
+    return "some" if callable(k.segments) else _yes(k.segments)
+
+
 def _hyperparameters(k) -> str:
     """Each hyperparameter as ``name=default``: meaning (the required ones first)."""
     items = sorted(k.hyperparameters.items(), key=lambda item: not item[1].required)
@@ -181,7 +187,7 @@ def _row(k, costs) -> str:
     cells = (f"`{k.name}`", f"`{k.function.__name__}`",
              f"{k.paper.authors} ({k.paper.year}), [*{k.paper.title}*]({paper_url(k.paper)})",
              k.time, k.memory, _yes(k.causal), k.decoding or "no", _yes(k.bias),
-             _yes(k.fixed_length), _ratios(cost.get("time", ())),
+             _yes(k.fixed_length), _packs(k), _ratios(cost.get("time", ())),
              _ratios(cost.get("memory", ())), _hyperparameters(k))
     return "| " + " | ".join(cells).replace("\n", " ") + " |"
 

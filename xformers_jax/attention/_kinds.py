@@ -1,6 +1,7 @@
 """The exact softmax kinds (:mod:`._dense`, :mod:`._exact`) as :class:`~xformers_jax.kinds.Kind`
 records, with their adapters: the only kinds that take additive position biases and decode over
-a key/value cache."""
+a key/value cache. They honour segment ids (packed rows): the dense reference masks the scores
+and the tiled kernel each tile by ``segment_ids``, which ``attend`` passes through."""
 
 from __future__ import annotations
 
@@ -75,7 +76,7 @@ _PATTERN_DECODING = KVDecoding(pattern=lambda hp: hp["pattern"])
 KINDS = (
     Kind("dot_product", dot_product_attention, "exact", _VASWANI,
          time="O(L^2 D)", memory="O(L^2)", causal=True, decoding="kv", bias=True,
-         test_hyperparameters={},
+         segments=True, test_hyperparameters={},
          hyperparameters={"pattern": (None, "a static sparsity pattern (attention.patterns) "
                                             "applied to the dense scores; None: all keys")},
          adapter=AttentionAdapter(lifted(dot_product_attention), decoding=_PATTERN_DECODING,
@@ -84,7 +85,7 @@ KINDS = (
          Paper("Dao et al.", 2022,
                "FlashAttention: Fast and Memory-Efficient Exact Attention with IO-Awareness"),
          time="O(L^2 D)", memory="O(L D)", causal=True, decoding="kv", bias=True,
-         test_hyperparameters={"block_q": 8, "block_k": 8},
+         segments=True, test_hyperparameters={"block_q": 8, "block_k": 8},
          hyperparameters={"pattern": (None, "a static sparsity pattern (attention.patterns) "
                                             "whose empty tiles are skipped; None: all keys"),
                           **_TILES},
@@ -92,7 +93,8 @@ KINDS = (
                                   sequence=_RING)),
     Kind("block_sparse", block_sparse_attention, "exact", _CHILD,
          time="O(L n D), n kept keys per query", memory="O(L D)", causal=True, decoding="kv",
-         bias=True, test_hyperparameters={"pattern": Local(4, 4), "block_q": 8, "block_k": 8},
+         bias=True, segments=True,
+         test_hyperparameters={"pattern": Local(4, 4), "block_q": 8, "block_k": 8},
          hyperparameters={"pattern": (REQUIRED, "the static sparsity pattern "
                                                 "(attention.patterns), e.g. Local(16, 0)"),
                           **_TILES},
@@ -100,7 +102,7 @@ KINDS = (
     Kind("local", block_sparse_attention, "exact",
          Paper("Parmar et al.", 2018, "Image Transformer"),
          time="O(L w D), w the window", memory="O(L D)", causal=True, decoding="window",
-         bias=True, test_hyperparameters={"left": 3},
+         bias=True, segments=True, test_hyperparameters={"left": 3},
          hyperparameters={"left": (REQUIRED, "keys before the query inside its window"),
                           "right": (0, "keys after the query inside its window"),
                           **_TILES},
