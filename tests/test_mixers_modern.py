@@ -2,7 +2,11 @@
 every form against a numpy loop written from the paper's recurrence, step by step (outputs),
 and the forms against each other (gradients); the decoding steps against the forward pass;
 the reductions (KDA with one decay per step is Gated DeltaNet; DeltaProduct with one step
-per token is the gated delta rule); the mLSTM stabiliser at gates that overflow unscaled."""
+per token is the gated delta rule); the mLSTM stabiliser at gates that overflow unscaled;
+the declared decoding state sizes against what the layers' caches hold."""
+
+import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -11,6 +15,7 @@ import pytest
 
 from tests.tolerances import EXACT, EXACT_GRAD, assert_close
 from xformers_jax import mixers as M
+from xformers_jax import nn
 from xformers_jax.attention.linear import dplr_chunked, dplr_recurrent
 
 L, DK, DV, NH = 13, 4, 3, 2
@@ -137,18 +142,27 @@ def test_forms_equal_the_papers_recurrence_and_each_other(kind):
             assert_close(g, g_ref, EXACT_GRAD, err_msg=f"{kind} grad {i} {form} vs recurrent")
 
 
-def test_dplr_chunked_equals_its_step_with_strong_per_channel_decays():
-    """The generalised delta rule's chunked form against its per-step scan, with decays of
-    exp(-30) per step in some channels: every exponent is a within-chunk difference <= 0."""
+@pytest.mark.parametrize("sub_chunk", [1, 4])
+@pytest.mark.parametrize("delta", [False, True])
+def test_dplr_chunked_equals_its_step_with_strong_per_channel_decays(sub_chunk, delta):
+    """The generalised delta rule's chunked form (chunks of 8, the last one padded; pairs
+    within sub-chunks and across them) against its per-step scan, with decays of up to
+    exp(-30) per step in some channels: no exponent is positive, so nothing overflows.
+    ``delta``: ``a = None``, the delta rule's ``a = -k``."""
     q, k, a, b = (_rand(20 + i, L, DK, scale=0.5) for i in range(4))
+    a = None if delta else a
     v = _rand(24, L, DV)
     ld = -30.0 * jax.nn.sigmoid(_rand(25, L, DK, scale=3.0))
     want = dplr_recurrent(q, k, v, a, b, ld)
-    f = lambda *x: dplr_chunked(*x, chunk_size=CHUNK)  # noqa: E731
+    f = lambda q, k, v, a, b, ld: dplr_chunked(  # noqa: E731
+        q, k, v, None if delta else a, b, ld, chunk_size=8, sub_chunk=sub_chunk)
+    a = jnp.zeros_like(q) if delta else a
     assert_close(_jit(f)(q, k, v, a, b, ld), want, EXACT)
     loss = lambda fn: lambda *x: jnp.sum(fn(*x) ** 2)  # noqa: E731
     g_chunk = _jit(jax.grad(loss(f), argnums=(0, 1, 2, 3, 4, 5)))(q, k, v, a, b, ld)
-    g_step = _jit(jax.grad(loss(dplr_recurrent), argnums=(0, 1, 2, 3, 4, 5)))(q, k, v, a, b, ld)
+    step = lambda q, k, v, a, b, ld: dplr_recurrent(  # noqa: E731
+        q, k, v, None if delta else a, b, ld)
+    g_step = _jit(jax.grad(loss(step), argnums=(0, 1, 2, 3, 4, 5)))(q, k, v, a, b, ld)
     for x, y in zip(g_chunk, g_step):
         assert np.all(np.isfinite(np.asarray(x)))
         assert_close(x, y, EXACT_GRAD)
@@ -250,3 +264,25 @@ def test_errors_name_the_problem():
         M.delta_product(q, q, v, jnp.ones(L), jnp.zeros(L))
     with pytest.raises(ValueError, match="implementation must be one of"):
         M.hgrn2(q, v, q, implementation="fft")
+
+
+def _numbers(formula, **sizes):
+    """A record's ``state_size`` (``"H (D_k D_v + D_k + 1)"``: juxtaposition multiplies)
+    evaluated at ``sizes``."""
+    expr = re.sub(r"(?<=[\w)])\s*(?=[(])|(?<=[\w)])\s+(?=[\w(])", "*", formula)
+    return eval(expr, {}, sizes)  # noqa: S307 -- a formula of our own records
+
+
+@pytest.mark.parametrize("name", ["mlstm", "hgrn2", "kda", "rwkv7", "delta_product", "retnet",
+                                  "gla", "gated_deltanet", "mamba2"])
+def test_declared_state_size_is_what_decoding_keeps(name):
+    kind = nn.get_kind("mixer", name)
+    hp = dict(kind.test_hyperparameters)
+    layer = nn._mixer.make_mixer(nn.MixerSpec(name, hp), 16, 2, causal=True, max_len=16,
+                                 key=jax.random.PRNGKey(0))
+    cache = jax.eval_shape(lambda: layer.init_cache(1, 16))
+    kept = sum(math.prod(x.shape) for x in jax.tree.leaves(cache.state))
+    dk = 4 if name == "gla" else 8
+    sizes = dict(H=2, D_k=dk, D_v=8, N=hp.get("state_size", 0), P=16, W=4, E=32)
+    assert kind.state_size and _numbers(kind.state_size, **sizes) == kept, (kind.state_size,
+                                                                            kept)

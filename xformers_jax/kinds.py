@@ -239,6 +239,9 @@ class Kind:
         models. Every other kind keeps the rows of a batch independent.
       fixed_length: whether its parameters are sized by the maximum length (sequences up to
         ``max_len`` only; Linformer's projections, the Synthesizer's dense logits, ...).
+      state_size: what decoding keeps, in numbers per layer and sequence: for a recurrence its
+        fixed state (``"H D_k D_v"``: a ``[D_k, D_v]`` matrix per head), for a cache what
+        each token adds; ``""`` when not declared.
       test_hyperparameters: what the kind needs at the tiny test size (attention: ``L =
         max_len = 16``, head width 8; mixers: width 16, two heads; FFN kinds: dim 16, hidden
         32), as sorted ``(name, value)`` pairs (pass a mapping).
@@ -263,6 +266,7 @@ class Kind:
     bias: bool = False
     mixes_rows: bool = False
     fixed_length: bool = False
+    state_size: str = ""
     test_hyperparameters: Any = ()
     hyperparameters: Mapping[str, Hyperparameter] = dataclasses.field(default_factory=dict)
     layer_arguments: Mapping[str, Any] = dataclasses.field(default_factory=dict)

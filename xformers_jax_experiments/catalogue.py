@@ -26,14 +26,16 @@ layers: `xformers_jax/experts/_kinds.py`); do not edit by hand. `L` is the seque
 `D` the head width (other letters are the kind's own sizes, named in its function's
 docstring); *causal*: usable in a causal model; *decoding*: how it runs one new token at a time
 (`kv` a growing key/value cache, `window` a ring buffer of the last keys, `recurrent` a
-fixed-size state, `token` each token on its own; `no`: it cannot); *fixed length*: its
+fixed-size state, `token` each token on its own; `no`: it cannot); *decoding state*: what
+decoding keeps per layer and sequence, in numbers (`H` heads; blank where the record does not
+declare it); *fixed length*: its
 parameters or hyperparameters fix the sequence length (or bound it by `max_len`);
 *hyperparameters*: what a spec may give, `name=default`, or `name` alone when the spec must
 give it.
 """
 
-_COLUMNS = ("kind", "function", "paper", "time", "memory", "causal", "decoding", "bias",
-            "fixed length", "hyperparameters")
+_COLUMNS = ("kind", "function", "paper", "time", "memory", "causal", "decoding",
+            "decoding state", "bias", "fixed length", "hyperparameters")
 
 # Each slot a model fills by name: (title, how a model names a kind, the slot in nn's registry,
 # the family order). A slot nn's registry does not have is skipped.
@@ -58,7 +60,8 @@ def _hyperparameters(k) -> str:
 def _row(k) -> str:
     cells = (f"`{k.name}`", f"`{k.function.__name__}`",
              f"{k.paper.authors} ({k.paper.year}), *{k.paper.title}*", k.time, k.memory,
-             _yes(k.causal), k.decoding or "no", _yes(k.bias), _yes(k.fixed_length),
+             _yes(k.causal), k.decoding or "no", k.state_size, _yes(k.bias),
+             _yes(k.fixed_length),
              _hyperparameters(k))
     return "| " + " | ".join(cells).replace("\n", " ") + " |"
 

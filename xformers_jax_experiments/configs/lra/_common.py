@@ -64,8 +64,7 @@ MIXERS = {
     "retnet": dict(kind="retnet", chunk_size=64),
     "gla": dict(kind="gla", chunk_size=16),
     "gated_deltanet": dict(kind="gated_deltanet", chunk_size=64),
-    # The recurrences since the surveys, at their papers' chunk sizes (16 where the
-    # intra-chunk decays are per channel).
+    # The recurrences since the surveys, at their default chunk sizes.
     "mlstm": dict(kind="mlstm", chunk_size=64),
     "hgrn2": dict(kind="hgrn2", chunk_size=16),
     "kda": dict(kind="kda", chunk_size=16),
