@@ -286,3 +286,22 @@ def test_declared_state_size_is_what_decoding_keeps(name):
     sizes = dict(H=2, D_k=dk, D_v=8, N=hp.get("state_size", 0), P=16, W=4, E=32)
     assert kind.state_size and _numbers(kind.state_size, **sizes) == kept, (kind.state_size,
                                                                             kept)
+
+
+def test_taylor_map_is_the_second_order_expansion_and_based_its_normalised_kernel():
+    """Based (Arora et al. 2024, Eq. 4): phi(q).phi(k) = 1 + s + s^2/2 with s = q.k / sqrt(F),
+    and causal linear attention with it is sum_j K_ij v_j / sum_j K_ij over j <= i."""
+    from xformers_jax.attention import linear_attention, taylor_features
+
+    q, k, v = _rand(0, L, DK), _rand(1, L, DK), _rand(2, L, DV)
+    s = np.asarray(q, np.float64) @ np.asarray(k, np.float64).T / math.sqrt(DK)
+    kernel = 1 + s + s * s / 2
+    root = DK ** -0.25
+    got = taylor_features(q * root) @ taylor_features(k * root).T
+    assert_close(got, kernel, EXACT)
+    kernel = np.tril(kernel)
+    want = kernel @ np.asarray(v, np.float64) / kernel.sum(-1, keepdims=True)
+    for form in ("chunked", "recurrent"):
+        out = _jit(lambda q, k, v: linear_attention(q, k, v, feature_map="taylor", causal=True,
+                                                    implementation=form, chunk_size=CHUNK))
+        assert_close(out(q, k, v), want, EXACT, err_msg=form)

@@ -35,7 +35,7 @@ ATTENTION_NAMES = {
     # The one chunked causal scan and the delta rule's forms, which every recurrence runs on.
     "causal_chunked", "causal_parallel", "causal_recurrent", "causal_step",
     "gated_delta_chunked", "gated_delta_recurrent", "gated_delta_step",
-    "dplr_chunked", "dplr_recurrent", "dplr_step",
+    "dplr_chunked", "dplr_recurrent", "dplr_step", "taylor_features",
     "token_learner", "topk_attention",
     # Attention with priors and multi-head variants.
     "AverageGate", "AverageState", "Disagreement", "attention_weights", "average_attention",

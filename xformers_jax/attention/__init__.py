@@ -49,6 +49,7 @@ from .linear import gated_delta_step as gated_delta_step
 from .linear import performer_attention as performer_attention
 from .linear import relu_features as relu_features
 from .linear import rfa_features as rfa_features
+from .linear import taylor_features as taylor_features
 from .linear import (
     sequence_parallel_linear_attention as sequence_parallel_linear_attention)
 from .lowrank import clustered_attention as clustered_attention

@@ -28,6 +28,7 @@ from ._feature_maps import init_random_projection as init_random_projection
 from ._feature_maps import init_rfa_projection as init_rfa_projection
 from ._feature_maps import relu_features as relu_features
 from ._feature_maps import rfa_features as rfa_features
+from ._feature_maps import taylor_features as taylor_features
 from ._linear import LinearAttentionState as LinearAttentionState
 from ._linear import linear_attention as linear_attention
 from ._linear import linear_attention_init_state as linear_attention_init_state
