@@ -28,6 +28,7 @@ from xformers_jax.attention import (
     performer_attention,
     relu_features,
     rfa_features,
+    taylor_features,
 )
 
 L, D = 40, 8
@@ -54,6 +55,7 @@ MAPS = {
     "favor_trig": ((PROJ,), lambda x: favor_trig_features(x, PROJ)),
     "rfa": ((init_rfa_projection(jax.random.PRNGKey(8), 16, D),), None),
     "dpfp": ((), dpfp_features),
+    "taylor": ((), taylor_features),
 }
 
 

@@ -41,7 +41,8 @@ def test_registry_lists_every_mixer_with_complete_metadata():
         kind = nn.get_kind("mixer", name)
         assert kind.family == "mixers" and kind.missing() == (), name
     assert set(RECURRENT) == {"s4d", "s5", "retnet", "gla", "mamba2", "mamba",
-                              "gated_deltanet"}
+                              "gated_deltanet", "mlstm", "hgrn2", "kda", "rwkv7",
+                              "delta_product"}
     assert set(DECODES) - set(RECURRENT) == {"gmlp", "amlp"}  # a cache growing with L
 
 

@@ -36,6 +36,7 @@ ATTENTION_NAMES = {
     # The one chunked causal scan and the delta rule's forms, which every recurrence runs on.
     "causal_chunked", "causal_parallel", "causal_recurrent", "causal_step",
     "gated_delta_chunked", "gated_delta_recurrent", "gated_delta_step",
+    "dplr_chunked", "dplr_recurrent", "dplr_step", "taylor_features",
     "token_learner", "topk_attention",
     # Attention with priors and multi-head variants.
     "AverageGate", "AverageState", "Disagreement", "attention_weights", "average_attention",
@@ -180,6 +181,9 @@ MIXERS_NAMES = {
     "linear_recurrence", "pool_mixing", "retention", "s4d", "s4d_kernel", "s4d_step", "s5",
     "s5_step", "selective_scan", "selective_step", "spatial_gating", "ssd", "token_mixing_mlp",
     "zoh", "lightweight_conv", "GLA_CHUNK",
+    # The recurrences since the surveys, with their decoding steps.
+    "DPLR_CHUNK", "delta_product", "delta_product_step", "hgrn2", "kda", "kda_step", "mlstm",
+    "mlstm_init_state", "mlstm_step", "rwkv7", "rwkv7_step",
     # Every mixer's record (xformers_jax.kinds.Kind).
     "KINDS",
 }

@@ -248,6 +248,9 @@ class Kind:
         ``hp -> None | reason`` for kinds that honour them for some hyperparameters only
         (capacity dispatch shares expert slots between the documents of a row). See
         :meth:`segment_problem`.
+      state_size: what decoding keeps, in numbers per layer and sequence: for a recurrence its
+        fixed state (``"H D_k D_v"``: a ``[D_k, D_v]`` matrix per head), for a cache what
+        each token adds; ``""`` when not declared.
       test_hyperparameters: what the kind needs at the tiny test size (attention: ``L =
         max_len = 16``, head width 8; mixers: width 16, two heads; FFN kinds: dim 16, hidden
         32), as sorted ``(name, value)`` pairs (pass a mapping).
@@ -273,6 +276,7 @@ class Kind:
     mixes_rows: bool = False
     fixed_length: bool = False
     segments: bool | Callable[[Mapping], str | None] = False
+    state_size: str = ""
     test_hyperparameters: Any = ()
     hyperparameters: Mapping[str, Hyperparameter] = dataclasses.field(default_factory=dict)
     layer_arguments: Mapping[str, Any] = dataclasses.field(default_factory=dict)

@@ -34,11 +34,13 @@ layers: `xformers_jax/experts/_kinds.py`); do not edit by hand. `L` is the seque
 `D` the head width (other letters are the kind's own sizes, named in its function's
 docstring); *causal*: usable in a causal model; *decoding*: how it runs one new token at a time
 (`kv` a growing key/value cache, `window` a ring buffer of the last keys, `recurrent` a
-fixed-size state, `token` each token on its own; `no`: it cannot); *fixed length*: its
-parameters or hyperparameters fix the sequence length (or bound it by `max_len`); *packs*:
-it honours segment ids, so packed rows (several documents per row, `data.pack=True`) give
-each document its outputs alone (`some`: for some hyperparameters, which its record's
-`segments` names; `no`: packing is refused naming it); *hyperparameters*: what a spec may give, `name=default` and its meaning, **required** when
+fixed-size state, `token` each token on its own; `no`: it cannot); *decoding state*: what
+decoding keeps per layer and sequence, in numbers (`H` heads; blank where the record does not
+declare it); *fixed length*: its parameters or hyperparameters fix the sequence length (or
+bound it by `max_len`); *packs*: it honours segment ids, so packed rows (several documents
+per row, `data.pack=True`) give each document its outputs alone (`some`: for some
+hyperparameters, which its record's `segments` names; `no`: packing is refused naming it);
+*hyperparameters*: what a spec may give, `name=default` and its meaning, **required** when
 the spec must give it (`nn.AttentionSpec("nystrom")` is refused for want of
 `num_landmarks`); *step time, step memory*: one training step of the LRA byte-level Text
 classifier at L = 4096 with this kind, over the same step with dense `dot_product` attention
@@ -46,8 +48,9 @@ classifier at L = 4096 with this kind, over the same step with dense `dot_produc
 below 1 is cheaper.
 """
 
-_COLUMNS = ("kind", "function", "paper", "time", "memory", "causal", "decoding", "bias",
-            "fixed length", "packs", "step time", "step memory", "hyperparameters")
+_COLUMNS = ("kind", "function", "paper", "time", "memory", "causal", "decoding",
+            "decoding state", "bias", "fixed length", "packs", "step time", "step memory",
+            "hyperparameters")
 
 _RESULTS = os.path.join(os.path.dirname(__file__), "results")
 # (suite, label, the length the ratios are read at): each a training step per attention kind.
@@ -186,8 +189,8 @@ def _row(k, costs) -> str:
     cost = costs.get(k.name, {})
     cells = (f"`{k.name}`", f"`{k.function.__name__}`",
              f"{k.paper.authors} ({k.paper.year}), [*{k.paper.title}*]({paper_url(k.paper)})",
-             k.time, k.memory, _yes(k.causal), k.decoding or "no", _yes(k.bias),
-             _yes(k.fixed_length), _packs(k), _ratios(cost.get("time", ())),
+             k.time, k.memory, _yes(k.causal), k.decoding or "no", k.state_size,
+             _yes(k.bias), _yes(k.fixed_length), _packs(k), _ratios(cost.get("time", ())),
              _ratios(cost.get("memory", ())), _hyperparameters(k))
     return "| " + " | ".join(cells).replace("\n", " ") + " |"
 

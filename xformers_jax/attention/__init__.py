@@ -31,6 +31,9 @@ from .sparse import per_head_block_sparse_attention as per_head_block_sparse_att
 from .linear import delta_rule_attention as delta_rule_attention
 from .linear import delta_rule_init_state as delta_rule_init_state
 from .linear import delta_rule_step as delta_rule_step
+from .linear import dplr_chunked as dplr_chunked
+from .linear import dplr_recurrent as dplr_recurrent
+from .linear import dplr_step as dplr_step
 from .linear import dpfp_features as dpfp_features
 from .linear import elu_features as elu_features
 from .linear import favor_positive_features as favor_positive_features
@@ -52,6 +55,7 @@ from .linear import gated_delta_step as gated_delta_step
 from .linear import performer_attention as performer_attention
 from .linear import relu_features as relu_features
 from .linear import rfa_features as rfa_features
+from .linear import taylor_features as taylor_features
 from .linear import (
     sequence_parallel_linear_attention as sequence_parallel_linear_attention)
 from .lowrank import clustered_attention as clustered_attention

@@ -1,5 +1,6 @@
 """Token mixers that are not attention: gated linear recurrences on the one chunked causal
-scan (RetNet, GLA, Mamba-2's SSD, Gated DeltaNet), diagonal state space models (S4D, S5,
+scan (RetNet, GLA, HGRN2, Mamba-2's SSD, xLSTM's mLSTM, Gated DeltaNet, Kimi Delta Attention,
+RWKV-7, DeltaProduct), diagonal state space models (S4D, S5,
 Mamba's selective scan), the MLP / Fourier / pooling / lambda mixers (one-sequence functions)
 and LSRA's lightweight convolution. :data:`KINDS` holds every mixer as a
 :class:`xformers_jax.kinds.Kind` record; the Equinox modules and the one slot registry are in
@@ -14,9 +15,20 @@ from ._mixing import lambda_mixing as lambda_mixing
 from ._mixing import pool_mixing as pool_mixing
 from ._mixing import spatial_gating as spatial_gating
 from ._mixing import token_mixing_mlp as token_mixing_mlp
+from ._delta_rules import DPLR_CHUNK as DPLR_CHUNK
+from ._delta_rules import delta_product as delta_product
+from ._delta_rules import delta_product_step as delta_product_step
+from ._delta_rules import kda as kda
+from ._delta_rules import kda_step as kda_step
+from ._delta_rules import rwkv7 as rwkv7
+from ._delta_rules import rwkv7_step as rwkv7_step
+from ._mlstm import mlstm as mlstm
+from ._mlstm import mlstm_init_state as mlstm_init_state
+from ._mlstm import mlstm_step as mlstm_step
 from ._recurrences import GLA_CHUNK as GLA_CHUNK
 from ._recurrences import gated_delta as gated_delta
 from ._recurrences import gla as gla
+from ._recurrences import hgrn2 as hgrn2
 from ._recurrences import linear_recurrence as linear_recurrence
 from ._recurrences import retention as retention
 from ._recurrences import ssd as ssd

@@ -10,7 +10,9 @@ from ..kinds import Kind, Paper
 from ._conv import lightweight_conv
 from ._mixing import (fourier_mixing, lambda_mixing, pool_mixing, spatial_gating,
                       token_mixing_mlp)
-from ._recurrences import GLA_CHUNK, gated_delta, gla, retention, ssd
+from ._delta_rules import DPLR_CHUNK, delta_product, kda, rwkv7
+from ._mlstm import mlstm
+from ._recurrences import GLA_CHUNK, gated_delta, gla, hgrn2, retention, ssd
 from ._ssm import s4d, s5, selective_scan
 
 _CHUNK = {"chunk_size": 8}
@@ -40,19 +42,22 @@ KINDS = (
          Paper("Sun et al.", 2023, "Retentive Network: A Successor to Transformer for Large "
                "Language Models"),
          time="O(L c D + L D^2)", memory="O(L D + (L/c) D^2)", causal=True,
-         decoding="recurrent", test_hyperparameters=_CHUNK,
+         decoding="recurrent",
+         state_size="H D_k D_v", test_hyperparameters=_CHUNK,
          hyperparameters=_scan(64, "'chunked', 'parallel' or 'recurrent'")),
     Kind("gla", gla, "mixers",
          Paper("Yang et al.", 2024, "Gated Linear Attention Transformers with "
                "Hardware-Efficient Training"),
          time="O(L c D_k + L D^2)", memory="O(L D + (L/c) D^2 + c^2 D_k)", causal=True,
-         decoding="recurrent", test_hyperparameters=_CHUNK,
+         decoding="recurrent",
+         state_size="H D_k D_v", test_hyperparameters=_CHUNK,
          hyperparameters=_scan(GLA_CHUNK, "'chunked', 'parallel' or 'recurrent'")),
     Kind("mamba2", ssd, "mixers",
          Paper("Dao and Gu", 2024, "Transformers are SSMs: Generalized Models and Efficient "
                "Algorithms Through Structured State Space Duality"),
          time="O(L c N + L N P)", memory="O(L D + (L/c) N D)", causal=True,
-         decoding="recurrent", test_hyperparameters={**_CHUNK, "state_size": 8},
+         decoding="recurrent",
+         state_size="H N P + (W - 1)(E + 2 N)", test_hyperparameters={**_CHUNK, "state_size": 8},
          hyperparameters={**_ssm(64, "chunked", "'chunked', 'parallel' or 'recurrent'"),
                           **_SELECTIVE,
                           "chunk_size": (64, "positions per chunk of the chunked scan")}),
@@ -68,8 +73,49 @@ KINDS = (
          Paper("Yang, Kautz and Hatamizadeh", 2025, "Gated Delta Networks: Improving Mamba2 "
                "with Delta Rule"),
          time="O(L c D + L D^2)", memory="O(L D + (L/c) D^2)", causal=True,
-         decoding="recurrent", test_hyperparameters=_CHUNK,
+         decoding="recurrent",
+         state_size="H D_k D_v", test_hyperparameters=_CHUNK,
          hyperparameters={**_scan(64, "'chunked', 'recurrent' or 'parallel'"),
+                          "dt_min": (1e-3, "smallest initial decay step (log-uniform)"),
+                          "dt_max": (1e-1, "largest initial decay step")}),
+    Kind("mlstm", mlstm, "mixers",
+         Paper("Beck et al.", 2024, "xLSTM: Extended Long Short-Term Memory"),
+         time="O(L c D + L D^2)", memory="O(L D + (L/c) D^2)", causal=True,
+         decoding="recurrent",
+         state_size="H (D_k D_v + D_k + 1)", test_hyperparameters=_CHUNK,
+         hyperparameters=_scan(64, "'chunked', 'parallel' or 'recurrent'")),
+    Kind("hgrn2", hgrn2, "mixers",
+         Paper("Qin et al.", 2024, "HGRN2: Gated Linear RNNs with State Expansion"),
+         time="O(L c D_k + L D^2)", memory="O(L D + (L/c) D^2 + c^2 D_k)", causal=True,
+         decoding="recurrent",
+         state_size="H D_k D_v", test_hyperparameters=_CHUNK,
+         hyperparameters={"lower_bound": (0.0, "the forget gates' lower bound in [0, 1)"),
+                          **_scan(GLA_CHUNK, "'chunked', 'parallel' or 'recurrent'")}),
+    Kind("kda", kda, "mixers",
+         Paper("Kimi Team", 2025, "Kimi Linear: An Expressive, Efficient Attention "
+               "Architecture"),
+         time="O(L c D_k + L D^2)", memory="O(L D + (L/c) D^2 + c^2 D_k)", causal=True,
+         decoding="recurrent",
+         state_size="H D_k D_v", test_hyperparameters=_CHUNK,
+         hyperparameters={**_scan(DPLR_CHUNK, "'chunked', 'recurrent' or 'parallel'"),
+                          "dt_min": (1e-3, "smallest initial decay step (log-uniform)"),
+                          "dt_max": (1e-1, "largest initial decay step")}),
+    Kind("rwkv7", rwkv7, "mixers",
+         Paper("Peng et al.", 2025, "RWKV-7 \"Goose\" with Expressive Dynamic State "
+               "Evolution"),
+         time="O(L c D_k + L D^2)", memory="O(L D + (L/c) D^2 + c^2 D_k)", causal=True,
+         decoding="recurrent",
+         state_size="H D_k D_v", test_hyperparameters=_CHUNK,
+         hyperparameters=_scan(DPLR_CHUNK, "'chunked', 'recurrent' or 'parallel'")),
+    Kind("delta_product", delta_product, "mixers",
+         Paper("Siems et al.", 2025, "DeltaProduct: Improving State-Tracking in Linear RNNs "
+               "via Householder Products"),
+         time="O(L n_h (c D + D^2))", memory="O(L n_h D + (L n_h/c) D^2)", causal=True,
+         decoding="recurrent",
+         state_size="H D_k D_v", test_hyperparameters=_CHUNK,
+         hyperparameters={"householder_steps": (2, "delta (Householder) steps n_h per token"),
+                          **_scan(64, "'chunked', 'recurrent' or 'parallel' (chunks count "
+                                      "the n_h sub-steps of each token)"),
                           "dt_min": (1e-3, "smallest initial decay step (log-uniform)"),
                           "dt_max": (1e-1, "largest initial decay step")}),
     Kind("s4d", s4d, "mixers",

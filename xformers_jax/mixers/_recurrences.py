@@ -183,3 +183,27 @@ def gated_delta(q, k, v, beta, ld, *, kv_mask=None, implementation: str = "chunk
         return gated_delta_recurrent(q, k, v, beta, ld)
     chunk = length if implementation == "parallel" else chunk_size
     return gated_delta_chunked(q, k, v, beta, ld, chunk_size=chunk)
+
+
+def hgrn2(q, v, log_f, *, kv_mask=None, implementation: str = "chunked",
+          chunk_size: int = GLA_CHUNK):
+    """HGRN2's gated linear recurrence of one head with outer-product state expansion (Qin et
+    al. 2024, "HGRN2: Gated Linear RNNs with State Expansion", Eq. 4): ``S_t = diag(f_t)
+    S_{t-1} + (1 - f_t) v_t^T``, ``o_t = q_t^T S_t``; the input gate is tied to the forget
+    gate, ``1 - f_t`` serving as the key (GLA with ``k = 1 - alpha``).
+
+    Args:
+      q: ``[L, Dk]`` (the output gate read as a query). v: ``[L, Dv]`` (the input).
+      log_f: ``[L, Dk]`` log forget gates ``log f_t < 0``.
+      kv_mask, implementation, chunk_size: as :func:`gla` (chunk default 16).
+
+    Returns ``[L, Dv]`` float32.
+    """
+    name = "hgrn2"
+    _check(name, implementation, chunk_size)
+    length = _check_2d(name, q=q, v=v, log_f=log_f)
+    if log_f.shape != q.shape:
+        raise ValueError(f"hgrn2: log_f must have q's shape {q.shape}, got {log_f.shape}")
+    q, v, ld = _f32(q, v, log_f)
+    k, v, ld = _mask(name, kv_mask, length, -jnp.expm1(ld), v, ld)
+    return linear_recurrence(q, k, v, ld, implementation=implementation, chunk_size=chunk_size)

@@ -5,7 +5,9 @@ The scan itself is public: every recurrence of the library runs on it (linear at
 gated recurrences and state space models of ``xformers_jax.mixers``), in its per-step
 (``causal_step``, ``causal_recurrent``), chunkwise-parallel (``causal_chunked``) and parallel
 (``causal_parallel``) forms; the delta rule's forms (``gated_delta_*``) add its chunked
-triangular solve. Every public name here is also exported by ``xformers_jax.attention``.
+triangular solve, and the generalised (diagonal-plus-rank-one) delta rule's forms
+(``dplr_*``) its per-channel decays. Every public name here is also exported by
+``xformers_jax.attention``.
 """
 
 from ._delta import delta_rule_attention as delta_rule_attention
@@ -14,6 +16,9 @@ from ._delta import delta_rule_step as delta_rule_step
 from ._delta import gated_delta_chunked as gated_delta_chunked
 from ._delta import gated_delta_recurrent as gated_delta_recurrent
 from ._delta import gated_delta_step as gated_delta_step
+from ._dplr import dplr_chunked as dplr_chunked
+from ._dplr import dplr_recurrent as dplr_recurrent
+from ._dplr import dplr_step as dplr_step
 from ._feature_maps import dpfp_features as dpfp_features
 from ._feature_maps import elu_features as elu_features
 from ._feature_maps import favor_positive_features as favor_positive_features
@@ -23,6 +28,7 @@ from ._feature_maps import init_random_projection as init_random_projection
 from ._feature_maps import init_rfa_projection as init_rfa_projection
 from ._feature_maps import relu_features as relu_features
 from ._feature_maps import rfa_features as rfa_features
+from ._feature_maps import taylor_features as taylor_features
 from ._linear import LinearAttentionState as LinearAttentionState
 from ._linear import linear_attention as linear_attention
 from ._linear import linear_attention_init_state as linear_attention_init_state

@@ -248,6 +248,24 @@ def init_rfa_projection(key, num_features: int, dim: int, *, sigma: float = 1.0)
     return init_random_projection(key, num_features, dim) / sigma
 
 
+def taylor_features(x) -> jax.Array:
+    """Based's second-order Taylor map (Arora et al. 2024, "Simple linear attention language
+    models balance the recall-throughput tradeoff", Eq. 4): ``phi(x) = [1, x, vec(x x^T) /
+    sqrt(2)]``, so ``phi(q) . phi(k) = 1 + q.k + (q.k)^2 / 2``, the expansion of ``exp(q.k)``
+    to second order, which is positive for every ``q.k`` (linear attention scales ``q`` and
+    ``k`` by ``D^-1/4`` first, giving ``exp(q.k / sqrt(D))``'s expansion).
+
+    Args:
+      x: ``[L, D]`` (Based uses a small ``D``, 16: the map has ``1 + D + D^2`` features).
+
+    Returns:
+      ``[L, 1 + D + D^2]`` float32.
+    """
+    x = _f32(x)
+    outer = (x[:, :, None] * x[:, None, :]).reshape(x.shape[0], -1) / math.sqrt(2.0)
+    return jnp.concatenate([jnp.ones_like(x[:, :1]), x, outer], axis=-1)
+
+
 class FeatureMap(NamedTuple):
     """How linear attention calls a named feature map."""
 
@@ -265,6 +283,9 @@ FEATURE_MAPS = {
     "favor_trig": FeatureMap(favor_trig_features, False, False, (1,)),
     "rfa": FeatureMap(rfa_features, False, False, (1,)),
     "dpfp": FeatureMap(dpfp_features, False, True, (0,)),
+    # Individual features may be negative, but every kernel value 1 + s + s^2 / 2 is >= 1/2,
+    # so a denominator vanishes only with no keys, as for non-negative features.
+    "taylor": FeatureMap(taylor_features, False, True, (0,)),
 }
 
 

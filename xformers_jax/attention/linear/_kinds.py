@@ -1,5 +1,12 @@
 """The kernelized linear kinds as :class:`~xformers_jax.kinds.Kind` records, with their
-adapters: linear attention, Performer and the delta rule, each decoding with a recurrent state.
+adapters: linear attention, Performer, Based and the delta rule, each decoding with a recurrent
+state.
+
+``based`` (Arora et al. 2024): linear attention with the second-order Taylor map on queries
+and keys projected to ``feature_dim`` (16 in the paper) by a learned ``[D, feature_dim]`` map
+shared by the heads (the paper projects the block input per head; the head's q and k are
+linear maps of it). The paper's small sliding-window softmax (window 64) runs in separate
+layers of its stack (the ``local`` kind with ``causal=True``), not inside this kind.
 
 ``delta_rule`` (Schlag et al.; L 4.2.2): its write strength is ``beta_t = sigmoid(k_t . w_h +
 b_h)`` per head, a learned projection of the head's key (the paper projects the block input;
@@ -99,6 +106,34 @@ def _performer_step(state, q, k, v, projection, *, kernel="softmax", **hp):
     return grouped_step(step, state, q, k, v)
 
 
+# --- Based (Arora et al. 2024) -----------------------------------------------------------------
+
+def _based_init(key, hp, *, num_heads, head_dim, max_len):
+    return jax.random.normal(key, (head_dim, hp["feature_dim"])) / math.sqrt(head_dim)
+
+
+def _based(q, k, v, w, *, causal, kv_mask, bias, key, q_mask=None, **hp):
+    # Padded rows are zeroed before the shared projection: junk there would reach w's
+    # gradient through the product (0 * NaN).
+    k, v = real_only(kv_mask, k, v)
+    if q_mask is not None:
+        q = jnp.where(q_mask[:, :, None, None], q, jnp.zeros((), q.dtype))
+    w = w.astype(q.dtype)
+    return lifted(linear_attention)(q @ w, k @ w, v, None, causal=causal, kv_mask=kv_mask,
+                                    bias=bias, key=key, feature_map="taylor", **hp)
+
+
+def _based_init_state(batch, heads, dk, dv, w, **hp):
+    state = linear_attention_init_state(w.shape[1], dv, feature_map="taylor")
+    return broadcast_state(state, batch, heads)
+
+
+def _based_step(state, q, k, v, w, **hp):
+    step = functools.partial(linear_attention_step, feature_map="taylor")
+    w = w.astype(q.dtype)
+    return grouped_step(step, state, q @ w, k @ w, v)
+
+
 # --- delta rule (L 4.2.2) ---------------------------------------------------------------------
 
 def _delta_init(key, hp, *, num_heads, head_dim, max_len):
@@ -162,6 +197,18 @@ KINDS = (
              sequence=SequenceParallel(
                  lifted(_performer_sequence_parallel, (None,)),
                  _log_space_causal(lambda hp: _PERFORMER_MAPS[hp["kernel"]])))),
+    Kind("based", linear_attention, "linear",
+         Paper("Arora et al.", 2024, "Simple linear attention language models balance the "
+               "recall-throughput tradeoff"),
+         time="O(L F^2 D), F = feature_dim", memory="O(L F^2 + (L/c) F^2 D)", causal=True,
+         decoding="recurrent", state_size="H ((1 + F + F^2)(D + 1) + 1)",
+         test_hyperparameters={"feature_dim": 4, "chunk_size": 8},
+         hyperparameters={"feature_dim": (16, "width F of the projected queries and keys (the "
+                                              "Taylor map has 1 + F + F^2 features)"),
+                          **_SCAN},
+         adapter=AttentionAdapter(
+             _based, init=_based_init, init_only={"feature_dim"},
+             decoding=RecurrentDecoding(_based_init_state, _based_step))),
     Kind("delta_rule", delta_rule_attention, "linear",
          Paper("Schlag et al.", 2021, "Linear Transformers Are Secretly Fast Weight Programmers"),
          time="O(L M D), M features", memory="O(L M + (L/c) M D)", causal=True,

@@ -64,6 +64,12 @@ MIXERS = {
     "retnet": dict(kind="retnet", chunk_size=64),
     "gla": dict(kind="gla", chunk_size=16),
     "gated_deltanet": dict(kind="gated_deltanet", chunk_size=64),
+    # The recurrences since the surveys, at their default chunk sizes.
+    "mlstm": dict(kind="mlstm", chunk_size=64),
+    "hgrn2": dict(kind="hgrn2", chunk_size=16),
+    "kda": dict(kind="kda", chunk_size=16),
+    "rwkv7": dict(kind="rwkv7", chunk_size=16),
+    "delta_product": dict(kind="delta_product", householder_steps=2, chunk_size=64),
     "mlp_mixer": dict(kind="mlp_mixer", token_hidden=256),
     "gmlp": dict(kind="gmlp", expansion=2),
     "amlp": dict(kind="amlp", expansion=2, attention_dim=64),
@@ -78,6 +84,7 @@ SMALL_MIXERS = {
     "s4d": dict(state_size=16), "s5": dict(state_size=16), "mamba2": dict(state_size=16,
                                                                            chunk_size=16),
     "retnet": dict(chunk_size=16), "gated_deltanet": dict(chunk_size=16),
+    "mlstm": dict(chunk_size=16), "delta_product": dict(chunk_size=16),
     "mlp_mixer": dict(token_hidden=32), "amlp": dict(attention_dim=16),
     "lambda": dict(key_dim=8, window=8), "lsra": dict(kernel_size=3),
 }

@@ -1,0 +1,178 @@
+"""The generalised delta rule: a diagonal-plus-rank-one state transition, in two agreeing forms.
+
+One recurrence covers the delta-rule family with per-channel (vector) decays::
+
+    S_t = diag(exp(ld_t)) S_{t-1} + a_t (b_t^T S_{t-1}) + k_t v_t^T        out_t = q_t^T S_t
+
+with ``q, k, a, b: [L, M]``, ``v: [L, E]`` and per-channel log-decays ``ld: [L, M] <= 0``. The
+state is read by ``b_t`` *before* the decay and the read is written back along ``a_t``:
+
+- Kimi Delta Attention (Kimi Linear, 2025): ``S_t = (I - beta_t k_t k_t^T) diag(alpha_t)
+  S_{t-1} + beta_t k_t v_t^T`` is ``a = -beta k``, ``b = alpha * k``, key ``beta k``;
+- RWKV-7 (Peng et al. 2025, "RWKV-7 Goose with Expressive Dynamic State Evolution", Eq. 17 in
+  the column convention): ``S_t = (diag(w_t) - (a_t * kappa_t) kappa_t^T) S_{t-1} + k_t v_t^T``
+  is ``a = -(a_t * kappa_t)``, ``b = kappa_t``;
+- a scalar decay and ``a = -beta k``, ``b = alpha k`` is the gated delta rule of
+  :mod:`._delta` (whose chunked form is specialised to scalar decays).
+
+Chunkwise form (the "DPLR" chunking of Yang et al. 2024's delta-rule algorithm extended to
+per-channel decays): within a chunk, with within-chunk cumulative log-decays ``g_t`` (through
+step t) and ``p_t = g_t - ld_t`` (before it), the reads ``u_t = b_t^T S_{t-1}`` satisfy the
+unit lower-triangular system ``(I - P_ba) U = (b * exp(p)) S_0 + P_bk V`` with ``P_xy[t, j] =
+sum_m x_tm y_jm exp(p_tm - g_jm)`` for ``j < t``; then ``out = (q * exp(g)) S_0 + Q_qa U + Q_qk
+V`` with ``Q_xy[t, j] = sum_m x_tm y_jm exp(g_tm - g_jm)`` for ``j <= t``, and the chunk's end
+state is ``exp(g_c) S_0 + (a * exp(g_c - g))^T U + (k * exp(g_c - g))^T V``. Every exponent
+is a within-chunk decay difference ``<= 0``, so nothing overflows however strong the decay.
+The systems are inverted by :func:`._delta.unit_lower_inverse` and the chunks run on the
+chunked scan's :func:`._scan.chunk_groups`.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from ._delta import unit_lower_inverse
+from ._scan import GROUP_POSITIONS, chunk_groups
+
+
+def dplr_step(s, q_t, k_t, v_t, a_t, b_t, ld_t):
+    """One step ``S_t = diag(exp(ld_t)) S_{t-1} + a_t (b_t^T S_{t-1}) + k_t v_t^T``,
+    ``out_t = q_t^T S_t``.
+
+    Args:
+      s: ``[M, E]`` state. q_t, k_t, a_t, b_t, ld_t: ``[M]``. v_t: ``[E]``.
+
+    Returns:
+      ``(out_t [E], S_t)``.
+    """
+    s = jnp.exp(ld_t)[:, None] * s + a_t[:, None] * (b_t @ s)[None, :] + k_t[:, None] * v_t[None]
+    return q_t @ s, s
+
+
+def dplr_recurrent(q, k, v, a, b, ld):
+    """The generalised delta rule by a per-step scan (the reference form).
+
+    Args:
+      q, k, b: ``[L, M]``. a: ``[L, M]``, or None for ``a = -k``. v: ``[L, E]``.
+      ld: ``[L, M]`` log-decays ``<= 0``.
+
+    Returns:
+      ``[L, E]``.
+    """
+    a = -k if a is None else a
+
+    def step(s, x):
+        return dplr_step(s, *x)[::-1]
+
+    init = jnp.zeros((k.shape[1], v.shape[1]), jnp.result_type(k, v))
+    return lax.scan(step, init, (q, k, v, a, b, ld))[1]
+
+
+class _Scores:
+    """The ``[n, c, c]`` matrices ``sum_m x_tm y_jm exp(gx_tm - gy_jm)`` for ``j < t`` of a
+    chunk, for several ``(x, y)`` sharing ``(gx, gy)``.
+
+    Within sub-chunks of ``s`` positions the per-channel decays are applied pairwise (an
+    ``[s, s, M]`` product: exact for any decay). Across sub-chunks a pair factorises through
+    the reference ``ref_I`` (``gx_t <= ref_I <= gy_j`` for ``t`` in sub-chunk ``I`` and ``j``
+    before it): ``exp(gx_t - ref_I) exp(ref_I - gy_j)``, both factors ``<= 1``, so the
+    product is a matrix multiplication and no exponent is positive. The secondary chunking
+    of Yang et al. (2024, GLA, Sec. 4.2), which keeps the ``[c, c, M]`` work to ``s/c`` of it.
+    """
+
+    def __init__(self, gx, gy, ref, sub):
+        n, c, m = gx.shape
+        self.shape = (n, c // sub, sub, m)
+        gxb, gyb = gx.reshape(self.shape), gy.reshape(self.shape)
+        mask = jnp.tril(jnp.ones((sub, sub), bool), -1)[..., None]
+        diff = gxb[:, :, :, None] - gyb[:, :, None]
+        # The inner wheres keep exp off the positive exponents the masks drop (their overflow
+        # would turn the masked-out gradient into NaN).
+        self.decay = jnp.where(mask, jnp.exp(jnp.where(mask, diff, 0.0)), 0.0)
+        self.x_scale = jnp.exp(gxb - ref[:, :, None])
+        before = (jnp.arange(c)[None, :] < (jnp.arange(c // sub) * sub)[:, None])[None, ..., None]
+        self.y_scale = jnp.where(before, jnp.exp(jnp.where(before, ref[:, :, None] - gy[:, None],
+                                                           0.0)), 0.0)
+
+    def __call__(self, x, y):
+        n, ns, sub, m = self.shape
+        xb, yb = x.reshape(self.shape), y.reshape(self.shape)
+        inner = jnp.sum(xb[:, :, :, None] * yb[:, :, None] * self.decay, axis=-1)
+        across = jnp.einsum("nism,nijm->nisj", xb * self.x_scale, y[:, None] * self.y_scale)
+        inner = jnp.einsum("nist,ij->nisjt", inner, jnp.eye(ns, dtype=inner.dtype))
+        return (across + inner.reshape(across.shape)).reshape(n, ns * sub, ns * sub)
+
+
+def _dplr_chunks(q, k, v, a, b, ld, s0, sub_chunk=4):
+    """The chunkwise generalised delta rule over ``n`` chunks (``[n, c, ...]`` arrays) from the
+    state ``s0``: (out ``[n, c, E]``, final state). See the module docstring. ``a = None`` is
+    the delta rule's ``a = -k``, whose score matrices are those of ``k`` negated."""
+    c = v.shape[1]
+    sub = math.gcd(c, sub_chunk)
+    g = jnp.cumsum(ld, axis=1)
+    p = g - ld
+    ref = p[:, ::sub]  # each sub-chunk's decay before its first position
+    reads = _Scores(p, g, ref, sub)
+    # The outputs' scores exp(g_t - g_j) are the reads' exp(p_t - g_j) scaled by exp(ld_t) <= 1
+    # for j < t, and 1 for j = t: one set of decays serves both.
+    qd = q * jnp.exp(ld)
+
+    def outs(y):
+        return reads(qd, y) + jnp.sum(q * y, -1)[..., None] * jnp.eye(c, dtype=q.dtype)
+
+    p_bk, q_k = reads(b, k), outs(k)
+    if a is None:
+        p_ba, q_a, a = -p_bk, -q_k, -k
+    else:
+        p_ba, q_a = reads(b, a), outs(a)
+    inverse = unit_lower_inverse(-p_ba)
+    w = inverse @ (b * jnp.exp(p))                                   # U = x + w S_0
+    x = inverse @ (p_bk @ v)
+    inter = q_k @ v
+    qg = q * jnp.exp(g)
+    total = g[:, -1]
+    ag = a * jnp.exp(total[:, None] - g)
+    kv = jnp.einsum("ncm,nce->nme", k * jnp.exp(total[:, None] - g), v)
+
+    @functools.partial(jax.checkpoint, prevent_cse=False)
+    def chunk(s, xs):
+        x_n, w_n, qg_n, qa_n, in_n, t_n, ag_n, kv_n = xs
+        u = x_n + w_n @ s
+        out = qg_n @ s + qa_n @ u + in_n
+        return jnp.exp(t_n)[:, None] * s + ag_n.T @ u + kv_n, out
+
+    s_end, out = lax.scan(chunk, s0, (x, w, qg, q_a, inter, total, ag, kv))
+    return out, s_end
+
+
+def dplr_chunked(q, k, v, a, b, ld, chunk_size: int = 16, sub_chunk: int = 4,
+                 group_positions: int = GROUP_POSITIONS):
+    """The same recurrence as :func:`dplr_recurrent`, chunkwise (see the module docstring):
+    per chunk, four ``[c, c]`` score matrices over the ``M`` channels (two when ``a`` is None),
+    the per-channel decays applied pairwise within sub-chunks and by matrix products across
+    them (:class:`_Scores`), one unit lower-triangular inverse, then a scan over chunks;
+    chunks go in groups through :func:`~._scan.chunk_groups`, rematerialised in the backward
+    pass.
+
+    Args: as :func:`dplr_recurrent`, where ``a = None`` means ``a = -k`` (the delta rule:
+    what is written along ``k`` is first removed along it); chunk_size: positions per chunk
+    (padding writes nothing and does not decay); sub_chunk: positions per sub-chunk (the
+    largest divisor of the chunk not above it); group_positions: positions per group.
+    Returns ``[L, E]``.
+    """
+    s0 = jnp.zeros((k.shape[-1], v.shape[-1]), jnp.result_type(k, v))
+    if a is None:
+        def chunks(q, k, v, b, ld, s):
+            return _dplr_chunks(q, k, v, None, b, ld, s, sub_chunk)
+
+        return chunk_groups(chunks, (q, k, v, b, ld), s0, chunk_size, group_positions)
+
+    def chunks(q, k, v, a, b, ld, s):
+        return _dplr_chunks(q, k, v, a, b, ld, s, sub_chunk)
+
+    return chunk_groups(chunks, (q, k, v, a, b, ld), s0, chunk_size, group_positions)
