@@ -223,6 +223,9 @@ class PallasAttention:
             why.append("attention dropout is not implemented in the kernel")
         if call.get("bias", "none") != "none":
             why.append(f"a {call['bias']} bias is not implemented in the kernel")
+        if call.get("flex"):
+            why.append("flex attention's " + ", ".join(call["flex"]) + " not implemented in "
+                       "the kernel")
         why += self.backend.head_dim_problems(call["dk"], call["dv"])
         if not self.interpret and hasattr(self.backend, "device_problems"):
             why += self.backend.device_problems()

@@ -183,3 +183,36 @@ def test_moe_selection_case_times_the_lookups_top_k():
     np.testing.assert_array_equal(slots, want_slots)
     np.testing.assert_array_equal(scores, want_scores)
     assert scores.shape == (8, moe.PKM_HEADS, moe.PKM_K)
+
+
+def test_unmeasured_checks_say_why_and_the_summary_counts_every_target():
+    from xformers_jax_experiments import benchmark
+
+    checks = [dict(figure="a", measured="2.00x", target=">= 1", ok=True),
+              dict(figure="b", measured="0.50x", target=">= 1", ok=False),
+              dict(figure="c", measured=bench_lib.NOT_MEASURED, target=">= 1", ok=None)]
+    quick = benchmark.explain_unmeasured(checks, [], quick=True)
+    assert quick[2]["measured"] == "n/a (not measured at --quick sizes)"
+    assert quick[:2] == checks[:2]
+    failed = benchmark.explain_unmeasured(checks, [{"name": "flash", "error": "OOM"},
+                                                   {"name": "dense"}], quick=False)
+    assert failed[2]["measured"] == "n/a (not measured; failed in this run: flash)"
+    machine = {"cpu": "a CPU", "backend": "cpu", "date": "2026-01-01 00:00"}
+    lines = benchmark.target_summary([{"suite": "s", "quick": False, "machine": machine,
+                                       "checks": quick}])
+    assert "| `s` | a CPU | 2026-01-01 00:00 | 3 | 1 | 1 | 1 |" in lines
+    assert "| all | | | 3 | 1 | 1 | 1 |" in lines
+    assert "| `s` | b | 0.50x | >= 1 |" in lines and "| `s` | a | 2.00x | >= 1 |" not in lines
+
+
+def test_render_shows_a_suites_notes(tmp_path):
+    payload = {"suite": "attention", "title": "t", "note": None, "quick": False,
+               "machine": {"cpu": "a CPU", "cores": 2, "backend": "cpu", "date": "d",
+                           "jax": "0"},
+               "matmul_gflops": 1.0, "records": [], "checks": []}
+    (tmp_path / "attention.json").write_text(json.dumps(payload))
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "attention.md").write_text("A profile said so.\n")
+    text = benchmark.render_markdown(str(tmp_path), str(tmp_path / "B.md"), plots=False)
+    assert "### `attention`: notes\n\nA profile said so.\n" in text
+    assert text.index("## Summary of targets") < text.index("## `attention`")

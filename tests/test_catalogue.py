@@ -31,3 +31,55 @@ def test_a_registry_nn_does_not_have_is_skipped(monkeypatch):
         ("Imaginary layers", "`nn.NoSpec`", "imaginary", ()),))
     text = C.catalogue()
     assert "Imaginary layers" not in text and "## Attention kinds" in text
+
+
+def _row_of(text, kind):
+    (row,) = [line for line in text.splitlines() if line.startswith(f"| `{kind}` |")]
+    return row
+
+
+def test_hyperparameters_show_defaults_meanings_and_required_ones():
+    text = C.catalogue()
+    nystrom = _row_of(text, "nystrom")
+    # A required hyperparameter is visible as required, with its meaning, before the others.
+    assert "`num_landmarks` (**required**): landmarks m" in nystrom
+    assert nystrom.index("num_landmarks") < nystrom.index("`kernel_size=33`: width")
+    flash = _row_of(text, "flash")
+    assert "`pattern=None`: a static sparsity pattern" in flash
+
+
+def test_every_row_links_its_paper():
+    text = C.catalogue()
+    for kind in _rows(text):
+        assert "](https://arxiv.org/" in _row_of(text, kind), kind
+    assert "](https://arxiv.org/abs/2009.14794)" in _row_of(text, "performer")
+
+
+def test_measured_columns_come_from_the_training_step_suites():
+    import json
+    import os
+
+    with open(os.path.join(C._RESULTS, "lra.json")) as f:
+        records = json.load(f)["records"]
+    step = {r["params"]["kind"]: r for r in records if r["params"].get("L") == 4096}
+    ratio = step["performer"]["time_s"] / step["dot_product"]["time_s"]
+    memory = step["performer"]["compiled_mb"] / step["dot_product"]["compiled_mb"]
+    row = _row_of(C.catalogue(), "performer")
+    time_col = C._COLUMNS.index("step time")
+    assert f"CPU {ratio:.2f}x" in row.split(" | ")[time_col]
+    assert f"CPU {memory:.2f}x" in row.split(" | ")[time_col + 1]
+    assert _row_of(C.catalogue(), "nystrom").split(" | ")[time_col] == "—"  # not in the suite
+
+
+def test_main_says_what_it_wrote(tmp_path, capsys):
+    from absl import flags
+
+    out = tmp_path / "CATALOGUE.md"
+    flags.FLAGS(["catalogue", f"--catalogue_out={out}"])
+    try:
+        C.main([])
+    finally:
+        flags.FLAGS.unparse_flags()
+    assert out.read_text() == C.catalogue()
+    printed = capsys.readouterr().out
+    assert f"wrote {out}" in printed and "attention kinds" in printed

@@ -20,7 +20,7 @@ from xformers_jax.attention.patterns import Pattern
 
 L_ODD = 61
 
-# (pattern, length) for every sparse pattern of the issue.
+# (pattern, length) for every sparse pattern in attention.patterns.
 PATTERNS = [
     (P.Dilated(3, 2, 2), L_ODD),
     (P.Strided(5), L_ODD),

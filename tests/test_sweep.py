@@ -99,3 +99,25 @@ def test_resume_keeps_finished_runs(tmp_path):
     assert any("000 already finished" in line for line in logs)
     assert not any("start 000" in line for line in logs)
     assert [r.get("test_accuracy") for r in sweep.gather(base, runs)] == [0.5, None]
+
+
+def test_the_listops_configs_sweep_has_several_runs_that_validate():
+    from xformers_jax import train
+    from xformers_jax_experiments.configs.lra import listops
+
+    config = "xformers_jax_experiments/configs/lra/listops.py:performer,runlocal"
+    runs = sweep.load_hyper(config)
+    assert len(runs) == 6
+    assert {r["config.optim.learning_rate"] for r in runs} == {5e-4, 1e-3, 2e-3}
+    assert {r["config.seed"] for r in runs} == {0, 1}
+
+    for run in runs:  # every run's overrides apply to the config and validate
+        c = listops.get_config("performer,runlocal")
+        with c.unlocked():
+            for key, value in run.items():  # "config.optim.learning_rate"
+                *path, last = key.split(".")[1:]
+                node = c
+                for part in path:
+                    node = node[part]
+                node[last] = value
+        train.validate_config(c)

@@ -474,3 +474,30 @@ def test_data_parallel_over_two_devices_matches_one_device(tmp_path):
     assert double["step"] == single["step"] == 4
     for key in ("test_loss", "validation_loss"):
         assert double[key] == pytest.approx(single[key], rel=1e-4)
+
+
+def test_learning_curves_show_validation_loss_test_points_and_baseline(tmp_path):
+    from xformers_jax_experiments import plot
+
+    writer = train.MetricWriter(str(tmp_path), tensorboard=False)
+    for step in (1, 2, 3, 4):
+        writer.write(step, {"train_loss": 2.0 / step, "train_accuracy": 0.1 * step})
+    for step in (2, 4):
+        writer.write(step, {"validation_loss": 1.5 / step, "validation_accuracy": 0.2 * step})
+    writer.write(4, {"test_loss": 0.5, "test_accuracy": 0.7})
+    writer.close()
+    out = str(tmp_path / "curves.png")
+    drawn = plot.learning_curves(str(tmp_path), out, baseline=0.25, best_step=2)
+    assert drawn == ["train_loss", "validation_loss", "test_loss", "train_accuracy",
+                     "validation_accuracy", "test_accuracy", "majority class"]
+    with open(out, "rb") as fh:
+        assert fh.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_trainer_says_what_it_does_before_the_first_step():
+    from xformers_jax_experiments import train as train_cli
+    from xformers_jax_experiments.configs.lra import listops
+
+    line = train_cli.starting_line(listops.get_config("performer,main"), "runs/x")
+    assert line.startswith("listops: classifier with performer attention, 800 steps, in runs/x")
+    assert "compiling" in line

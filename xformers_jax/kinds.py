@@ -239,6 +239,15 @@ class Kind:
         models. Every other kind keeps the rows of a batch independent.
       fixed_length: whether its parameters are sized by the maximum length (sequences up to
         ``max_len`` only; Linformer's projections, the Synthesizer's dense logits, ...).
+      segments: whether the kind honours segment ids, i.e. runs packed rows (several
+        documents in one row, ``segment_ids int[B, L]``, 0 for padding) with each document's
+        outputs equal to that document run alone: no attention across documents (attention
+        kinds: the adapter's ``attend`` then takes ``segment_ids``), no recurrence or
+        convolution across a boundary (mixers), nothing shared between tokens (FFN kinds).
+        ``True``, ``False`` (the default: packing is refused naming the kind), or a callable
+        ``hp -> None | reason`` for kinds that honour them for some hyperparameters only
+        (capacity dispatch shares expert slots between the documents of a row). See
+        :meth:`segment_problem`.
       test_hyperparameters: what the kind needs at the tiny test size (attention: ``L =
         max_len = 16``, head width 8; mixers: width 16, two heads; FFN kinds: dim 16, hidden
         32), as sorted ``(name, value)`` pairs (pass a mapping).
@@ -263,6 +272,7 @@ class Kind:
     bias: bool = False
     mixes_rows: bool = False
     fixed_length: bool = False
+    segments: bool | Callable[[Mapping], str | None] = False
     test_hyperparameters: Any = ()
     hyperparameters: Mapping[str, Hyperparameter] = dataclasses.field(default_factory=dict)
     layer_arguments: Mapping[str, Any] = dataclasses.field(default_factory=dict)
@@ -340,6 +350,19 @@ class Kind:
                 and "paper" not in empty:
             empty.append("paper")
         return tuple(empty)
+
+    def segment_problem(self, hp: Mapping) -> str | None:
+        """None when this kind with (resolved) hyperparameters ``hp`` honours segment ids
+        (:attr:`segments`: packed rows, each document as if alone), else why not, naming the
+        kind."""
+        if self.segments is True:
+            return None
+        if self.segments is False:
+            return (f"{NOUNS[self.slot]} {self.name!r} does not honour segment ids (packed "
+                    "documents would see each other through it); train it on unpacked rows "
+                    "(data.pack=False)")
+        reason = self.segments(hp)
+        return None if reason is None else f"{NOUNS[self.slot]} {self.name!r}: {reason}"
 
     def check_names(self, params: Mapping | Any) -> None:
         """Raises ``ValueError`` if ``params`` (a mapping or ``(name, value)`` pairs) names a

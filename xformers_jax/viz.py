@@ -65,8 +65,19 @@ def plot_pattern(pattern, lq: int, lk: int | None = None, *, causal: bool = Fals
         ax.tick_params(which="minor", length=0)
     ax.set_xlabel("key position j")
     ax.set_ylabel("query position i")
-    ax.set_title(title if title is not None else repr(pattern), fontsize=7)
+    ax.set_title(_wrap(title if title is not None else repr(pattern), ax, fontsize=7),
+                 fontsize=7)
     return ax
+
+
+def _wrap(title: str, ax, fontsize: float) -> str:
+    """``title`` broken into lines as wide as the figure (a pattern's ``repr`` is often wider
+    than its picture and would be clipped), at spaces where it can."""
+    import textwrap
+
+    width_pt = ax.figure.get_figwidth() * 72
+    chars = max(int(width_pt / (0.62 * fontsize)), 16)  # an average glyph is ~0.6 em wide
+    return "\n".join(textwrap.wrap(title, chars, break_long_words=True))
 
 
 def save_pattern(pattern, path: str, lq: int, lk: int | None = None, **kwargs) -> str:

@@ -6,8 +6,9 @@ A suite is a module ``xformers_jax_experiments/suites/<name>.py`` defining:
 - ``cases(quick: bool) -> list[Case]``: what to measure (``quick`` shrinks it to seconds);
 - a builder per case (``Case.builder = "xformers_jax_experiments.suites.<name>:<function>"``)
   called in the worker process as ``builder(**case.params) -> Workload``;
-- ``checks(results: Results) -> list[Check]``: the issue's figures, computed from this run's
-  measurements as ratios (machines are shared and noisy, so only ratios within one run count).
+- ``checks(results: Results) -> list[Check]``: the suite's target figures (each from the paper
+  or design goal its figure names), computed from this run's measurements as ratios (machines
+  are shared and noisy, so only ratios within one run count).
 
 Every case runs in a fresh subprocess so its peak resident memory (``VmHWM``) is its own;
 on GPU/TPU the device's ``peak_bytes_in_use`` is reported too. Time is the median of repeats
@@ -71,14 +72,17 @@ class Workload:
 
 @dataclasses.dataclass(frozen=True)
 class Check:
-    """One figure from an issue, computed from a run: ``ok`` is None when it could not be
-    computed (a case failed)."""
+    """One target figure, computed from a run: ``ok`` is None when it could not be computed
+    (a case it needs was not measured: not run at these sizes, or failed)."""
 
     figure: str
     measured: str
     target: str
     ok: bool | None
 
+
+# A check whose cases have no measurement; benchmark.py says why (quick sizes, a failed case).
+NOT_MEASURED = "n/a (not measured)"
 
 FWDBWD_FLOP_FACTOR = 3.5
 
@@ -108,10 +112,10 @@ class Results:
 
 
 def ratio_check(figure: str, num, den, *, at_least=None, at_most=None, fmt="{:.2f}x") -> Check:
-    """A check on ``num / den`` against a bound; None-safe when a case failed."""
+    """A check on ``num / den`` against a bound; None-safe when a case was not measured."""
     target = f">= {at_least}" if at_least is not None else f"<= {at_most}"
     if num is None or den is None or den == 0:
-        return Check(figure, "n/a (case failed)", target, None)
+        return Check(figure, NOT_MEASURED, target, None)
     value = num / den
     ok = value >= at_least if at_least is not None else value <= at_most
     return Check(figure, fmt.format(value), target, bool(ok))
@@ -120,7 +124,7 @@ def ratio_check(figure: str, num, den, *, at_least=None, at_most=None, fmt="{:.2
 def value_check(figure: str, value, *, at_least=None, at_most=None, fmt="{:.1f}") -> Check:
     target = f">= {at_least}" if at_least is not None else f"<= {at_most}"
     if value is None:
-        return Check(figure, "n/a (case failed)", target, None)
+        return Check(figure, NOT_MEASURED, target, None)
     ok = value >= at_least if at_least is not None else value <= at_most
     return Check(figure, fmt.format(value), target, bool(ok))
 

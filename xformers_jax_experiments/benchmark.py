@@ -1,7 +1,7 @@
 r"""Benchmarks: time, peak memory and GFLOP/s of attention variants, side by side in one run.
 
 Runs the suites in ``xformers_jax_experiments/suites/`` (each case in a fresh subprocess),
-writes ``<results_dir>/<suite>.json`` and regenerates BENCHMARKS.md (tables, the issues' figures
+writes ``<results_dir>/<suite>.json`` and regenerates BENCHMARKS.md (tables, the target figures
 as checks, and plots when matplotlib is installed) from every suite's stored results.
 
   python -m xformers_jax_experiments.benchmark --suite=attention         # one suite, full size
@@ -150,12 +150,23 @@ def run_suite(name: str, *, quick: bool, results_dir: str, log=print) -> dict:
             payload["records"] = list(records.values())
             _write(path, payload)  # after every case: a run cut short keeps what it measured
     results = bench_lib.Results(payload["records"], rate)
-    payload["checks"] = [dataclasses.asdict(c) for c in suite.checks(results)]
+    payload["checks"] = explain_unmeasured(
+        [dataclasses.asdict(c) for c in suite.checks(results)], payload["records"], quick)
     for c in payload["checks"]:
         log(f"[{name}] check: {c['figure']}: {c['measured']} (target {c['target']}) "
             f"{'OK' if c['ok'] else 'MISSED' if c['ok'] is False else 'n/a'}")
     _write(path, payload)
     return payload
+
+
+def explain_unmeasured(checks: list[dict], records: Sequence[dict], quick: bool) -> list[dict]:
+    """Says why a check has no measurement: ``--quick`` runs other sizes than the checks
+    read, and a case that failed has no figure (named, with the run's failures)."""
+    failed = sorted({r["name"] for r in records if r.get("error")})
+    why = ("not measured at --quick sizes" if quick else
+           f"not measured; failed in this run: {', '.join(failed)}" if failed else
+           "not measured in this run")
+    return [dict(c, measured=f"n/a ({why})") if c["ok"] is None else c for c in checks]
 
 
 def _selected(only: "re.Pattern", case: Case) -> bool:
@@ -264,8 +275,42 @@ def recheck(name: str, results_dir: str) -> None:
     _write(path, payload)
 
 
+def target_summary(payloads: Sequence[dict]) -> list[str]:
+    """BENCHMARKS.md's opening summary: every suite's targets counted (met, missed, not
+    measured), then each target missed or not measured with its figure, so the misses are
+    read first; the met ones are in each suite's own table."""
+    out = ["## Summary of targets", "",
+           "Every target figure of every suite: how many were met in the suite's stored run, "
+           "then each one missed or not measured (the suite's section has its full table and "
+           "what bounds it).", "",
+           "| suite | machine | run | targets | met | missed | not measured |",
+           "|---|---|---|---|---|---|---|"]
+    totals = [0, 0, 0, 0]
+    misses = []
+    for p in payloads:
+        checks = p["checks"]
+        counts = [len(checks), sum(c["ok"] is True for c in checks),
+                  sum(c["ok"] is False for c in checks), sum(c["ok"] is None for c in checks)]
+        totals = [a + b for a, b in zip(totals, counts)]
+        m = p["machine"]
+        where = m["devices"][0] if m["backend"] != "cpu" and m.get("devices") else m["cpu"]
+        out.append(f"| `{p['suite']}` | {where} | {m['date']}"
+                   f"{' (quick)' if p['quick'] else ''} | " + " | ".join(map(str, counts)) + " |")
+        misses += [(p["suite"], c) for c in checks if c["ok"] is not True]
+    out += ["| all | | | " + " | ".join(map(str, totals)) + " |", ""]
+    if misses:
+        out += ["| suite | figure | measured | target |", "|---|---|---|---|"]
+        out += [f"| `{suite}` | {c['figure']} | {c['measured']} | {c['target']} |"
+                for suite, c in misses]
+        out.append("")
+    return out
+
+
 def render_markdown(results_dir: str, markdown_path: str, plots: bool = True) -> str:
-    """BENCHMARKS.md from every suite JSON in ``results_dir`` (generated; do not edit)."""
+    """BENCHMARKS.md from every suite JSON in ``results_dir`` (generated; do not edit): the
+    summary of every target first, then each suite's checks and cases, and its notes
+    (``results_dir/notes/<suite>.md``: what investigating its figures found) when it has
+    them."""
     payloads = []
     for name in available_suites():
         path = os.path.join(results_dir, f"{name}.json")
@@ -286,6 +331,7 @@ def render_markdown(results_dir: str, markdown_path: str, plots: bool = True) ->
         "measured in the same run. Machines are shared and noisy: compare within a suite's run.",
         "",
     ]
+    out += target_summary(payloads)
     for p in payloads:
         m = p["machine"]
         _refresh(p)
@@ -336,6 +382,10 @@ def render_markdown(results_dir: str, markdown_path: str, plots: bool = True) ->
                 ]
             out.append("| " + " | ".join(cells) + " |")
         out.append("")
+        notes = os.path.join(results_dir, "notes", f"{p['suite']}.md")
+        if os.path.exists(notes):
+            with open(notes) as f:
+                out += [f"### `{p['suite']}`: notes", "", f.read().rstrip("\n"), ""]
         png = os.path.join(results_dir, f"{p['suite']}.png")
         if plots and _plot(p, png):
             rel = os.path.relpath(png, os.path.dirname(os.path.abspath(markdown_path)))

@@ -1,7 +1,11 @@
 """Writes CATALOGUE.md, the tables of every registered kind of every slot a model fills by name
 (attention kinds, token mixers, FFN layers), from the record each kind declares beside its
 function (``xformers_jax/attention/**/_kinds.py``, ``xformers_jax/mixers/_kinds.py``,
-``xformers_jax/experts/_kinds.py``), read through ``nn.registered_kinds`` and ``nn.get_kind``.
+``xformers_jax/experts/_kinds.py``), read through ``nn.registered_kinds`` and ``nn.get_kind``:
+each kind's paper (linked), costs, causal and decoding support, and every hyperparameter with
+its default and meaning; and, where the ``lra`` and ``gpu_lra`` benchmark suites measured the
+kind, its training step's time and compiled memory relative to dense attention
+(``xformers_jax_experiments/results/{lra,gpu_lra}.json``).
 
   python -m xformers_jax_experiments.catalogue [--catalogue_out=CATALOGUE.md]
 
@@ -9,6 +13,10 @@ function (``xformers_jax/attention/**/_kinds.py``, ``xformers_jax/mixers/_kinds.
 """
 
 from __future__ import annotations
+
+import json
+import os
+import urllib.parse
 
 from absl import app, flags
 
@@ -27,13 +35,84 @@ layers: `xformers_jax/experts/_kinds.py`); do not edit by hand. `L` is the seque
 docstring); *causal*: usable in a causal model; *decoding*: how it runs one new token at a time
 (`kv` a growing key/value cache, `window` a ring buffer of the last keys, `recurrent` a
 fixed-size state, `token` each token on its own; `no`: it cannot); *fixed length*: its
-parameters or hyperparameters fix the sequence length (or bound it by `max_len`);
-*hyperparameters*: what a spec may give, `name=default`, or `name` alone when the spec must
-give it.
+parameters or hyperparameters fix the sequence length (or bound it by `max_len`); *packs*:
+it honours segment ids, so packed rows (several documents per row, `data.pack=True`) give
+each document its outputs alone (`some`: for some hyperparameters, which its record's
+`segments` names; `no`: packing is refused naming it); *hyperparameters*: what a spec may give, `name=default` and its meaning, **required** when
+the spec must give it (`nn.AttentionSpec("nystrom")` is refused for want of
+`num_landmarks`); *step time, step memory*: one training step of the LRA byte-level Text
+classifier at L = 4096 with this kind, over the same step with dense `dot_product` attention
+(the `lra` benchmark suite on a CPU, `gpu_lra` on a GPU: BENCHMARKS.md), where measured;
+below 1 is cheaper.
 """
 
 _COLUMNS = ("kind", "function", "paper", "time", "memory", "causal", "decoding", "bias",
-            "fixed length", "hyperparameters")
+            "fixed length", "packs", "step time", "step memory", "hyperparameters")
+
+_RESULTS = os.path.join(os.path.dirname(__file__), "results")
+# (suite, label, the length the ratios are read at): each a training step per attention kind.
+_MEASURED = (("lra", "CPU", 4096), ("gpu_lra", "GPU", 4096))
+
+# arXiv identifiers of the papers the records cite, by title; a paper not listed here is
+# linked to an arXiv title search.
+_ARXIV = {
+    "Attention Is All You Need": "1706.03762",
+    "Generating Wikipedia by Summarizing Long Sequences": "1801.10198",
+    "Image Transformer": "1802.05751",
+    "Modeling Localness for Self-Attention Networks": "1810.10182",
+    "Accelerating Neural Transformer via an Average Attention Network": "1805.00631",
+    "Generating Long Sequences with Sparse Transformers": "1904.10509",
+    "Adaptively Sparse Transformers": "1909.00015",
+    "Axial Attention in Multidimensional Transformers": "1912.12180",
+    "Large Memory Layers with Product Keys": "1907.05242",
+    "Adaptive Attention Span in Transformers": "1905.07799",
+    "ETC: Encoding Long and Structured Inputs in Transformers": "2004.08483",
+    "Longformer: The Long-Document Transformer": "2004.05150",
+    "Multi-Head Attention: Collaborate Instead of Concatenate": "2006.16362",
+    "Transformers are RNNs: Fast Autoregressive Transformers with Linear Attention":
+        "2006.16236",
+    "Reformer: The Efficient Transformer": "2001.04451",
+    "GShard: Scaling Giant Models with Conditional Computation and Automatic Sharding":
+        "2006.16668",
+    "Talking-Heads Attention": "2003.02436",
+    "Sparse Sinkhorn Attention": "2002.11296",
+    "Fast Transformers with Clustered Attention": "2007.04825",
+    "Linformer: Self-Attention with Linear Complexity": "2006.04768",
+    "Lite Transformer with Long-Short Range Attention": "2004.11886",
+    "LambdaNetworks: Modeling Long-Range Interactions Without Attention": "2102.08602",
+    "Rethinking Attention with Performers": "2009.14794",
+    "Switch Transformers: Scaling to Trillion Parameter Models with Simple and Efficient "
+    "Sparsity": "2101.03961",
+    "Memory-efficient Transformers via Top-k Attention": "2106.06899",
+    "RealFormer: Transformer Likes Residual Attention": "2012.11747",
+    "Sparse is Enough in Scaling Transformers": "2111.12763",
+    "BASE Layers: Simplifying Training of Large, Sparse Models": "2103.16716",
+    "Pay Attention to MLPs": "2105.08050",
+    "Luna: Linear Unified Nested Attention": "2106.01540",
+    "Hash Layers For Large Sparse Models": "2106.04426",
+    "Efficient Content-Based Sparse Attention with Routing Transformers": "2003.05997",
+    "Linear Transformers Are Secretly Fast Weight Programmers": "2102.11174",
+    "Synthesizer: Rethinking Self-Attention for Transformer Models": "2005.00743",
+    "MLP-Mixer: An all-MLP Architecture for Vision": "2105.01601",
+    "Nystromformer: A Nystrom-Based Algorithm for Approximating Self-Attention": "2102.03902",
+    "Poolingformer: Long Document Modeling with Pooling Attention": "2105.04371",
+    "Informer: Beyond Efficient Transformer for Long Sequence Time-Series Forecasting":
+        "2012.07436",
+    "Long-Short Transformer: Efficient Transformers for Language and Vision": "2107.02192",
+    "FlashAttention: Fast and Memory-Efficient Exact Attention with IO-Awareness": "2205.14135",
+    "On the Parameterization and Initialization of Diagonal State Space Models": "2206.11893",
+    "FNet: Mixing Tokens with Fourier Transforms": "2105.03824",
+    "MetaFormer Is Actually What You Need for Vision": "2111.11418",
+    "Mixture-of-Experts with Expert Choice Routing": "2202.09368",
+    "ST-MoE: Designing Stable and Transferable Sparse Expert Models": "2202.08906",
+    "Mamba: Linear-Time Sequence Modeling with Selective State Spaces": "2312.00752",
+    "Simplified State Space Layers for Sequence Modeling": "2208.04933",
+    "Retentive Network: A Successor to Transformer for Large Language Models": "2307.08621",
+    "Transformers are SSMs: Generalized Models and Efficient Algorithms Through Structured "
+    "State Space Duality": "2405.21060",
+    "Gated Linear Attention Transformers with Hardware-Efficient Training": "2312.06635",
+    "Gated Delta Networks: Improving Mamba2 with Delta Rule": "2412.06464",
+}
 
 # Each slot a model fills by name: (title, how a model names a kind, the slot in nn's registry,
 # the family order). A slot nn's registry does not have is skipped.
@@ -49,17 +128,67 @@ def _yes(flag: bool) -> str:
     return "yes" if flag else "no"
 
 
+def paper_url(paper) -> str:
+    """The paper's arXiv page, or an arXiv search for its title when its identifier is not
+    in ``_ARXIV``."""
+    title = paper.title.split(" (")[0]  # "Pay Attention to MLPs (aMLP: ...)" is that paper
+    if title in _ARXIV:
+        return f"https://arxiv.org/abs/{_ARXIV[title]}"
+    return ("https://arxiv.org/search/?searchtype=title&query="
+            + urllib.parse.quote_plus(title))
+
+
+def _packs(k) -> str:
+    return "some" if callable(k.segments) else _yes(k.segments)
+
+
 def _hyperparameters(k) -> str:
-    cells = [f"`{n}`" if h.required else f"`{n}={h.default!r}`"
-             for n, h in k.hyperparameters.items()]
-    return ", ".join(cells) or "none"
+    """Each hyperparameter as ``name=default``: meaning (the required ones first)."""
+    items = sorted(k.hyperparameters.items(), key=lambda item: not item[1].required)
+    cells = [(f"`{n}` (**required**)" if h.required else f"`{n}={h.default!r}`")
+             + f": {h.doc}".replace("|", "\\|") for n, h in items]
+    return "<br>".join(cells) or "none"
 
 
-def _row(k) -> str:
+def measured() -> dict:
+    """``{kind: {"time": [(label, ratio)], "memory": [...]}}`` from the training-step suites
+    (each kind's first case at the suite's length over dense ``dot_product``'s)."""
+    out = {}
+    for suite, label, length in _MEASURED:
+        path = os.path.join(_RESULTS, f"{suite}.json")
+        if not os.path.exists(path):
+            continue
+        with open(path) as f:
+            records = json.load(f)["records"]
+        at = {}
+        for r in records:
+            p = r.get("params", {})
+            if p.get("L") == length and "kind" in p and r.get("time_s"):
+                at.setdefault(p["kind"], r)
+        dense = at.get("dot_product")
+        if dense is None:
+            continue
+        for kind, r in at.items():
+            if kind == "dot_product":
+                continue
+            entry = out.setdefault(kind, {"time": [], "memory": []})
+            entry["time"].append((label, r["time_s"] / dense["time_s"]))
+            if r.get("compiled_mb") and dense.get("compiled_mb"):
+                entry["memory"].append((label, r["compiled_mb"] / dense["compiled_mb"]))
+    return out
+
+
+def _ratios(pairs) -> str:
+    return ", ".join(f"{label} {ratio:.2f}x" for label, ratio in pairs) or "—"
+
+
+def _row(k, costs) -> str:
+    cost = costs.get(k.name, {})
     cells = (f"`{k.name}`", f"`{k.function.__name__}`",
-             f"{k.paper.authors} ({k.paper.year}), *{k.paper.title}*", k.time, k.memory,
-             _yes(k.causal), k.decoding or "no", _yes(k.bias), _yes(k.fixed_length),
-             _hyperparameters(k))
+             f"{k.paper.authors} ({k.paper.year}), [*{k.paper.title}*]({paper_url(k.paper)})",
+             k.time, k.memory, _yes(k.causal), k.decoding or "no", _yes(k.bias),
+             _yes(k.fixed_length), _packs(k), _ratios(cost.get("time", ())),
+             _ratios(cost.get("memory", ())), _hyperparameters(k))
     return "| " + " | ".join(cells).replace("\n", " ") + " |"
 
 
@@ -77,7 +206,7 @@ def catalogue() -> str:
     """The catalogue's Markdown text for the kinds registered now (those with complete
     records), one section per slot (attention, token mixers, FFN layers), one table per
     family."""
-    lines = [_HEADER.rstrip("\n")]
+    lines, costs = [_HEADER.rstrip("\n")], measured()
     for title, usage, slot, order in _SLOTS:
         kinds = slot_kinds(slot)
         if not kinds:
@@ -91,14 +220,18 @@ def catalogue() -> str:
                 continue
             lines += [f"\n### {family}\n", "| " + " | ".join(_COLUMNS) + " |",
                       "|" + "---|" * len(_COLUMNS)]
-            lines += [_row(k) for k in rows]
+            lines += [_row(k, costs) for k in rows]
     return "\n".join(lines) + "\n"
 
 
 def main(argv):
     del argv
+    text = catalogue()
     with open(_OUT.value, "w") as f:
-        f.write(catalogue())
+        f.write(text)
+    counts = {slot: len(slot_kinds(slot)) for _, _, slot, _ in _SLOTS}
+    print(f"wrote {os.path.abspath(_OUT.value)}: "
+          + ", ".join(f"{n} {slot} kinds" for slot, n in counts.items() if n))
 
 
 if __name__ == "__main__":

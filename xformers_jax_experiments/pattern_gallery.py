@@ -17,7 +17,7 @@ _LENGTH = flags.DEFINE_integer("length", 32, "Sequence length drawn (tokens).")
 
 
 def gallery(n: int) -> dict[str, tuple]:
-    """``name -> (pattern, length, causal)`` for every pattern of the issue."""
+    """``name -> (pattern, length, causal)`` for every sparse pattern in ``attention.patterns``."""
     bp = P.BPTree(n // 2)
     return {
         "full": (P.Full(), n, False),
@@ -44,13 +44,20 @@ def gallery(n: int) -> dict[str, tuple]:
     }
 
 
+def title(name: str, pattern, causal: bool) -> str:
+    """A picture's title: its name and the pattern's ``repr`` (wrapped to the picture's width
+    by ``viz.plot_pattern``)."""
+    return f"{name}: {pattern!r}" + (" & causal" if causal else "")
+
+
 def main(argv):
     del argv
     os.makedirs(_OUTDIR.value, exist_ok=True)
+    paths = []
     for name, (pattern, length, causal) in gallery(_LENGTH.value).items():
-        path = save_pattern(pattern, os.path.join(_OUTDIR.value, f"{name}.png"), length,
-                            causal=causal, title=f"{name}: {pattern!r}" + (" & causal" if causal else ""))
-        print(path)
+        paths.append(save_pattern(pattern, os.path.join(_OUTDIR.value, f"{name}.png"), length,
+                                  causal=causal, title=title(name, pattern, causal)))
+    print(f"wrote {len(paths)} pictures to {os.path.abspath(_OUTDIR.value)}")
 
 
 if __name__ == "__main__":

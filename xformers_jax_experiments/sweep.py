@@ -11,7 +11,7 @@ A sweep is a function in the config module (big_vision style)::
 Each run is one ``xformers_jax_experiments.train`` with those ``--config.KEY=VALUE`` overrides and
 its own workdir ``WORKDIR/NNN``. Locally, ``--num_processes`` runs go at a time and the results are
 gathered into one table (``WORKDIR/sweep.md``, ``WORKDIR/sweep.json``) from each run's
-``metrics.jsonl``::
+``metrics.jsonl``; the ListOps config's sweep is three learning rates over two seeds::
 
   python -m xformers_jax_experiments.sweep \
       --config=xformers_jax_experiments/configs/lra/listops.py:performer,runlocal \

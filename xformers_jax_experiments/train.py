@@ -155,6 +155,17 @@ def summary(result: dict) -> str:
     return line
 
 
+def starting_line(config, workdir: str) -> str:
+    """What the trainer does before its progress bar's first line (making the data and
+    compiling the step take tens of seconds on a CPU): said at once, so a run is never silent."""
+    attention = config.model.get("attention")
+    kind = f"{config.model.kind}" + (f" with {attention.kind} attention"
+                                     if attention is not None and "kind" in attention else "")
+    return (f"{config.data.task}: {kind}, {config.num_train_steps} steps, in {workdir}; "
+            "making the data and compiling the train step (the progress bar starts after the "
+            "first step)")
+
+
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
@@ -177,6 +188,8 @@ def main(argv):
         return
     if _WORKDIR.value is None:
         sys.exit("--workdir is required (a directory for checkpoints and metrics)")
+    if jax.process_index() == 0:
+        print(starting_line(_CONFIG.value, _WORKDIR.value), file=sys.stderr, flush=True)
     try:
         result = train.train_and_evaluate(_CONFIG.value, _WORKDIR.value,
                                           allow_config_change=_ALLOW_CONFIG_CHANGE.value)
@@ -194,13 +207,15 @@ def main(argv):
         sys.exit(PREEMPTED)
     if (_CONFIG.value.plot and not result.get("already_finished")
             and jax.process_index() == 0):
-        curves = plot_curves(_WORKDIR.value)
+        curves = plot_curves(_WORKDIR.value, result)
         if curves:
             print(f"learning curves: {curves}")
 
 
-def plot_curves(workdir: str) -> str | None:
-    """``workdir/curves.png`` (train loss, validation accuracy); None without matplotlib."""
+def plot_curves(workdir: str, result: dict | None = None) -> str | None:
+    """``workdir/curves.png``: train and validation loss and accuracy, the test split's
+    values at the best checkpoint and the majority-class baseline from ``result`` (the
+    trainer's); None without matplotlib."""
     try:
         import matplotlib  # noqa: F401  (optional: pip install '.[viz]')
     except ImportError:
@@ -208,7 +223,9 @@ def plot_curves(workdir: str) -> str | None:
     from xformers_jax_experiments import plot
 
     out = os.path.join(workdir, "curves.png")
-    plot.plot([workdir], ["train_loss", "validation_accuracy"], out)
+    result = result or {}
+    plot.learning_curves(workdir, out, baseline=result.get("test_majority_accuracy"),
+                         best_step=result.get("best_step"))
     return out
 
 

@@ -14,6 +14,12 @@ from ._dense import dot_product_attention as dot_product_attention
 from ._exact import block_sparse_attention as block_sparse_attention
 from ._exact import flash_attention as flash_attention
 from ._exact import pattern_tile as pattern_tile
+from ._flex import alibi_score as alibi_score
+from ._flex import flex_attention as flex_attention
+from ._flex import prefix_lm_mask as prefix_lm_mask
+from ._flex import relative_bias_score as relative_bias_score
+from ._flex import soft_cap_score as soft_cap_score
+from ._flex import streaming_mask as streaming_mask
 from ._multihead import multihead as multihead
 from ._halo import halo_local_attention as halo_local_attention
 from ._ring import ring_attention as ring_attention

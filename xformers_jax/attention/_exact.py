@@ -88,17 +88,22 @@ def _pattern_blocks(name, pattern: Pattern, lq: int, lk: int, block_q, block_k):
 
 
 def _run(name, x, layout, *, kv_mask, segs, bias, scale, dropout_rate, key, return_lse,
-         implementation, causal):
+         implementation, causal, flex=None, op=None):
+    """Runs the chosen kernel; ``flex``: flex attention's kernel arguments (``score_mod``,
+    ``mask_mod``, ``sink``, ``index``: see ``kernels.attend_layout``), which only the XLA
+    path takes; ``op``: the kernel registry's operation (default ``name``)."""
+    flex = flex or {}
     call = dict(
         lq=x.lq, lk=x.lk, dk=x.dk, dv=x.dv, dtype=x.q.dtype, layout=layout, causal=causal,
         has_kv_mask=kv_mask is not None, has_segments=segs is not None,
         bias=("none" if bias is None else "callable" if callable(bias) else "array"),
         dropout_rate=dropout_rate,
+        flex=tuple(n for n in ("score_mod", "mask_mod", "sink") if flex.get(n) is not None),
     )
     if implementation != "xla":
         import pallas_kernels  # noqa: F401  registers the Pallas kernels; loaded only when asked
 
-    kernel = kernels.choose(name, implementation, call)
+    kernel = kernels.choose(op or name, implementation, call)
     if kernel is not None:
         out, lse = kernel(
             x.q, x.k, x.v, layout, kv_mask=kv_mask, segments=segs, bias=bias, scale=scale,
@@ -107,7 +112,7 @@ def _run(name, x, layout, *, kv_mask, segs, bias, scale, dropout_rate, key, retu
     else:
         out, lse = attend_layout(
             x.q, x.k, x.v, layout, kv_mask=kv_mask, segments=segs, bias=bias, scale=scale,
-            dropout_rate=dropout_rate, key=key,
+            dropout_rate=dropout_rate, key=key, **flex,
         )
     return (out, lse) if return_lse else out
 

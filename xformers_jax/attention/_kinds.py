@@ -1,8 +1,11 @@
 """The exact softmax kinds (:mod:`._dense`, :mod:`._exact`) as :class:`~xformers_jax.kinds.Kind`
 records, with their adapters: the only kinds that take additive position biases and decode over
-a key/value cache."""
+a key/value cache. They honour segment ids (packed rows): the dense reference masks the scores
+and the tiled kernel each tile by ``segment_ids``, which ``attend`` passes through."""
 
 from __future__ import annotations
+
+import jax.numpy as jnp
 
 from ..kinds import AttentionAdapter, Kind, KVDecoding, Paper, REQUIRED, SequenceParallel
 from ..kinds import WindowDecoding
@@ -11,6 +14,7 @@ from ._dense import dot_product_attention
 from ._exact import block_sparse_attention, flash_attention
 from ._halo import halo_local_attention
 from ._ring import ring_attention
+from ._flex import flex_attention, soft_cap_score, streaming_mask
 from .patterns import Local
 
 _VASWANI = Paper("Vaswani et al.", 2017, "Attention Is All You Need")
@@ -49,13 +53,30 @@ def _no_pattern(hp, causal):
     return None
 
 
+def _softcap(q, k, v, *, cap=50.0, **kw):
+    return flex_attention(q, k, v, score_mod=soft_cap_score(cap), **kw)
+
+
+def _streaming(q, k, v, *, window, sinks=4, **kw):
+    return flex_attention(q, k, v, mask_mod=streaming_mask(window, sinks), **kw)
+
+
+def _learned_sinks(q, k, v, sink, *, window=None, **kw):
+    return flex_attention(q, k, v, sink=sink, mask_mod=None if window is None else Local(
+        window, 0 if kw.get("causal") else window), **kw)
+
+
+def _init_sinks(key, hp, *, num_heads, head_dim, max_len):
+    return jnp.zeros((num_heads,), jnp.float32)
+
+
 _RING = SequenceParallel(lifted(_ring), _no_pattern)
 _PATTERN_DECODING = KVDecoding(pattern=lambda hp: hp["pattern"])
 
 KINDS = (
     Kind("dot_product", dot_product_attention, "exact", _VASWANI,
          time="O(L^2 D)", memory="O(L^2)", causal=True, decoding="kv", bias=True,
-         test_hyperparameters={},
+         segments=True, test_hyperparameters={},
          hyperparameters={"pattern": (None, "a static sparsity pattern (attention.patterns) "
                                             "applied to the dense scores; None: all keys")},
          adapter=AttentionAdapter(lifted(dot_product_attention), decoding=_PATTERN_DECODING,
@@ -64,7 +85,7 @@ KINDS = (
          Paper("Dao et al.", 2022,
                "FlashAttention: Fast and Memory-Efficient Exact Attention with IO-Awareness"),
          time="O(L^2 D)", memory="O(L D)", causal=True, decoding="kv", bias=True,
-         test_hyperparameters={"block_q": 8, "block_k": 8},
+         segments=True, test_hyperparameters={"block_q": 8, "block_k": 8},
          hyperparameters={"pattern": (None, "a static sparsity pattern (attention.patterns) "
                                             "whose empty tiles are skipped; None: all keys"),
                           **_TILES},
@@ -72,7 +93,8 @@ KINDS = (
                                   sequence=_RING)),
     Kind("block_sparse", block_sparse_attention, "exact", _CHILD,
          time="O(L n D), n kept keys per query", memory="O(L D)", causal=True, decoding="kv",
-         bias=True, test_hyperparameters={"pattern": Local(4, 4), "block_q": 8, "block_k": 8},
+         bias=True, segments=True,
+         test_hyperparameters={"pattern": Local(4, 4), "block_q": 8, "block_k": 8},
          hyperparameters={"pattern": (REQUIRED, "the static sparsity pattern "
                                                 "(attention.patterns), e.g. Local(16, 0)"),
                           **_TILES},
@@ -80,11 +102,37 @@ KINDS = (
     Kind("local", block_sparse_attention, "exact",
          Paper("Parmar et al.", 2018, "Image Transformer"),
          time="O(L w D), w the window", memory="O(L D)", causal=True, decoding="window",
-         bias=True, test_hyperparameters={"left": 3},
+         bias=True, segments=True, test_hyperparameters={"left": 3},
          hyperparameters={"left": (REQUIRED, "keys before the query inside its window"),
                           "right": (0, "keys after the query inside its window"),
                           **_TILES},
          adapter=AttentionAdapter(lifted(_local),
                                   decoding=WindowDecoding(left=lambda hp: hp["left"]),
                                   sequence=SequenceParallel(lifted(_halo)))),
+    # Flex attention's score and mask functions (attention._flex) as kinds.
+    Kind("softcap", flex_attention, "exact",
+         Paper("Gemma Team", 2024, "Gemma 2: Improving Open Language Models at a Practical Size"),
+         time="O(L^2 D)", memory="O(L D)", causal=True, decoding=None,
+         test_hyperparameters={"cap": 1.0, "block_q": 8, "block_k": 8},
+         hyperparameters={"cap": (50.0, "soft cap of the scaled logits: cap * tanh(s / cap)"),
+                          **TILES},
+         adapter=AttentionAdapter(lifted(_softcap))),
+    Kind("streaming", flex_attention, "exact",
+         Paper("Xiao et al.", 2024, "Efficient Streaming Language Models with Attention Sinks"),
+         time="O(L (w + n) D)", memory="O(L D)", causal=True, decoding="kv",
+         test_hyperparameters={"window": 3, "sinks": 2, "block_q": 8, "block_k": 8},
+         hyperparameters={"window": (REQUIRED, "keys before the query inside its window"),
+                          "sinks": (4, "first keys every query sees (the attention sinks)"),
+                          **TILES},
+         adapter=AttentionAdapter(
+             lifted(_streaming),
+             decoding=KVDecoding(pattern=lambda hp: streaming_mask(hp["window"], hp["sinks"])))),
+    Kind("learned_sinks", flex_attention, "exact",
+         Paper("OpenAI", 2025, "gpt-oss-120b & gpt-oss-20b Model Card"),
+         time="O(L^2 D) (O(L w D) windowed)", memory="O(L D)", causal=True, decoding=None,
+         test_hyperparameters={"block_q": 8, "block_k": 8},
+         hyperparameters={"window": (None, "sliding window (keys back; both sides when not "
+                                           "causal); None: all keys"),
+                          **TILES},
+         adapter=AttentionAdapter(lifted(_learned_sinks, ("heads",)), init=_init_sinks)),
 )

@@ -16,7 +16,10 @@ import jax.numpy as jnp
 _AXES = (None, "batch", "heads", "batch_heads")
 
 # Keyword arguments of the contract whose layout is known.
-_DEFAULT_KWARG_AXES = {"kv_mask": "batch", "q_mask": "batch", "segment_ids": "batch"}
+# ``batch_index``/``head_index``: the ``b`` and ``h`` of flex attention's score and mask
+# functions (``jnp.arange(B)``, ``jnp.arange(H)``), one scalar per call.
+_DEFAULT_KWARG_AXES = {"kv_mask": "batch", "q_mask": "batch", "segment_ids": "batch",
+                       "batch_index": "batch", "head_index": "heads"}
 
 
 def _take0(x, axis: int):
@@ -71,7 +74,8 @@ def multihead(
       arg_axes: layout of each extra positional argument: ``None`` (shared), ``"batch"``,
         ``"heads"`` or ``"batch_heads"`` (leading axes of the argument).
       kwarg_axes: the same for keyword arguments; merged over the defaults
-        ``{"kv_mask": "batch", "q_mask": "batch", "segment_ids": "batch"}``.
+        ``{"kv_mask": "batch", "q_mask": "batch", "segment_ids": "batch", "batch_index":
+        "batch", "head_index": "heads"}`` (the last two: flex attention's ``b`` and ``h``).
 
     Example:
       >>> import jax, jax.numpy as jnp

@@ -10,6 +10,7 @@ from ._bytes import ByteWindows as ByteWindows
 from ._bytes import StdlibBytesClassification as StdlibBytesClassification
 from ._bytes import encode_bytes as encode_bytes
 from ._bytes import stdlib_bytes_lm as stdlib_bytes_lm
+from ._bytes import stdlib_documents as stdlib_documents
 from ._checks import check_arrays as check_arrays
 from ._checks import check_range as check_range
 from ._iterators import ArraySource as ArraySource
@@ -28,6 +29,7 @@ from ._loaders import load_cifar10 as load_cifar10
 from ._loaders import load_enwik8 as load_enwik8
 from ._loaders import load_imdb as load_imdb
 from ._loaders import load_listops_tsv as load_listops_tsv
+from ._packing import PackedDocuments as PackedDocuments
 from ._pathfinder import DIFFICULTIES as PATHFINDER_DIFFICULTIES
 from ._pathfinder import PATHX_SIZE as PATHX_SIZE
 from ._pathfinder import Pathfinder as Pathfinder

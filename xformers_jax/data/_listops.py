@@ -5,7 +5,7 @@ An expression is a tree of operators over digits, written in prefix form with br
 generator follows the LRA script (``lra_benchmarks/data/listops.py``): a node below the maximum
 depth is a digit with probability 0.75, otherwise an operator with 2..max_args arguments; trees
 are drawn until their token count lies in [min_length, max_length] (rejection sampling).
-LRA's task: depth 10, 10 arguments, 500-2000 tokens (CATALOG.md, "Long Range Arena").
+LRA's task: depth 10, 10 arguments, 500-2000 tokens (Tay et al. 2021, "Long Range Arena").
 
 Tokens are whole symbols: each operator with its opening bracket (``[MAX``) is one token, ``]``
 is one token, each digit is one token; id 0 is padding. Parentheses in LRA's TSV files are only

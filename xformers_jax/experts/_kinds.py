@@ -22,6 +22,16 @@ _MOE_TIME, _MOE_MEMORY = "O(k * dim * hidden)", "O(E * dim * hidden) parameters"
 _TINY = {"num_experts": 4}
 
 
+def _dropless_only(hp):
+    """Segment ids (packed rows) with a token-choice MoE: dropless dispatch routes each token
+    alone, but capacity dispatch shares each expert's slots between the tokens of a group (a
+    row, or the batch), so one document's tokens can crowd out another's."""
+    if hp["mode"] == "dropless":
+        return None
+    return (f"mode={hp['mode']!r} shares expert capacity between the documents of a packed "
+            "row; use mode='dropless' to train on packed rows")
+
+
 def _moe(**defaults):
     """The hyperparameters of an MoE kind (every keyword of ``nn.MoEFeedForward`` but the
     block's and the router), with the kind's own ``defaults``."""
@@ -58,22 +68,26 @@ KINDS = (
     Kind("dense", feed_forward, "dense",
          Paper("Vaswani et al.", 2017, "Attention Is All You Need"),
          time="O(dim * hidden)", memory="O(hidden)", causal=True, decoding="token",
+         segments=True,
          hyperparameters={"chunk_size": (None, "positions per chunk (Reformer's chunked FFN; "
                                                "None: all at once, or the block's chunk_size)")}),
     Kind("switch", moe_ffn, "experts",
          Paper("Fedus et al.", 2021, "Switch Transformers: Scaling to Trillion Parameter "
                "Models with Simple and Efficient Sparsity"),
-         _MOE_TIME, _MOE_MEMORY, causal=True, decoding="token", test_hyperparameters=_TINY,
+         _MOE_TIME, _MOE_MEMORY, causal=True, decoding="token", segments=_dropless_only,
+         test_hyperparameters=_TINY,
          hyperparameters=_moe(k=1, jitter=1e-2), layer_arguments={"router": "top_k"}),
     Kind("gshard", moe_ffn, "experts",
          Paper("Lepikhin et al.", 2020, "GShard: Scaling Giant Models with Conditional "
                "Computation and Automatic Sharding"),
-         _MOE_TIME, _MOE_MEMORY, causal=True, decoding="token", test_hyperparameters=_TINY,
+         _MOE_TIME, _MOE_MEMORY, causal=True, decoding="token", segments=_dropless_only,
+         test_hyperparameters=_TINY,
          hyperparameters=_moe(k=2, second_policy="random"), layer_arguments={"router": "top_k"}),
     Kind("st_moe", moe_ffn, "experts",
          Paper("Zoph et al.", 2022, "ST-MoE: Designing Stable and Transferable Sparse "
                "Expert Models"),
-         _MOE_TIME, _MOE_MEMORY, causal=True, decoding="token", test_hyperparameters=_TINY,
+         _MOE_TIME, _MOE_MEMORY, causal=True, decoding="token", segments=_dropless_only,
+         test_hyperparameters=_TINY,
          hyperparameters=_moe(k=2), layer_arguments={"router": "top_k"}),
     Kind("expert_choice", expert_choice_ffn, "experts",
          Paper("Zhou et al.", 2022, "Mixture-of-Experts with Expert Choice Routing"),
@@ -83,11 +97,12 @@ KINDS = (
          layer_arguments={"router": "expert_choice"}),
     Kind("hash", hash_route, "experts",
          Paper("Roller et al.", 2021, "Hash Layers For Large Sparse Models"),
-         "O(dim * hidden)", _MOE_MEMORY, causal=True, decoding="token",
+         "O(dim * hidden)", _MOE_MEMORY, causal=True, decoding="token", segments=_dropless_only,
          test_hyperparameters=_TINY, hyperparameters=_moe(), layer_arguments={"router": "hash"}),
     Kind("prototype", prototype_route, "experts",
          Paper("Yang et al.", 2021, "M6-T: Exploring Sparse Expert Models and Beyond"),
          "O(groups * dim * hidden)", _MOE_MEMORY, causal=True, decoding="token",
+         segments=_dropless_only,
          test_hyperparameters={"num_experts": 4, "groups": 2}, hyperparameters=_moe(groups=2),
          layer_arguments={"router": "prototype"}),
     Kind("base", base_route, "experts",
@@ -99,7 +114,7 @@ KINDS = (
     Kind("product_key", product_key_lookup, "capacity",
          Paper("Lample et al.", 2019, "Large Memory Layers with Product Keys"),
          time="O(heads * (n * key_dim + k^2 + k * dim))", memory="O(n^2 * dim) parameters",
-         causal=True, decoding="token",
+         causal=True, decoding="token", segments=True,
          test_hyperparameters={"n_keys": 8, "heads": 2, "k": 4, "key_dim": 8},
          hyperparameters={
              "n_keys": (128, "sub-keys n per half (the memory has n^2 rows of width dim)"),
@@ -109,11 +124,12 @@ KINDS = (
     Kind("sparse_ffn", sparse_feed_forward, "capacity",
          Paper("Jaszczur et al.", 2021, "Sparse is Enough in Scaling Transformers"),
          time="O(dim * (rank + hidden / block)) at inference", memory="O(dim * hidden)",
-         causal=True, decoding="token", test_hyperparameters={"block": 8, "rank": 8},
+         causal=True, decoding="token", segments=True,
+         test_hyperparameters={"block": 8, "rank": 8},
          hyperparameters={
              "block": (32, "hidden units per block, one kept per token"),
              "rank": (64, "rank of the low-rank controller")}),
     Kind("none", no_feed_forward, "capacity",
          Paper("Sukhbaatar et al.", 2019, "Augmenting Self-attention with Persistent Memory"),
-         time="O(1)", memory="O(1)", causal=True, decoding="token"),
+         time="O(1)", memory="O(1)", causal=True, decoding="token", segments=True),
 )

@@ -48,7 +48,7 @@ class _Static(_tiles.TileConfig):
 
     layout: BlockLayout
     dropout_rate: float
-    bias_fn: Callable[..., Any] | None  # see _convert_bias
+    bias_fn: Callable[..., Any] | None  # see _convert
     bias_is_array: bool
     # The score scale is applied to q once, before the tile scans, rather than to every
     # [bq, bk] score tile: XLA:CPU ran the tile's ``s * scale`` as a fusion of its own feeding
@@ -59,6 +59,15 @@ class _Static(_tiles.TileConfig):
     # Row-gathered tiles per backward scan step (0: one tile per step), see
     # ``_gather_width``; when set, ``dyn``'s masks are ``_gather_masks``'s table.
     gather: int = 0
+    # Flex attention (Dong et al., 2024, "Flex Attention"): ``score_fn(s, b, h, q_pos, k_pos,
+    # floats, others)`` replaces each tile's scores (after the scale and any bias), and
+    # ``mask_fn(b, h, q_pos, k_pos, consts)`` masks them in-tile as data; both are closure
+    # converted (:func:`_convert`) and evaluated at natural ``[bq, bk]`` tiles. ``has_sink``:
+    # every row's softmax has one more logit, the sink, with no value (the online softmax
+    # starts from it).
+    score_fn: Callable[..., Any] | None = None
+    mask_fn: Callable[..., Any] | None = None
+    has_sink: bool = False
 
     __eq__ = object.__eq__
     __hash__ = object.__hash__
@@ -72,8 +81,10 @@ class _Tile:
     dropout decisions are the same entries, transposed.
     """
 
-    def __init__(self, st: _Static, q, k, dyn, bias, qi, kj, mi, with_static_mask: bool,
+    def __init__(self, st: _Static, q, k, dyn, extra, qi, kj, mi, with_static_mask: bool,
                  transposed: bool = False, gathered: bool = False):
+        bias, self.score_floats, _ = extra
+        self.transposed = transposed
         lay = st.layout
         bq, bk = lay.block_q, lay.block_k
         self.q0 = qi * bq
@@ -91,7 +102,7 @@ class _Tile:
         # (q_pos [bq, 1], k_pos [1, bk]): the positions a callable bias is evaluated at.
         self.positions = (q_rows[:, None], k_rows[None, :])
         self.k = keys(k)
-        kv_mask, q_seg, kv_seg, seed, masks, self.bias_data = dyn
+        kv_mask, q_seg, kv_seg, seed, masks, self.bias_data, self.mods = dyn
         mask = _tiles.dynamic_mask(
             keys(kv_mask) if st.has_kv_mask else None,
             jax.lax.dynamic_slice_in_dim(q_seg, self.q0, bq) if st.has_segments else None,
@@ -110,7 +121,6 @@ class _Tile:
             mask = _tiles.and_masks(mask, masks[:, mi].reshape(bq, -1))
         elif with_static_mask:  # the caller transposes ``masks``
             mask = _tiles.and_masks(mask, masks[:, mi] if st.gather else masks[mi])
-        self.mask = mask
         if not st.scale_folded:
             s = s * st.scale
         if st.bias_is_array and gathered:
@@ -123,6 +133,14 @@ class _Tile:
         elif st.bias_fn is not None:
             b = self.callable_bias(st, bias)
             s = s + (b.T if transposed else b).astype(STATS_DTYPE)
+        if st.score_fn is not None:
+            self.s_raw = s
+            s = self.score(st, s, self.score_floats)
+        if st.mask_fn is not None:
+            bh, _, mask_consts = self.mods
+            mask = _tiles.and_masks(mask, self.by_key_tile(st, lambda qp, kp: jnp.broadcast_to(
+                st.mask_fn(bh[0], bh[1], qp, kp, [], mask_consts), (qp.shape[0], kp.shape[1]))))
+        self.mask = mask
         self.s = s if mask is None else jnp.where(mask, s, -jnp.inf)
         self.keep = (
             _tiles.dropout_keep(seed, self.q_pos, self.k_pos, st.dropout_rate)
@@ -140,6 +158,28 @@ class _Tile:
         return jnp.concatenate(
             [st.bias_fn(q_pos, k_pos[:, i : i + bk], consts, self.bias_data)
              for i in range(0, k_pos.shape[1], bk)], axis=1)
+
+    def by_key_tile(self, st: _Static, fn, *tiles):
+        """``fn(q_pos [bq, 1], k_pos [1, bk], *tiles [bq, bk]) -> [bq, bk]`` over this tile,
+        evaluated in the natural orientation one key tile at a time (a flex function's jaxpr
+        was traced at one ``[bq, bk]`` tile) and returned in the tile's orientation."""
+        q_pos, k_pos = self.positions
+        bk = st.layout.block_k
+        tiles = [x.T if self.transposed else x for x in tiles]
+        if k_pos.shape[1] == bk:
+            out = fn(q_pos, k_pos, *tiles)
+        else:
+            out = jnp.concatenate(
+                [fn(q_pos, k_pos[:, i : i + bk], *[x[:, i : i + bk] for x in tiles])
+                 for i in range(0, k_pos.shape[1], bk)], axis=1)
+        return out.T if self.transposed else out
+
+    def score(self, st: _Static, s, floats):
+        """The flex score function over the tile's scores ``s`` (float32)."""
+        bh, others, _ = self.mods
+        return self.by_key_tile(st, lambda qp, kp, x: jnp.broadcast_to(
+            st.score_fn(x, bh[0], bh[1], qp, kp, floats, others), x.shape
+        ).astype(STATS_DTYPE), s)
 
     def dropped(self, p, rate):
         return p if self.keep is None else jnp.where(self.keep, p / (1.0 - rate), 0.0)
@@ -251,21 +291,25 @@ def _fold_scale(st: _Static, q):
     return (q.astype(STATS_DTYPE) * st.scale).astype(q.dtype)
 
 
-def _forward(st: _Static, q, k, v, bias, dyn):
+def _forward(st: _Static, q, k, v, extra, dyn):
     lay = st.layout
     q = _fold_scale(st, q)
     bq = lay.block_q
     lq_p = lay.num_q_blocks * bq
     acc = jnp.zeros((lq_p, v.shape[1]), STATS_DTYPE)
-    m = jnp.full((lq_p, 1), -jnp.inf, STATS_DTYPE)
-    l = jnp.zeros((lq_p, 1), STATS_DTYPE)
+    if st.has_sink:  # the sink logit is every row's first score: m = sink, l = exp(0)
+        m = jnp.full((lq_p, 1), extra[2].astype(STATS_DTYPE), STATS_DTYPE)
+        l = jnp.ones((lq_p, 1), STATS_DTYPE)
+    else:
+        m = jnp.full((lq_p, 1), -jnp.inf, STATS_DTYPE)
+        l = jnp.zeros((lq_p, 1), STATS_DTYPE)
 
     for group, with_mask in _work_groups(st, gathered=False):
 
         def body(carry, xs, with_mask=with_mask):
             acc, m, l = carry
             qi, kj, mi = xs
-            t = _Tile(st, q, k, dyn, bias, qi, kj, mi, with_mask)
+            t = _Tile(st, q, k, dyn, extra, qi, kj, mi, with_mask)
             v_t = t.keys(v)
             m_new, l_new, a_new = _tiles.online_step(
                 t.s,
@@ -298,7 +342,7 @@ def _forward(st: _Static, q, k, v, bias, dyn):
 _TRANSPOSE_FROM = 128 * 128
 
 
-def _backward(st: _Static, q, k, v, bias, dyn, out, lse, d_out, d_lse):
+def _backward(st: _Static, q, k, v, extra, dyn, out, lse, d_out, d_lse):
     """Recomputes each listed tile from the saved log-sum-exp and accumulates dq, dk, dv.
 
     Tiles of ``_TRANSPOSE_FROM`` scores or more are computed transposed, ``[bk, bq]``, from
@@ -307,7 +351,14 @@ def _backward(st: _Static, q, k, v, bias, dyn, out, lse, d_out, d_lse):
     transposed and turned round once at the end. In the natural orientation the ``p^T dO``
     and ``ds^T q`` products contract the leading axis of both operands, which XLA:CPU ran 2.6x
     slower than a plain matmul (a 512 x 512 tile's backward: 1.73 against 1.07 ms).
+
+    A flex score function is differentiated inside the tile: the softmax backward gives the
+    cotangent of the modified scores, ``jax.vjp`` of the score function at the tile's raw
+    scores turns it into theirs (for dq, dk) and into its captured arrays' (summed over the
+    tiles). A sink logit ``z`` (one per row's softmax, no value) gets
+    ``-sum_i exp(z - lse_i) delta_i``.
     """
+    bias, score_floats, sink = extra
     lay = st.layout
     bq, bk = lay.block_q, lay.block_k
     tr = bq * bk >= _TRANSPOSE_FROM and not st.gather
@@ -316,8 +367,8 @@ def _backward(st: _Static, q, k, v, bias, dyn, out, lse, d_out, d_lse):
     k_scale = 1.0 if st.scale_folded else st.scale
     q_in, k_T, d_out_T = (q.T, k.T, d_out.T) if tr else (q, None, None)
     if tr:
-        kv_mask, q_seg, kv_seg, seed, masks, bias_data = dyn
-        dyn = (kv_mask, q_seg, kv_seg, seed, jnp.swapaxes(masks, 1, 2), bias_data)
+        kv_mask, q_seg, kv_seg, seed, masks, bias_data, mods = dyn
+        dyn = (kv_mask, q_seg, kv_seg, seed, jnp.swapaxes(masks, 1, 2), bias_data, mods)
     bias_in = bias.T if tr and st.bias_is_array else bias
     q_axis = 1 if tr else 0  # dq's query axis (dq is [D, Lq] when transposed)
     dq = jnp.zeros(q_in.shape, STATS_DTYPE)
@@ -327,6 +378,7 @@ def _backward(st: _Static, q, k, v, bias, dyn, out, lse, d_out, d_lse):
         d_bias = jnp.zeros(bias_in.shape, STATS_DTYPE)
     else:
         d_bias = jax.tree_util.tree_map(lambda c: jnp.zeros(c.shape, STATS_DTYPE), bias)
+    d_score = jax.tree_util.tree_map(lambda c: jnp.zeros(c.shape, STATS_DTYPE), score_floats)
 
     def per_query(x):  # a per-query vector against the oriented tile
         return x[None, :] if tr else x[:, None]
@@ -338,10 +390,10 @@ def _backward(st: _Static, q, k, v, bias, dyn, out, lse, d_out, d_lse):
     for group, with_mask in _work_groups(st, gathered):
 
         def body(carry, xs, with_mask=with_mask):
-            dq, dk, dv, d_bias = carry
+            dq, dk, dv, d_bias, d_score = carry
             qi, kj, mi = xs
-            t = _Tile(st, q_in, k, dyn, bias_in, qi, kj, mi, with_mask, transposed=tr,
-                      gathered=gathered)
+            t = _Tile(st, q_in, k, dyn, (bias_in, score_floats, sink), qi, kj, mi, with_mask,
+                      transposed=tr, gathered=gathered)
             q_t = jax.lax.dynamic_slice_in_dim(q, t.q0, bq)
             v_t = t.keys(v)
             do_t = jax.lax.dynamic_slice_in_dim(d_out, t.q0, bq)
@@ -355,6 +407,13 @@ def _backward(st: _Static, q, k, v, bias, dyn, out, lse, d_out, d_lse):
             else:
                 dv_t, dp = mm("qk,qd->kd", p_drop, do_t), mm("qd,kd->qk", do_t, v_t)
             ds = _tiles.score_grad(p, t.dropped(dp, st.dropout_rate), per_query(delta_t))
+            if st.score_fn is not None:
+                _, pull = jax.vjp(lambda s, c: t.score(st, s, c), t.s_raw, score_floats)
+                ds, d_c = pull(ds)
+                if t.mask is not None:  # 0 * (an infinite derivative) at masked scores
+                    ds = jnp.where(t.mask, ds, 0.0)
+                d_score = jax.tree_util.tree_map(
+                    lambda a, g: a + g.astype(STATS_DTYPE), d_score, d_c)
             ds_c = ds.astype(q.dtype)
             if tr:
                 k_T_t = jax.lax.dynamic_slice_in_dim(k_T, t.k0, bk, axis=1)
@@ -384,44 +443,58 @@ def _backward(st: _Static, q, k, v, bias, dyn, out, lse, d_out, d_lse):
                     lambda a, g: a + g.astype(STATS_DTYPE), d_bias,
                     list(pull(ds.T if tr else ds))
                 )
-            return (dq, dk, dv, d_bias), None
+            return (dq, dk, dv, d_bias, d_score), None
 
-        (dq, dk, dv, d_bias), _ = jax.lax.scan(
-            body, (dq, dk, dv, d_bias), tuple(map(jnp.asarray, group))
+        (dq, dk, dv, d_bias, d_score), _ = jax.lax.scan(
+            body, (dq, dk, dv, d_bias, d_score), tuple(map(jnp.asarray, group))
         )
     if tr:
         dq = dq.T
         d_bias = d_bias.T if st.bias_is_array else d_bias
-    return dq, dk, dv, d_bias
+    d_sink = ()
+    if st.has_sink:  # lse is finite on every row (it includes the sink)
+        d_sink = -jnp.sum(jnp.exp(sink.astype(STATS_DTYPE) - lse) * delta)
+    return dq, dk, dv, (d_bias, d_score, d_sink)
 
 
 _attend = lse_vjp(_forward, _backward)
 
 
-def _convert_bias(bias, block_q: int, block_k: int):
-    """Turns a callable bias into ``bias_fn(q_pos, k_pos, float_consts, other_consts)``.
+def _convert(fn, *examples, differentiable: bool = True):
+    """Closure-converts ``fn``: returns ``(converted, float_consts, other_consts)`` where
+    ``converted(*args, float_consts, other_consts)`` evaluates ``fn``'s jaxpr, traced at
+    ``examples`` (its shapes and dtypes).
 
     Every array the callable closes over or holds (an ``eqx.Module``'s leaves, possibly tracers
     of an enclosing ``vmap``, ``jit`` or ``grad``) becomes an explicit argument of the custom
-    VJP: the floating ones differentiable (their gradients are accumulated per tile), the others
-    passed as data. ``jax.closure_convert`` would leave non-differentiable tracers inside the
-    function, where they would escape the custom VJP.
+    VJP: the floating tracers differentiable (their gradients are accumulated per tile; none
+    with ``differentiable=False``), the others passed as data (a concrete array cannot be
+    differentiated by any enclosing transformation, so it costs no per-tile gradient).
+    ``jax.closure_convert`` would leave non-differentiable tracers inside the function, where
+    they would escape the custom VJP.
     """
-    closed = jax.make_jaxpr(lambda i, j: bias(i, j))(
-        jnp.zeros((block_q, 1), jnp.int32), jnp.zeros((1, block_k), jnp.int32))
+    closed = jax.make_jaxpr(fn)(*examples)
     consts = [jnp.asarray(c) for c in closed.consts]
-    is_float = tuple(bool(jnp.issubdtype(c.dtype, jnp.inexact)) for c in consts)
+    is_float = tuple(differentiable and isinstance(c, jax.core.Tracer)
+                     and bool(jnp.issubdtype(c.dtype, jnp.inexact)) for c in closed.consts)
 
-    def bias_fn(q_pos, k_pos, float_consts, other_consts):
+    def converted(*args):
+        *xs, float_consts, other_consts = args
         floats, others = iter(float_consts), iter(other_consts)
         merged = [next(floats) if f else next(others) for f in is_float]
-        return jax.core.eval_jaxpr(closed.jaxpr, merged, q_pos, k_pos)[0]
+        return jax.core.eval_jaxpr(closed.jaxpr, merged, *xs)[0]
 
-    return (bias_fn, [c for c, f in zip(consts, is_float) if f],
+    return (converted, [c for c, f in zip(consts, is_float) if f],
             [c for c, f in zip(consts, is_float) if not f])
 
 
-def _prepare(q, k, v, layout, *, kv_mask, segments, bias, scale, dropout_rate, key):
+def _positions(block_q: int, block_k: int):
+    """Example tile positions ``(q_pos int32[bq, 1], k_pos int32[1, bk])`` to trace at."""
+    return jnp.zeros((block_q, 1), jnp.int32), jnp.zeros((1, block_k), jnp.int32)
+
+
+def _prepare(q, k, v, layout, *, kv_mask, segments, bias, scale, dropout_rate, key,
+             score_mod=None, mask_mod=None, sink=None, index=(0, 0)):
     """Pads checked inputs to whole tiles and gathers the static and dynamic kernel inputs."""
     gather = _gather_width(layout)
     lq_p = layout.num_q_blocks * layout.block_q
@@ -438,7 +511,18 @@ def _prepare(q, k, v, layout, *, kv_mask, segments, bias, scale, dropout_rate, k
     if bias is not None and not callable(bias):
         bias_arg, bias_is_array = pad_to(pad_to(bias, lq_p, 0), lk_p, 1), True
     elif bias is not None:
-        bias_fn, bias_arg, bias_data = _convert_bias(bias, layout.block_q, layout.block_k)
+        bias_fn, bias_arg, bias_data = _convert(
+            lambda i, j: bias(i, j), *_positions(layout.block_q, layout.block_k))
+    bq, bk = layout.block_q, layout.block_k
+    scalar = jnp.zeros((), jnp.int32)
+    score_fn, score_floats, score_data, mask_fn, mask_data = None, [], [], None, []
+    if score_mod is not None:
+        score_fn, score_floats, score_data = _convert(
+            score_mod, jnp.zeros((bq, bk), STATS_DTYPE), scalar, scalar, *_positions(bq, bk))
+    if mask_mod is not None:
+        mask_fn, _, mask_data = _convert(mask_mod, scalar, scalar, *_positions(bq, bk),
+                                         differentiable=False)
+    bh = jnp.stack([jnp.asarray(i, jnp.int32) for i in index])
     st = _Static(
         layout=layout,
         scale=float(scale),
@@ -449,23 +533,38 @@ def _prepare(q, k, v, layout, *, kv_mask, segments, bias, scale, dropout_rate, k
         has_segments=segments is not None,
         scale_folded=bool(q.dtype == STATS_DTYPE or math.frexp(float(scale))[0] == 0.5),
         gather=gather,
+        score_fn=score_fn,
+        mask_fn=mask_fn,
+        has_sink=sink is not None,
     )
     masks = _gather_masks(layout) if gather else layout.partial_masks
-    dyn = (kv_mask_p, q_seg, kv_seg, seed, jnp.asarray(masks), bias_data)
-    return st, padded, bias_arg, dyn
+    dyn = (kv_mask_p, q_seg, kv_seg, seed, jnp.asarray(masks), bias_data,
+           (bh, score_data, mask_data))
+    extra = (bias_arg, score_floats, () if sink is None else jnp.asarray(sink, STATS_DTYPE))
+    return st, padded, extra, dyn
 
 
 def attend_layout(q, k, v, layout: BlockLayout, *, kv_mask=None, segments=None, bias=None,
-                  scale: float, dropout_rate: float = 0.0, key=None):
+                  scale: float, dropout_rate: float = 0.0, key=None, score_mod=None,
+                  mask_mod=None, sink=None, index=(0, 0)):
     """Runs the tiled kernel on checked inputs. Returns ``(out [Lq, Dv], lse f32[Lq])``.
 
     Both outputs are differentiable (a cotangent on ``lse`` is honoured). Inputs are padded to
     whole tiles here; the layout already masks keys past ``lk``.
+
+    Flex attention's pieces (``xformers_jax.attention.flex_attention`` checks them):
+    ``score_mod(s f32[bq, bk], b, h, q_pos int32[bq, 1], k_pos int32[1, bk])`` replaces each
+    tile's scaled scores, differentiated in the tile (the floating arrays it captures that an
+    enclosing transformation traces receive gradients); ``mask_mod(b, h, q_pos, k_pos) ->
+    bool`` masks each listed tile as data (the layout's own masks still apply); ``b, h =
+    index`` (int32 scalars, possibly traced); ``sink``: a float32 scalar logit added to every
+    row's softmax denominator with no value (``lse`` includes it).
     """
-    st, (q_p, k_p, v_p), bias_arg, dyn = _prepare(
+    st, (q_p, k_p, v_p), extra, dyn = _prepare(
         q, k, v, layout, kv_mask=kv_mask, segments=segments, bias=bias, scale=scale,
-        dropout_rate=dropout_rate, key=key)
-    out, lse = _attend(st, q_p, k_p, v_p, bias_arg, dyn)
+        dropout_rate=dropout_rate, key=key, score_mod=score_mod, mask_mod=mask_mod,
+        sink=sink, index=index)
+    out, lse = _attend(st, q_p, k_p, v_p, extra, dyn)
     return out[: q.shape[0]].astype(q.dtype), lse[: q.shape[0]]
 
 
@@ -485,7 +584,7 @@ def attend_layout_backward(q, k, v, layout: BlockLayout, out, lse, d_out, *, kv_
     lse_p = pad_to(lse.astype(STATS_DTYPE), lq_p, value=-jnp.inf)
     d_lse_p = (jnp.zeros((lq_p,), STATS_DTYPE) if d_lse is None
                else pad_to(d_lse.astype(STATS_DTYPE), lq_p))
-    dq, dk, dv, _ = _backward(st, q_p, k_p, v_p, (), dyn, pad_to(out, lq_p), lse_p,
+    dq, dk, dv, _ = _backward(st, q_p, k_p, v_p, ((), [], ()), dyn, pad_to(out, lq_p), lse_p,
                               pad_to(d_out, lq_p), d_lse_p)
     lq, lk = q.shape[0], k.shape[0]
     return dq[:lq], dk[:lk], dv[:lk]

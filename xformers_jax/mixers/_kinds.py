@@ -60,6 +60,7 @@ KINDS = (
          Paper("Gu and Dao", 2023, "Mamba: Linear-Time Sequence Modeling with Selective State "
                "Spaces"),
          time="O(L D N)", memory="O(L D + G D N)", causal=True, decoding="recurrent",
+         segments=True,
          test_hyperparameters={"state_size": 4},
          hyperparameters={**_ssm(16, "associative", "'associative' or 'sequential'"),
                           **_SELECTIVE}),
@@ -81,7 +82,7 @@ KINDS = (
          Paper("Smith, Warrington and Linderman", 2023, "Simplified State Space Layers for "
                "Sequence Modeling"),
          time="O(L P H)", memory="O(L P)", causal=True, decoding="recurrent",
-         test_hyperparameters={"state_size": 8},
+         segments=True, test_hyperparameters={"state_size": 8},
          hyperparameters=_ssm(64, "associative", "'associative' or 'sequential'")),
     Kind("mlp_mixer", token_mixing_mlp, "mixers",
          Paper("Tolstikhin et al.", 2021, "MLP-Mixer: An all-MLP Architecture for Vision"),

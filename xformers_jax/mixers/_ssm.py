@@ -169,7 +169,7 @@ def _linear_scan(a, bx, implementation, reverse=False):
     return lax.scan(step, jnp.zeros_like(bx[0]), (a, bx), reverse=reverse)[1]
 
 
-def s5(u, lam, dt, b, c, d, *, c_reverse=None, kv_mask=None,
+def s5(u, lam, dt, b, c, d, *, c_reverse=None, kv_mask=None, segment_ids=None,
        implementation: str = "associative"):
     """S5 over one sequence: ``x_t = dLambda x_{t-1} + dB u_t``, ``y_t = Re(C x_t) + D u_t``.
 
@@ -178,6 +178,9 @@ def s5(u, lam, dt, b, c, d, *, c_reverse=None, kv_mask=None,
       c: ``[H, P]`` complex. d: ``[H]``. c_reverse: ``[H, P]`` or None: adds
         ``Re(C' x'_t)`` of the same system run backwards (bidirectional S5).
       kv_mask: ``bool[L]``: padded steps neither write nor decay.
+      segment_ids: ``int[L]`` or None: packed documents; the state restarts from zero where
+        the id changes (the transition into a document's first step is 0, and, run
+        backwards, the one out of its last), so each document's outputs are its own.
       implementation: ``"associative"`` (``lax.associative_scan``) or ``"sequential"``.
 
     Returns:
@@ -194,9 +197,18 @@ def s5(u, lam, dt, b, c, d, *, c_reverse=None, kv_mask=None,
     a = jnp.broadcast_to(da, bu.shape)
     if kv_mask is not None:
         a = jnp.where(kv_mask[:, None], a, 1)
+    a_reverse = a
+    if segment_ids is not None:
+        if segment_ids.shape != u.shape[:1]:
+            raise ValueError(f"s5: segment_ids must be int[L] = [{u.shape[0]}], got "
+                             f"{segment_ids.shape}")
+        change = segment_ids[1:] != segment_ids[:-1]
+        no = jnp.zeros((1,), bool)
+        a_reverse = jnp.where(jnp.concatenate([change, no])[:, None], 0, a)
+        a = jnp.where(jnp.concatenate([no, change])[:, None], 0, a)
     y = (_linear_scan(a, bu, implementation) @ c.T).real
     if c_reverse is not None:
-        y = y + (_linear_scan(a, bu, implementation, reverse=True) @ c_reverse.T).real
+        y = y + (_linear_scan(a_reverse, bu, implementation, reverse=True) @ c_reverse.T).real
     return y + d * u
 
 
@@ -214,7 +226,8 @@ SELECTIVE_GROUP = 1024
 
 
 def selective_scan(x, delta, a, b, c, *, kv_mask=None, implementation: str = "associative",
-                   group_positions: int = SELECTIVE_GROUP, reverse: bool = False):
+                   group_positions: int = SELECTIVE_GROUP, reverse: bool = False,
+                   segment_ids=None):
     """Mamba's selective scan of one sequence (Gu and Dao 2023, Algorithm 2, without ``D x``).
 
     Args:
@@ -225,6 +238,9 @@ def selective_scan(x, delta, a, b, c, *, kv_mask=None, implementation: str = "as
         (a loop over positions: the reference).
       reverse: run from the last position to the first (the bidirectional form's second
         direction).
+      segment_ids: ``int[L]`` or None: packed documents; the state restarts from zero where
+        the id changes (in the direction of the scan), so each document's outputs are its
+        own.
 
     Returns:
       ``[L, D]`` float32.
@@ -240,31 +256,40 @@ def selective_scan(x, delta, a, b, c, *, kv_mask=None, implementation: str = "as
     if kv_mask is not None:
         x = _masked_input(name, x, kv_mask)
         delta = jnp.where(kv_mask[:, None], delta, 0)  # exp(0 A) = 1: no decay, no write
+    if segment_ids is not None and segment_ids.shape != (length,):
+        raise ValueError(f"selective_scan: segment_ids must be int[L] = [{length}], got "
+                         f"{segment_ids.shape}")
     if reverse:
         x, delta, b, c = (t[::-1] for t in (x, delta, b, c))
+        segment_ids = None if segment_ids is None else segment_ids[::-1]
+    # Where a document starts (in the scan's direction) the decay of the state before is 0.
+    keep = jnp.ones((length,), bool) if segment_ids is None else jnp.concatenate(
+        [jnp.ones((1,), bool), segment_ids[1:] == segment_ids[:-1]])
     if implementation == "sequential":
         def step(h, inputs):
-            x_t, d_t, b_t, c_t = inputs
-            h = jnp.exp(d_t[:, None] * a) * h + (d_t * x_t)[:, None] * b_t[None, :]
+            x_t, d_t, b_t, c_t, keep_t = inputs
+            decay = jnp.where(keep_t, jnp.exp(d_t[:, None] * a), 0.0)
+            h = decay * h + (d_t * x_t)[:, None] * b_t[None, :]
             return h, h @ c_t
 
-        y = lax.scan(step, jnp.zeros(a.shape, jnp.float32), (x, delta, b, c))[1]
+        y = lax.scan(step, jnp.zeros(a.shape, jnp.float32), (x, delta, b, c, keep))[1]
         return y[::-1] if reverse else y
 
     g = min(group_positions, length)
     n = -(-length // g)
     x, delta, b, c = (pad_to(t, n * g).reshape(n, g, -1) for t in (x, delta, b, c))
+    keep = pad_to(keep, n * g).reshape(n, g)
 
     @functools.partial(jax.checkpoint, prevent_cse=False)
     def group(h0, inputs):
-        x_g, d_g, b_g, c_g = inputs
-        da = jnp.exp(d_g[..., None] * a)  # [G, D, N]
+        x_g, d_g, b_g, c_g, keep_g = inputs
+        da = jnp.where(keep_g[:, None, None], jnp.exp(d_g[..., None] * a), 0.0)  # [G, D, N]
         bx = (d_g * x_g)[..., None] * b_g[:, None, :]
         bx = bx.at[0].add(da[0] * h0)
         h = _linear_scan(da, bx, "associative")
         return h[-1], jnp.einsum("gdn,gn->gd", h, c_g)
 
-    y = lax.scan(group, jnp.zeros(a.shape, jnp.float32), (x, delta, b, c))[1]
+    y = lax.scan(group, jnp.zeros(a.shape, jnp.float32), (x, delta, b, c, keep))[1]
     y = y.reshape(n * g, dim)[:length]
     return y[::-1] if reverse else y
 

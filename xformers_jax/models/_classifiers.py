@@ -17,7 +17,42 @@ from ._trunk import Encoder, pool
 
 
 class EncoderClassifier(eqx.Module):
-    """Encoder + CLS or mean pooling + a linear classifier (LRA ListOps, Text, Image, ...)."""
+    """Encoder + CLS or mean pooling + a linear classifier (LRA ListOps, Text, Image, ...).
+
+    The encoder is an embedder (token ids or continuous inputs, positions added) and a stack
+    of ``num_layers`` bidirectional :class:`~xformers_jax.nn.TransformerBlock` s; which
+    attention kind, token mixer or FFN kind each block uses is chosen by name in ``block``.
+
+    Args:
+      num_classes: classes of the linear head.
+      dim: model width.
+      num_layers: blocks in the stack.
+      num_heads: attention heads per block.
+      hidden: the FFN's hidden width.
+      pooling: ``"cls"`` (a learned CLS token prepended; its final state is classified) or
+        ``"mean"`` (the mean over real positions).
+      key: PRNG key.
+      **kwargs: the encoder's: ``vocab_size`` (token ids ``int[B, L]``) or ``input_dim``
+        (continuous inputs ``[B, L, input_dim]``), exactly one; ``positions`` (an input
+        position scheme of :mod:`xformers_jax.nn`, sinusoids by default); ``max_len``
+        (default 512: the longest sequence, for kinds and positions sized by it); ``block``:
+        the blocks' keyword arguments, e.g. ``dict(spec=nn.AttentionSpec("performer",
+        {"num_features": 64}))`` for the attention kind (CATALOGUE.md lists every kind and
+        its hyperparameters), ``mixer=nn.MixerSpec("fnet")`` to replace attention with a
+        token mixer, ``ffn=nn.FFNSpec("switch", {...})`` for the FFN, ``placement``,
+        ``norm``, ``activation``, ``num_kv_heads``, ``position`` (a score-level position
+        scheme); ``stack``: the :class:`~xformers_jax.nn.LayerStack` 's (``remat``,
+        ``sharing``, ``scan``, ``reversible``, ``layerdrop``).
+
+    Example:
+        ```python
+        model = EncoderClassifier(10, 64, 2, 4, 128, vocab_size=256, pooling="mean",
+                                  block=dict(spec=nn.AttentionSpec("nystrom",
+                                                                   {"num_landmarks": 16})),
+                                  key=jax.random.PRNGKey(0))
+        logits = model(tokens, mask=tokens != 0)  # [B, num_classes]
+        ```
+    """
 
     encoder: Encoder
     head: jax.Array = X.param(X.EMBED, None)

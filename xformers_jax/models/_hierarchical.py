@@ -107,10 +107,9 @@ class TNTLayer(eqx.Module):
 class TNTClassifier(eqx.Module):
     """Transformer in Transformer for images ``[B, S, S, C]`` (or flattened ``[B, S*S, C]``).
 
-    Args:
-      num_classes, image_size (square side), channels, patch (side of a patch), word (side of a
-      sub-patch; divides ``patch``), dim (outer width), inner_dim, depth, num_heads,
-      inner_heads. key: PRNG key.
+    Arguments: ``num_classes``, ``image_size`` (square side), ``channels``, ``patch`` (side of a
+    patch), ``word`` (side of a sub-patch; divides ``patch``), ``dim`` (outer width),
+    ``inner_dim``, ``depth``, ``num_heads``, ``inner_heads``, ``key`` (PRNG key).
 
     Learned position embeddings for the words (shared by patches) and the patches; the class
     token's final state, normalised, goes to a linear head.

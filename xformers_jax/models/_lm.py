@@ -14,7 +14,8 @@ import jax.numpy as jnp
 from .. import axes as X
 from ..axes import constrain
 from ..nn import (AUX_WEIGHTS, Carry, ConvPositions, Embedder, LayerNorm, LayerStack,
-                  memory_aux_loss, sample_tokens, transformer_stack)
+                  check_segments, document_positions, memory_aux_loss, sample_tokens,
+                  transformer_stack)
 from ._registry import SLOTS, TRUNK, block_kwargs, register_model
 from ._trunk import finish, run_with_aux
 
@@ -37,7 +38,7 @@ class CausalLM(eqx.Module):
         self.head = jax.random.normal(k3, (dim, vocab_size)) / math.sqrt(dim)
 
     def __call__(self, tokens, *, mask=None, key=None, state=None, inference=False,
-                 memory=None, return_aux=False):
+                 memory=None, return_aux=False, segment_ids=None):
         """Teacher-forced logits ``[B, L, vocab]`` for ``tokens: int[B, L]`` (``(logits,
         state)`` when an ``eqx.nn.State`` is given: stateful attention, e.g. routing; ``(that,
         aux)`` with ``return_aux``: the FFNs' auxiliary outputs per layer, ``nn.aux_terms``).
@@ -46,8 +47,27 @@ class CausalLM(eqx.Module):
         ``tokens`` is the next segment of each stream and the result is ``(logits,
         new_memory)`` (segment-level recurrence, ``nn.XLMemory``); with ``return_aux`` it is
         ``(that, {"reconstruction_loss": ...})``, the compressive memory's reconstruction
-        loss summed over layers (0 for other memories)."""
-        x, _ = self.embed(tokens, mask=mask, causal=True)
+        loss summed over layers (0 for other memories).
+
+        Packed rows: ``segment_ids int[B, L]`` numbers the documents of each row (0 for
+        padding, which ``mask`` then need not repeat): positions restart at every document
+        (``nn.document_positions``) and no document sees another, so each document's logits
+        equal those of the document run alone. Every kind of the model must honour segment
+        ids (``nn.check_segments`` names any that does not)."""
+        positions = None
+        if segment_ids is not None:
+            segment_ids = jnp.asarray(segment_ids)
+            if memory is not None:
+                raise ValueError("CausalLM: a memory carries one stream from segment to "
+                                 "segment; packed rows (segment_ids) take none")
+            if segment_ids.shape != tokens.shape:
+                raise ValueError(f"CausalLM: segment_ids {list(segment_ids.shape)} must have "
+                                 f"the tokens' shape {list(tokens.shape)}")
+            check_segments(self)
+            mask = segment_ids > 0 if mask is None else mask & (segment_ids > 0)
+            positions = document_positions(segment_ids)
+        x, _ = self.embed(tokens, mask=mask, causal=True, positions=positions)
+        seg = {} if segment_ids is None else {"segment_ids": segment_ids, "positions": positions}
         if memory is not None:
             if state is not None:
                 raise ValueError("CausalLM: stateful attention does not take a memory")
@@ -59,7 +79,7 @@ class CausalLM(eqx.Module):
                 return out
             return out, {**carry.aux, "reconstruction_loss": memory_aux_loss(carry.memory)}
         h, new, aux = run_with_aux(self.layers, x, state, kv_mask=mask, key=key,
-                                   inference=inference, tokens=tokens)
+                                   inference=inference, tokens=tokens, **seg)
         h = finish(self.final_norm, h)
         logits = constrain(h @ self.head.astype(h.dtype), X.LOGITS)
         out = logits if state is None else (logits, new)
@@ -108,7 +128,7 @@ class CausalLM(eqx.Module):
 
 
 @register_model("causal_lm", serves=("language_model",), defaults=dict(TRUNK, **SLOTS),
-                loss_weights=AUX_WEIGHTS)
+                loss_weights=AUX_WEIGHTS, packs=True)
 def causal_lm(config, task, key):
     """The decoder-only language model (:class:`CausalLM`, sinusoidal input positions)."""
     return CausalLM(task.vocab_size, config.dim, config.num_layers, config.num_heads,

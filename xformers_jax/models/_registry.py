@@ -57,6 +57,9 @@ class ModelKind:
         when it is not 1); a config's ``loss`` section may name these and no others.
       target_terms: ``target_terms(aux, targets) -> {name: scalar}``: terms that need the
         targets (PABEE's weighted loss over every exit), or None.
+      packs: the model takes packed rows (``segment_ids=`` int ``[B, L]``, several documents
+        per row, each as if alone; ``data.pack=True`` of a language-model task); the
+        trainer refuses packing for a kind that does not.
       doc: one line for listings (the builder's docstring's first line by default).
     """
 
@@ -67,6 +70,7 @@ class ModelKind:
     loss_weights: Mapping = dataclasses.field(default_factory=dict)
     target_terms: Callable | None = None
     doc: str = ""
+    packs: bool = False
 
     def __post_init__(self):
         object.__setattr__(self, "serves", tuple(self.serves))
@@ -104,12 +108,14 @@ _MODELS: dict[str, ModelKind] = {}
 
 
 def register_model(name: str, *, serves, defaults: Mapping, loss_weights: Mapping = (),
-                   target_terms: Callable | None = None, replace: bool = False):
+                   target_terms: Callable | None = None, packs: bool = False,
+                   replace: bool = False):
     """A decorator registering ``build(config, task, key) -> model`` as the model kind
     ``name`` (see :class:`ModelKind` for the other arguments); a name already registered
     raises ValueError unless ``replace=True``. Returns the builder unchanged."""
     def register(build):
-        kind = ModelKind(name, build, serves, dict(defaults), dict(loss_weights), target_terms)
+        kind = ModelKind(name, build, serves, dict(defaults), dict(loss_weights), target_terms,
+                         packs=packs)
         if name in _MODELS and not replace:
             raise ValueError(f"model kind {name!r} is already registered; pass replace=True")
         _MODELS[name] = kind

@@ -171,10 +171,9 @@ class SwinClassifier(eqx.Module):
     """A Swin image classifier: patch embedding, stages of (W-MSA, SW-MSA) block pairs joined by
     patch merging, final norm, mean pooling, linear head.
 
-    Args:
-      num_classes, image_size (square side), channels, patch (side of a patch), dim (first
-        stage width; doubles per stage), depths (blocks per stage, even), heads (per stage),
-        window: the window side ``M``. key: PRNG key.
+    Arguments: ``num_classes``, ``image_size`` (square side), ``channels``, ``patch`` (side of a
+    patch), ``dim`` (first stage width; doubles per stage), ``depths`` (blocks per stage,
+    even), ``heads`` (per stage), ``window`` (the window side ``M``), ``key`` (PRNG key).
 
     Call: ``images [B, S, S, C]`` or flattened pixels ``[B, S*S, C]`` (the LRA image task) ->
     ``logits [B, num_classes]``.

@@ -17,6 +17,7 @@ from ._attention_layers import SparseQKVAttention as SparseQKVAttention
 from ._attention import check_sequence_parallel as check_sequence_parallel
 from ._attention import redraw_random_features as redraw_random_features
 from ._blocks import TransformerBlock as TransformerBlock
+from ._blocks import check_segments as check_segments
 from ._cache import BlockCache as BlockCache
 from ._cache import KVCache as KVCache
 from ._cache import RecurrentCache as RecurrentCache
@@ -71,6 +72,7 @@ from ._positions import ShawRelative as ShawRelative
 from ._positions import SinusoidalPositions as SinusoidalPositions
 from ._positions import T5Bias as T5Bias
 from ._positions import TransformerXLRelative as TransformerXLRelative
+from ._positions import document_positions as document_positions
 from ._positions import sinusoid as sinusoid
 from ._positions import t5_bucket as t5_bucket
 from ._precision import Policy as Policy

@@ -184,6 +184,11 @@ class MultiHeadAttention(eqx.Module):
                     "position scheme")
         return sequence_problem(self.record, self.spec.resolved, causal=self.causal)
 
+    def segment_problem(self) -> str | None:
+        """Why this layer cannot run packed rows (``segment_ids``: several documents in one
+        row, none attending to another), or None (``Kind.segments``)."""
+        return self.record.segment_problem(self.spec.resolved)
+
     def _attend(self, causal):
         """The kind's attend, or its sequence-parallel form when the active mesh splits the
         sequence (``xformers_jax.axes.sequence_shards``); raises ``NotImplementedError`` when
@@ -209,12 +214,18 @@ class MultiHeadAttention(eqx.Module):
                  context: Float[Array, "batch kv_seq kv_dim"] | None = None, *,
                  kv_mask: Bool[Array, "batch kv_seq"] | None = None,
                  q_mask: Bool[Array, "batch q_seq"] | None = None,
-                 positions: Int[Array, "batch q_seq"] | None = None, key=None,
+                 positions: Int[Array, "batch q_seq"] | None = None,
+                 segment_ids: Int[Array, "batch q_seq"] | None = None, key=None,
                  inference=False, carry: Carry | None = None):
         """x: ``[B, Lq, dim]``; context: ``[B, Lk, kv_dim]`` for cross attention (None for
         self attention); kv_mask: ``bool[B, Lk]``; q_mask: ``bool[B, Lq]``, the real queries
         (default: ``kv_mask`` in self-attention, none padded in cross attention); positions:
-        int ``[B, Lq]`` (default ``0..Lq-1``); key: randomness for the kind. Returns
+        int ``[B, Lq]`` (default ``0..Lq-1``; packed rows restart them at each document,
+        ``nn.document_positions``); segment_ids: int ``[B, Lq]`` for packed rows of self
+        attention, the document of each token (0: padding, whose keys are then masked): a
+        query sees only keys of its own document, for kinds that honour them
+        (``Kind.segments``; any other raises ``ValueError`` naming the kind); key:
+        randomness for the kind. Returns
         ``[B, Lq, dim]``, zero at padded queries: padding changes no real output (the
         attention contract, :mod:`xformers_jax.attention._contract`); with a ``carry``
         (:class:`~xformers_jax.nn.Carry`) ``(out, carry)``.
@@ -252,6 +263,12 @@ class MultiHeadAttention(eqx.Module):
         if q_mask is not None and q_mask.shape != (b, lq):
             raise ValueError(f"MultiHeadAttention: q_mask must be bool[B, Lq] = [{b}, {lq}] but "
                              f"has shape {q_mask.shape}")
+        if segment_ids is not None:
+            segment_ids = jnp.asarray(segment_ids)
+            extra["segment_ids"] = segment_ids
+            kv_mask = self._check_segments(segment_ids, context, kv_mask, b, lq)
+            # Self attention: the queries are the keys, so padding (segment 0) is out of both.
+            q_mask = kv_mask if q_mask is None else q_mask & kv_mask
         q_pos = _positions(b, lq) if positions is None else positions
         k_pos = q_pos if context is None else _positions(b, k.shape[1])
         if isinstance(self.position, QKScheme):
@@ -273,6 +290,24 @@ class MultiHeadAttention(eqx.Module):
         if self.state_index is not None:
             return out, carry.replace(state=carry.state.set(self.state_index, value))
         return out, carry
+
+    def _check_segments(self, segment_ids, context, kv_mask, b, lq):
+        """The checks of packed rows; returns the key mask with segment 0 (padding) out."""
+        problem = self.segment_problem()
+        if problem is not None:
+            raise ValueError(f"MultiHeadAttention: {problem}")
+        if context is not None:
+            raise ValueError("MultiHeadAttention: segment_ids are for self attention (packed "
+                             "rows); cross attention takes kv_mask")
+        if segment_ids.shape != (b, lq) or not jnp.issubdtype(segment_ids.dtype, jnp.integer):
+            raise ValueError(f"MultiHeadAttention: segment_ids must be int[B, Lq] = [{b}, {lq}], "
+                             f"got {segment_ids.dtype}{list(segment_ids.shape)}")
+        if X.sequence_shards() > 1:
+            raise NotImplementedError("MultiHeadAttention: the sequence-parallel forms (ring, "
+                                      "halo) take no segment_ids; train packed rows without a "
+                                      "sequence split")
+        real = segment_ids > 0
+        return real if kv_mask is None else kv_mask & real
 
     @property
     def carries_between_layers(self) -> bool:

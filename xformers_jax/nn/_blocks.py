@@ -66,6 +66,9 @@ class TransformerBlock(eqx.Module):
     gains: jax.Array
     memory: Memory | None
     placement: str = eqx.field(static=True)
+    # The kinds in the mixer and FFN slots, for what they promise (Kind.segments).
+    mixer_spec: MixerSpec | None = eqx.field(static=True)
+    ffn_spec: FFNSpec = eqx.field(static=True)
 
     def __init__(self, dim: int, num_heads: int, hidden: int, *,
                  spec: AttentionSpec = AttentionSpec(), causal: bool = False,
@@ -90,8 +93,9 @@ class TransformerBlock(eqx.Module):
                                            num_kv_heads=num_kv_heads, position=position,
                                            max_len=max_len, key=ka)
         self.cross = MultiHeadAttention(dim, num_heads, key=kc) if cross else None
-        self.ffn = (ffn or FFNSpec()).build(dim, hidden, activation=activation, causal=causal,
-                                            chunk_size=chunk_size, key=kf)
+        self.mixer_spec, self.ffn_spec = mixer, ffn or FFNSpec()
+        self.ffn = self.ffn_spec.build(dim, hidden, activation=activation, causal=causal,
+                                       chunk_size=chunk_size, key=kf)
         n = 3 if cross else 2
         self.norms = tuple(make_norm(norm, dim) for _ in range(n)) if placement in (
             "pre", "post") else ()
@@ -137,8 +141,29 @@ class TransformerBlock(eqx.Module):
         cache, the Feedback Transformer's memory attention)."""
         return self._residual(i, x, lambda h, c: (f(h), c), Carry(), None, True)[0]
 
+    def segment_problem(self) -> str | None:
+        """Why this block cannot run packed rows (several documents per row, ``segment_ids``,
+        each as if alone), or None: every slot's kind must honour segment ids
+        (``Kind.segments``), and a memory or cross attention would reach across documents."""
+        if self.memory is not None:
+            return ("a block memory carries hidden states from one segment to the next, "
+                    "across documents")
+        if self.cross is not None:
+            return "cross attention takes a context, not packed rows"
+        stateful = [type(n).__name__ for n in self.norms if isinstance(n, StatefulNorm)]
+        if stateful:
+            return (f"{stateful[0]} normalises with statistics over the batch's tokens, so "
+                    "over the other documents")
+        if isinstance(self.attn, MultiHeadAttention):
+            problem = self.attn.segment_problem()
+        else:
+            problem = self.mixer_spec.record.segment_problem(self.mixer_spec.resolved)
+        if problem is None:
+            problem = self.ffn_spec.record.segment_problem(self.ffn_spec.resolved)
+        return problem
+
     def _branches(self, *, kv_mask=None, context=None, context_mask=None, positions=None,
-                  key=None, tokens=None, inference=False):
+                  key=None, tokens=None, inference=False, segment_ids=None):
         """The residual branch functions ``(h, carry) -> (y, carry)`` in order (without
         norms): attention (over the carried memory when the block has one) or the mixer, cross
         attention, FFN (whose auxiliary outputs go to ``carry.aux``)."""
@@ -149,9 +174,11 @@ class TransformerBlock(eqx.Module):
                 return memory_attention(self.attn, h, ctx, ctx_mask, kv_mask=kv_mask,
                                         positions=positions, key=key), carry
             if isinstance(self.attn, MultiHeadAttention):
+                seg = {} if segment_ids is None else {"segment_ids": segment_ids}
                 return self.attn(h, kv_mask=kv_mask, positions=positions, key=key,
-                                 inference=inference, carry=carry)
-            return self.attn(h, kv_mask=kv_mask, positions=positions, key=key), carry
+                                 inference=inference, carry=carry, **seg)
+            seg = {} if segment_ids is None else {"segment_ids": segment_ids}
+            return self.attn(h, kv_mask=kv_mask, positions=positions, key=key, **seg), carry
 
         fs = [attn]
         if self.cross is not None:
@@ -176,12 +203,15 @@ class TransformerBlock(eqx.Module):
             key=key, tokens=tokens, inference=inference)]
 
     def __call__(self, x, carry: Carry | None = None, *, kv_mask=None, context=None,
-                 context_mask=None, positions=None, key=None, inference=False, tokens=None):
+                 context_mask=None, positions=None, key=None, inference=False, tokens=None,
+                 segment_ids=None):
         """x: ``[B, L, dim]``; kv_mask: ``bool[B, L]``; tokens: ``int[B, L]`` (the token ids,
         for hash-routed FFNs); context ``[B, Lc, dim]`` with context_mask ``bool[B, Lc]`` for
-        cross attention. Returns ``y``, or ``(y, carry)`` when a :class:`~xformers_jax.nn.Carry`
-        is given: its ``state`` updated (stateful norms and attention need one),
-        its ``memory`` (this layer's :class:`~xformers_jax.nn.MemoryState`; blocks with a
+        cross attention; segment_ids: ``int[B, L]`` for packed rows (the document of each
+        token, 0 for padding: no document sees another; ``kv_mask`` also drops those 0;
+        every slot's kind must honour them, :meth:`segment_problem`). Returns ``y``, or
+        ``(y, carry)`` when a :class:`~xformers_jax.nn.Carry` is given: its ``state`` updated
+        (stateful norms and attention need one), its ``memory`` (this layer's :class:`~xformers_jax.nn.MemoryState`; blocks with a
         ``memory`` need one) the memory after this segment, its ``scores`` this layer's (for
         attention kinds that pass scores between layers, which need the previous layer's),
         and ``aux`` the FFN's auxiliary outputs (see :mod:`._ffns`)."""
@@ -196,10 +226,17 @@ class TransformerBlock(eqx.Module):
         if carry.memory is not None and (carry.state is not None or carry.scores is not None):
             raise ValueError("TransformerBlock: a block with a memory takes no eqx.nn.State "
                              "and passes no scores between layers")
+        if segment_ids is not None:
+            problem = self.segment_problem()
+            if problem is not None:
+                raise ValueError(f"TransformerBlock: packed rows (segment_ids): {problem}")
+            real = segment_ids > 0
+            kv_mask = real if kv_mask is None else kv_mask & real
         x_in = x = constrain(x, _EMBED)
         for i, f in enumerate(self._branches(kv_mask=kv_mask, context=context,
                                              context_mask=context_mask, positions=positions,
-                                             key=key, tokens=tokens, inference=inference)):
+                                             key=key, tokens=tokens, inference=inference,
+                                             segment_ids=segment_ids)):
             x, carry = self._residual(i, x, f, carry, kv_mask, inference)
             x = constrain(x, _EMBED)
         if carry.memory is not None:
@@ -253,3 +290,20 @@ class TransformerBlock(eqx.Module):
         for i, f in enumerate(fs):
             x = self.residual(i, x, f)
         return x, attn_cache if ffn_cache is None else BlockCache(attn_cache, ffn_cache)
+
+
+def check_segments(model) -> None:
+    """Raises ``ValueError`` unless ``model`` can run packed rows (several documents per row,
+    ``segment_ids``, each document's outputs as if it ran alone), naming every kind (and
+    reason) that cannot: every block's slots must honour segment ids (``Kind.segments``), and
+    no embedding may mix neighbouring tokens (CPE). A trainer calls it when the model is
+    built, so a run with ``data.pack=True`` fails before its first step."""
+    from ._embed import Embedder
+
+    types = (TransformerBlock, Embedder)
+    parts = [m for m in jax.tree_util.tree_leaves(model, is_leaf=lambda x: isinstance(x, types))
+             if isinstance(m, types)]
+    problems = sorted({p for p in (m.segment_problem() for m in parts) if p is not None})
+    if problems:
+        raise ValueError("this model cannot run packed rows (segment ids): " + "; ".join(problems))
+

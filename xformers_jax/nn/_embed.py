@@ -11,7 +11,7 @@ import jax.numpy as jnp
 
 from .. import axes as X
 from ..axes import constrain
-from ._positions import InputScheme, SinusoidalPositions
+from ._positions import ConvPositions, InputScheme, SinusoidalPositions
 
 
 # The token id the CLS position carries for layers that read ids (hash routing): the CLS
@@ -56,9 +56,20 @@ class Embedder(eqx.Module):
         return jnp.concatenate([jnp.full((inputs.shape[0], 1), CLS_TOKEN_ID, inputs.dtype),
                                 inputs], axis=1)
 
-    def __call__(self, inputs, *, mask=None, causal=False, offset=0):
-        """inputs: ``int[B, L]`` or ``[B, L, F]``; mask ``bool[B, L]``. Returns ``(x, mask)``
-        (with the CLS position added when ``cls``)."""
+    def segment_problem(self) -> str | None:
+        """Why this embedding cannot run packed rows (several documents per row), or None:
+        every input scheme sees the restarted positions it is given, but CPE's convolution
+        reaches across a document boundary."""
+        if isinstance(self.positions, ConvPositions):
+            return ("ConvPositions (CPE) convolves across neighbouring tokens, so across "
+                    "documents")
+        return None
+
+    def __call__(self, inputs, *, mask=None, causal=False, offset=0, positions=None):
+        """inputs: ``int[B, L]`` or ``[B, L, F]``; mask ``bool[B, L]``; positions ``int[B, L]``
+        for the input scheme (default ``offset + 0 .. L-1``; packed rows restart them per
+        document, ``nn.document_positions``). Returns ``(x, mask)`` (with the CLS position
+        added when ``cls``)."""
         if self.table is not None:
             if not jnp.issubdtype(inputs.dtype, jnp.integer):
                 raise ValueError(f"Embedder: token ids must be integers, got {inputs.dtype}")
@@ -73,6 +84,11 @@ class Embedder(eqx.Module):
             x = jnp.concatenate([jnp.broadcast_to(self.cls, (b, 1, x.shape[-1])), x], axis=1)
             if mask is not None:
                 mask = jnp.concatenate([jnp.ones((b, 1), bool), mask], axis=1)
-        positions = jnp.broadcast_to(jnp.arange(x.shape[1]) + offset, x.shape[:2])
+        if positions is None:
+            positions = jnp.broadcast_to(jnp.arange(x.shape[1]) + offset, x.shape[:2])
+        elif self.cls is not None or positions.shape != x.shape[:2]:
+            raise ValueError(f"Embedder: positions must be int[B, L] = {list(x.shape[:2])} "
+                             f"without a CLS token, got {list(positions.shape)} "
+                             f"(cls={self.cls is not None})")
         x = self.positions.embed(x, positions, mask=mask, causal=causal)
         return constrain(x, X.TOKENS), mask

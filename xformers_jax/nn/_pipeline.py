@@ -158,12 +158,13 @@ def microbatches_for(batch: int, stages: int) -> int:
 
 def stack_on_stages(stack, x, carry: Carry, *, kv_mask=None, context=None, context_mask=None,
                     positions=None, key=None, inference=False, tokens=None,
-                    num_microbatches=None):
+                    segment_ids=None, num_microbatches=None):
     """``LayerStack.__call__`` under an active mesh whose ``stage`` axis is larger than 1: the
     stack runs as :func:`pipeline_layers` with :func:`microbatches_for` micro-batches, so a
     trainer whose ``mesh`` config names a ``stage`` size pipelines its model. Returns ``(y,
     carry)``. Supports stacks of blocks whose inputs are the activations and their mask
-    (raises for state, memory, cross attention, positions and reversible stacks; token ids
+    (raises for state, memory, cross attention, positions, packed rows (segment ids) and
+    reversible stacks; token ids
     do not reach the stages, so a hash-routed FFN raises for want of them). A mixture of
     experts' auxiliary outputs are per micro-batch, averaged (see the module docstring)."""
     from ..axes import activated, active
@@ -171,7 +172,7 @@ def stack_on_stages(stack, x, carry: Carry, *, kv_mask=None, context=None, conte
     bad = [name for name, on in (
         ("stateful layers", carry.state is not None), ("memory", carry.memory is not None),
         ("cross attention", context is not None), ("positions", positions is not None),
-        ("reversible", stack.reversible)) if on]
+        ("segment ids", segment_ids is not None), ("reversible", stack.reversible)) if on]
     if bad:
         raise ValueError(f"LayerStack on a 'stage' mesh axis (GPipe) does not support {bad}")
     mesh = active().mesh

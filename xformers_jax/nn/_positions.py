@@ -52,6 +52,22 @@ def _interleave(angles, dim):
     return pe.reshape(*angles.shape[:-1], -1)[..., :dim]
 
 
+def document_positions(segment_ids):
+    """Positions that restart at every document of packed rows: ``segment_ids int[B, L]`` (the
+    document of each token; a new document starts wherever the id changes) -> ``int32[B, L]``,
+    the offset of each token from its document's first token, so every position scheme sees
+    a packed document as it would see it alone. Padding (any id, 0 by convention) counts as
+    one more run."""
+    if segment_ids.ndim != 2:
+        raise ValueError(f"document_positions: segment_ids must be int[B, L], got shape "
+                         f"{segment_ids.shape}")
+    idx = jnp.broadcast_to(jnp.arange(segment_ids.shape[1], dtype=jnp.int32), segment_ids.shape)
+    starts = jnp.concatenate([jnp.ones_like(segment_ids[:, :1], bool),
+                              segment_ids[:, 1:] != segment_ids[:, :-1]], axis=1)
+    first = jax.lax.cummax(jnp.where(starts, idx, 0), axis=1)
+    return idx - first
+
+
 class PositionScheme(eqx.Module):
     """Abstract base of every position scheme: an :class:`InputScheme`, a :class:`QKScheme` or
     a :class:`BiasScheme` (see the module docstring)."""

@@ -124,7 +124,8 @@ class LayerStack(eqx.Module):
         return dynamic, static
 
     def __call__(self, x, carry: Carry | None = None, *, kv_mask=None, context=None,
-                 context_mask=None, positions=None, key=None, inference=False, tokens=None):
+                 context_mask=None, positions=None, key=None, inference=False, tokens=None,
+                 segment_ids=None):
         """x: ``[B, L, dim]`` -> ``[B, L, dim]``; with a ``carry`` (:class:`~xformers_jax.nn.Carry`)
         -> ``(y, carry)``: ``carry.state`` (the ``eqx.nn.State`` of stateful attention)
         updated, ``carry.memory`` (every layer's :class:`~xformers_jax.nn.MemoryState` on a
@@ -133,11 +134,14 @@ class LayerStack(eqx.Module):
         (``nn.aux_terms``: router losses, tokens dropped, expert load) on a leading layer
         axis. ``tokens int[B, L]`` reach hash-routed FFNs. Scores passed between layers
         (Realformer, ...) start from the first layer's ``init_layer_carry`` and stay inside
-        the stack."""
+        the stack. ``segment_ids int[B, L]``: packed rows, each document as if alone
+        (``TransformerBlock``; not in reversible stacks)."""
         given = carry is not None
         carry = Carry() if carry is None else carry
         kw = dict(kv_mask=kv_mask, context=context, context_mask=context_mask,
                   positions=positions, inference=inference, tokens=tokens)
+        if segment_ids is not None:
+            kw["segment_ids"] = segment_ids
         if X.mesh_axis_size(X.STAGE) > 1:
             # A 'stage' mesh axis: the layers run as a GPipe pipeline (nn._pipeline).
             from ._pipeline import stack_on_stages
@@ -223,6 +227,8 @@ class LayerStack(eqx.Module):
             raise ValueError("LayerStack: reversible blocks must be deterministic (key=None)")
         if carry.memory is not None or carry.state is not None:
             raise ValueError("LayerStack: reversible stacks take no memory or eqx.nn.State")
+        if kw.get("segment_ids") is not None:
+            raise ValueError("LayerStack: reversible stacks take no segment_ids (packed rows)")
         dynamic, static = self.per_layer()
         y1, y2 = _reversible(static, dynamic, x, x, kw["kv_mask"])
         return (y1 + y2) / 2, Carry()

@@ -3,8 +3,8 @@
 ``base_config(task, model=None)`` returns the full, defaulted ``ml_collections.ConfigDict`` for
 a task and a model kind (the task's own by default); experiment configs
 (``xformers_jax_experiments/configs/**.py``) change its values and lock it. The trainer calls
-``validate_config`` before anything else, so a misspelt key (the LRA code's silently ignored
-settings, CATALOG.md) stops the run instead of training the wrong thing.
+``validate_config`` before anything else, so a misspelt key (the original LRA code ignored
+unknown settings silently) stops the run instead of training the wrong thing.
 
 ``model`` is the section of the model kind ``model.kind`` names (``xformers_jax.models``): its
 keys are the kind's declared ones; its slot sections (``attention``, ``mixer``, ``ffn``,

@@ -7,6 +7,13 @@ classification and language modelling; nothing for a self-supervised task); the 
 (``models.ModelKind.terms``) turns ``aux`` into named scalar terms. The loss is the sum of
 ``weight[name] * term[name]`` over the weights in effect (the kind's defaults updated by the
 config's ``loss`` section) and every term is a logged metric.
+
+Packed rows (``data.pack=True``: several documents per row, ``batch["segment_ids"]``, 0 at
+the padding that ends a row) are scored over their real tokens only: ``cross_entropy`` and
+``accuracy`` are the means over every real token of the batch (each token weighs the same,
+whichever document or row it is in, so a long document counts for its length), the value the
+same documents unpacked give as the mean over their tokens; evaluation sums them and counts
+the real tokens.
 """
 
 from __future__ import annotations
@@ -38,16 +45,37 @@ def _split(out, batch):
     return out if "carry" in batch else (out, None)
 
 
+def _real(batch):
+    """The scored positions: the real tokens of packed rows (segment id > 0), else None
+    (every position)."""
+    seg = batch.get("segment_ids")
+    return None if seg is None else seg > 0
+
+
+def _sums(logits, labels, real):
+    """``(cross-entropy sum, correct sum, count)`` over the positions ``real`` marks (all when
+    None)."""
+    ce = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
+    correct = logits.argmax(-1) == labels
+    if real is None:
+        return ce.sum(), correct.sum(), jnp.asarray(labels.size)
+    return (jnp.where(real, ce, 0.0).sum(), (correct & real).sum(), real.sum())
+
+
 def task_terms(task: Task, logits, batch) -> dict:
     """The task's own terms of ``logits``: ``cross_entropy`` (the mean over examples, or
-    over tokens for language modelling) and ``accuracy``; ``{}`` for a self-supervised task
-    (its loss is the model's terms)."""
+    over tokens for language modelling: over the real tokens of packed rows) and
+    ``accuracy``; ``{}`` for a self-supervised task (its loss is the model's terms)."""
     if spec_of(task).type == "self_supervised":
         return {}
-    labels = batch["targets"]
-    return {models.TASK_TERM: optax.softmax_cross_entropy_with_integer_labels(
-                logits, labels).mean(),
-            "accuracy": (logits.argmax(-1) == labels).mean()}
+    labels, real = batch["targets"], _real(batch)
+    if real is None:
+        return {models.TASK_TERM: optax.softmax_cross_entropy_with_integer_labels(
+                    logits, labels).mean(),
+                "accuracy": (logits.argmax(-1) == labels).mean()}
+    ce, correct, count = _sums(logits, labels, real)
+    count = jnp.maximum(count, 1)
+    return {models.TASK_TERM: ce / count, "accuracy": correct / count}
 
 
 def _invalid(task: Task, batch):
@@ -89,7 +117,7 @@ def make_metrics_fn(task: Task, policy: nn.Policy | None = None, *, kind: str | 
     """``metrics_fn(model, batch) -> {"loss_sum", "correct", "count", "invalid_data"}`` (and
     ``carry``), sums
     for evaluation (no randomness): the cross-entropy and correct predictions summed over
-    examples, or over tokens for language modelling; for a self-supervised task the loss
+    examples, or over tokens for language modelling (the real tokens of packed rows); for a self-supervised task the loss
     (:func:`make_loss_fn`'s) and accuracy times the batch's examples."""
     if spec_of(task).type == "self_supervised":
         loss_fn = make_loss_fn(task, policy, weights, kind=kind)
@@ -104,11 +132,9 @@ def make_metrics_fn(task: Task, policy: nn.Policy | None = None, *, kind: str | 
 
     def metrics_fn(model, batch):
         logits, carry = _split(forward(model, batch, task, None, policy)[0], batch)
-        labels = batch["targets"]
-        out = {"loss_sum": optax.softmax_cross_entropy_with_integer_labels(logits,
-                                                                           labels).sum(),
-               "correct": (logits.argmax(-1) == labels).sum(),
-               "count": jnp.asarray(labels.size), INVALID_DATA: _invalid(task, batch)}
+        loss_sum, correct, count = _sums(logits, batch["targets"], _real(batch))
+        out = {"loss_sum": loss_sum, "correct": correct, "count": count,
+               INVALID_DATA: _invalid(task, batch)}
         return out if carry is None else dict(out, carry=carry)
 
     return metrics_fn

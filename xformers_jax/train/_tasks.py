@@ -32,7 +32,9 @@ class Task:
     """The splits and the facts about inputs a model needs, made by a :class:`TaskSpec`.
 
     ``spec`` is the spec that made it; a ``Task`` built by hand (``spec=None``) is a
-    classification of ``batch["inputs"]`` (id 0 is padding when ``padded``).
+    classification of ``batch["inputs"]`` (id 0 is padding when ``padded``). ``packed``:
+    the rows pack several documents (``data.PackedDocuments``; a batch holds their
+    ``segment_ids``), which the model must keep apart.
     """
 
     train: object
@@ -43,6 +45,7 @@ class Task:
     seq_len: int
     padded: bool
     spec: "TaskSpec | None" = None
+    packed: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,7 +147,9 @@ def build_model(model_config, task: Task, key: jax.Array, *,
                 sequence_shards: int = 1) -> eqx.Module:
     """The model ``model_config`` (a config's ``model`` section) names, for ``task``.
 
-    The kind must serve the task's type. With ``sequence_shards > 1`` (the ``sequence``
+    The kind must serve the task's type; with packed rows (``data.pack=True``) it must take
+    segment ids (``ModelKind.packs``) and every kind in its slots honour them
+    (``nn.check_segments``), checked here, before the first step. With ``sequence_shards > 1`` (the ``sequence``
     strategy) every attention layer must be able to run with its sequence split over devices;
     a kind that cannot raises here, at build time, naming the kind
     (``nn.check_sequence_parallel``).
@@ -154,7 +159,13 @@ def build_model(model_config, task: Task, key: jax.Array, *,
     if kind_type not in kind.serves:
         raise ValueError(f"model.kind={kind.name!r} trains {list(kind.serves)} tasks, not "
                          f"{kind_type!r} ones (task {spec_of(task).name!r})")
+    if task.packed and not kind.packs:
+        raise ValueError(f"data.pack=True: model.kind={kind.name!r} does not take packed rows "
+                         "(segment ids); kinds that do: "
+                         f"{[n for n in models.registered_models() if models.get_model(n).packs]}")
     model = kind.build(model_config, task, key)
+    if task.packed:
+        nn.check_segments(model)
     if sequence_shards > 1:
         nn.check_sequence_parallel(model, sequence_shards)
     return model
@@ -212,6 +223,8 @@ def _make_image(c, seed):
 
 
 def _make_lm(c, seed):
+    if c.get("pack", False):
+        return _make_packed_lm(c, seed)
     if c.source == "stdlib":
         train, validation, test = (D.stdlib_bytes_lm(s, seq_len=c.seq_len)
                                    for s in ("train", "validation", "test"))
@@ -223,6 +236,22 @@ def _make_lm(c, seed):
     return Task(train, _Spaced(validation, c.num_eval), _Spaced(test, c.num_test),
                 vocab_size=D.BYTE_VOCAB_SIZE, num_classes=D.BYTE_VOCAB_SIZE,
                 seq_len=c.seq_len, padded=False)
+
+
+def _make_packed_lm(c, seed):
+    # Each stdlib file is a document, packed into rows (data.PackedDocuments); the training
+    # rows in a seeded order, the evaluation rows in path order.
+    if c.source != "stdlib":
+        raise ValueError(f"data.pack=True packs documents, and data.source={c.source!r} is one "
+                         "stream without document boundaries; use data.source='stdlib' (each "
+                         "file a document) or data.pack=False")
+    train, validation, test = (
+        D.PackedDocuments(D.stdlib_documents(s), seq_len=c.seq_len, seed=seed,
+                          shuffle=s == "train")
+        for s in ("train", "validation", "test"))
+    return Task(train, _Spaced(validation, c.num_eval), _Spaced(test, c.num_test),
+                vocab_size=D.BYTE_VOCAB_SIZE, num_classes=D.BYTE_VOCAB_SIZE,
+                seq_len=c.seq_len, padded=False, packed=True)
 
 
 # -- byte-level LM over contiguous streams, with memory (segment-level recurrence) ---------------
@@ -343,8 +372,11 @@ for _task in (
     TaskSpec("retrieval", dict(data_dir="", seq_len=4000), _make_retrieval,
              type="pair_classification", model="dual_encoder"),
     TaskSpec("image", dict(data_dir=""), _make_image),
-    # num_eval / num_test bound the evaluation windows (0: the whole split).
-    TaskSpec("lm", dict(source="stdlib", data_dir="", seq_len=512, num_eval=256, num_test=512),
+    # num_eval / num_test bound the evaluation windows (0: the whole split). pack: each
+    # stdlib file a document, packed into rows with segment ids (data.PackedDocuments), the
+    # loss the mean over real tokens (train._objective); False: windows of the concatenation.
+    TaskSpec("lm", dict(source="stdlib", data_dir="", seq_len=512, num_eval=256, num_test=512,
+                        pack=False),
              _make_lm, type="language_model", model="causal_lm"),
     # Contiguous streams (segment-level recurrence, model.memory): seq_len is the segment;
     # num_eval / num_test bound the segments read per evaluation stream (0: all);
@@ -381,8 +413,9 @@ def spec_of(task: Task) -> TaskSpec:
 def model_inputs(task: Task, batch) -> tuple[tuple, dict]:
     """``(args, kwargs)`` a model of ``task``'s type is called with on ``batch`` (besides
     ``key`` and ``return_aux``): the inputs and their padding masks (id 0, when the task is
-    padded), or the next segment of each stream and its carried memory (rows whose
-    ``reset`` is True start from an empty one)."""
+    padded), the packed rows' ``segment_ids`` (language modelling on packed documents), or
+    the next segment of each stream and its carried memory (rows whose ``reset`` is True
+    start from an empty one)."""
     kind = spec_of(task).type
     if kind == "pair_classification":
         a, b = batch["inputs1"], batch["inputs2"]
@@ -391,5 +424,7 @@ def model_inputs(task: Task, batch) -> tuple[tuple, dict]:
     if kind in ("language_model", "stream_language_model"):
         if "carry" in batch:
             return (x,), dict(memory=nn.reset_memory(batch["carry"], batch["reset"]))
+        if "segment_ids" in batch:
+            return (x,), {"segment_ids": batch["segment_ids"]}
         return (x,), {}
     return (x,), dict(mask=(x != 0) if task.padded else None)

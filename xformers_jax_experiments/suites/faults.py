@@ -19,7 +19,7 @@ optional ``damage`` of :data:`DAMAGES`, ``two_hosts``, ``concurrent``, ``bad_fla
 The harness measures a case by building it in a fresh worker process: here the build runs
 the scenario, and a scenario that did not end as expected raises :class:`Unexpected`, whose
 message (the observed outcome, hang, silent wrong result) becomes the case's error;
-:func:`checks` turns every case into a row of the table and computes the issue's two figures.
+:func:`checks` turns every case into a row of the table and computes its two target figures.
 The times in the records table are those of a no-op (nothing is timed here).
 """
 

@@ -28,7 +28,7 @@ side by side in one run:
 - ``matmul bf16``: one 8192 x 8192 x 8192 bf16 product, the tensor cores' rate in this run.
 
 GFLOP/s count the useful work (half for causal; 10% of it for the sparse layout). The
-figures (issue: "On a real GPU"): our flash kernel at least 0.8x cuDNN's throughput; the
+target figures: our flash kernel at least 0.8x cuDNN's throughput; the
 10%-dense block-sparse kernel at least 5x faster than our dense flash kernel; causal at most
 0.6x the non-causal time. Each figure is checked over a range of lengths and reported at the
 worst; the sparse and causal figures separately at 2K-4K and at 8K-16K (see ``NOTE``).

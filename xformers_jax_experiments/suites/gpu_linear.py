@@ -4,7 +4,7 @@ The ``linear`` suite's cases (``xformers_jax_experiments/suites/linear.py``) at 
 with 64 features, bf16 inputs (the recurrence's states are float32), B=4, H=8 (B·H = 32), D=64,
 causal, lifted with ``multihead``. ``chunked`` is the chunked form (chunks of 64 by default,
 128 and 256 at 8K), ``recurrent`` the per-step scan, ``flash causal`` exact causal attention
-(the Pallas kernel on a GPU) at the same size. The figures (issue: "On a real GPU"): the
+(the Pallas kernel on a GPU) at the same size. The target figures: the
 chunked form at least 5x faster than the per-step scan at L = 8K (fwd+bwd), and linear in L
 up to 64K (time and the step's device memory from L = 8K to 64K at most 8x, with 30% slack).
 """

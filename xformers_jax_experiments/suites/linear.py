@@ -40,7 +40,7 @@ from xformers_jax_experiments.bench_lib import (
 from xformers_jax_experiments.suites.attention import qkv
 
 TITLE = "Causal linear attention: chunked vs per-step scan vs causal flash (fp32, B=1, H=4, D=64)"
-NOTE = ("The figures marked (why) are not the issue's: they show, in this run, why the 5x "
+NOTE = ("The figures marked (why) are not targets: they show, in this run, why the 5x "
         "figure is out of reach here. The core cases time only the recurrence on precomputed "
         "FAVOR+ features; a ceiling is the per-step time divided by the time the chunked "
         "form's FLOPs would take at XLA's rate on its own matmul shape (batched 64x64 by "

@@ -28,7 +28,7 @@ TITLE = "Low-rank / compressed / prototype attention vs flash attention (fp32, B
 _BUILD = "xformers_jax_experiments.suites.lowrank:build"
 LENGTHS = (1024, 4096, 16384)
 VARIANTS = ("linformer", "nystrom", "luna", "clustered")
-# The sizes of the issue's figure; --quick shrinks them with the lengths.
+# The sizes the target figure is read at; --quick shrinks them with the lengths.
 SIZES = {"linformer": 256, "nystrom": 64, "luna": 256, "clustered": 100}
 
 

@@ -16,7 +16,7 @@ RSS above start-up is recorded too, but it adds 250-400 MB of XLA compiler memor
 variant alike, which caps any measured saving.
 
 The LRA paper's figures at 4K (Tay et al., 2021, "Long Range Arena", Table 3, as reproduced in
-Fournier et al., 2021, Table 3, and CATALOG.md): steps/s relative to the Transformer Performer 5.7x,
+Fournier et al., 2021, Table 3): steps/s relative to the Transformer Performer 5.7x,
 Linear 5.6x, Linformer 5.5x, Local 5.3x, Sinkhorn 3.8x, Synthesizer 1.4x, BigBird 1.1x, Reformer
 0.8x; peak memory 9.48 GB for the Transformer against Performer 1.06 (8.9x lighter), Linear 1.03
 (9.2x), Linformer 0.99 (9.6x), Sinkhorn 1.48 (6.4x), Synthesizer 6.99 (1.36x), Reformer 2.28 (4.2x),

@@ -2,7 +2,7 @@
 dim 256 = 4 heads x 64), fwd+bwd.
 
 - FNet's mixing (``Re(FFT2)``, over the sequence and the 256 channels) against non-causal
-  flash attention at L=8192: the issue asks for at least 20x.
+  flash attention at L=8192: the target is at least 20x.
 - The recurrences' cores against causal flash at L=8192 (at least 5x): S4D (256 channels,
   N=64, FFT convolution of the Vandermonde kernel), RetNet chunkwise retention (4 heads of
   64), GLA (4 heads, keys 32, per-feature gates), Mamba-2's chunked SSD (8 heads of 64, N=64,

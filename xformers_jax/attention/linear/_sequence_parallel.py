@@ -76,11 +76,12 @@ def sequence_parallel_linear_attention(
     mesh (or an axis of size 1) it is ``linear_attention``. Lengths not divisible by the axis
     size are padded with masked keys.
 
+    ``q, k, v, *feature_arrays`` and ``feature_map``, ``causal``, ``kv_mask``, ``scale``,
+    ``gate_logits``, ``log_decay``, ``chunk_size``, ``eps`` are as in ``linear_attention``;
+    ``causal`` defaults to True here (the prefix-state passing this function exists for).
+    Non-causal needs ``Lq == Lk`` too (queries and keys are split alike).
+
     Args:
-      q, k, v, *feature_arrays, feature_map, causal, kv_mask, scale, gate_logits, log_decay,
-        chunk_size, eps: as in ``linear_attention``; ``causal`` defaults to True here (the
-        prefix-state passing this function exists for). Non-causal needs ``Lq == Lk`` too
-        (queries and keys are split alike).
       mesh: default the mesh active in :func:`use_mesh`.
       axis_name: the mesh axis the sequence is split over.
 

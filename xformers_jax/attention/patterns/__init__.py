@@ -17,6 +17,8 @@ from ._basic import Full as Full
 from ._basic import KeyPadding as KeyPadding
 from ._basic import Local as Local
 from ._basic import Segments as Segments
+from ._mask_mod import MaskMod as MaskMod
+from ._mask_mod import document_mask as document_mask
 # --- sparse patterns ---
 from ._sparse import BlockBERT as BlockBERT
 from ._sparse import BlockLocal as BlockLocal

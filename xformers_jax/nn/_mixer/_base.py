@@ -15,7 +15,9 @@ from .._cache import RecurrentCache
 
 class MixerModule(eqx.Module):
     """What a block needs from a mixer: ``mixer(x [B, L, dim], kv_mask=bool[B, L] | None,
-    positions=None, key=None) -> [B, L, dim]`` (zero at padded positions) and, for mixers
+    positions=None, key=None) -> [B, L, dim]`` (zero at padded positions; a mixer whose kind
+    honours segment ids, ``Kind.segments``, also takes ``segment_ids=int[B, L]`` for packed
+    rows and keeps each document's outputs its own) and, for mixers
     that decode, ``init_cache(batch, max_len, dtype)`` and ``decode(x [B, 1, dim], cache) ->
     (y, cache)``. Mixers keep no ``eqx.nn.State`` (``state_index`` is None)."""
 

@@ -263,13 +263,18 @@ def _conv_init(key, width, channels):
     return jax.random.uniform(key, (width, channels), minval=-1, maxval=1) / math.sqrt(width)
 
 
-def _causal_conv(x, w, b):
-    """Depthwise causal convolution ``y_t = sum_i w_i x_{t - W + 1 + i} + b``; x ``[B, L, C]``."""
+def _causal_conv(x, w, b, segment_ids=None):
+    """Depthwise causal convolution ``y_t = sum_i w_i x_{t - W + 1 + i} + b``; x ``[B, L, C]``.
+    With ``segment_ids int[B, L]`` (packed documents) a tap reads only its own document."""
     width = w.shape[0]
     xp = jnp.pad(x, ((0, 0), (width - 1, 0), (0, 0)))
     length = x.shape[1]
-    return sum(xp[:, i: i + length] * w[i].astype(x.dtype) for i in range(width)) + b.astype(
-        x.dtype)
+    taps = [xp[:, i: i + length] for i in range(width)]
+    if segment_ids is not None:
+        sp = jnp.pad(segment_ids, ((0, 0), (width - 1, 0)), constant_values=-1)
+        taps = [jnp.where((sp[:, i: i + length] == segment_ids)[..., None], t,
+                          jnp.zeros((), t.dtype)) for i, t in enumerate(taps)]
+    return sum(t * w[i].astype(x.dtype) for i, t in enumerate(taps)) + b.astype(x.dtype)
 
 
 def _conv_step(buffer, x_t, w, b):
@@ -426,24 +431,27 @@ class Mamba(MixerModule):
         y = (y + self.skip * xc.astype(jnp.float32)) * jax.nn.silu(z.astype(jnp.float32))
         return y.astype(x.dtype) @ self.w_out.astype(x.dtype)
 
-    def __call__(self, x, *, kv_mask=None, positions=None, key=None):
+    def __call__(self, x, *, kv_mask=None, positions=None, key=None, segment_ids=None):
         x = check_mask("Mamba", x, kv_mask)
         inner = self.skip.shape[0]
         xz = x @ self.w_in.astype(x.dtype)
         xs, z = xz[..., :inner], xz[..., inner:]
         if kv_mask is not None:
             xs = jnp.where(kv_mask[..., None], xs, 0)
-        xc = jax.nn.silu(_causal_conv(xs, self.conv_w, self.conv_b))
+        # Packed rows: neither the short convolution nor the scan crosses a document.
+        xc = jax.nn.silu(_causal_conv(xs, self.conv_w, self.conv_b, segment_ids))
         dt, b, c = self._ssm_inputs(xc)
         a = -jnp.exp(self.a_log)
 
-        def one(xc, dt, b, c, m):
+        def one(xc, dt, b, c, m, seg):
             run = lambda rev: M.selective_scan(  # noqa: E731
-                xc, dt, a, b, c, kv_mask=m, implementation=self.implementation, reverse=rev)
+                xc, dt, a, b, c, kv_mask=m, implementation=self.implementation, reverse=rev,
+                segment_ids=seg)
             return run(False) if self.causal else run(False) + run(True)
 
-        y = jax.vmap(one, in_axes=(0, 0, 0, 0, None if kv_mask is None else 0))(
-            xc, dt, b, c, kv_mask)
+        y = jax.vmap(one, in_axes=(0, 0, 0, 0, None if kv_mask is None else 0,
+                                   None if segment_ids is None else 0))(
+            xc, dt, b, c, kv_mask, segment_ids)
         return zero_padded(self._out(x, y, xc, z), kv_mask)
 
     def init_cache(self, batch, max_len, dtype=jnp.float32):

@@ -69,12 +69,17 @@ class _DiagonalSSM(MixerModule):
         cplx = lambda p: p[0] + 1j * p[1]  # noqa: E731
         return cplx(self.c), None if self.c_reverse is None else cplx(self.c_reverse)
 
-    def __call__(self, x, *, kv_mask=None, positions=None, key=None):
+    def __call__(self, x, *, kv_mask=None, positions=None, key=None, segment_ids=None):
         x = check_mask(type(self).__name__, x, kv_mask)
         *system, c_rev = self.system()
-        y = jax.vmap(lambda u, m: self._run(u, *system, self.d, c_reverse=c_rev, kv_mask=m,
-                                            implementation=self.implementation),
-                     in_axes=(0, None if kv_mask is None else 0))(x, kv_mask)
+        # Packed rows (segment_ids [B, L]) reach only a kind that restarts at a document
+        # (S5; the block checks Kind.segments).
+        seg = {} if segment_ids is None else {"segment_ids": segment_ids}
+        axes = {k: 0 for k in seg}
+        y = jax.vmap(lambda u, m, kw: self._run(u, *system, self.d, c_reverse=c_rev,
+                                                kv_mask=m, implementation=self.implementation,
+                                                **kw),
+                     in_axes=(0, None if kv_mask is None else 0, axes))(x, kv_mask, seg)
         return zero_padded(_glu_out(x, y, self.w_out), kv_mask)
 
     def decode(self, x, cache):

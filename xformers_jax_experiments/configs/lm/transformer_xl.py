@@ -16,7 +16,7 @@ relative distances were clamped at the training length), bits per byte, validati
 memory 2.539 / 2.531; XL with evaluation memory 0: 2.931 / 3.013, 32 (the training length):
 2.501 / 2.478, 64: 2.494 / 2.467, 128: 2.516 / 2.491, 256: 2.561 / 2.546.
 
-At the issue's lengths (``xl,cpu256`` and ``none,cpu256``: segment 256, training memory 256,
+At the study's lengths (``xl,cpu256`` and ``none,cpu256``: segment 256, training memory 256,
 6000 steps; the study ``xformers_jax_experiments/studies/memory_lm/``, one seed each), validation
 bits per byte: no memory 1.823; XL with evaluation memory 256 (the training length) 1.712, 512
 1.705, 1024 (the configured evaluation memory) 1.709, 2048 1.724, 0 2.073 (test: 1.995 against

@@ -1,0 +1,256 @@
+"""Flex attention (``attention.flex_attention``): every score and mask function against the
+dense reference written here, which applies the same function to the materialised ``[Lq, Lk]``
+score matrix; outputs and gradients (q, k, v and the captured parameters) in float32 to 1e-5,
+causal and with padded keys. Then the existing kinds written through it against their current
+forms, the layouts derived from mask functions, and the rules for masks of traced arrays."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from xformers_jax import nn
+from xformers_jax.attention import (
+    alibi_score,
+    block_sparse_attention,
+    flash_attention,
+    flex_attention,
+    multihead,
+    prefix_lm_mask,
+    relative_bias_score,
+    soft_cap_score,
+    streaming_mask,
+)
+from xformers_jax.attention import patterns as P
+from xformers_jax.attention.patterns import MaskMod, document_mask
+
+from .fast_jit import jit0
+from .tolerances import assert_close
+
+F32 = dict(atol=1e-5, rtol=1e-5)
+L, D, TILE, H = 40, 8, 16, 2  # 40 = two and a half tiles: a padded last tile of each kind
+
+
+def _close(a, b, msg=""):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), err_msg=msg, **F32)
+
+
+def dense_flex(q, k, v, *, score_mod=None, mask_fn=None, sink=None, causal=False,
+               kv_mask=None, b=0, h=0):
+    """The definition: materialise ``s``, apply ``score_mod``, mask, softmax with the sink
+    logit in the denominator, times ``v``."""
+    lq, lk = q.shape[0], k.shape[0]
+    if kv_mask is not None:  # padded keys' content must reach nothing (0 * nan is nan)
+        k = jnp.where(kv_mask[:, None], k, 0.0)
+        v = jnp.where(kv_mask[:, None], v, 0.0)
+    s = jnp.einsum("qd,kd->qk", q, k, precision="highest") / np.sqrt(q.shape[1])
+    i, j = jnp.arange(lq)[:, None], jnp.arange(lk)[None, :]
+    if score_mod is not None:
+        s = score_mod(s, b, h, i, j)
+    keep = jnp.ones((lq, lk), bool)
+    if mask_fn is not None:
+        keep &= mask_fn(b, h, i, j)
+    if causal:
+        keep &= j <= i
+    if kv_mask is not None:
+        keep &= kv_mask[None, :]
+    s = jnp.where(keep, s, -jnp.inf)
+    m = s.max(-1, keepdims=True)
+    if sink is not None:
+        m = jnp.maximum(m, sink)
+    m = jax.lax.stop_gradient(jnp.where(jnp.isfinite(m), m, 0.0))
+    e = jnp.where(keep, jnp.exp(s - m), 0.0)
+    z = e.sum(-1, keepdims=True)
+    if sink is not None:
+        z = z + jnp.exp(sink - m)
+    return jnp.einsum("qk,kd->qd", e / jnp.where(z == 0, 1.0, z), v, precision="highest")
+
+
+def _qkv(seed=0, lq=L, lk=L):
+    ks = jax.random.split(jax.random.PRNGKey(seed), 3)
+    return (jax.random.normal(ks[0], (lq, D)), jax.random.normal(ks[1], (lk, D)),
+            jax.random.normal(ks[2], (lk, D)))
+
+
+def _t5_bucket(rel):
+    return nn.t5_bucket(rel, bidirectional=True, num_buckets=8, max_distance=16)
+
+
+_DOCS = np.repeat(np.arange(4), [7, 13, 16, 4])  # 4 documents across tile edges
+_SLOPES = jnp.asarray([0.25, 0.0625])
+_TABLE = 0.3 * jax.random.normal(jax.random.PRNGKey(7), (H, 8))
+
+# name: (score_mod(params) | None, mask for flex, mask_fn for the reference, params)
+CASES = {
+    "soft_cap": (lambda p: soft_cap_score(1.5), None, None, {}),
+    "alibi": (lambda p: alibi_score(p["slopes"]), None, None, {"slopes": _SLOPES}),
+    "t5": (lambda p: relative_bias_score(p["table"], _t5_bucket), None, None,
+           {"table": _TABLE}),
+    "gated": (lambda p: (lambda s, b, h, i, j: s * jax.nn.sigmoid(p["gate"][h])), None, None,
+              {"gate": jnp.asarray([0.3, -1.2])}),
+    "prefix_lm": (None, prefix_lm_mask(9), lambda b, h, i, j: (j < 9) | (j <= i), {}),
+    "streaming": (None, streaming_mask(5, 3), lambda b, h, i, j: (j < 3) | ((j >= i - 5) & (
+        j <= i)), {}),
+    "document": (None, document_mask(_DOCS),
+                 lambda b, h, i, j: jnp.asarray(_DOCS)[i] == jnp.asarray(_DOCS)[j], {}),
+    "longformer": (None, P.Longformer(4, global_tokens=(0, 17)), lambda b, h, i, j: jnp.asarray(
+        P.Longformer(4, global_tokens=(0, 17)).dense(L, L))[i, j], {}),
+    "bigbird": (None, P.BigBird(8, 1, 1, 1, seed=3), lambda b, h, i, j: jnp.asarray(
+        P.BigBird(8, 1, 1, 1, seed=3).dense(L, L))[i, j], {}),
+    "soft_cap_window_sink": (lambda p: soft_cap_score(2.0), P.Local(6, 6),
+                             lambda b, h, i, j: jnp.abs(i - j) <= 6, {"sink": jnp.float32(0.7)}),
+    "sink": (None, None, None, {"sink": jnp.float32(-0.4)}),
+}
+
+
+@pytest.mark.parametrize("causal,padded", [(True, True), (False, False)])
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_equals_the_dense_definition_outputs_and_gradients(name, causal, padded):
+    make_score, mask, mask_fn, params = CASES[name]
+    causal = causal and name != "bigbird"  # encoder only: refused with causal=True
+    q, k, v = _qkv()
+    kv_mask = jnp.arange(L) < 33 if padded else None
+    head = 1
+
+    def run(impl, q, k, v, params):
+        score_mod = make_score(params) if make_score else None
+        sink = params.get("sink")
+        if impl == "flex":
+            return flex_attention(q, k, v, score_mod=score_mod, mask_mod=mask, sink=sink,
+                                  causal=causal, kv_mask=kv_mask, head_index=head,
+                                  block_q=TILE, block_k=TILE)
+        return dense_flex(q, k, v, score_mod=score_mod, mask_fn=mask_fn, sink=sink,
+                          causal=causal, kv_mask=kv_mask, h=head)
+
+    w = jnp.cos(jnp.arange(L * D, dtype=jnp.float32)).reshape(L, D)
+
+    def loss(impl, *a):
+        return jnp.sum(run(impl, *a) * w)
+
+    args = (q, k, v, params)
+    out = jit0(functools.partial(run, "flex"))(*args)
+    ref = run("dense", *args)
+    _close(out, ref, name)
+    grads = jit0(jax.grad(functools.partial(loss, "flex"), argnums=(0, 1, 2, 3)))(*args)
+    ref_grads = jax.grad(functools.partial(loss, "dense"), argnums=(0, 1, 2, 3))(*args)
+    for what, g, r in zip(("dq", "dk", "dv", "d_params"), grads, ref_grads):
+        for path, a, b in zip(jax.tree_util.tree_leaves_with_path(g), jax.tree.leaves(g),
+                              jax.tree.leaves(r)):
+            assert np.abs(np.asarray(b)).max() > 0 or what != "d_params", (name, path)
+            _close(a, b, f"{name} {what} {jax.tree_util.keystr(path[0])}")
+
+
+def test_head_and_batch_index_through_multihead():
+    """``b`` and ``h`` reach both functions when multihead maps them; a mask of ``h`` has no
+    static layout and is evaluated in-tile."""
+    bsz, lq = 2, 24
+    ks = jax.random.split(jax.random.PRNGKey(1), 3)
+    q, k, v = (jax.random.normal(kk, (bsz, lq, H, D)) for kk in ks)
+    windows = jnp.asarray([2, 5])
+    offsets = jnp.asarray([0.5, -1.0])
+    mask = MaskMod(lambda b, h, i, j: jnp.abs(i - j) <= windows[h])
+    score = lambda s, b, h, i, j: s + offsets[b]
+    assert not mask.is_static()
+    out = jit0(lambda q, k, v: multihead(flex_attention)(
+        q, k, v, score_mod=score, mask_mod=mask, head_index=jnp.arange(H),
+        batch_index=jnp.arange(bsz), block_q=8, block_k=8))(q, k, v)
+    for bi in range(bsz):
+        for hi in range(H):
+            ref = dense_flex(q[bi, :, hi], k[bi, :, hi], v[bi, :, hi], score_mod=score,
+                             mask_fn=mask.fn, b=bi, h=hi)
+            _close(out[bi, :, hi], ref, f"b={bi} h={hi}")
+
+
+# -- the existing kinds through flex, equal to their current forms --------------------------
+
+
+def test_existing_kinds_equal_their_current_forms():
+    bsz, lq = 1, 40
+    ks = jax.random.split(jax.random.PRNGKey(2), 3)
+    q, k, v = (jax.random.normal(kk, (bsz, lq, H, D)) for kk in ks)
+    one = (q[0, :, 0], k[0, :, 0], v[0, :, 0])
+    tiles = dict(block_q=TILE, block_k=TILE)
+    # causal, sliding window, Longformer and BigBird patterns: flex with the pattern as mask.
+    assert_close(flex_attention(*one, causal=True, **tiles),
+                 flash_attention(*one, causal=True, **tiles), err_msg="causal")
+    assert_close(flex_attention(*one, mask_mod=P.Local(5, 0), causal=True, **tiles),
+                 block_sparse_attention(*one, P.Local(5, 0), causal=True, **tiles),
+                 err_msg="sliding window")
+    for pat in (P.Longformer(4, global_tokens=(0, 17)), P.BigBird(8, 1, 1, 1, seed=3)):
+        assert_close(flex_attention(*one, mask_mod=pat, **tiles),
+                     block_sparse_attention(*one, pat, **tiles), err_msg=repr(pat))
+    # prefix LM as a mask function against the same mask as a union of patterns.
+    assert_close(flex_attention(*one, mask_mod=prefix_lm_mask(9), **tiles),
+                 block_sparse_attention(*one, P.KeyPadding(9) | P.Causal(), **tiles),
+                 err_msg="prefix lm")
+    # ALiBi and T5 as score functions against nn's bias schemes on flash attention.
+    pos = jnp.broadcast_to(jnp.arange(lq), (bsz, lq))
+    scale = 1 / np.sqrt(D)
+    t5 = nn.T5Bias(H, 8, 16, key=jax.random.PRNGKey(3))
+    for scheme, score in (
+            (nn.ALiBi(H), alibi_score(nn.ALiBi(H).slopes.value)),
+            (t5, relative_bias_score(t5.table, functools.partial(
+                nn.t5_bucket, bidirectional=True, num_buckets=8, max_distance=16)))):
+        bias = scheme.bias(q, k, pos, pos, scale)
+        current = multihead(flash_attention, kwarg_axes={"bias": "batch_heads"})(
+            q, k, v, causal=True, bias=bias, **tiles)
+        through = multihead(flex_attention)(q, k, v, score_mod=score, causal=True,
+                                            head_index=jnp.arange(H), **tiles)
+        assert_close(through, current, err_msg=type(scheme).__name__)
+
+
+# -- block masks from mask functions ----------------------------------------------------------
+
+
+def test_mask_function_layouts_equal_the_patterns_and_are_cached():
+    mod = prefix_lm_mask(20)
+    same = P.KeyPadding(20) | P.Causal()
+    for tiles in ((16, 16), (8, 32)):
+        got, want = mod.layout(100, 100, *tiles), same.layout(100, 100, *tiles)
+        np.testing.assert_array_equal(got.kinds, want.kinds)
+        np.testing.assert_array_equal(got.dense(), want.dense())
+    assert mod.layout(100, 100, 16, 16) is mod.layout(100, 100, 16, 16)
+    assert prefix_lm_mask(20).layout(100, 100, 16, 16) is mod.layout(100, 100, 16, 16)
+    # document ids key the cache by content; tiles between documents are empty.
+    docs = np.repeat(np.arange(4), 16)
+    lay = (document_mask(docs) & P.Causal()).layout(64, 64, 16, 16)
+    assert lay is (document_mask(docs.copy()) & P.Causal()).layout(64, 64, 16, 16)
+    np.testing.assert_array_equal(lay.kinds, np.diag([1, 1, 1, 1]))
+    # | and & between mask functions and patterns.
+    even = MaskMod(lambda b, h, i, j: (i + j) % 2 == 0)
+    i, j = np.arange(30)[:, None], np.arange(30)[None, :]
+    np.testing.assert_array_equal((even | P.Local(2, 2)).dense(30, 30),
+                                  ((i + j) % 2 == 0) | (np.abs(i - j) <= 2))
+    np.testing.assert_array_equal((even & mod).dense(30, 30),
+                                  ((i + j) % 2 == 0) & ((j < 20) | (j <= i)))
+    np.testing.assert_array_equal((even | MaskMod(lambda b, h, i, j: i == 0)).dense(30, 30),
+                                  ((i + j) % 2 == 0) | (i == 0))
+
+
+def test_masks_of_traced_arrays_are_evaluated_in_tile():
+    q, k, v = _qkv(3)
+    docs = jnp.asarray(_DOCS)
+    ref = flash_attention(q, k, v, causal=True, segment_ids=docs)
+
+    @jit0
+    def traced(q, k, v, docs):
+        mask = document_mask(docs)
+        assert not mask.is_static()
+        return flex_attention(q, k, v, mask_mod=P.Causal() & mask, block_q=TILE, block_k=TILE)
+
+    assert_close(traced(q, k, v, docs), ref)
+    with pytest.raises(ValueError, match="cannot be part of a union"):
+        jax.jit(lambda d: flex_attention(q, k, v, mask_mod=P.Local(2, 2) | document_mask(d)))(
+            docs)
+
+
+def test_bad_arguments_and_pallas_are_refused_by_name():
+    q, k, v = _qkv()
+    with pytest.raises(ValueError, match="sink must be a float scalar"):
+        flex_attention(q, k, v, sink=jnp.zeros(2))
+    with pytest.raises(ValueError, match="mask_mod must be a callable"):
+        flex_attention(q, k, v, mask_mod=3)
+    with pytest.raises(NotImplementedError, match="score_mod not implemented"):
+        flex_attention(q, k, v, score_mod=soft_cap_score(2.0), implementation="pallas")

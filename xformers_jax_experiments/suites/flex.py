@@ -1,0 +1,137 @@
+"""Suite ``flex``: flex attention's score and mask functions against plain flash attention and
+the same patterns written by hand (Dong et al., 2024, "Flex Attention").
+
+fp32, B=1, H=4, D=64, lifted with ``multihead``, XLA:CPU; L = 2048 and 8192 (the issue asks
+2K-16K; 16K is left out on CPU to keep the suite within minutes). Cases:
+
+- flash full and causal: the baselines (``flash_attention``, the same tiled kernel).
+- ALiBi and Gemma's soft-cap as score functions, causal (``alibi_score``, ``soft_cap_score``).
+- a mask function of about 10% block density, ``|i - j| <= L/20`` as a ``MaskMod`` (its layout
+  derived by evaluating it), against the same band as the hand pattern ``Local(L/20, L/20)``.
+- 8 packed documents of L/8 in one row, ``document_mask(ids) & Causal()``, against causal flash
+  over the whole row.
+- building the layout of a mask function afresh (a new function each call, so the cache
+  never answers): the host-side cost the cache saves, as a share of one fwd+bwd.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+
+from xformers_jax.attention import (
+    alibi_score,
+    block_sparse_attention,
+    flash_attention,
+    flex_attention,
+    multihead,
+    pattern_tile,
+    soft_cap_score,
+)
+from xformers_jax.attention.patterns import Causal, Local, MaskMod, document_mask
+from xformers_jax_experiments.bench_lib import Case, Results, Workload, ratio_check
+from xformers_jax_experiments.suites.attention import attention_flops, qkv
+
+TITLE = "Flex attention: score and mask functions vs flash and hand patterns (fp32, B=1, H=4, D=64)"
+NOTE = ("XLA:CPU. Figures at L=8192: a score function within 1.15x of flash (causal), a 10% "
+        "mask function 5x faster than full flash and within 10% of the hand pattern, 8 packed "
+        "documents 5x faster than causal flash, a fresh layout under 5% of one fwd+bwd.")
+_BUILD = "xformers_jax_experiments.suites.flex:build"
+LENGTHS = (2048, 8192)
+H = 4
+
+
+def _band(L: int) -> int:
+    return max(1, L // 20)
+
+
+def _band_mask(L: int):
+    w = _band(L)
+    return MaskMod(lambda b, h, i, j: jnp.abs(i - j) <= w, ("band", w))
+
+
+def build(variant: str, L: int, quick: bool = False, B: int = 1, D: int = 64):
+    tiles = dict(block_q=16, block_k=16) if quick else {}
+    flops = attention_flops(L, B, H, D, causal=True)
+    if variant == "flash":
+        fn, flops = (lambda q, k, v: flash_attention(q, k, v)), attention_flops(L, B, H, D)
+    elif variant == "flash_causal":
+        fn = lambda q, k, v: flash_attention(q, k, v, causal=True)
+    elif variant == "alibi":
+        slopes = jnp.asarray(2.0 ** (-8.0 * np.arange(1, H + 1) / H), jnp.float32)
+        fn = lambda q, k, v, head_index: flex_attention(
+            q, k, v, score_mod=alibi_score(slopes), causal=True, head_index=head_index)
+    elif variant == "softcap":
+        fn = lambda q, k, v: flex_attention(q, k, v, score_mod=soft_cap_score(50.0),
+                                            causal=True)
+    elif variant in ("mask10", "hand10"):
+        band = _band_mask(L) if variant == "mask10" else Local(_band(L), _band(L))
+        flops = attention_flops(L, B, H, D) * band.layout(L, L, 64, 64).dense().mean()
+        if variant == "mask10":
+            fn = lambda q, k, v: flex_attention(q, k, v, mask_mod=band, **tiles)
+        else:
+            fn = lambda q, k, v: block_sparse_attention(q, k, v, band, **tiles)
+    elif variant == "documents":
+        ids = np.repeat(np.arange(8), L // 8)
+        mask = document_mask(ids) & Causal()
+        flops = attention_flops(L // 8, B, H, D, causal=True) * 8
+        fn = lambda q, k, v: flex_attention(q, k, v, mask_mod=mask, **tiles)
+    elif variant == "layout":
+        tile = pattern_tile(Local(_band(L), _band(L)), L, L)
+
+        def fresh(mode):
+            def make():
+                w = _band(L)
+                return MaskMod(lambda b, h, i, j: jnp.abs(i - j) <= w).layout(L, L, tile, tile)
+            return make
+        return Workload(None, (), native=fresh)
+    else:
+        raise ValueError(f"unknown variant {variant!r}")
+    if variant == "alibi":  # the head index reaches the score function through multihead
+        lifted = multihead(fn)
+        return Workload(lambda q, k, v: lifted(q, k, v, head_index=jnp.arange(H)),
+                        qkv(L, B, H, D), flops=flops)
+    return Workload(multihead(fn), qkv(L, B, H, D), flops=flops)
+
+
+_NAMES = {
+    "flash": "flash (full)", "flash_causal": "flash causal", "alibi": "flex ALiBi causal",
+    "softcap": "flex soft-cap causal", "mask10": "flex mask function ~10%",
+    "hand10": "hand pattern ~10%", "documents": "flex 8 documents", "layout": "layout of a "
+    "fresh mask function",
+}
+
+
+def cases(quick: bool) -> list[Case]:
+    lengths = (64, 128) if quick else LENGTHS
+    out = []
+    for L in lengths:
+        for variant, name in _NAMES.items():
+            modes = ("fwd",) if variant == "layout" else ("fwd", "fwdbwd")
+            out.append(Case(name, _BUILD, dict(variant=variant, L=L, quick=quick), modes=modes))
+    return out
+
+
+def checks(r: Results):
+    L = 8192
+
+    def t(variant, mode):
+        return r.time(_NAMES[variant], mode, variant=variant, L=L, quick=False)
+
+    out = []
+    for mode, label in (("fwd", "fwd"), ("fwdbwd", "fwd+bwd")):
+        for variant in ("alibi", "softcap"):
+            out.append(ratio_check(f"{_NAMES[variant]} / flash causal, {label}, L={L}",
+                                   t(variant, mode), t("flash_causal", mode), at_most=1.15))
+        out += [
+            ratio_check(f"flash full / flex mask function ~10%, {label}, L={L} (speed-up)",
+                        t("flash", mode), t("mask10", mode), at_least=5.0),
+            ratio_check(f"flex mask function / hand pattern ~10%, {label}, L={L}",
+                        t("mask10", mode), t("hand10", mode), at_most=1.10),
+            ratio_check(f"flash causal / flex 8 packed documents, {label}, L={L} (speed-up)",
+                        t("flash_causal", mode), t("documents", mode), at_least=5.0),
+        ]
+    out.append(ratio_check(f"fresh layout / flex mask function fwd+bwd, L={L} (cached after "
+                           "the first call)", t("layout", "fwd"), t("mask10", "fwdbwd"),
+                           at_most=0.05))
+    return out
