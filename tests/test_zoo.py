@@ -146,6 +146,7 @@ def test_tiny_sweep_end_to_end(tmp_path):
            f"--workdir={tmp_path / 'runs'}", "--tasks=mqar",
            "--kinds=^(attention/dot_product|mixer/mamba2)$", "--lengths=64", "--widths=64",
            "--learning_rates=3e-3", "--num_train_steps=6", "--num_processes=2",
+           "--set=data.num_eval=64", "--set=data.num_test=64",
            f"--results_dir={results}"]
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]

@@ -34,8 +34,9 @@ from xformers_jax_experiments.studies.zoo import config as Z
 HERE = os.path.dirname(os.path.abspath(__file__))
 CONFIG = os.path.join(HERE, "config.py")
 
-# --workdir (the runs' base directory) and --num_processes (runs at a time) are the sweep
-# tool's own flags (xformers_jax_experiments.sweep).
+# --workdir (the runs' base directory), --num_processes (runs at a time) and --set=KEY=VALUE
+# (an override of every run, repeatable) are the sweep tool's own flags
+# (xformers_jax_experiments.sweep).
 FLAGS = flags.FLAGS
 _GRID = flags.DEFINE_enum("grid", "cpu", Z.GRIDS, "cpu: the CPU grid; full: Zoology's.")
 _TASKS = flags.DEFINE_list("tasks", list(Z.TASKS), "Tasks to sweep.")
@@ -205,7 +206,7 @@ def main(argv):
     wall, failed = None, []
     if not _REPORT_ONLY.value:
         t0 = time.time()
-        codes = sweep.run_local(CONFIG, FLAGS.workdir, [r for _, r in planned],
+        codes = sweep.run_local(CONFIG, FLAGS.workdir, [r for _, r in planned], FLAGS.set,
                                 num_processes=FLAGS.num_processes, resume=True, names=names)
         wall = time.time() - t0
         failed = [n for n, c in zip(names, codes) if c != 0]
