@@ -149,6 +149,7 @@ def run_dir(base: str, index: int) -> str:
     return os.path.join(base, f"{index:03d}")
 
 
+
 def _remote_path(path: str) -> str:
     """``path`` quoted for the remote shell: a value is data, never code (a ``--repo_dir``
     holding ``; rm -rf ~`` is a directory name); a leading ``~/`` stays unquoted so that the
@@ -183,23 +184,37 @@ def finished(path: str) -> bool:
 
 
 def run_local(config: str, base: str, runs, overrides=(), *, num_processes: int = 1,
-              python: str = sys.executable, log=print, resume: bool = False) -> list[int]:
+              python: str = sys.executable, log=print, resume: bool = False,
+              names=None) -> list[int]:
     """Runs every run, ``num_processes`` at a time; returns their exit codes. With
-    ``resume``, a run whose directory already holds a finished run is not run again (code 0)."""
+    ``resume``, a run whose directory already holds a finished run is not run again (code 0).
+    ``names``: each run's directory name under ``base`` (default ``NNN``, its index); a sweep
+    whose list of runs grows between invocations names them by content so that resuming
+    finds each run's directory again."""
+    runs = list(runs)
+    if names is not None:
+        names = list(names)
+        if len(names) != len(runs) or len(set(names)) != len(names):
+            raise ValueError(f"names must be {len(runs)} distinct directory names, one per "
+                             f"run; got {len(names)} ({len(set(names))} distinct)")
+
+    def where(i):
+        return os.path.join(base, names[i]) if names is not None else run_dir(base, i)
+
     pending = list(enumerate(runs))
     active, codes = {}, {}
     if resume:
         for i, _ in list(pending):
-            if finished(run_dir(base, i)):
-                log(f"[sweep] run {i:03d} already finished in {run_dir(base, i)}: kept")
+            if finished(where(i)):
+                log(f"[sweep] run {i:03d} already finished in {where(i)}: kept")
                 codes[i] = 0
         pending = [(i, run) for i, run in pending if i not in codes]
     while pending or active:
         while pending and len(active) < num_processes:
             i, run = pending.pop(0)
-            os.makedirs(run_dir(base, i), exist_ok=True)
-            log_file = open(os.path.join(run_dir(base, i), "train.log"), "w")
-            args = run_args(config, run_dir(base, i), run, overrides, python=python)
+            os.makedirs(where(i), exist_ok=True)
+            log_file = open(os.path.join(where(i), "train.log"), "w")
+            args = run_args(config, where(i), run, overrides, python=python)
             log(f"[sweep] start {i:03d}: " + " ".join(shlex.quote(a) for a in args[1:]))
             proc = subprocess.Popen(args, stdout=log_file, stderr=subprocess.STDOUT, cwd=ROOT)
             active[i] = (proc, log_file)

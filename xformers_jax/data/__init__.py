@@ -35,3 +35,7 @@ from ._pathfinder import PATHX_SIZE as PATHX_SIZE
 from ._pathfinder import Pathfinder as Pathfinder
 from ._pathfinder import draw_pathfinder as draw_pathfinder
 from ._streams import StreamBatches as StreamBatches
+from ._synthetic import InductionHeads as InductionHeads
+from ._synthetic import MultiQueryAR as MultiQueryAR
+from ._synthetic import SelectiveCopying as SelectiveCopying
+from ._synthetic import power_law_probs as power_law_probs

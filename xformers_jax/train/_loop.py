@@ -229,6 +229,7 @@ def _train_and_evaluate(config, workdir: str, *, on_step=None) -> dict:
                       enabled=config.progress_bar and jax.process_index() == 0)
     shown = {}
     validation = {}
+    stopped_early = None
     try:
         while step < total:
             state, metrics = train_step(state, plan.place_batch(next(train_iter)))
@@ -256,6 +257,13 @@ def _train_and_evaluate(config, workdir: str, *, on_step=None) -> dict:
                             f"accuracy {validation['accuracy']:.4f}")
                 if step >= compression.best_from:  # pruning done: the final sparsity
                     checkpointer.save_best(step, state, data_state(), validation)
+                if (config.stop_at_accuracy is not None
+                        and validation["accuracy"] >= config.stop_at_accuracy):
+                    stopped_early = step
+                    bar.message(f"step {step}: validation accuracy reached "
+                                f"{config.stop_at_accuracy}: stopping")
+                    checkpointer.save(step, state, data_state(), force=True)
+                    break
             saved = step % config.checkpoint_every == 0 or step == total
             if saved:
                 guard.check()
@@ -277,6 +285,8 @@ def _train_and_evaluate(config, workdir: str, *, on_step=None) -> dict:
         writer.write(step, {f"test_{k}": v for k, v in test.items()})
         bar.close()
         result = {"step": step, "best_step": int(best_state.step), **pipeline}
+        if stopped_early is not None:
+            result["stopped_early_at"] = stopped_early
         result |= {f"validation_{k}": v for k, v in validation.items()}
         result |= {f"test_{k}": v for k, v in test.items()}
         result |= compression.finish(best_state.model, run_eval, eval_step, workdir)

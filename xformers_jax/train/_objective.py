@@ -13,7 +13,8 @@ the padding that ends a row) are scored over their real tokens only: ``cross_ent
 ``accuracy`` are the means over every real token of the batch (each token weighs the same,
 whichever document or row it is in, so a long document counts for its length), the value the
 same documents unpacked give as the mean over their tokens; evaluation sums them and counts
-the real tokens.
+the real tokens. Tasks that score chosen positions only (``batch["scored"]``, the synthetic
+recall and copying tasks) are scored the same way over those positions.
 """
 
 from __future__ import annotations
@@ -46,10 +47,14 @@ def _split(out, batch):
 
 
 def _real(batch):
-    """The scored positions: the real tokens of packed rows (segment id > 0), else None
-    (every position)."""
-    seg = batch.get("segment_ids")
-    return None if seg is None else seg > 0
+    """The scored positions: those a task marks (``batch["scored"]``: the answers of the
+    synthetic recall and copying tasks) among the real tokens of packed rows (segment id >
+    0), else None (every position)."""
+    seg, scored = batch.get("segment_ids"), batch.get("scored")
+    real = None if seg is None else seg > 0
+    if scored is not None:
+        real = scored if real is None else real & scored
+    return real
 
 
 def _sums(logits, labels, real):

@@ -6,8 +6,10 @@ or of a pair, language modelling, over contiguous streams with a carried memory,
 own self-supervised objective) and the model kind it trains by default. Which model trains is
 the config's ``model.kind`` (``xformers_jax.models``); the task knows no model family.
 Classification tasks (LRA ListOps, Text, Image, Pathfinder / Path-X) default to the encoder
-classifier; Retrieval to the dual encoder; byte-level language modelling (``lm``) to the causal
-LM, over streams (``lm_stream``) to the memory LM; ``electra`` pre-trains ELECTRA. Token id 0
+classifier; Retrieval to the dual encoder; byte-level language modelling (``lm``) and the
+synthetic recall and copying tasks (``mqar``, ``selective_copy``, ``induction``: scored at
+their answer positions only, ``batch["scored"]``) to the causal LM, over streams
+(``lm_stream``) to the memory LM; ``electra`` pre-trains ELECTRA. Token id 0
 is padding for text-like inputs; pixel inputs (Image, Pathfinder) have no padding (0 is black).
 A new task is one ``register_task`` call.
 """
@@ -324,6 +326,36 @@ def _make_lm_stream(c, seed):
                 num_classes=D.BYTE_VOCAB_SIZE, seq_len=c.seq_len, padded=False)
 
 
+# -- synthetic recall and copying (Zoology, Mamba): scored at chosen positions only --------------
+
+def _make_mqar(c, seed):
+    split = lambda n, s: D.MultiQueryAR(  # noqa: E731
+        n, seed=s, seq_len=c.seq_len, num_kv_pairs=c.num_kv_pairs, vocab_size=c.vocab_size,
+        power_a=c.power_a)
+    return Task(*_three(split, c, seed), vocab_size=c.vocab_size, num_classes=c.vocab_size,
+                seq_len=c.seq_len, padded=False)
+
+
+def _make_selective_copy(c, seed):
+    split = lambda n, s: D.SelectiveCopying(  # noqa: E731
+        n, seed=s, seq_len=c.seq_len, num_tokens=c.num_tokens, vocab=c.vocab)
+    train, validation, test = _three(split, c, seed)
+    return Task(train, validation, test, vocab_size=train.vocab_size,
+                num_classes=train.vocab_size, seq_len=c.seq_len, padded=False)
+
+
+def _make_induction(c, seed):
+    # The test split may be longer than training (extrapolation): the model is built for the
+    # longer of the two.
+    test_len = c.test_seq_len or c.seq_len
+    train = D.InductionHeads(c.num_train, seed=3 * seed, seq_len=c.seq_len, vocab=c.vocab)
+    validation = D.InductionHeads(c.num_eval, seed=3 * seed + 1, seq_len=c.seq_len,
+                                  vocab=c.vocab)
+    test = D.InductionHeads(c.num_test, seed=3 * seed + 2, seq_len=test_len, vocab=c.vocab)
+    return Task(train, validation, test, vocab_size=train.vocab_size,
+                num_classes=train.vocab_size, seq_len=max(c.seq_len, test_len), padded=False)
+
+
 def _make_electra(c, seed):
     # Text windows whose id 0 is padding: ELECTRA masks and scores the real bytes only.
     return dataclasses.replace(_make_lm(c, seed), padded=True)
@@ -353,6 +385,18 @@ for _task in (
                                num_test=128, eval_mem_lens=()),
              _make_lm_stream, type="stream_language_model", model="memory_lm",
              batches=_stream_batches, carry=_stream_carry, evaluate=_stream_evaluate),
+    # Synthetic recall and copying (data._synthetic), scored at their answer positions only.
+    # MQAR's defaults are Zoology's smallest setting (L=64, 4 pairs; 100k / 3k examples).
+    TaskSpec("mqar", dict(seq_len=64, num_kv_pairs=4, vocab_size=8192, power_a=0.01,
+                          num_train=100_000, num_eval=3_000, num_test=3_000),
+             _make_mqar, type="language_model", model="causal_lm"),
+    TaskSpec("selective_copy", dict(seq_len=256, num_tokens=16, vocab=16, num_train=100_000,
+                                    num_eval=3_000, num_test=3_000),
+             _make_selective_copy, type="language_model", model="causal_lm"),
+    # test_seq_len: the test split's length (0: seq_len), for length extrapolation.
+    TaskSpec("induction", dict(seq_len=256, test_seq_len=0, vocab=16, num_train=100_000,
+                               num_eval=3_000, num_test=3_000),
+             _make_induction, type="language_model", model="causal_lm"),
     # ELECTRA's replaced-token detection on byte-level text windows.
     TaskSpec("electra", dict(source="stdlib", data_dir="", seq_len=128, num_eval=256,
                              num_test=512), _make_electra, type="self_supervised",

@@ -1,0 +1,162 @@
+"""The zoo: the synthetic task generators against their definitions, the tasks through the
+trainer (scored positions only, early stop), and a tiny sweep end to end."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from xformers_jax import data as D
+from xformers_jax import nn, train
+from xformers_jax_experiments.studies.zoo import config as Z
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_mqar_follows_zoology():
+    src = D.MultiQueryAR(200, seed=3, seq_len=32, num_kv_pairs=4, vocab_size=64)
+    for i in range(len(src)):
+        ex = src[i]
+        x, y, s = ex["inputs"], ex["targets"], ex["scored"]
+        keys, values = x[0:8:2], x[1:8:2]
+        assert ((1 <= keys) & (keys < 32)).all() and ((32 <= values) & (values < 64)).all()
+        assert len(set(keys)) == 4 and len(set(values)) == 4
+        where = np.flatnonzero(s)
+        assert len(where) == 4
+        # queries at even slots after the pairs, each key once, scored with its own value
+        assert ((where - 8) % 2 == 0).all() and (where >= 8).all() and (where <= 30).all()
+        assert sorted(x[where]) == sorted(keys)
+        pair = dict(zip(keys, values))
+        assert [pair[k] for k in x[where]] == list(y[where])
+        assert (y[~s] == 0).all()
+    np.testing.assert_array_equal(src[5]["inputs"], D.MultiQueryAR(
+        200, seed=3, seq_len=32, num_kv_pairs=4, vocab_size=64)[5]["inputs"])
+    assert not np.array_equal(src[5]["inputs"], D.MultiQueryAR(
+        200, seed=4, seq_len=32, num_kv_pairs=4, vocab_size=64)[5]["inputs"])
+
+
+def test_mqar_gaps_follow_the_power_law():
+    """One query per example: the gap's frequencies match p(i) ~ a i^(a-1) within 4 sigma."""
+    n, L, a = 6000, 24, 0.01
+    src = D.MultiQueryAR(n, seed=0, seq_len=L, num_kv_pairs=1, vocab_size=64, power_a=a)
+    gaps = np.array([(np.flatnonzero(src[i]["scored"])[0] - 2) // 2 for i in range(n)])
+    p = D.power_law_probs((L - 2) // 2, a)
+    counts = np.bincount(gaps, minlength=len(p))
+    sigma = np.sqrt(n * p * (1 - p))
+    assert (np.abs(counts - n * p) <= 4 * sigma + 1).all(), (counts, n * p)
+    # the law's shape: p(1) / p(2) = 2^(1 - a)
+    np.testing.assert_allclose(p[0] / p[1], 2 ** (1 - a))
+
+
+def test_mqar_fills_free_positions_from_the_whole_vocabulary():
+    src = D.MultiQueryAR(50, seed=1, seq_len=64, num_kv_pairs=4, vocab_size=128)
+    free = np.concatenate([src[i]["inputs"][8:][~src[i]["scored"][8:]] for i in range(50)])
+    assert free.min() < 64 <= free.max()  # both halves of the vocabulary
+    quiet = D.MultiQueryAR(5, seed=1, seq_len=64, num_kv_pairs=4, vocab_size=128,
+                           random_non_queries=False)[0]
+    assert (quiet["inputs"][8:][~quiet["scored"][8:]] == 0).all()
+
+
+def test_selective_copying_follows_mamba():
+    src = D.SelectiveCopying(100, seed=0, seq_len=48, num_tokens=8, vocab=16)
+    assert src.vocab_size == 18
+    for i in range(len(src)):
+        x, y, s = src[i]["inputs"], src[i]["targets"], src[i]["scored"]
+        context, tail = x[:40], x[40:]
+        data = context[context != 0]
+        assert len(data) == 8 and ((1 <= data) & (data <= 16)).all()
+        assert (tail == 17).all()
+        np.testing.assert_array_equal(np.flatnonzero(s), np.arange(40, 48))
+        np.testing.assert_array_equal(y[40:], data)  # in order of appearance
+
+
+def test_induction_heads_follow_mamba():
+    src = D.InductionHeads(200, seed=0, seq_len=32, vocab=16)
+    assert src.vocab_size == 17
+    for i in range(len(src)):
+        x, y, s = src[i]["inputs"], src[i]["targets"], src[i]["scored"]
+        special = np.flatnonzero(x == 16)
+        assert len(special) == 2 and special[1] == 31 and special[0] <= 29
+        np.testing.assert_array_equal(np.flatnonzero(s), [31])
+        assert y[31] == x[special[0] + 1]
+
+
+@pytest.mark.parametrize("make,match", [
+    (lambda: D.MultiQueryAR(1, seed=0, seq_len=31, num_kv_pairs=2), "even"),
+    (lambda: D.MultiQueryAR(1, seed=0, seq_len=32, num_kv_pairs=9), "4 \\* num_kv_pairs"),
+    (lambda: D.MultiQueryAR(1, seed=0, seq_len=64, num_kv_pairs=2, vocab_size=32),
+     "must exceed seq_len"),
+    (lambda: D.SelectiveCopying(1, seed=0, seq_len=20, num_tokens=16), "2 \\* num_tokens"),
+    (lambda: D.InductionHeads(1, seed=0, seq_len=3), "at least 4"),
+])
+def test_generators_refuse_bad_settings(make, match):
+    with pytest.raises(ValueError, match=match):
+        make()
+
+
+def test_scored_positions_only_and_early_stop(tmp_path):
+    """MQAR through the trainer: the loss counts the scored positions only (a batch whose
+    unscored targets are changed keeps its loss), and stop_at_accuracy ends the run at the
+    first evaluation that reaches it."""
+    import jax
+    import jax.numpy as jnp
+
+    from xformers_jax.train import _objective, _tasks
+
+    c = Z.get_config("mqar,attention,dot_product,32")
+    c.unlock()
+    c.data.update(dict(num_train=64, num_eval=16, num_test=16))
+    c.model.update(dict(dim=32, num_heads=1, hidden=64))
+    c.update(dict(batch_size=8, num_train_steps=40, eval_every=4, log_every=4,
+                  checkpoint_every=40, stop_at_accuracy=0.0))
+    task = _tasks.make_task(c.data, 0)
+    model = _tasks.build_model(c.model, task, jax.random.PRNGKey(0))
+    batch = {k: jnp.stack([task.train[i][k] for i in range(4)]) for k in task.train[0]}
+    loss_fn = _objective.make_loss_fn(task)
+    loss, metrics = loss_fn(model, batch, None)
+    other = dict(batch, targets=jnp.where(batch["scored"], batch["targets"], 7))
+    assert float(loss_fn(model, other, None)[0]) == pytest.approx(float(loss))
+    moved = dict(batch, targets=jnp.where(batch["scored"], 7, batch["targets"]))
+    assert float(loss_fn(model, moved, None)[0]) != pytest.approx(float(loss))
+    sums = _objective.make_metrics_fn(task)(model, batch)
+    assert int(sums["count"]) == int(batch["scored"].sum()) == 4 * 2
+    result = train.train_and_evaluate(c, str(tmp_path))
+    assert result["step"] == 4 and result["stopped_early_at"] == 4
+
+
+def test_zoo_hyperparameters_fill_every_causal_kind():
+    for slot in ("attention", "mixer"):
+        kinds = Z.kinds(slot)
+        assert kinds
+        for kind in kinds:
+            hp = Z.zoo_hyperparameters(slot, kind, 64)
+            spec = {"attention": nn.AttentionSpec, "mixer": nn.MixerSpec}[slot](kind, hp)
+            assert spec.kind == kind
+
+
+def test_tiny_sweep_end_to_end(tmp_path):
+    """Two kinds, one setting, a few steps: the runs, their resumption, the tables."""
+    results = tmp_path / "results"
+    cmd = [sys.executable, "-m", "xformers_jax_experiments.studies.zoo.run",
+           f"--workdir={tmp_path / 'runs'}", "--tasks=mqar",
+           "--kinds=^(attention/dot_product|mixer/mamba2)$", "--lengths=64", "--widths=64",
+           "--learning_rates=3e-3", "--num_train_steps=6", "--num_processes=2",
+           "--set=data.num_eval=64", "--set=data.num_test=64",
+           f"--results_dir={results}"]
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = json.loads((results / "zoo.json").read_text())["rows"]
+    assert {r["kind"] for r in rows} == {"dot_product", "mamba2"}
+    assert all(0.0 <= r["test_accuracy"] <= 1.0 for r in rows), rows
+    state = {r["kind"]: r["state_bytes"] for r in rows}
+    assert state["dot_product"] > 0 and state["mamba2"] > 0
+    table = (results / "zoo.md").read_text()
+    assert "| attention/dot_product |" in table and "| mixer/mamba2 |" in table
+    again = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert again.stdout.count("already finished") == 2  # resumed: nothing run again

@@ -1,0 +1,233 @@
+r"""The zoo's one command: sweep every causal kind over the synthetic tasks, then write the
+leaderboards and plots.
+
+  python -m xformers_jax_experiments.studies.zoo.run --workdir=runs/zoo --num_processes=2
+
+Each run is ``xformers_jax_experiments.train`` with ``studies/zoo/config.py`` (one kind, task,
+length, width and learning rate) in its own directory ``WORKDIR/TASK/KIND/L{L}_d{D}_lr{LR}``,
+started through ``xformers_jax_experiments.sweep.run_local``. Re-running the command resumes:
+finished runs are kept, interrupted ones resume from their checkpoints, and kinds registered
+since the last invocation are added. ``--grid=full`` is Zoology's full grid (widths up to 512,
+100k examples, 64 epochs) for an accelerator. ``--tasks``, ``--kinds`` (regular expression on
+``SLOT/KIND``), ``--lengths`` and ``--widths`` narrow a sweep; ``--report_only`` only rewrites the results.
+
+Results (``--results_dir``, default the study's folder): ``zoo.json`` (one row per run),
+``zoo.md`` (per task the best accuracy over the learning rates by kind, width and length,
+with each kind's decoding state per sequence and the sweep's wall time) and two plots:
+accuracy against width per kind, and accuracy against state size (the recall/memory
+trade-off of Arora et al. 2024, "Based", Figure 1).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+import time
+
+from absl import app, flags
+
+from xformers_jax_experiments import run_lib, sweep
+from xformers_jax_experiments.studies.zoo import config as Z
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+CONFIG = os.path.join(HERE, "config.py")
+
+# --workdir (the runs' base directory), --num_processes (runs at a time) and --set=KEY=VALUE
+# (an override of every run, repeatable) are the sweep tool's own flags
+# (xformers_jax_experiments.sweep).
+FLAGS = flags.FLAGS
+_GRID = flags.DEFINE_enum("grid", "cpu", Z.GRIDS, "cpu: the CPU grid; full: Zoology's.")
+_TASKS = flags.DEFINE_list("tasks", list(Z.TASKS), "Tasks to sweep.")
+_KINDS = flags.DEFINE_string("kinds", None, "Regular expression on 'SLOT/KIND' (default all).")
+_WIDTHS = flags.DEFINE_list("widths", None, "Widths (default: the grid's).")
+_LENGTHS = flags.DEFINE_list("lengths", None, "Lengths (default: each task's in the grid).")
+_LRS = flags.DEFINE_list("learning_rates", None, "Learning rates (default: the grid's).")
+_STEPS = flags.DEFINE_integer("num_train_steps", None, "Override the steps of every run.")
+_RESULTS = flags.DEFINE_string("results_dir", HERE, "Where zoo.json, zoo.md and plots go.")
+_REPORT_ONLY = flags.DEFINE_bool("report_only", False, "Rewrite the results; run nothing.")
+
+
+def runs(grid: str, tasks, kinds_re=None, widths=None, lrs=None, steps=None, lengths=None):
+    """``(name, config_arg, overrides)`` of every run of the sweep."""
+    widths = [int(w) for w in widths] if widths else Z.WIDTHS[grid]
+    lrs = [float(x) for x in lrs] if lrs else Z.LEARNING_RATES[grid]
+    pattern = re.compile(kinds_re) if kinds_re else None
+    out = []
+    for task in tasks:
+        task_lengths = ([L for L, _ in Z.MQAR_SETTINGS] if task == "mqar"
+                        else Z.LENGTHS[task][grid])
+        if lengths:
+            task_lengths = [int(L) for L in lengths]
+        for slot in ("attention", "mixer"):
+            for kind in Z.kinds(slot):
+                if pattern and not pattern.search(f"{slot}/{kind}"):
+                    continue
+                for L in task_lengths:
+                    for d in widths:
+                        for lr in lrs:
+                            run = {"config.model.dim": d, "config.model.num_heads": d // 32,
+                                   "config.model.hidden": 4 * d,
+                                   "config.optim.learning_rate": lr}
+                            if steps:
+                                run["config.num_train_steps"] = steps
+                            run[sweep.ARG] = f"{task},{slot},{kind},{L},{grid}"
+                            out.append((f"{task}/{slot}-{kind}/L{L}_d{d}_lr{lr:g}", run))
+    return out
+
+
+def _row(workdir: str, name: str, run: dict) -> dict:
+    task, kind_dir, setting = name.split("/")
+    slot, kind = kind_dir.split("-", 1)
+    L, d, lr = re.match(r"L(\d+)_d(\d+)_lr(.+)", setting).groups()
+    metrics = run_lib.read_metrics(os.path.join(workdir, name), missing_ok=True)
+    row = dict(task=task, slot=slot, kind=kind, L=int(L), d=int(d), lr=float(lr))
+    row.update(run_lib.latest(metrics, ("test_accuracy", "validation_accuracy",
+                                        "stopped_early_at", "step")))
+    log = os.path.join(workdir, name, "train.log")
+    if row.get("test_accuracy") is None and os.path.exists(log):
+        with open(log, errors="replace") as f:
+            tail = [line.strip() for line in f if line.strip()][-1:]
+        row["error"] = tail[0][:200] if tail else "no output"
+    return row
+
+
+def state_bytes(slot: str, kind: str, seq_len: int, dim: int) -> int | None:
+    """Bytes of one sequence's decoding state of the 2-layer model after ``seq_len`` tokens
+    (float32): a key/value cache grows with the length, a recurrent state does not; None when
+    the kind cannot decode step by step."""
+    import jax
+
+    from xformers_jax import models
+
+    c = Z.get_config(f"mqar,{slot},{kind},{max(seq_len, 64)}")
+    c.unlock()
+    c.model.update(dict(dim=dim, num_heads=dim // 32, hidden=4 * dim))
+    k = models.get_model("causal_lm")
+    task = type("T", (), dict(vocab_size=64, seq_len=seq_len))()
+    model = k.build(c.model, task, jax.random.PRNGKey(0))
+    if not hasattr(model, "init_cache"):
+        return None
+    try:
+        cache = jax.eval_shape(lambda: model.init_cache(1, seq_len))
+    except (NotImplementedError, ValueError, TypeError):
+        return None
+    return int(sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(cache)))
+
+
+def best_rows(rows):
+    """The best test accuracy over learning rates per (task, slot, kind, L, d)."""
+    best = {}
+    for r in rows:
+        key = (r["task"], r["slot"], r["kind"], r["L"], r["d"])
+        acc = r.get("test_accuracy")
+        if key not in best or (acc is not None and acc > (best[key].get("test_accuracy") or -1)):
+            best[key] = r
+    return best
+
+
+def report(rows, results_dir: str, wall_s: float | None, grid: str) -> str:
+    best = best_rows(rows)
+    os.makedirs(results_dir, exist_ok=True)
+    with open(os.path.join(results_dir, "zoo.json"), "w") as f:
+        json.dump(dict(grid=grid, wall_s=wall_s, rows=rows), f, indent=1)
+    lines = ["# The zoo: recall, copying and induction by kind", "",
+             f"Generated by `python -m xformers_jax_experiments.studies.zoo.run` (grid `{grid}`"
+             + (f"; this invocation's sweep took {wall_s / 3600:.2f} h" if wall_s else "")
+             + "). Test accuracy on the scored positions, the best over the learning rates; "
+             "'state' is one sequence's decoding state of the 2-layer model at the run's "
+             "length and width (float32; a key/value cache grows with the length).", ""]
+    for task in Z.TASKS:
+        keys = sorted(k for k in best if k[0] == task)
+        if not keys:
+            continue
+        settings = sorted({(k[3], k[4]) for k in keys})
+        lines += [f"## {task}", "",
+                  "| kind | " + " | ".join(f"L={L} d={d}" for L, d in settings) + " |",
+                  "|---|" + "---|" * len(settings)]
+        for slot, kind in sorted({(k[1], k[2]) for k in keys}):
+            cells = []
+            for L, d in settings:
+                r = best.get((task, slot, kind, L, d))
+                acc = None if r is None else r.get("test_accuracy")
+                cells.append("" if r is None else "error" if acc is None and r.get("error")
+                             else "" if acc is None else f"{acc:.3f}")
+            lines.append(f"| {slot}/{kind} | " + " | ".join(cells) + " |")
+        lines.append("")
+    text = "\n".join(lines)
+    with open(os.path.join(results_dir, "zoo.md"), "w") as f:
+        f.write(text + "\n")
+    _plots(best, results_dir)
+    return text
+
+
+def _plots(best, results_dir: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    mqar = {k: r for k, r in best.items() if k[0] == "mqar" and r.get("test_accuracy") is not None}
+    if not mqar:
+        return
+    lengths = sorted({k[3] for k in mqar})
+    fig, axes = plt.subplots(1, len(lengths), figsize=(5 * len(lengths), 4), squeeze=False)
+    for ax, L in zip(axes[0], lengths):
+        for slot, kind in sorted({(k[1], k[2]) for k in mqar if k[3] == L}):
+            pts = sorted((k[4], r["test_accuracy"]) for k, r in mqar.items()
+                         if k[1:3] == (slot, kind) and k[3] == L)
+            ax.plot(*zip(*pts), marker="o", label=kind)
+        ax.set(title=f"MQAR, L={L}", xlabel="model width", ylabel="accuracy", xscale="log")
+    axes[0][-1].legend(fontsize=6, ncol=2)
+    fig.tight_layout()
+    fig.savefig(os.path.join(results_dir, "zoo_width.png"), dpi=120)
+    plt.close(fig)
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for (task, slot, kind, L, d), r in mqar.items():
+        size = r.get("state_bytes")
+        if size:
+            ax.scatter(size, r["test_accuracy"], s=12)
+            ax.annotate(kind, (size, r["test_accuracy"]), fontsize=5)
+    ax.set(title="MQAR: accuracy against decoding state", xlabel="state bytes per sequence",
+           ylabel="accuracy", xscale="log")
+    fig.tight_layout()
+    fig.savefig(os.path.join(results_dir, "zoo_state.png"), dpi=120)
+    plt.close(fig)
+
+
+def main(argv):
+    del argv
+    if not FLAGS.workdir:
+        raise app.UsageError("--workdir is required")
+    planned = runs(_GRID.value, _TASKS.value, _KINDS.value, _WIDTHS.value, _LRS.value,
+                   _STEPS.value, _LENGTHS.value)
+    names = [n for n, _ in planned]
+    wall, failed = None, []
+    if not _REPORT_ONLY.value:
+        t0 = time.time()
+        codes = sweep.run_local(CONFIG, FLAGS.workdir, [r for _, r in planned], FLAGS.set,
+                                num_processes=FLAGS.num_processes, resume=True, names=names)
+        wall = time.time() - t0
+        failed = [n for n, c in zip(names, codes) if c != 0]
+        if failed:
+            print(f"[zoo] {len(failed)} of {len(names)} runs failed (their rows say why): "
+                  + ", ".join(failed[:10]), file=sys.stderr)
+    rows = [_row(FLAGS.workdir, n, r) for n, r in planned]
+    sizes = {}
+    for r in rows:
+        key = (r["slot"], r["kind"], r["L"], r["d"])
+        if key not in sizes:
+            try:
+                sizes[key] = state_bytes(*key)
+            except Exception as e:  # a kind whose model cannot be built reports it in its row
+                sizes[key] = None
+                r.setdefault("error", f"state: {type(e).__name__}: {e}"[:200])
+        r["state_bytes"] = sizes[key]
+    print(report(rows, _RESULTS.value, wall, _GRID.value))
+    if not _REPORT_ONLY.value and failed:
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    app.run(main)
