@@ -1,11 +1,15 @@
 """The softmax kinds published since the surveys as :class:`~xformers_jax.kinds.Kind` records,
-with their adapters: differential attention, multi-head latent attention and MoBA.
+with their adapters: differential attention, multi-head latent attention, MoBA, native sparse
+attention and DeepSeek sparse attention.
 
 Each decodes over a growing cache (``KVDecoding``) with its own attention over it (its
 ``attend`` hook): two softmax maps (differential), the latent with ``W_UK`` and ``W_UV``
 absorbed (MLA, whose cache holds the latent and the rotary key, not per-head keys and
-values), the blocks one query chooses (MoBA, exactly the forward pass's choice at that
-position).
+values), the blocks or tokens one query chooses (MoBA, NSA, DSA: the forward pass's choice at
+that position, computed over the cache; DSA's cache also holds each token's indexer key).
+
+NSA's gates and DSA's indexer are computed from the block input (``takes_input``), so these
+two run in self-attention only.
 """
 
 from __future__ import annotations
@@ -19,13 +23,19 @@ from ...kinds import AttentionAdapter, Kind, KVDecoding, Paper
 from .._adapters import IMPLEMENTATION, TILES, lifted, real_only
 from .._multihead import multihead
 from ._differential import differential_attention, differential_lambda, lambda_init_for
+from ._dsa import deepseek_sparse_attention, lightning_indexer
 from ._mla import multi_head_latent_attention, rotary
 from ._moba import moba_attention, moba_reference
+from ._nsa import native_sparse_attention, native_sparse_reference
 
 _DIFF_PAPER = Paper("Ye et al.", 2024, "Differential Transformer")
 _MLA_PAPER = Paper("DeepSeek-AI", 2024, "DeepSeek-V2: A Strong, Economical, and Efficient "
                    "Mixture-of-Experts Language Model")
 _MOBA_PAPER = Paper("Lu et al.", 2025, "MoBA: Mixture of Block Attention for Long-Context LLMs")
+_NSA_PAPER = Paper("Yuan et al.", 2025, "Native Sparse Attention: Hardware-Aligned and Natively "
+                   "Trainable Sparse Attention")
+_DSA_PAPER = Paper("DeepSeek-AI", 2025, "DeepSeek-V3.2-Exp: Boosting Long-Context Efficiency "
+                   "with DeepSeek Sparse Attention")
 
 _TILES = {**TILES, **IMPLEMENTATION}
 
@@ -151,6 +161,93 @@ def _moba_decode(q, k, v, params, *, valid, index, block_size=64, top_k=3, chunk
                                                         q_offset=index - 1)
 
 
+# -- native sparse attention ------------------------------------------------------------------
+
+def _nsa_init(key, hp, *, num_heads, head_dim, max_len, dim):
+    # The gates' projection: sigmoid(x W_g + b_g), three gates per head (the paper's MLP, one
+    # layer here).
+    return {"w_g": _normal(key, (dim, num_heads, 3), dim), "b_g": jnp.zeros((num_heads, 3))}
+
+
+def _nsa_gates(inputs, params):
+    """``[B, H, L, 3]``: each head's branch gates (``batch_heads`` leading axes)."""
+    g = jnp.einsum("bld,dhg->bhlg", inputs, params["w_g"].astype(inputs.dtype))
+    return jax.nn.sigmoid(g + params["b_g"][:, None].astype(g.dtype))
+
+
+def _nsa_attend(q, k, v, params, *, causal, kv_mask, bias, key, inputs, q_mask=None,
+                block_size=64, num_selected=4, window=256, chunk=256, implementation=None):
+    fn = functools.partial(native_sparse_attention, block_size=block_size,
+                           num_selected=num_selected, window=window, chunk=chunk,
+                           implementation=implementation)
+    gates = _nsa_gates(real_only(kv_mask, inputs), params)
+    return multihead(fn, arg_axes=("batch_heads",))(q, k, v, gates, causal=causal,
+                                                    kv_mask=kv_mask)
+
+
+def _nsa_decode(q, k, v, params, *, valid, index, inputs, block_size=64, num_selected=4,
+                window=256, chunk=256, implementation=None):
+    fn = functools.partial(native_sparse_reference, block_size=block_size,
+                           num_selected=num_selected, window=window, causal=True)
+    return multihead(fn, arg_axes=("batch_heads",), kwarg_axes={"q_offset": None})(
+        q, k, v, _nsa_gates(inputs, params), kv_mask=valid, q_offset=index - 1)
+
+
+# -- DeepSeek sparse attention ------------------------------------------------------------------
+
+def _dsa_init(key, hp, *, num_heads, head_dim, max_len, dim):
+    h, d = hp["index_heads"], hp["index_dim"]
+    ks = jax.random.split(key, 3)
+    return {"w_qi": _normal(ks[0], (dim, h * d), dim), "w_ki": _normal(ks[1], (dim, d), dim),
+            "w_w": _normal(ks[2], (dim, h), dim)}
+
+
+def _dsa_index_inputs(inputs, params, index_heads):
+    """The indexer's ``(q^I [B, L, H_I, d_I], w [B, L, H_I], k^I [B, L, d_I])``."""
+    dt = inputs.dtype
+    qi = inputs @ params["w_qi"].astype(dt)
+    qi = qi.reshape(*qi.shape[:2], index_heads, -1)
+    return qi, inputs @ params["w_w"].astype(dt), inputs @ params["w_ki"].astype(dt)
+
+
+def _dsa_choose(qi, w, ki, kv_mask, *, top_k, causal, chunk, q_offset=0):
+    fn = functools.partial(lightning_indexer, top_k=top_k, causal=causal, chunk=chunk,
+                           q_offset=q_offset)
+    return jax.vmap(lambda a, b, c, m: fn(a, b, c, kv_mask=m))(
+        qi, w, ki, jnp.ones(ki.shape[:2], bool) if kv_mask is None else kv_mask)
+
+
+def _dsa_attend(q, k, v, params, *, causal, kv_mask, bias, key, inputs, q_mask=None,
+                top_k=2048, index_heads=4, index_dim=32, chunk=256):
+    qi, w, ki = _dsa_index_inputs(real_only(kv_mask, inputs), params, index_heads)
+    idx, chosen = _dsa_choose(qi, w, ki, kv_mask, top_k=top_k, causal=causal, chunk=chunk)
+    fn = functools.partial(deepseek_sparse_attention, chunk=chunk)
+    return multihead(fn, arg_axes=("batch", "batch"))(q, k, v, idx, chosen, causal=causal,
+                                                      kv_mask=kv_mask)
+
+
+def _dsa_entry(inputs, k, v, params, *, position, top_k=2048, index_heads=4, index_dim=32,
+               chunk=256):
+    # The cache keeps each token's indexer key beside its values (per key/value head).
+    _, _, ki = _dsa_index_inputs(inputs, params, index_heads)
+    ki = jnp.broadcast_to(ki[:, :, None], (*v.shape[:3], ki.shape[-1]))
+    return k, jnp.concatenate([v, ki.astype(v.dtype)], -1)
+
+
+def _dsa_widths(hp, *, num_kv_heads, head_dim):
+    return num_kv_heads, head_dim, head_dim + hp["index_dim"]
+
+
+def _dsa_decode(q, k, v_ki, params, *, valid, index, inputs, top_k=2048, index_heads=4,
+                index_dim=32, chunk=256):
+    v, ki = v_ki[..., :-index_dim], v_ki[:, :, 0, -index_dim:]
+    qi, w, _ = _dsa_index_inputs(inputs, params, index_heads)
+    idx, chosen = _dsa_choose(qi, w, ki.astype(qi.dtype), valid, top_k=top_k, causal=True,
+                              chunk=chunk, q_offset=index - 1)
+    return multihead(deepseek_sparse_attention, arg_axes=("batch", "batch"))(
+        q, k, v, idx, chosen, causal=True, kv_mask=valid)
+
+
 KINDS = (
     Kind("differential", differential_attention, "modern", _DIFF_PAPER,
          time="O(L^2 D), two maps", memory="O(L D)", causal=True, decoding="kv",
@@ -190,4 +287,29 @@ KINDS = (
              **IMPLEMENTATION},
          adapter=AttentionAdapter(lifted(moba_attention),
                                   decoding=KVDecoding(attend=_moba_decode))),
+    Kind("nsa", native_sparse_attention, "modern", _NSA_PAPER,
+         time="O(L (n b + w) D + L^2 D / b), n blocks of b, window w",
+         memory="O(L n b D / chunk + L D)", causal=True, decoding="kv",
+         test_hyperparameters={"block_size": 4, "num_selected": 2, "window": 3, "chunk": 8},
+         hyperparameters={
+             "block_size": (64, "tokens per compressed and selected block"),
+             "num_selected": (4, ("blocks each query attends in full (causal: its own and "
+                                  "num_selected - 1 chosen)")),
+             "window": (256, "keys of the sliding branch"),
+             "chunk": (256, "queries per gather step of the selected blocks"),
+             **IMPLEMENTATION},
+         adapter=AttentionAdapter(_nsa_attend, init=_nsa_init, takes_input=True,
+                                  decoding=KVDecoding(attend=_nsa_decode))),
+    Kind("dsa", deepseek_sparse_attention, "modern", _DSA_PAPER,
+         time="O(L k D + L^2 H_I d_I), k chosen tokens", memory="O(L k D / chunk + L D)",
+         causal=True, decoding="kv",
+         test_hyperparameters={"top_k": 5, "index_heads": 2, "index_dim": 4, "chunk": 8},
+         hyperparameters={
+             "top_k": (2048, "tokens each query attends, chosen by the lightning indexer"),
+             "index_heads": (4, "H_I, the indexer's heads"),
+             "index_dim": (32, "d_I, the indexer's query and key width"),
+             "chunk": (256, "queries per indexer and gather step")},
+         adapter=AttentionAdapter(
+             _dsa_attend, init=_dsa_init, takes_input=True,
+             decoding=KVDecoding(attend=_dsa_decode, entry=_dsa_entry, widths=_dsa_widths))),
 )
