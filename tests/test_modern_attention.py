@@ -16,7 +16,9 @@ from xformers_jax import attention as A
 from xformers_jax import nn
 from xformers_jax.attention.modern import _differential as D
 from xformers_jax.attention.modern import _mla as M
+from xformers_jax.attention.modern import _dsa as S
 from xformers_jax.attention.modern import _moba as MB
+from xformers_jax.attention.modern import _nsa as N
 
 L, DK, DV = 37, 16, 8  # a length that is no multiple of any block
 MASK = jnp.arange(L) < 30
@@ -176,22 +178,106 @@ def test_moba_chooses_by_the_pooled_keys():
     assert float(out[2 * bs, 0]) == pytest.approx(w * 1 + (1 - w) * 5, rel=1e-5)
 
 
-def test_moba_forms_no_length_by_length_array():
-    n = 256
-    q, k, v = _arrays(6, (n, 16), (n, 16), (n, 16))
-    jaxpr = jax.make_jaxpr(jax.grad(lambda q: MB.moba_attention(
-        q, k, v, block_size=16, top_k=2, causal=True, chunk=32).sum()))(q)
-    shapes = {tuple(var.aval.shape) for eqn in jaxpr.jaxpr.eqns for var in eqn.outvars}
+# -- native sparse attention -----------------------------------------------------------------------
 
-    def walk(j):
-        for eqn in j.eqns:
-            for var in eqn.outvars:
-                shapes.add(tuple(getattr(var.aval, "shape", ())))
-            for p in eqn.params.values():
-                for sub in (p if isinstance(p, (list, tuple)) else [p]):
-                    inner = getattr(sub, "jaxpr", None)
-                    if inner is not None:
-                        walk(getattr(inner, "jaxpr", inner))
+def _gates(seed):
+    return jax.nn.sigmoid(jax.random.normal(jax.random.PRNGKey(seed), (L, 3)))
 
-    walk(jaxpr.jaxpr)
-    assert not [s for s in shapes if s.count(n) >= 2], sorted(shapes)
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_nsa_computes_the_reference_branches(causal):
+    q, k, v = _arrays(7, (L, DK), (L, DK), (L, DV))
+    kw = dict(block_size=4, num_selected=3, window=5, causal=causal, kv_mask=MASK)
+    fast = functools.partial(N.native_sparse_attention, chunk=8, **kw)
+    ref = functools.partial(N.native_sparse_reference, **kw)
+    args = (2 * q, k, v, _gates(8))
+    assert_close(jit0(fast)(*args), jit0(ref)(*args))
+    assert_close(jit0(functools.partial(_grads, fast))(args),
+                 jit0(functools.partial(_grads, ref))(args), table=EXACT_GRAD)
+
+
+def test_nsa_branches_are_moba_and_the_sliding_window():
+    q, k, v = _arrays(9, (L, DK), (L, DK), (L, DV))
+    kw = dict(block_size=4, num_selected=3, window=5, causal=True, kv_mask=MASK)
+    one = lambda i: jnp.zeros((L, 3)).at[:, i].set(1.0)  # noqa: E731
+    # Selected alone: MoBA's choice (by the pooled keys), the own block always kept.
+    assert_close(N.native_sparse_attention(q, k, v, one(1), **kw),
+                 MB.moba_attention(q, k, v, block_size=4, top_k=3, causal=True, kv_mask=MASK))
+    # Sliding alone: the window of the last 5 keys.
+    assert_close(N.native_sparse_attention(q, k, v, one(2), **kw),
+                 A.block_sparse_attention(q, k, v, A.patterns.Local(4, 0), causal=True,
+                                          kv_mask=MASK))
+    # Compressed alone: softmax over the blocks already complete (none before position 3).
+    cmp = N.native_sparse_attention(q, k, v, one(0), **kw)
+    assert np.all(np.asarray(cmp[:3]) == 0) and np.all(np.abs(np.asarray(cmp[3:30])) > 0)
+
+
+# -- DeepSeek sparse attention ------------------------------------------------------------------
+
+def _indexer_arrays(seed):
+    return _arrays(seed, (L, 2, 4), (L, 2), (L, 4))
+
+
+@pytest.mark.parametrize("causal,top_k", [(False, 5), (True, 5), (True, 1)])
+def test_dsa_attends_the_indexers_tokens(causal, top_k):
+    q, k, v = _arrays(10, (L, DK), (L, DK), (L, DV))
+    qi, w, ki = _indexer_arrays(11)
+
+    def fast(q, k, v):
+        idx, chosen = S.lightning_indexer(qi, w, ki, top_k=top_k, causal=causal, kv_mask=MASK,
+                                          chunk=8)
+        return S.deepseek_sparse_attention(q, k, v, idx, chosen, causal=causal, kv_mask=MASK,
+                                           chunk=8)
+
+    ref = functools.partial(S.deepseek_sparse_reference, q_index=qi, weights=w, k_index=ki,
+                            top_k=top_k, causal=causal, kv_mask=MASK)
+    assert_close(jit0(fast)(q, k, v), jit0(ref)(q, k, v))
+    assert_close(jit0(functools.partial(_grads, fast))((q, k, v)),
+                 jit0(functools.partial(_grads, ref))((q, k, v)), table=EXACT_GRAD)
+
+
+def test_dsa_reductions_and_choice():
+    q, k, v = _arrays(12, (L, DK), (L, DK), (L, DV))
+    qi, w, ki = _indexer_arrays(13)
+    # top_k >= L: every earlier real token, i.e. causal attention.
+    idx, chosen = S.lightning_indexer(qi, w, ki, top_k=L, causal=True, kv_mask=MASK)
+    assert_close(S.deepseek_sparse_attention(q, k, v, idx, chosen, causal=True, kv_mask=MASK),
+                 A.dot_product_attention(q, k, v, causal=True, kv_mask=MASK))
+    # The choice is the top of sum_j w_j relu(q_j . k_s): one indexer head, w = 1, q = 1 and
+    # k_s = s: the latest tokens (the largest scores) among the earlier ones.
+    idx, chosen = S.lightning_indexer(jnp.ones((8, 1, 1)), jnp.ones((8, 1)),
+                                      jnp.arange(8.0)[:, None], top_k=3, causal=True)
+    assert sorted(np.asarray(idx[6]).tolist()) == [4, 5, 6]
+    assert np.asarray(chosen[1]).tolist() == [True, True, False]  # only 2 keys at position 1
+
+
+def test_selection_kinds_form_no_length_by_length_array():
+    n = 1024  # beyond the tiled kernel's largest tile (512), so an [n, n] array is a dense map
+    q, k, v = _arrays(14, (n, 16), (n, 16), (n, 16))
+    qi, w, ki = _arrays(15, (n, 2, 4), (n, 2), (n, 4))
+    g = jnp.full((n, 3), 0.5)
+
+    def dsa(q):
+        idx, chosen = S.lightning_indexer(qi, w, ki, top_k=32, causal=True, chunk=32)
+        return S.deepseek_sparse_attention(q, k, v, idx, chosen, causal=True, chunk=32)
+
+    for f in (lambda q: MB.moba_attention(q, k, v, block_size=16, top_k=2, causal=True,
+                                          chunk=32),
+              lambda q: N.native_sparse_attention(q, k, v, g, block_size=16, num_selected=2,
+                                                  window=16, causal=True, chunk=32),
+              dsa):
+        shapes = _shapes(jax.make_jaxpr(jax.grad(lambda q: f(q).sum()))(q).jaxpr)
+        assert not [s for s in shapes if s.count(n) >= 2], sorted(shapes)
+
+
+def _shapes(jaxpr):
+    """Every intermediate's shape in ``jaxpr`` and the jaxprs it calls."""
+    found = set()
+    for eqn in jaxpr.eqns:
+        found |= {tuple(getattr(v.aval, "shape", ())) for v in eqn.outvars}
+        for p in eqn.params.values():
+            for sub in (p if isinstance(p, (list, tuple)) else [p]):
+                inner = getattr(sub, "jaxpr", None)
+                if inner is not None:
+                    found |= _shapes(getattr(inner, "jaxpr", inner))
+    return found
