@@ -131,6 +131,77 @@ def gathered_block_attention(q, k, v, index, chosen, *, block_size: int, kv_mask
     return out.reshape(nc * cq, -1)[:lq], lse.reshape(-1)[:lq]
 
 
+def selected_blocks_attention(q, k, v, index, chosen, *, block_size: int, kv_mask=None,
+                              scale: float, tile: int = 128, group: int = 8):
+    """Softmax attention of each query over only the key blocks it chose, key block by key
+    block: ``q [Lq, D]``, ``index int32[Lq, n]`` blocks of ``k [Lk, D]``, ``v [Lk, Dv]``
+    (``chosen [Lq, n]`` marks the real choices). Returns ``(out f32[Lq, Dv], lse f32[Lq])``;
+    a query with no choice gives zeros and ``-inf``.
+
+    The ``Lq n`` (query, block) pairs are sorted by block; each block's queries are cut into
+    tiles of ``tile`` rows, so one tile is a ``[tile, D] x [D, block_size]`` matmul against one
+    contiguous block of keys (MoBA's own kernel groups its queries by block the same way).
+    Gathering queries (``D`` numbers per pair) rather than each query's blocks (``block_size
+    D``) keeps the memory traffic ``block_size`` times lower. There are at most ``Lq n / tile +
+    nb`` tiles (a static bound); ``group`` tiles run per step of a ``lax.map`` under
+    ``jax.checkpoint``. The per-pair softmax statistics merge per query by their log-sum-exps.
+    """
+    lq, n = index.shape
+    lk = k.shape[0]
+    nb = cdiv(lk, block_size)
+    kb = pad_to(k, nb * block_size).reshape(nb, block_size, -1)
+    vb = pad_to(v, nb * block_size).reshape(nb, block_size, -1)
+    real = jnp.ones((lk,), bool) if kv_mask is None else kv_mask
+    mb = pad_to(real, nb * block_size, value=False).reshape(nb, block_size)
+    pairs = lq * n
+    blk = jnp.where(chosen, index, nb).reshape(pairs)  # not chosen: a block past the last
+    order = jnp.argsort(blk, stable=True)  # sorted position -> pair
+    counts = jnp.zeros((nb + 1,), jnp.int32).at[blk].add(1)[:nb]
+    starts = jnp.cumsum(counts) - counts
+    tiles_of = (counts + tile - 1) // tile
+    tile_ends = jnp.cumsum(tiles_of)
+    num_tiles = cdiv(cdiv(pairs, tile) + nb, group) * group
+    t = jnp.arange(num_tiles)
+    tb = jnp.searchsorted(tile_ends, t, side="right")  # block of tile t (nb: unused)
+    tbc = jnp.minimum(tb, nb - 1)
+    local = t - (tile_ends - tiles_of)[tbc]
+    count = jnp.where(tb < nb, jnp.clip(counts[tbc] - local * tile, 0, tile), 0)
+    rows = (starts[tbc] + local * tile)[:, None] + jnp.arange(tile)
+    valid = jnp.arange(tile)[None, :] < count[:, None]
+    pair = order[jnp.clip(rows, 0, pairs - 1)]  # [T, tile]
+    query = pair // n
+    g = num_tiles // group
+
+    @jax.checkpoint
+    def one(args):
+        b, qi, ok = args  # [group], [group, tile], [group, tile]
+        s = jnp.einsum("gcd,gbd->gcb", q[qi], kb[b], preferred_element_type=STATS_DTYPE)
+        keep = ok[..., None] & mb[b][:, None, :]
+        s = jnp.where(keep, s * scale, -jnp.inf)
+        m = jax.lax.stop_gradient(safe_max(s.max(-1, keepdims=True)))
+        p = jnp.where(keep, jnp.exp(s - m), 0.0)
+        acc = jnp.einsum("gcb,gbd->gcd", p.astype(v.dtype), vb[b],
+                         preferred_element_type=STATS_DTYPE)
+        return m[..., 0], p.sum(-1), acc
+
+    m, l, acc = jax.lax.map(one, (tbc.reshape(g, group), query.reshape(g, group, tile),
+                                  valid.reshape(g, group, tile)))
+    flat = jnp.where(valid, pair, pairs).reshape(-1)
+    where = jnp.zeros((pairs,), jnp.int32).at[flat].set(jnp.arange(num_tiles * tile),
+                                                         mode="drop")
+    picked = chosen.reshape(pairs)
+    m = jnp.where(picked, m.reshape(-1)[where], -jnp.inf).reshape(lq, n)
+    l = jnp.where(picked, l.reshape(-1)[where], 0.0).reshape(lq, n)
+    acc = jnp.where(picked[:, None], acc.reshape(num_tiles * tile, -1)[where],
+                    0.0).reshape(lq, n, -1)
+    top = jax.lax.stop_gradient(safe_max(m.max(-1, keepdims=True)))
+    w = jnp.where(jnp.isfinite(m), jnp.exp(m - top), 0.0)
+    total = (w * l).sum(-1)
+    out = (w[..., None] * acc).sum(1) / jnp.maximum(total, 1e-30)[:, None]
+    lse = jnp.where(total > 0, top[:, 0] + jnp.log(jnp.maximum(total, 1e-30)), -jnp.inf)
+    return out, lse
+
+
 def moba_attention(
     q: Float[Array, "q_seq qk_dim"],
     k: Float[Array, "kv_seq qk_dim"],
@@ -174,8 +245,9 @@ def moba_attention(
     idx, chosen = select_blocks(gates, real, jnp.arange(x.lq), block_size, top_k, causal)
     parts = []
     if idx.shape[1]:
-        parts.append(gathered_block_attention(x.q, x.k, x.v, idx, chosen, block_size=block_size,
-                                              kv_mask=kv_mask, scale=scale, chunk=chunk))
+        parts.append(selected_blocks_attention(x.q, x.k, x.v, idx, chosen,
+                                               block_size=block_size, kv_mask=kv_mask,
+                                               scale=scale, tile=chunk))
     if causal:
         parts.append(flash_attention(x.q, x.k, x.v, causal=True, kv_mask=kv_mask,
                                      pattern=BlockLocal(block_size), scale=scale,

@@ -33,7 +33,7 @@ from ...kernels import STATS_DTYPE, merge_by_lse, safe_max
 from .. import _contract as C
 from .._exact import flash_attention
 from ..patterns import BlockLocal, Local
-from ._moba import gathered_block_attention, pooled_blocks, select_blocks
+from ._moba import pooled_blocks, select_blocks, selected_blocks_attention
 
 
 def _softmax_rows(s, keep, v):
@@ -117,8 +117,9 @@ def native_sparse_attention(
                                 num_selected, causal)
     parts = []
     if idx.shape[1]:
-        parts.append(gathered_block_attention(x.q, x.k, x.v, idx, chosen, block_size=block_size,
-                                              kv_mask=kv_mask, scale=scale, chunk=chunk))
+        parts.append(selected_blocks_attention(x.q, x.k, x.v, idx, chosen,
+                                               block_size=block_size, kv_mask=kv_mask,
+                                               scale=scale, tile=chunk))
     if causal:
         parts.append(flash_attention(x.q, x.k, x.v, causal=True, kv_mask=kv_mask,
                                      pattern=BlockLocal(block_size), scale=scale,
