@@ -9,11 +9,12 @@ after the query is never chosen, and the query's own block is always one of the 
 Padded keys take no part in a pooled key, and a block of padding alone is never chosen.
 
 Fast form (:func:`moba_attention`): the query's own block runs on the tiled kernel
-(``flash_attention`` with ``BlockLocal(block_size) & Causal``), the chosen past blocks are
-gathered per query (``top_k - 1`` blocks of keys and values, never an ``L x L`` map), chunk
-by chunk under ``jax.checkpoint``, and the two parts merge by their log-sum-exps
-(``kernels.merge_by_lse``). Time ``O(L top_k block_size D)`` plus the gate's
-``O(L (L / block_size) D)``.
+(``flash_attention`` with ``BlockLocal(block_size) & Causal``); the chosen past blocks run
+key block by key block (:func:`selected_blocks_attention`: the (query, block) pairs sorted by
+block, each block's queries in tiles, one ``[tile, D] x [D, block_size]`` matmul per tile,
+never an ``L x L`` map); the two parts merge by their log-sum-exps (``kernels.merge_by_lse``).
+Time ``O(L top_k block_size D)`` plus the gate's ``O(L (L / block_size) D)``; memory
+``O(L top_k D)`` for the per-pair partial outputs.
 """
 
 from __future__ import annotations
@@ -225,8 +226,8 @@ def moba_attention(
         ``top_k - 1`` chosen past blocks).
       causal, kv_mask, key: the contract's (self-attention positions when causal: query ``i``
         at position ``i``). scale: ``1/sqrt(D)`` by default.
-      chunk: queries per gather step of the chosen blocks (memory ``chunk * top_k *
-        block_size * D``). implementation: the tiled kernel's, for the own block.
+      chunk: query rows per tile of one chosen key block (:func:`selected_blocks_attention`'s
+        ``tile``). implementation: the tiled kernel's, for the own block.
 
     Returns:
       ``[Lq, Dv]`` in q's dtype, equal to :func:`moba_reference`.

@@ -19,8 +19,8 @@ block length), and each head chooses its own blocks (the paper shares one choice
 group of query heads so a GPU kernel loads each block once per group).
 
 Fast form: the compressed branch is softmax over ``L / block_size`` pooled keys; the selected
-branch is MoBA's (``_moba``: the own block on the tiled kernel, the chosen past blocks
-gathered per query); the sliding branch is the tiled kernel with ``Local(window - 1, 0)``.
+branch is MoBA's (``_moba``: the own block on the tiled kernel, the chosen past blocks key
+block by key block); the sliding branch is the tiled kernel with ``Local(window - 1, 0)``.
 """
 
 from __future__ import annotations
@@ -97,8 +97,8 @@ def native_sparse_attention(
       window: keys of the sliding branch (the query's and the ``window - 1`` before it; not
         causal: as many after it).
       causal, kv_mask, key: the contract's (self-attention positions when causal).
-      scale: ``1/sqrt(D)`` by default. chunk: queries per gather step of the selected
-      blocks. implementation: the tiled kernel's.
+      scale: ``1/sqrt(D)`` by default. chunk: query rows per tile of one selected key
+      block. implementation: the tiled kernel's.
 
     Returns:
       ``[Lq, Dv]`` in q's dtype, equal to :func:`native_sparse_reference`.
