@@ -47,6 +47,11 @@ ATTENTION_NAMES = {
     "multiscale_patterns", "predict_gaussian_window", "predictive_attention", "predictive_conv",
     "realformer_attention", "realformer_flash_attention", "talking_heads_attention",
     "init_routing_votes", "routing_aggregation", "squash",
+    # Softmax attention changed since the surveys (attention.modern).
+    "deepseek_sparse_attention", "differential_attention", "differential_lambda",
+    "lambda_init_for", "lightning_indexer", "mha_cache_bytes_per_token",
+    "mla_cache_bytes_per_token", "moba_attention", "multi_head_latent_attention",
+    "native_sparse_attention",
     # Cluster-Former's attention (its layer is models.ClusterformerAttention).
     "assign_clusters", "cluster_chunk_attention", "kmeans_centroids",
     # Every attention kind's record (xformers_jax.kinds.Kind), family by family.
@@ -61,7 +66,7 @@ PATTERN_NAMES = {
     "KeyPadding", "Local", "LogSparse", "Longformer", "PARTIAL", "Pattern", "PerHead", "Random",
     "Segments", "Star", "Strided", "Union", "MaskMod", "document_mask",
 }
-FAMILIES = ("sparse", "linear", "lowrank", "learned", "priors")
+FAMILIES = ("sparse", "linear", "lowrank", "learned", "priors", "modern")
 
 
 def _public(module):

@@ -26,7 +26,7 @@ from typing import Any, Callable, Mapping, NamedTuple, final
 # family) and the decoding modes its kinds may declare (None: cannot decode step by step).
 SLOTS = ("attention", "mixer", "ffn")
 FAMILIES = {
-    "attention": ("exact", "sparse", "linear", "lowrank", "learned", "priors"),
+    "attention": ("exact", "sparse", "linear", "lowrank", "learned", "priors", "modern"),
     "mixer": ("mixers",),
     "ffn": ("dense", "experts", "capacity"),
 }
@@ -91,10 +91,33 @@ class KVDecoding:
 
     ``pattern(hp)`` gives the causal-safe sparse pattern whose row ``t`` masks the cache at step
     ``t`` (None, or a ``pattern`` returning None, for dense attention).
+
+    A kind whose attention over the cache is not plain softmax (two maps, a data-dependent
+    selection of cached blocks) or whose cache holds something other than the layer's keys and
+    values (a compressed latent) gives the three hooks below; each receives the
+    hyperparameters (without ``init_only`` ones) as keywords.
+
+    - ``attend(q [B,1,H,Dk], k [B,C,Hc,Dc], v [B,C,Hc,Ec], params, *, valid bool[B,C],
+      index, **hp) -> [B,1,H,Dv]``: the new query (at position ``index - 1``) over the cache,
+      whose slot ``s`` holds position ``s`` (``valid`` marks the filled slots); a kind whose
+      adapter ``takes_input`` also receives ``inputs [B,1,dim]``;
+    - ``entry(inputs [B,1,dim], k [B,1,Hkv,Dk], v [B,1,Hkv,Dv], params, *, position,
+      **hp) -> (k_entry [B,1,Hc,Dc], v_entry [B,1,Hc,Ec])``: what one token appends to the
+      cache (default: its keys and values);
+    - ``widths(hp, *, num_kv_heads, head_dim) -> (Hc, Dc, Ec)``: the cache's per-token shape
+      (default ``(num_kv_heads, head_dim, head_dim)``).
     """
 
     pattern: Callable[[Mapping], Any] | None = None
+    attend: Callable | None = None
+    entry: Callable | None = None
+    widths: Callable | None = None
     name = "kv"
+
+    def __post_init__(self):
+        if self.attend is None and (self.entry is not None or self.widths is not None):
+            raise ValueError("KVDecoding: a cache of its own (entry, widths) needs the attend "
+                             "that reads it")
 
     def pattern_for(self, hp: Mapping):
         return None if self.pattern is None else self.pattern(hp)

@@ -133,14 +133,25 @@ from .priors import talking_heads_attention as talking_heads_attention
 from .priors import init_routing_votes as init_routing_votes
 from .priors import routing_aggregation as routing_aggregation
 from .priors import squash as squash
+from .modern import deepseek_sparse_attention as deepseek_sparse_attention
+from .modern import differential_attention as differential_attention
+from .modern import differential_lambda as differential_lambda
+from .modern import lambda_init_for as lambda_init_for
+from .modern import lightning_indexer as lightning_indexer
+from .modern import mha_cache_bytes_per_token as mha_cache_bytes_per_token
+from .modern import mla_cache_bytes_per_token as mla_cache_bytes_per_token
+from .modern import multi_head_latent_attention as multi_head_latent_attention
+from .modern import moba_attention as moba_attention
+from .modern import native_sparse_attention as native_sparse_attention
 
 from ._kinds import KINDS as _EXACT_KINDS
 from .learned._kinds import KINDS as _LEARNED_KINDS
 from .linear._kinds import KINDS as _LINEAR_KINDS
 from .lowrank._kinds import KINDS as _LOWRANK_KINDS
 from .priors._kinds import KINDS as _PRIORS_KINDS
+from .modern._kinds import KINDS as _MODERN_KINDS
 from .sparse._kinds import KINDS as _SPARSE_KINDS
 
 # Every attention kind, in family order (xformers_jax.kinds.FAMILIES["attention"]).
 KINDS = (*_EXACT_KINDS, *_SPARSE_KINDS, *_LINEAR_KINDS, *_LOWRANK_KINDS, *_LEARNED_KINDS,
-         *_PRIORS_KINDS)
+         *_PRIORS_KINDS, *_MODERN_KINDS)

@@ -333,8 +333,10 @@ class MultiHeadAttention(eqx.Module):
         if isinstance(decoding, (KVDecoding, WindowDecoding)):
             ring = isinstance(decoding, WindowDecoding)
             capacity = decoding.left(hp) + 1 if ring else max_len
-            return KVCache.empty(batch, capacity, self.num_kv_heads, self.head_dim,
-                                 self.head_dim, dtype, ring=ring)
+            heads, dk, dv = self.num_kv_heads, self.head_dim, self.head_dim
+            if not ring and decoding.widths is not None:
+                heads, dk, dv = decoding.widths(hp, num_kv_heads=heads, head_dim=dk)
+            return KVCache.empty(batch, capacity, heads, dk, dv, dtype, ring=ring)
         if isinstance(decoding, RecurrentDecoding):
             state = decoding.init_state(batch, self.num_heads, self.head_dim, self.head_dim,
                                         self.params, **hp)
@@ -354,9 +356,22 @@ class MultiHeadAttention(eqx.Module):
                 cache.state, q[:, 0], k[:, 0], v[:, 0], self.params,
                 **self._call_hyperparameters())
             return self.output(o[:, None]), RecurrentCache(state, cache.index + 1)
+        decoding = self.adapter.decoding
+        if isinstance(decoding, KVDecoding) and decoding.attend is not None:
+            # The kind's own attention over its own cache (two maps, a selection of cached
+            # blocks, a compressed latent): KVDecoding's hooks.
+            hp = self._call_hyperparameters()
+            if decoding.entry is not None:
+                k, v = decoding.entry(x, k, v, self.params, position=cache.index, **hp)
+            cache = cache.append(k, v)
+            valid = jnp.broadcast_to(cache.valid, (b, cache.pos.shape[0]))
+            if self.adapter.takes_input:
+                hp = {**hp, "inputs": x}
+            o = decoding.attend(q, cache.k, cache.v, self.params, valid=valid,
+                                index=cache.index, **hp)
+            return self.output(o), cache
         cache = cache.append(k, v)
         valid = cache.valid
-        decoding = self.adapter.decoding
         pattern = decoding.pattern_for(self.spec.resolved) if isinstance(
             decoding, KVDecoding) else None
         if pattern is not None and not cache.ring:

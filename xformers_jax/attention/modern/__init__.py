@@ -1,0 +1,16 @@
+"""Softmax attention as changed since the surveys: differential attention, multi-head latent
+attention, MoBA, native sparse attention, DeepSeek sparse attention (its lightning indexer).
+
+Every public name here is also exported by ``xformers_jax.attention``.
+"""
+
+from ._differential import differential_attention as differential_attention
+from ._differential import differential_lambda as differential_lambda
+from ._differential import lambda_init_for as lambda_init_for
+from ._dsa import deepseek_sparse_attention as deepseek_sparse_attention
+from ._dsa import lightning_indexer as lightning_indexer
+from ._mla import mha_cache_bytes_per_token as mha_cache_bytes_per_token
+from ._mla import mla_cache_bytes_per_token as mla_cache_bytes_per_token
+from ._mla import multi_head_latent_attention as multi_head_latent_attention
+from ._moba import moba_attention as moba_attention
+from ._nsa import native_sparse_attention as native_sparse_attention

@@ -1,0 +1,315 @@
+"""The softmax kinds published since the surveys as :class:`~xformers_jax.kinds.Kind` records,
+with their adapters: differential attention, multi-head latent attention, MoBA, native sparse
+attention and DeepSeek sparse attention.
+
+Each decodes over a growing cache (``KVDecoding``) with its own attention over it (its
+``attend`` hook): two softmax maps (differential), the latent with ``W_UK`` and ``W_UV``
+absorbed (MLA, whose cache holds the latent and the rotary key, not per-head keys and
+values), the blocks or tokens one query chooses (MoBA, NSA, DSA: the forward pass's choice at
+that position, computed over the cache; DSA's cache also holds each token's indexer key).
+
+NSA's gates and DSA's indexer are computed from the block input (``takes_input``), so these
+two run in self-attention only.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from ...kinds import AttentionAdapter, Kind, KVDecoding, Paper
+from .._adapters import IMPLEMENTATION, TILES, lifted, real_only
+from .._multihead import multihead
+from ._differential import differential_attention, differential_lambda, lambda_init_for
+from ._dsa import deepseek_sparse_attention, lightning_indexer
+from ._mla import multi_head_latent_attention, rotary
+from ._moba import moba_attention, moba_reference
+from ._nsa import native_sparse_attention, native_sparse_reference
+
+_DIFF_PAPER = Paper("Ye et al.", 2024, "Differential Transformer")
+_MLA_PAPER = Paper("DeepSeek-AI", 2024, "DeepSeek-V2: A Strong, Economical, and Efficient "
+                   "Mixture-of-Experts Language Model")
+_MOBA_PAPER = Paper("Lu et al.", 2025, "MoBA: Mixture of Block Attention for Long-Context LLMs")
+_NSA_PAPER = Paper("Yuan et al.", 2025, "Native Sparse Attention: Hardware-Aligned and Natively "
+                   "Trainable Sparse Attention")
+_DSA_PAPER = Paper("DeepSeek-AI", 2025, "DeepSeek-V3.2-Exp: Boosting Long-Context Efficiency "
+                   "with DeepSeek Sparse Attention")
+
+_TILES = {**TILES, **IMPLEMENTATION}
+
+
+# -- differential attention -----------------------------------------------------------------------
+
+def _diff_init(key, hp, *, num_heads, head_dim, max_len):
+    if head_dim % 2:
+        raise ValueError(f"attention kind 'differential': head_dim={head_dim} must be even (the "
+                         "query and key split into two halves)")
+    keys = jax.random.split(key, 4)
+    # The paper's initialisation of the four lambda vectors: N(0, 0.1^2), shared by the heads.
+    return {n: 0.1 * jax.random.normal(k, (head_dim // 2,))
+            for n, k in zip(("lq1", "lk1", "lq2", "lk2"), keys)}
+
+
+def _diff_attend(q, k, v, params, *, causal, kv_mask, bias, key, q_mask=None, layer_index=1,
+                 block_q=None, block_k=None, implementation=None):
+    lambda_init = lambda_init_for(layer_index)
+    lam = differential_lambda(params["lq1"], params["lk1"], params["lq2"], params["lk2"],
+                              lambda_init)
+    fn = functools.partial(differential_attention, lambda_init=lambda_init, block_q=block_q,
+                           block_k=block_k, implementation=implementation)
+    return multihead(fn, arg_axes=(None,))(q, k, v, lam, causal=causal, kv_mask=kv_mask)
+
+
+def _diff_decode(q, k, v, params, *, valid, index, **hp):
+    return _diff_attend(q, k, v, params, causal=False, kv_mask=valid, bias=None, key=None, **hp)
+
+
+# -- multi-head latent attention -----------------------------------------------------------------
+
+def _mla_sizes(name, head_dim, latent_dim, rope_dim):
+    latent_dim = 4 * head_dim if latent_dim is None else latent_dim
+    rope_dim = head_dim // 2 if rope_dim is None else rope_dim
+    if not (0 < rope_dim < head_dim and rope_dim % 2 == 0) or latent_dim <= 0:
+        raise ValueError(f"attention kind {name!r}: needs 0 < rope_dim < head_dim, rope_dim even "
+                         f"and latent_dim > 0; got head_dim={head_dim}, rope_dim={rope_dim}, "
+                         f"latent_dim={latent_dim}")
+    return latent_dim, rope_dim
+
+
+def _normal(key, shape, fan_in):
+    return jax.random.normal(key, shape) / jnp.sqrt(fan_in)
+
+
+def _mla_init(key, hp, *, num_heads, head_dim, max_len, dim):
+    d_c, d_r = _mla_sizes("mla", head_dim, hp["latent_dim"], hp["rope_dim"])
+    ks = jax.random.split(key, 6)
+    params = {"w_dkv": _normal(ks[0], (dim, d_c), dim),
+              "w_kr": _normal(ks[1], (dim, d_r), dim),
+              "w_uk": _normal(ks[2], (num_heads, d_c, head_dim - d_r), d_c),
+              "w_uv": _normal(ks[3], (num_heads, d_c, head_dim), d_c)}
+    d_cq = hp["q_latent_dim"]
+    if d_cq is not None:
+        params["w_dq"] = _normal(ks[4], (dim, d_cq), dim)
+        params["w_uq"] = _normal(ks[5], (d_cq, num_heads * head_dim), d_cq)
+    return params
+
+
+def _mla_query(inputs, q, params, positions, rope_base):
+    """The heads' queries ``[B, L, H, d_nope + d_R]``, the rotary part rotated: the layer's
+    ``q`` projection, or with query compression ``(x W_DQ) W_UQ``."""
+    if "w_dq" in params:
+        dt = inputs.dtype
+        q = ((inputs @ params["w_dq"].astype(dt)) @ params["w_uq"].astype(dt)).reshape(q.shape)
+    d_r = params["w_kr"].shape[1]
+    return jnp.concatenate([q[..., :-d_r], rotary(q[..., -d_r:], positions[:, None],
+                                                  rope_base)], -1)
+
+
+def _mla_latent(inputs, params, positions, rope_base):
+    """``(c_KV [B, L, 1, d_c], k_R [B, L, 1, d_R])``: what a token contributes to the cache."""
+    dt = inputs.dtype
+    c = inputs @ params["w_dkv"].astype(dt)
+    kr = rotary(inputs @ params["w_kr"].astype(dt), positions, rope_base)
+    return c[:, :, None], kr[:, :, None]
+
+
+def _mla_heads(q, c, kr, params, *, kv_mask, causal, absorb, block_q, block_k, implementation):
+    fn = functools.partial(multi_head_latent_attention, absorb=absorb, block_q=block_q,
+                           block_k=block_k, implementation=implementation)
+    return multihead(fn, arg_axes=("heads", "heads"))(
+        q, c.astype(q.dtype), kr.astype(q.dtype), params["w_uk"], params["w_uv"],
+        causal=causal, kv_mask=kv_mask)
+
+
+def _mla_attend(q, k, v, params, *, causal, kv_mask, bias, key, inputs, q_mask=None,
+                latent_dim=None, rope_dim=None, q_latent_dim=None, decode_absorbed=True,
+                rope_base=10000.0, block_q=None, block_k=None, implementation=None):
+    # The layer's k and v projections are not MLA's: its keys and values come from the latent.
+    x = real_only(kv_mask, inputs)
+    pos = jnp.arange(x.shape[1])
+    c, kr = _mla_latent(x, params, pos, rope_base)
+    return _mla_heads(_mla_query(x, q, params, pos, rope_base), c, kr, params, kv_mask=kv_mask,
+                      causal=causal, absorb=False, block_q=block_q, block_k=block_k,
+                      implementation=implementation)
+
+
+def _mla_entry(inputs, k, v, params, *, position, rope_base=10000.0, **hp):
+    return _mla_latent(inputs, params, jnp.reshape(position, (1,)), rope_base)
+
+
+def _mla_widths(hp, *, num_kv_heads, head_dim):
+    d_c, d_r = _mla_sizes("mla", head_dim, hp["latent_dim"], hp["rope_dim"])
+    return 1, d_c, d_r
+
+
+def _mla_decode(q, c, kr, params, *, valid, index, inputs, decode_absorbed=True,
+                rope_base=10000.0, block_q=None, block_k=None, implementation=None, **hp):
+    pos = jnp.reshape(index - 1, (1,))
+    return _mla_heads(_mla_query(inputs, q, params, pos, rope_base), c, kr, params,
+                      kv_mask=valid, causal=False, absorb=decode_absorbed, block_q=block_q,
+                      block_k=block_k, implementation=implementation)
+
+
+# -- MoBA ------------------------------------------------------------------------------------------
+
+def _moba_decode(q, k, v, params, *, valid, index, block_size=64, top_k=3, chunk=256,
+                 implementation=None):
+    fn = functools.partial(moba_reference, block_size=block_size, top_k=top_k, causal=True)
+    return multihead(fn, kwarg_axes={"q_offset": None})(q, k, v, kv_mask=valid,
+                                                        q_offset=index - 1)
+
+
+# -- native sparse attention ------------------------------------------------------------------
+
+def _nsa_init(key, hp, *, num_heads, head_dim, max_len, dim):
+    # The gates' projection: sigmoid(x W_g + b_g), three gates per head (the paper's MLP, one
+    # layer here).
+    return {"w_g": _normal(key, (dim, num_heads, 3), dim), "b_g": jnp.zeros((num_heads, 3))}
+
+
+def _nsa_gates(inputs, params):
+    """``[B, H, L, 3]``: each head's branch gates (``batch_heads`` leading axes)."""
+    g = jnp.einsum("bld,dhg->bhlg", inputs, params["w_g"].astype(inputs.dtype))
+    return jax.nn.sigmoid(g + params["b_g"][:, None].astype(g.dtype))
+
+
+def _nsa_attend(q, k, v, params, *, causal, kv_mask, bias, key, inputs, q_mask=None,
+                block_size=64, num_selected=4, window=256, chunk=256, implementation=None):
+    fn = functools.partial(native_sparse_attention, block_size=block_size,
+                           num_selected=num_selected, window=window, chunk=chunk,
+                           implementation=implementation)
+    gates = _nsa_gates(real_only(kv_mask, inputs), params)
+    return multihead(fn, arg_axes=("batch_heads",))(q, k, v, gates, causal=causal,
+                                                    kv_mask=kv_mask)
+
+
+def _nsa_decode(q, k, v, params, *, valid, index, inputs, block_size=64, num_selected=4,
+                window=256, chunk=256, implementation=None):
+    fn = functools.partial(native_sparse_reference, block_size=block_size,
+                           num_selected=num_selected, window=window, causal=True)
+    return multihead(fn, arg_axes=("batch_heads",), kwarg_axes={"q_offset": None})(
+        q, k, v, _nsa_gates(inputs, params), kv_mask=valid, q_offset=index - 1)
+
+
+# -- DeepSeek sparse attention ------------------------------------------------------------------
+
+def _dsa_init(key, hp, *, num_heads, head_dim, max_len, dim):
+    h, d = hp["index_heads"], hp["index_dim"]
+    ks = jax.random.split(key, 3)
+    return {"w_qi": _normal(ks[0], (dim, h * d), dim), "w_ki": _normal(ks[1], (dim, d), dim),
+            "w_w": _normal(ks[2], (dim, h), dim)}
+
+
+def _dsa_index_inputs(inputs, params, index_heads):
+    """The indexer's ``(q^I [B, L, H_I, d_I], w [B, L, H_I], k^I [B, L, d_I])``."""
+    dt = inputs.dtype
+    qi = inputs @ params["w_qi"].astype(dt)
+    qi = qi.reshape(*qi.shape[:2], index_heads, -1)
+    return qi, inputs @ params["w_w"].astype(dt), inputs @ params["w_ki"].astype(dt)
+
+
+def _dsa_choose(qi, w, ki, kv_mask, *, top_k, causal, chunk, q_offset=0):
+    fn = functools.partial(lightning_indexer, top_k=top_k, causal=causal, chunk=chunk,
+                           q_offset=q_offset)
+    return jax.vmap(lambda a, b, c, m: fn(a, b, c, kv_mask=m))(
+        qi, w, ki, jnp.ones(ki.shape[:2], bool) if kv_mask is None else kv_mask)
+
+
+def _dsa_attend(q, k, v, params, *, causal, kv_mask, bias, key, inputs, q_mask=None,
+                top_k=2048, index_heads=4, index_dim=32, chunk=256):
+    qi, w, ki = _dsa_index_inputs(real_only(kv_mask, inputs), params, index_heads)
+    idx, chosen = _dsa_choose(qi, w, ki, kv_mask, top_k=top_k, causal=causal, chunk=chunk)
+    fn = functools.partial(deepseek_sparse_attention, chunk=chunk)
+    return multihead(fn, arg_axes=("batch", "batch"))(q, k, v, idx, chosen, causal=causal,
+                                                      kv_mask=kv_mask)
+
+
+def _dsa_entry(inputs, k, v, params, *, position, top_k=2048, index_heads=4, index_dim=32,
+               chunk=256):
+    # The cache keeps each token's indexer key beside its values (per key/value head).
+    _, _, ki = _dsa_index_inputs(inputs, params, index_heads)
+    ki = jnp.broadcast_to(ki[:, :, None], (*v.shape[:3], ki.shape[-1]))
+    return k, jnp.concatenate([v, ki.astype(v.dtype)], -1)
+
+
+def _dsa_widths(hp, *, num_kv_heads, head_dim):
+    return num_kv_heads, head_dim, head_dim + hp["index_dim"]
+
+
+def _dsa_decode(q, k, v_ki, params, *, valid, index, inputs, top_k=2048, index_heads=4,
+                index_dim=32, chunk=256):
+    v, ki = v_ki[..., :-index_dim], v_ki[:, :, 0, -index_dim:]
+    qi, w, _ = _dsa_index_inputs(inputs, params, index_heads)
+    idx, chosen = _dsa_choose(qi, w, ki.astype(qi.dtype), valid, top_k=top_k, causal=True,
+                              chunk=chunk, q_offset=index - 1)
+    return multihead(deepseek_sparse_attention, arg_axes=("batch", "batch"))(
+        q, k, v, idx, chosen, causal=True, kv_mask=valid)
+
+
+KINDS = (
+    Kind("differential", differential_attention, "modern", _DIFF_PAPER,
+         time="O(L^2 D), two maps", memory="O(L D)", causal=True, decoding="kv",
+         test_hyperparameters={"block_q": 8, "block_k": 8, "layer_index": 2},
+         hyperparameters={
+             "layer_index": (1, ("the layer's 1-based depth l: lambda_init = 0.8 - 0.6 "
+                                 "exp(-0.3 (l - 1))")),
+             **_TILES},
+         adapter=AttentionAdapter(_diff_attend, init=_diff_init,
+                                  decoding=KVDecoding(attend=_diff_decode))),
+    Kind("mla", multi_head_latent_attention, "modern", _MLA_PAPER,
+         time="O(L^2 D)", memory="O(L D); cache (d_c + d_R) per token",
+         causal=True, decoding="kv",
+         test_hyperparameters={"latent_dim": 12, "rope_dim": 4, "block_q": 8, "block_k": 8},
+         hyperparameters={
+             "latent_dim": (None, ("d_c, the joint key/value latent per token (None: 4 * "
+                                   "head_dim)")),
+             "rope_dim": (None, ("d_R, the decoupled rotary width, taken from head_dim (None: "
+                                 "head_dim // 2)")),
+             "q_latent_dim": (None, ("d_c', the query latent (None: queries from the layer's "
+                                     "projection, no compression)")),
+             "decode_absorbed": (True, ("decode with W_UK absorbed into the query and W_UV into "
+                                        "the output (False: materialise the cached keys)")),
+             "rope_base": (10000.0, "base of the rotary frequencies"),
+             **_TILES},
+         adapter=AttentionAdapter(
+             _mla_attend, init=_mla_init, takes_input=True,
+             decoding=KVDecoding(attend=_mla_decode, entry=_mla_entry, widths=_mla_widths))),
+    Kind("moba", moba_attention, "modern", _MOBA_PAPER,
+         time="O(L k b D + L^2 D / b), k blocks of b", memory="O(L k D)",
+         causal=True, decoding="kv",
+         test_hyperparameters={"block_size": 4, "top_k": 2, "chunk": 8},
+         hyperparameters={
+             "block_size": (64, "keys per block"),
+             "top_k": (3, "blocks each query attends (causal: its own and top_k - 1 chosen)"),
+             "chunk": (256, "query rows per tile of one chosen key block"),
+             **IMPLEMENTATION},
+         adapter=AttentionAdapter(lifted(moba_attention),
+                                  decoding=KVDecoding(attend=_moba_decode))),
+    Kind("nsa", native_sparse_attention, "modern", _NSA_PAPER,
+         time="O(L (n b + w) D + L^2 D / b), n blocks of b, window w",
+         memory="O(L n D + L^2 / b)", causal=True, decoding="kv",
+         test_hyperparameters={"block_size": 4, "num_selected": 2, "window": 3, "chunk": 8},
+         hyperparameters={
+             "block_size": (64, "tokens per compressed and selected block"),
+             "num_selected": (4, ("blocks each query attends in full (causal: its own and "
+                                  "num_selected - 1 chosen)")),
+             "window": (256, "keys of the sliding branch"),
+             "chunk": (256, "query rows per tile of one selected key block"),
+             **IMPLEMENTATION},
+         adapter=AttentionAdapter(_nsa_attend, init=_nsa_init, takes_input=True,
+                                  decoding=KVDecoding(attend=_nsa_decode))),
+    Kind("dsa", deepseek_sparse_attention, "modern", _DSA_PAPER,
+         time="O(L k D + L^2 H_I d_I), k chosen tokens", memory="O(L k D / chunk + L D)",
+         causal=True, decoding="kv",
+         test_hyperparameters={"top_k": 5, "index_heads": 2, "index_dim": 4, "chunk": 8},
+         hyperparameters={
+             "top_k": (2048, "tokens each query attends, chosen by the lightning indexer"),
+             "index_heads": (4, "H_I, the indexer's heads"),
+             "index_dim": (32, "d_I, the indexer's query and key width"),
+             "chunk": (256, "queries per indexer and gather step")},
+         adapter=AttentionAdapter(
+             _dsa_attend, init=_dsa_init, takes_input=True,
+             decoding=KVDecoding(attend=_dsa_decode, entry=_dsa_entry, widths=_dsa_widths))),
+)

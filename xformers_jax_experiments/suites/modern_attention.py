@@ -1,0 +1,117 @@
+"""Suite ``modern_attention``: the softmax kinds published since the surveys against causal flash.
+
+fp32, B=1, D=64, fwd+bwd, causal, at L=16384 (the figure's length; 4096 for the quick run).
+The selection kinds see 1/8 of the keys: MoBA with 16 blocks of 128 (its own and 15 chosen by
+the pooled keys), NSA with 16 selected blocks of 128 plus its compressed branch (128 blocks)
+and a 512-key window, DSA with the lightning indexer (4 heads of width 32) choosing 2048
+tokens. MoBA and NSA run H=4 heads; DSA runs as DeepSeek-V3.2 does, one key/value head shared
+by the H=4 query heads (its choice is per token, shared by the heads, so each chosen key is
+gathered once for all of them); flash runs both layouts.
+
+MLA: the cache per token at equal width (H=16 heads of 64, width 1024; d_c = 4 * 64, d_R =
+64 / 2, DeepSeek-V2's ratios) against multi-head attention's keys and values, computed by
+``attention.mla_cache_bytes_per_token``; and one decoding step of the 16 heads over a 16384
+token latent cache, naive (``W_UK`` and ``W_UV`` applied to the whole cache) against absorbed
+(``W_UK`` in the query, ``W_UV`` after the latent output).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+
+from xformers_jax.attention import (deepseek_sparse_attention, flash_attention,
+                                    lightning_indexer, mha_cache_bytes_per_token,
+                                    mla_cache_bytes_per_token, moba_attention,
+                                    multi_head_latent_attention, multihead,
+                                    native_sparse_attention)
+from xformers_jax_experiments.bench_lib import Case, Results, Workload, ratio_check, value_check
+from xformers_jax_experiments.suites.attention import attention_flops, qkv
+
+TITLE = "Softmax attention since the surveys vs causal flash (fp32, B=1, D=64, fwd+bwd)"
+_BUILD = "xformers_jax_experiments.suites.modern_attention:build"
+L_FIGURE = 16384
+BLOCK, SELECTED = 128, 16  # 16 blocks of 128: 1/8 of 16384
+MLA = dict(H=16, hd=64, d_c=256, d_r=32)
+
+
+def _normal(seed, shape):
+    return jax.random.normal(jax.random.PRNGKey(seed), shape)
+
+
+def build(variant: str, L: int, H: int = 4, D: int = 64, kv_heads: int | None = None):
+    kv_heads = H if kv_heads is None else kv_heads
+    q, k, v = qkv(L, 1, H, D)
+    k, v = k[:, :, :kv_heads], v[:, :, :kv_heads]
+    sel = L // 8
+    if variant == "flash":
+        f = multihead(functools.partial(flash_attention, causal=True))
+        return Workload(f, (q, k, v), flops=attention_flops(L, 1, H, D, causal=True))
+    if variant == "moba":
+        f = multihead(functools.partial(moba_attention, causal=True, block_size=BLOCK,
+                                        top_k=sel // BLOCK, chunk=128))
+        return Workload(f, (q, k, v))
+    if variant == "nsa":
+        f = multihead(functools.partial(native_sparse_attention, causal=True, block_size=BLOCK,
+                                        num_selected=sel // BLOCK, window=512, chunk=128),
+                      arg_axes=("batch_heads",))
+        gates = jax.nn.sigmoid(_normal(3, (1, H, L, 3)))
+        return Workload(f, (q, k, v, gates), grad_argnums=(0, 1, 2, 3))
+    if variant == "dsa":
+        qi, w, ki = _normal(4, (1, L, 4, 32)), _normal(5, (1, L, 4)), _normal(6, (1, L, 32))
+        index = jax.vmap(functools.partial(lightning_indexer, top_k=sel, causal=True))
+        attend = multihead(functools.partial(deepseek_sparse_attention, causal=True),
+                           arg_axes=("batch", "batch"))
+
+        def f(q, k, v, qi, w, ki):
+            return attend(q, k, v, *index(qi, w, ki))
+
+        return Workload(f, (q, k, v, qi, w, ki), grad_argnums=(0, 1, 2))
+    raise ValueError(f"unknown variant {variant!r}")
+
+
+def build_mla_step(absorb: bool, context: int):
+    """One decoding step of MLA's attention: 16 heads of one new query over ``context`` cached
+    latents and rotary keys."""
+    h, hd, d_c, d_r = MLA["H"], MLA["hd"], MLA["d_c"], MLA["d_r"]
+    q = _normal(7, (1, 1, h, hd))
+    c_kv, k_rope = _normal(8, (1, context, 1, d_c)), _normal(9, (1, context, 1, d_r))
+    w_uk = _normal(10, (h, d_c, hd - d_r)) / d_c ** 0.5
+    w_uv = _normal(11, (h, d_c, hd)) / d_c ** 0.5
+    f = multihead(functools.partial(multi_head_latent_attention, absorb=absorb),
+                  arg_axes=("heads", "heads"))
+    return Workload(f, (q, c_kv, k_rope, w_uk, w_uv))
+
+
+def cases(quick: bool) -> list[Case]:
+    L = 4096 if quick else L_FIGURE
+    fb = ("fwdbwd",)
+    out = [Case("flash", _BUILD, dict(variant="flash", L=L), modes=fb),
+           Case("flash_mqa", _BUILD, dict(variant="flash", L=L, kv_heads=1), modes=fb),
+           Case("moba", _BUILD, dict(variant="moba", L=L), modes=fb),
+           Case("nsa", _BUILD, dict(variant="nsa", L=L), modes=fb),
+           Case("dsa_mqa", _BUILD, dict(variant="dsa", L=L, kv_heads=1), modes=fb)]
+    step = "xformers_jax_experiments.suites.modern_attention:build_mla_step"
+    out += [Case(f"mla_step_{name}", step, dict(absorb=absorb, context=L), modes=("fwd",))
+            for name, absorb in (("naive", False), ("absorbed", True))]
+    return out
+
+
+def checks(r: Results):
+    L = max((x["params"].get("L", 0) for x in r.records), default=L_FIGURE)
+    flash, flash_mqa = r.time("flash", "fwdbwd", L=L), r.time("flash_mqa", "fwdbwd", L=L)
+    out = [ratio_check(f"fwd+bwd speed-up of {name} (1/8 of the keys) over causal flash at "
+                       f"L={L}", base, r.time(case, "fwdbwd", L=L), at_least=3.0)
+           for name, case, base in (("MoBA", "moba", flash), ("NSA", "nsa", flash),
+                                    ("DSA (one kv head)", "dsa_mqa", flash_mqa))]
+    h, hd = MLA["H"], MLA["hd"]
+    out.append(value_check(
+        f"MLA cache per token / MHA's at equal width ({h} heads of {hd}; d_c={MLA['d_c']}, "
+        f"d_R={MLA['d_r']})",
+        mla_cache_bytes_per_token(MLA["d_c"], MLA["d_r"]) / mha_cache_bytes_per_token(h, hd),
+        at_most=0.25, fmt="{:.3f}"))
+    out.append(ratio_check(f"MLA decoding step at {L} context: naive time / absorbed time",
+                           r.time("mla_step_naive", "fwd", context=L),
+                           r.time("mla_step_absorbed", "fwd", context=L), at_least=1.0))
+    return out
