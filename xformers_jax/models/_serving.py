@@ -30,6 +30,7 @@ requests start from instead of recomputing it.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import time
 from collections.abc import Sequence
@@ -267,7 +268,19 @@ def _poison_pages(pool, pages):
     return jax.tree_util.tree_map(lambda p: p.at[:, pages].set(jnp.nan), pool)
 
 
+_PUT = jax.jit(_put, donate_argnums=0)
+_TAKE = jax.jit(_take)
+_COPY_PAGE = jax.jit(_copy_page, donate_argnums=0)
+_POISON = jax.jit(_poison_pages, donate_argnums=0)
 _STATIC = ("greedy", "temperature", "top_k")
+
+
+@functools.lru_cache(maxsize=16)
+def _jitted_step(step, static):
+    def call(state, params, *inputs, greedy, temperature, top_k):
+        return step(state, eqx.combine(params, static), *inputs, greedy, temperature, top_k)
+
+    return jax.jit(call, donate_argnums=0, static_argnames=_STATIC)
 
 
 class Server:
@@ -313,24 +326,20 @@ class Server:
             self.empty = model.init_cache(1, max_len, dtype)
             self.caches = init_rows(model, num_slots, max_len, dtype)
             self._step = self._compiled(_dense_step)
-        self._put = jax.jit(_put, donate_argnums=0)
-        self._take = jax.jit(_take)
-        self._copy_page = jax.jit(_copy_page, donate_argnums=0)
-        self._poison = jax.jit(_poison_pages, donate_argnums=0)
+        self._put, self._take = _PUT, _TAKE
+        self._copy_page, self._poison = _COPY_PAGE, _POISON
 
     def _compiled(self, step):
         """``step(state, model, *inputs, greedy, temperature, top_k)`` jitted with the model's
-        arrays as an argument and ``state`` (the slots' caches or the page pool) donated."""
+        arrays as an argument and ``state`` (the slots' caches or the page pool) donated; one
+        program per model structure, shared by every server of that model."""
         params, static = eqx.partition(self.model, eqx.is_array)
-        self._params = params
-
-        def call(state, params, *inputs, greedy, temperature, top_k):
-            return step(state, eqx.combine(params, static), *inputs, greedy, temperature,
-                        top_k)
-
-        jitted = jax.jit(call, donate_argnums=0, static_argnames=_STATIC)
+        try:
+            jitted = _jitted_step(step, static)
+        except TypeError:  # a model whose static part is not hashable
+            jitted = _jitted_step.__wrapped__(step, static)
         return lambda state, model, *inputs: jitted(
-            state, self._params, *inputs[:-3], greedy=inputs[-3], temperature=inputs[-2],
+            state, params, *inputs[:-3], greedy=inputs[-3], temperature=inputs[-2],
             top_k=inputs[-1])
 
     # -- bytes --
