@@ -43,9 +43,8 @@ KINDS = {  # name -> (slot, hyperparameters)
     "linear": ("attention", {}),
     "retnet": ("mixer", {}),
     "mamba": ("mixer", {}),
-    "gated_deltanet": ("mixer", {}),
 }
-RECURRENT_OR_WINDOW = ("local", "linear", "retnet", "mamba", "gated_deltanet")
+RECURRENT_OR_WINDOW = ("local", "linear", "retnet", "mamba")
 CONTEXTS, QUICK_CONTEXTS = (1024, 4096, 16384, 65536), (128, 512)
 EXACT_B16_MAX = 16384
 READ_MIB = 256
