@@ -255,3 +255,13 @@ def test_cache_bytes_per_sequence_grow_only_for_exact_attention():
         assert a == b > 0, f"{name}: state bytes change with the context"
     # One layer: keys and values [16, heads, head_dim] in float32, positions int32[16], index.
     assert exact[0] == 2 * 16 * DIM * 4 + 16 * 4 + 4
+
+
+def test_a_paged_sequence_holds_whole_pages_of_its_tokens():
+    model = _model("attention", "dot_product", layers=2)
+    server = models.Server(model, num_slots=2, max_len=MAX_LEN, page_size=4)
+    page = 2 * 2 * 4 * DIM * 4  # layers x (keys, values) x 4 tokens x heads * head_dim x f32
+    assert [server.bytes_per_sequence(n) for n in (1, 4, 5, 9)] == [page, page, 2 * page,
+                                                                    3 * page]
+    assert models.Server(model, num_slots=2, max_len=MAX_LEN).bytes_per_sequence(1) == \
+        models.sequence_cache_bytes(model, MAX_LEN)

@@ -404,9 +404,9 @@ class Server:
     def _check(self, r: Request, i: int) -> int:
         prompt = np.asarray(r.prompt)
         start = 0 if r.prefix is None else len(r.prefix.tokens)
-        if prompt.ndim != 1 or len(prompt) < 1 or len(prompt) <= start - 1:
-            raise ValueError(f"Server: request {i}: prompt must be int[P] with P >= 1 (longer "
-                             f"than its prefix), got shape {prompt.shape}")
+        if prompt.ndim != 1 or len(prompt) < 1:
+            raise ValueError(f"Server: request {i}: prompt must be int[P] with P >= 1, got "
+                             f"shape {prompt.shape}")
         if r.prefix is not None and not np.array_equal(prompt[:start], r.prefix.tokens):
             raise ValueError(f"Server: request {i}: its prompt does not start with its "
                              f"prefix's {start} tokens")
