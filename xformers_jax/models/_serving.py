@@ -502,7 +502,7 @@ class Server:
                     tok[s], use_prompt[s] = prompt[pos[s]], True
                 gen[s] = max(pos[s] - len(prompt) + 1, 0)
             step_keys = jnp.asarray(keys[np.arange(s_n), np.minimum(gen, g_max - 1)].copy())
-            # copies: on CPU a device array may share a numpy buffer, which the loop goes on changing
+            # copies: on CPU a device array may share a numpy buffer, which the loop changes
             args = (jnp.asarray(tok), last, jnp.asarray(use_prompt), jnp.asarray(pos.copy()))
             if self.paged:
                 write_page = np.zeros(s_n, np.int32)
@@ -519,8 +519,9 @@ class Server:
                 fill_num += self.pool_pages.in_use * page_size
                 fill_den += held
                 self.pool, last, logits = self._step(
-                    self.pool, self.model, *args, jnp.asarray(tables.copy()), jnp.asarray(write_page),
-                    jnp.asarray(write_offset), step_keys, greedy, temperature, top_k)
+                    self.pool, self.model, *args, jnp.asarray(tables.copy()),
+                    jnp.asarray(write_page), jnp.asarray(write_offset), step_keys, greedy,
+                    temperature, top_k)
             else:
                 self.caches, last, logits = self._step(
                     self.caches, self.model, *args, jnp.asarray(active), step_keys, greedy,
