@@ -540,19 +540,22 @@ class Server:
                     self._slide(s, int(pos[s]), tables, owned)
                 if pos[s] >= n_prompt - 1 + r.max_new_tokens and pos[s] >= n_prompt:
                     finish(s)
-        tokens = np.asarray(jnp.stack([o[0] for o in outs])) if outs else None
+        # one transfer of every step's outputs (stacking thousands on the device compiles a
+        # program with thousands of operands)
+        tokens = np.stack(jax.device_get([o[0] for o in outs])) if outs else None
+        seen = jax.device_get([o[1] for o in outs]) if record_logits else None
         stats.seconds = time.perf_counter() - t0
         results = [np.zeros(r.max_new_tokens, np.int32) for r in requests]
         lg = [[None] * r.max_new_tokens for r in requests]
         for step, s, i, g in log:
             results[i][g] = tokens[step, s]
             if record_logits:
-                lg[i][g] = outs[step][1][s]
+                lg[i][g] = seen[step][s]
         stats.generated = sum(r.max_new_tokens for r in requests)
         if self.paged:
             stats.page_fill = fill_num / max(fill_den, 1)
         if record_logits:
-            results = [(t, np.stack([np.asarray(x) for x in lo]) if lo else None)
+            results = [(t, np.stack(lo) if lo else None)
                        for t, lo in zip(results, lg)]
         return results, stats
 
