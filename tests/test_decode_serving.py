@@ -162,6 +162,17 @@ def test_lockstep_gives_the_same_tokens_in_more_steps():
         server.run(requests, policy="fifo")
 
 
+def test_an_idle_slot_keeps_its_cache_while_a_later_request_runs_on():
+    # Slot 1's request holds 19 positions when it ends; slot 0's, admitted at step 2, runs
+    # 23 steps more: slot 1 idles 6 steps, which would take it to position 24, past the
+    # cache's capacity (MAX_LEN), were it stepped on.
+    model = _model("attention", "dot_product")
+    requests = _requests(shapes=[(2, 1), (10, 10), (4, 20)])
+    served, _ = models.Server(model, num_slots=2, max_len=MAX_LEN).run(requests,
+                                                                       record_logits=True)
+    _assert_served_alone(model, requests, served, "an idle slot beside a long request")
+
+
 # -- the paged cache ------------------------------------------------------------------------------
 
 PAGED = [("dot_product", ()), ("local", ()), ("block_sparse", ()), ("dot_product", "rotary")]

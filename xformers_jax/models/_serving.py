@@ -218,6 +218,8 @@ class PagePool:
 
 def _dense_step(caches, model, tokens, last, use_prompt, positions, active, keys, greedy,
                 temperature, top_k):
+    # Idle slots keep their cache: one stepping on while others finish would run its position
+    # past the cache's capacity (a key/value cache refuses that).
     tok = jnp.where(use_prompt, tokens, last)
     logits, caches = step_rows(model, caches, tok, positions, active)
     return caches, _choose(logits, keys, greedy, temperature, top_k), logits
