@@ -200,3 +200,17 @@ def test_mixers_names_are_pinned():
     for name in ("MixerSpec", "MixerModule", "register_kind", "get_kind", "registered_kinds",
                  "SSM_PARAMETERS", "ssm_parameters"):
         assert hasattr(nn, name), name
+
+
+# Serving: rows of different lengths, continuous batching, the paged cache, prefix reuse.
+SERVING_NAMES = ("PagePool", "Prefix", "Request", "ServeStats", "Server", "cache_bytes",
+                 "init_rows", "prefill_rows", "sequence_cache_bytes", "step_rows")
+
+
+def test_serving_names_are_exported():
+    models = importlib.import_module("xformers_jax.models")
+    for name in SERVING_NAMES:
+        assert hasattr(models, name), name
+    nn = importlib.import_module("xformers_jax.nn")
+    for name in ("PagedKVCache", "pick_token", "KVCache", "RecurrentCache", "sample_tokens"):
+        assert hasattr(nn, name), name

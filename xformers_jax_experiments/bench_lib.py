@@ -68,6 +68,9 @@ class Workload:
     # returns the zero-argument callable to time for that mode, synchronous, run as is (no
     # jit, no compiled-memory figure); ``fn`` and ``args`` are then unused.
     native: Callable[[str], Callable[[], Any]] | None = None
+    # Further figures the builder computed for the case (e.g. a decoding cache's bytes per
+    # sequence), recorded with it as ``figures`` and shown as table columns.
+    figures: dict | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -233,6 +236,8 @@ def program(work: Workload, mode: str):
 
 
 def _finish(record: dict, work: Workload, mode: str) -> dict:
+    if work.figures:
+        record["figures"] = dict(work.figures)
     if work.flops:
         flops = work.flops * (FWDBWD_FLOP_FACTOR if mode == "fwdbwd" else 1.0)
         record["gflops"] = flops / record["time_s"] / 1e9

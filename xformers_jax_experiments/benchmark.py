@@ -362,14 +362,16 @@ def render_markdown(results_dir: str, markdown_path: str, plots: bool = True) ->
                 met = {True: "yes", False: "**no**", None: "n/a"}[c["ok"]]
                 out.append(f"| {c['figure']} | {c['measured']} | {c['target']} | {met} |")
             out.append("")
-        keys = []
+        keys, figures = [], []
         for r in p["records"]:
             keys += [k for k in r["params"] if k not in keys]
-        head = ["case", *keys, "mode", "time (ms)", "GFLOP/s", "% mm", "peak RSS (MB)", "Δ RSS (MB)",
-                "XLA (MB)"]
+            figures += [k for k in r.get("figures", {}) if k not in figures]
+        head = ["case", *keys, *figures, "mode", "time (ms)", "GFLOP/s", "% mm", "peak RSS (MB)",
+                "Δ RSS (MB)", "XLA (MB)"]
         out += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
         for r in p["records"]:
-            cells = [r["name"], *[str(r["params"].get(k, "")) for k in keys], r["mode"]]
+            cells = [r["name"], *[str(r["params"].get(k, "")) for k in keys],
+                     *[str(r.get("figures", {}).get(k, "")) for k in figures], r["mode"]]
             if r.get("error"):
                 cells += [f"error: {r['error']}", "", "", "", "", ""]
             else:

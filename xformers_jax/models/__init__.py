@@ -27,6 +27,16 @@ from ._trunk import pool as pool
 from ._classifiers import DualEncoder as DualEncoder
 from ._classifiers import EncoderClassifier as EncoderClassifier
 from ._lm import CausalLM as CausalLM
+from ._serving import PagePool as PagePool
+from ._serving import Prefix as Prefix
+from ._serving import Request as Request
+from ._serving import ServeStats as ServeStats
+from ._serving import Server as Server
+from ._serving import cache_bytes as cache_bytes
+from ._serving import init_rows as init_rows
+from ._serving import prefill_rows as prefill_rows
+from ._serving import sequence_cache_bytes as sequence_cache_bytes
+from ._serving import step_rows as step_rows
 from ._memory_lm import MemoryModel as MemoryModel
 from ._memory_lm import SegmentCache as SegmentCache
 from ._memory_lm import generate_with_memory as generate_with_memory

@@ -20,6 +20,7 @@ from ._blocks import TransformerBlock as TransformerBlock
 from ._blocks import check_segments as check_segments
 from ._cache import BlockCache as BlockCache
 from ._cache import KVCache as KVCache
+from ._cache import PagedKVCache as PagedKVCache
 from ._cache import RecurrentCache as RecurrentCache
 from ._carry import Carry as Carry
 from ._ffn import FeedForward as FeedForward
@@ -88,6 +89,7 @@ from ._slots import get_kind as get_kind
 from ._slots import implements as implements
 from ._slots import register_kind as register_kind
 from ._slots import registered_kinds as registered_kinds
+from ._sampling import pick_token as pick_token
 from ._sampling import sample_tokens as sample_tokens
 from ._pipeline import bubble_fraction as bubble_fraction
 from ._pipeline import gpipe as gpipe

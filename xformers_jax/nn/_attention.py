@@ -21,7 +21,7 @@ from .. import attention as A
 from .. import axes as X
 from ..axes import constrain
 from ..kinds import AttentionAdapter, Kind, KVDecoding, RecurrentDecoding, WindowDecoding
-from ._cache import KVCache, RecurrentCache
+from ._cache import KVCache, PagedKVCache, RecurrentCache
 from ._carry import Carry
 from ._mixer._base import MixerModule
 from ._positions import BiasScheme, InputScheme, PositionScheme, QKScheme
@@ -357,7 +357,15 @@ class MultiHeadAttention(eqx.Module):
                 **self._call_hyperparameters())
             return self.output(o[:, None]), RecurrentCache(state, cache.index + 1)
         decoding = self.adapter.decoding
-        if isinstance(decoding, KVDecoding) and decoding.attend is not None:
+        own = isinstance(decoding, KVDecoding) and decoding.attend is not None
+        if isinstance(cache, PagedKVCache):
+            if own:
+                raise NotImplementedError(
+                    f"MultiHeadAttention: attention kind {self.spec.kind!r} decodes over a cache "
+                    "of its own (KVDecoding.attend), which a paged cache does not hold; serve "
+                    "it with one cache per slot (page_size=None)")
+            return self._decode_paged(q, k, v, t_pos, cache)
+        if own:
             # The kind's own attention over its own cache (two maps, a selection of cached
             # blocks, a compressed latent): KVDecoding's hooks.
             hp = self._call_hyperparameters()
@@ -385,6 +393,42 @@ class MultiHeadAttention(eqx.Module):
             q, cache.k, cache.v, kv_mask=jnp.broadcast_to(valid, k_pos.shape), **kw
         )
         return self.output(o), cache
+
+    def _decode_paged(self, q, k, v, t_pos, cache: PagedKVCache):
+        """The step over a paged cache: exact softmax over the sequence's held keys (those
+        its kind's window or pattern admits) and the step's own key, which comes back in
+        ``cache.new_k`` / ``new_v`` for the caller to write."""
+        decoding = self.adapter.decoding
+        if not isinstance(decoding, (KVDecoding, WindowDecoding)):
+            raise ValueError(f"MultiHeadAttention: attention kind {self.spec.kind!r} decodes "
+                             f"with a {type(decoding).__name__}, not a key/value cache; only "
+                             "exact and windowed kinds take a paged cache")
+        if q.shape[0] != 1:
+            raise ValueError(f"MultiHeadAttention: a paged cache is one sequence's view (batch "
+                             f"1; vmap over sequences), got a batch of {q.shape[0]}")
+        t = cache.length
+        held_k, held_v, held_pos = cache.gather()
+        valid = held_pos < t
+        own = jnp.ones((), bool)
+        if isinstance(decoding, WindowDecoding):
+            valid = valid & (held_pos >= t - decoding.left(self._call_hyperparameters()))
+        else:
+            pattern = decoding.pattern_for(self.spec.resolved)
+            if pattern is not None:
+                n = held_pos.shape[0]
+                row = jnp.asarray(pattern.dense(n, n))[jnp.minimum(t, n - 1)]
+                valid, own = valid & row, row[jnp.minimum(t, n - 1)]
+        keys = jnp.concatenate([held_k, k.astype(held_k.dtype)], axis=1)
+        values = jnp.concatenate([held_v, v.astype(held_v.dtype)], axis=1)
+        k_pos = jnp.concatenate([held_pos, t[None]])[None]
+        kv_mask = jnp.concatenate([valid, own[None]])[None]
+        bias = self._bias(q, keys, t_pos, k_pos)
+        kw = {} if bias is None else {"bias": bias}
+        o = A.multihead(A.dot_product_attention, kwarg_axes={"bias": "batch_heads"})(
+            q, keys, values, kv_mask=kv_mask, **kw)
+        new = eqx.tree_at(lambda c: (c.new_k, c.new_v), cache,
+                          (k[0].astype(cache.new_k.dtype), v[0].astype(cache.new_v.dtype)))
+        return self.output(o), new
 
 
 def redraw_random_features(model, key):

@@ -69,3 +69,41 @@ class BlockCache(eqx.Module):
 
     attn: Any
     ffn: Any
+
+
+class PagedKVCache(eqx.Module):
+    """One sequence's view of a paged key/value cache (Kwon et al., 2023, "Efficient Memory
+    Management for Large Language Model Serving with PagedAttention"), for one layer.
+
+    Keys and values live in a pool of fixed-size pages shared by every sequence, ``k_pages:
+    [N, P, Hkv, Dk]``, ``v_pages: [N, P, Hkv, Dv]``; the sequence's ``table: int[M]`` lists the
+    page holding its positions ``j P .. j P + P - 1`` at entry ``j`` (any page where the entry
+    is unused: positions at or past ``length`` and, for a window, those out of it are masked,
+    so such a page's contents, NaN included, are never read). ``length`` (int) is the number of
+    tokens already held, the position of the next one.
+
+    A decoding step reads the pool and returns the step's key and value as ``new_k: [1, Hkv,
+    Dk]`` and ``new_v``; it does not write them: the caller (``models.PagedServer``) scatters
+    every sequence's new entries into their pages after the step, so that sequences decoded
+    side by side (``jax.vmap`` over sequences, the pool shared) never copy the pool.
+    """
+
+    k_pages: jax.Array
+    v_pages: jax.Array
+    table: jax.Array
+    length: jax.Array
+    new_k: jax.Array
+    new_v: jax.Array
+
+    @property
+    def index(self):
+        """The position of the token being decoded (the number held)."""
+        return self.length
+
+    def gather(self):
+        """The sequence's pages in order: keys ``[1, M P, Hkv, Dk]``, values ``[1, M P, Hkv,
+        Dv]`` and their positions ``int[M P]``."""
+        m, p = self.table.shape[0], self.k_pages.shape[1]
+        k = self.k_pages[self.table].reshape(1, m * p, *self.k_pages.shape[2:])
+        v = self.v_pages[self.table].reshape(1, m * p, *self.v_pages.shape[2:])
+        return k, v, jnp.arange(m * p, dtype=jnp.int32)

@@ -18,13 +18,8 @@ def sample_tokens(decode_step, logits, caches, start, num: int, *, key=None,
     keys = (jax.random.split(key, num) if key is not None else jnp.zeros((num,), jnp.int32))
 
     def choose(logits, k):
-        if key is None:
-            return jnp.argmax(logits, -1)
-        logits = logits.astype(jnp.float32) / temperature
-        if top_k is not None:
-            kth = jax.lax.top_k(logits, top_k)[0][:, -1:]
-            logits = jnp.where(logits < kth, -jnp.inf, logits)
-        return jax.random.categorical(k, logits, axis=-1)
+        return pick_token(logits, None if key is None else k, temperature=temperature,
+                          top_k=top_k)
 
     def step(carry, inputs):
         last, caches = carry
@@ -35,3 +30,17 @@ def sample_tokens(decode_step, logits, caches, start, num: int, *, key=None,
 
     _, new = jax.lax.scan(step, (logits, caches), (keys, start + jnp.arange(num)))
     return new.T
+
+
+def pick_token(logits, key=None, *, temperature: float = 1.0, top_k: int | None = None):
+    """One token per row of ``logits [B, vocab]``: the argmax when ``key`` is None, otherwise
+    a sample from ``softmax(logits / temperature)`` restricted to the ``top_k`` most likely
+    tokens (the rule :func:`sample_tokens` and ``models.Server`` share, so that a request served
+    in a batch draws what it draws decoded alone)."""
+    if key is None:
+        return jnp.argmax(logits, -1)
+    logits = logits.astype(jnp.float32) / temperature
+    if top_k is not None:
+        kth = jax.lax.top_k(logits, top_k)[0][:, -1:]
+        logits = jnp.where(logits < kth, -jnp.inf, logits)
+    return jax.random.categorical(key, logits, axis=-1)

@@ -1,0 +1,574 @@
+"""Serving a causal model: decoding rows of different lengths, continuous batching, a paged
+key/value cache and prefix reuse, for every kind that decodes.
+
+One interface across slots. A model that decodes (``init_cache(batch, max_len)`` and
+``decode_step(token, caches, position)``, e.g. :class:`~xformers_jax.models.CausalLM`) is run
+one sequence at a time under ``jax.vmap`` over a leading *sequence* axis of its caches: each
+sequence then has its own position, so rows of different lengths decode side by side whatever
+the slot holds (a key/value cache, a ring buffer, a recurrent state, a mixture of experts'
+capacity counts), with no kind-specific code here.
+
+Alignment: prompts are left-aligned (position 0 is each row's first token, padding on the
+right). Every row's positions are then those it has decoded alone, which absolute positions,
+rotary angles, decays and recurrent states need to give the same outputs; a row whose prompt
+is shorter simply stops being fed (its cache is held) while the longer ones go on
+(:func:`prefill_rows`). Right-aligned prompts would shift positions or feed padding into
+recurrent states, which no mask can undo.
+
+:class:`Server` runs requests of different prompt and output lengths on ``num_slots`` slots.
+Each step feeds every busy slot one token, a prompt token or its last sampled one (prompts are
+consumed token by token: one compiled step serves prefill and generation), so a request joins
+a free slot at any step and leaves when done (continuous batching, Yu et al., 2022, "Orca");
+``policy="lockstep"`` admits a new batch only when the whole previous one has finished, for
+comparison. With ``page_size`` the exact and windowed kinds keep keys and values in a pool of
+fixed-size pages (Kwon et al., 2023, "PagedAttention"): a page table per sequence, a free list,
+pages freed when a sequence ends (and, for a window, as they slide out of it). A
+:class:`Prefix` is a shared prompt's cache (its pages, or any kind's state after it) that later
+requests start from instead of recomputing it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import time
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ..nn import KVCache, PagedKVCache, pick_token
+
+
+def cache_bytes(cache) -> int:
+    """Bytes held by the arrays of a decoding cache (any pytree; ``jax.ShapeDtypeStruct``
+    leaves from ``jax.eval_shape`` count as the arrays they describe)."""
+    return int(sum(math.prod(a.shape) * jnp.dtype(a.dtype).itemsize
+                   for a in jax.tree_util.tree_leaves(cache) if hasattr(a, "dtype")))
+
+
+def sequence_cache_bytes(model, max_len: int, dtype=jnp.float32) -> int:
+    """Bytes of one sequence's decoding cache for ``max_len`` tokens (nothing is allocated):
+    grows with ``max_len`` for a key/value cache, is constant for a window's ring buffer and a
+    recurrent state."""
+    return cache_bytes(jax.eval_shape(lambda m: m.init_cache(1, max_len, dtype), model))
+
+
+# -- rows of different lengths -----------------------------------------------------------------
+
+def _one(model, cache, token, position):
+    """One sequence's step: ``token int[]`` at ``position`` over its batch-1 ``cache``."""
+    logits, cache = model.decode_step(token[None], cache, position)
+    return logits, cache
+
+
+def _hold(active, new, old):
+    """``new`` where ``active[s]``, ``old`` elsewhere, leaf by leaf over the sequence axis."""
+    def pick(n, o):
+        return jnp.where(active.reshape(active.shape + (1,) * (n.ndim - 1)), n, o)
+    return jax.tree_util.tree_map(pick, new, old)
+
+
+def init_rows(model, rows: int, max_len: int, dtype=jnp.float32):
+    """Empty caches for ``rows`` sequences of at most ``max_len`` tokens each: the model's
+    batch-1 cache with a leading sequence axis (see :func:`step_rows`)."""
+    one = model.init_cache(1, max_len, dtype)
+    return jax.tree_util.tree_map(lambda a: jnp.broadcast_to(a, (rows, *a.shape)), one)
+
+
+def step_rows(model, caches, tokens, positions, active=None):
+    """One decoding step for sequences at their own positions.
+
+    Args:
+      model: a model with ``decode_step`` (``CausalLM``). caches: from :func:`init_rows`
+        (``[S, ...]`` per leaf). tokens: ``int[S]``. positions: ``int[S]``, each row's position
+        (the tokens it holds). active: ``bool[S]`` (default all): rows not active keep their
+        cache.
+    Returns:
+      ``(logits [S, vocab], caches)``.
+    """
+    logits, new = jax.vmap(_one, in_axes=(None, 0, 0, 0))(model, caches, tokens, positions)
+    if active is not None:
+        new = _hold(active, new, caches)
+    return logits[:, 0], new
+
+
+def prefill_rows(model, prompts, lengths, max_len: int, dtype=jnp.float32):
+    """Prefills a batch of left-aligned prompts of different lengths.
+
+    Args:
+      prompts: ``int[B, P]``, row ``b``'s prompt in its first ``lengths[b]`` entries (the rest
+        is padding, never read). lengths: ``int[B]``, each at least 1. max_len: the cache's
+        capacity per row (prompt plus the tokens to generate).
+    Returns:
+      ``(logits [B, vocab], caches)``: each row's next-token logits after its last prompt
+      token, and caches at positions ``lengths`` (decode on with :func:`step_rows`).
+    """
+    b, p = prompts.shape
+    if lengths.shape != (b,):
+        raise ValueError(f"prefill_rows: lengths must be int[B] = [{b}] for prompts of shape "
+                         f"{prompts.shape}, got shape {lengths.shape}")
+    caches = init_rows(model, b, max_len, dtype)
+
+    def step(carry, inputs):
+        caches, last = carry
+        tok, t = inputs
+        active = t < lengths
+        logits, caches = step_rows(model, caches, tok, jnp.full((b,), t), active)
+        return (caches, jnp.where(active[:, None], logits, last)), None
+
+    vocab = jax.eval_shape(lambda c: step_rows(model, c, prompts[:, 0], jnp.zeros((b,),
+                                                                               jnp.int32)),
+                           caches)[0].shape[-1]
+    init = (caches, jnp.zeros((b, vocab), jnp.float32))
+    (caches, logits), _ = jax.lax.scan(step, init, (prompts.T, jnp.arange(p)))
+    return logits, caches
+
+
+# -- the server --------------------------------------------------------------------------------
+
+class Request(NamedTuple):
+    """A request: ``prompt int[P]`` (``P >= 1``), ``max_new_tokens`` to generate, ``key`` (a
+    PRNG key: sample, token ``i`` with ``jax.random.split(key, max_new_tokens)[i]`` as
+    ``CausalLM.generate`` does; None: greedy) and ``prefix`` (a :class:`Prefix` whose tokens
+    start the prompt, reused instead of recomputed)."""
+
+    prompt: Any
+    max_new_tokens: int
+    key: Any = None
+    prefix: Any = None
+
+
+@dataclasses.dataclass
+class Prefix:
+    """A shared prompt's cache: ``tokens``, and either one sequence's ``cache`` (dense slots:
+    any kind's cache or state after the prompt) or the ``pages`` holding it (paged: held until
+    :meth:`Server.release_prefix`)."""
+
+    tokens: np.ndarray
+    cache: Any = None
+    pages: list | None = None
+
+
+@dataclasses.dataclass
+class ServeStats:
+    """What a :meth:`Server.run` did: ``steps`` (model calls), ``seconds`` (wall time, device
+    work included), ``generated`` and ``processed`` tokens (prompt tokens fed plus generated
+    ones), ``peak_pages`` in use and, for a paged cache, ``page_fill``: pages in use times the
+    page size over the tokens they hold, summed over steps (1.0: no page space wasted)."""
+
+    steps: int = 0
+    seconds: float = 0.0
+    generated: int = 0
+    processed: int = 0
+    peak_pages: int = 0
+    page_fill: float | None = None
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.generated / self.seconds if self.seconds else float("nan")
+
+
+class PagePool:
+    """The host side of a paged cache: ``num_pages`` pages of ``page_size`` tokens, a free
+    list and reference counts (a prefix's pages are shared). Page 0 is never handed out:
+    unused page-table entries and idle sequences' writes point at it."""
+
+    def __init__(self, num_pages: int, page_size: int):
+        if num_pages < 2 or page_size < 1:
+            raise ValueError(f"PagePool: needs num_pages >= 2 (page 0 is the scratch page) and "
+                             f"page_size >= 1, got num_pages={num_pages}, "
+                             f"page_size={page_size}")
+        self.num_pages, self.page_size = num_pages, page_size
+        self.free = list(range(num_pages - 1, 0, -1))
+        self.refs = np.zeros(num_pages, np.int64)
+        self.freed: list[int] = []  # pages freed since the caller last looked
+
+    def allocate(self) -> int:
+        if not self.free:
+            raise RuntimeError(f"PagePool: out of pages ({self.num_pages - 1} pages of "
+                               f"{self.page_size} tokens all in use); give the Server more "
+                               "num_pages or fewer slots")
+        page = self.free.pop()
+        self.refs[page] = 1
+        return page
+
+    def share(self, page: int) -> int:
+        self.refs[page] += 1
+        return page
+
+    def release(self, page: int) -> None:
+        if page == 0:
+            return
+        if self.refs[page] <= 0:
+            raise RuntimeError(f"PagePool: page {page} released but not held")
+        self.refs[page] -= 1
+        if self.refs[page] == 0:
+            self.free.append(page)
+            self.freed.append(page)
+
+    @property
+    def in_use(self) -> int:
+        return self.num_pages - 1 - len(self.free)
+
+
+def _dense_step(caches, model, tokens, last, use_prompt, positions, active, keys, greedy,
+                temperature, top_k):
+    # Idle slots keep their cache: one stepping on while others finish would run its position
+    # past the cache's capacity (a key/value cache refuses that).
+    tok = jnp.where(use_prompt, tokens, last)
+    logits, caches = step_rows(model, caches, tok, positions, active)
+    return caches, _choose(logits, keys, greedy, temperature, top_k), logits
+
+
+def _choose(logits, keys, greedy, temperature, top_k):
+    """Each row's token, by the rule ``CausalLM.generate`` uses for one sequence (its logits
+    as a batch of one, so a sample equals that drawn alone)."""
+    return jax.vmap(lambda lg, k: pick_token(lg[None], None if greedy else k,
+                                             temperature=temperature, top_k=top_k)[0])(
+        logits, keys).astype(jnp.int32)
+
+
+def _paged_step(pool, model, tokens, last, use_prompt, positions, tables, write_page,
+                write_offset, keys, greedy, temperature, top_k):
+    k_pages, v_pages = pool
+    layers = k_pages.shape[0]
+    tok = jnp.where(use_prompt, tokens, last)
+
+    def one(token, table, length):
+        caches = PagedKVCache(
+            k_pages, v_pages, jnp.broadcast_to(table, (layers, *table.shape)),
+            jnp.broadcast_to(length, (layers,)),
+            jnp.zeros((layers, 1, *k_pages.shape[3:]), k_pages.dtype),
+            jnp.zeros((layers, 1, *v_pages.shape[3:]), v_pages.dtype))
+        logits, caches = model.decode_step(token[None], caches, length)
+        return logits[0], caches.new_k[:, 0], caches.new_v[:, 0]
+
+    logits, new_k, new_v = jax.vmap(one)(tok, tables, positions)  # new_k: [S, layers, Hkv, D]
+    k_pages = k_pages.at[:, write_page, write_offset].set(jnp.moveaxis(new_k, 0, 1))
+    v_pages = v_pages.at[:, write_page, write_offset].set(jnp.moveaxis(new_v, 0, 1))
+    return (k_pages, v_pages), _choose(logits, keys, greedy, temperature, top_k), logits
+
+
+def _put(caches, slot, one):
+    return jax.tree_util.tree_map(lambda c, o: c.at[slot].set(o), caches, one)
+
+
+def _take(caches, slot):
+    return jax.tree_util.tree_map(lambda c: c[slot], caches)
+
+
+def _copy_page(pool, src, dst):
+    return jax.tree_util.tree_map(lambda p: p.at[:, dst].set(p[:, src]), pool)
+
+
+def _poison_pages(pool, pages):
+    return jax.tree_util.tree_map(lambda p: p.at[:, pages].set(jnp.nan), pool)
+
+
+_PUT = jax.jit(_put, donate_argnums=0)
+_TAKE = jax.jit(_take)
+_COPY_PAGE = jax.jit(_copy_page, donate_argnums=0)
+_POISON = jax.jit(_poison_pages, donate_argnums=0)
+_STATIC = ("greedy", "temperature", "top_k")
+
+
+@functools.lru_cache(maxsize=16)
+def _jitted_step(step, static):
+    def call(state, params, *inputs, greedy, temperature, top_k):
+        return step(state, eqx.combine(params, static), *inputs, greedy, temperature, top_k)
+
+    return jax.jit(call, donate_argnums=0, static_argnames=_STATIC)
+
+
+class Server:
+    """Serves :class:`Request` s on ``num_slots`` decoding slots (continuous batching).
+
+    Args:
+      model: a causal model that decodes (``CausalLM``).
+      num_slots: sequences decoded side by side. max_len: the longest request (prompt plus
+        new tokens). dtype: the cache's dtype.
+      page_size: None for one cache per slot sized ``max_len`` (every kind that decodes);
+        an int for a paged key/value cache (exact and windowed attention kinds only), with
+        ``num_pages`` pages in the pool (default: enough for every slot at ``max_len``).
+      poison_freed: fill each page with NaN when it is freed (a check that a freed page is
+        never read again: an output that read one would be NaN).
+
+    Compiles one step (and a slot reset/copy) per model and sampling rule.
+    """
+
+    def __init__(self, model, *, num_slots: int, max_len: int, dtype=jnp.float32,
+                 page_size: int | None = None, num_pages: int | None = None,
+                 poison_freed: bool = False):
+        self.model, self.num_slots, self.max_len = model, num_slots, max_len
+        one = jax.eval_shape(lambda m: m.init_cache(1, max_len, dtype), model)
+        self.paged = page_size is not None
+        self.poison_freed = poison_freed
+        if self.paged:
+            if not isinstance(one, KVCache):
+                raise ValueError(
+                    f"Server: a paged cache needs every layer to decode with a key/value cache "
+                    f"(exact or windowed attention kinds), but this model's cache is "
+                    f"{type(one).__name__}; use page_size=None (one cache per slot)")
+            self.pages_per_seq = -(-max_len // page_size)
+            if num_pages is None:
+                num_pages = num_slots * self.pages_per_seq + 1
+            self.pool_pages = PagePool(num_pages, page_size)
+            # a window keeps the last `left` keys: older pages are freed as it slides
+            self.window = one.pos.shape[-1] - 1 if one.ring else None
+            shape = (one.k.shape[0], num_pages, page_size, *one.k.shape[3:])
+            self.pool = (jnp.zeros(shape, one.k.dtype),
+                         jnp.zeros(shape[:-1] + one.v.shape[-1:], one.v.dtype))
+            self._step = self._compiled(_paged_step)
+        else:
+            self.empty = model.init_cache(1, max_len, dtype)
+            self.caches = init_rows(model, num_slots, max_len, dtype)
+            self._step = self._compiled(_dense_step)
+        self._put, self._take = _PUT, _TAKE
+        self._copy_page, self._poison = _COPY_PAGE, _POISON
+
+    def _compiled(self, step):
+        """``step(state, model, *inputs, greedy, temperature, top_k)`` jitted with the model's
+        arrays as an argument and ``state`` (the slots' caches or the page pool) donated; one
+        program per model structure, shared by every server of that model."""
+        params, static = eqx.partition(self.model, eqx.is_array)
+        try:
+            jitted = _jitted_step(step, static)
+        except TypeError:  # a model whose static part is not hashable
+            jitted = _jitted_step.__wrapped__(step, static)
+        return lambda state, model, *inputs: jitted(
+            state, params, *inputs[:-3], greedy=inputs[-3], temperature=inputs[-2],
+            top_k=inputs[-1])
+
+    # -- bytes --
+
+    def bytes_per_sequence(self, tokens: int) -> int:
+        """Cache bytes one sequence holding ``tokens`` tokens needs: its pages when paged
+        (whole pages), its slot's cache (sized ``max_len``) otherwise."""
+        if not self.paged:
+            return cache_bytes(self.empty)
+        p = self.pool_pages.page_size
+        held = tokens if self.window is None else min(tokens, self.window + p)
+        page_bytes = sum(cache_bytes(a[:, :1]) for a in self.pool)
+        return -(-held // p) * page_bytes
+
+    # -- prefixes --
+
+    def add_prefix(self, tokens) -> Prefix:
+        """Computes the cache after ``tokens int[P]`` once, for requests that start with them
+        (``Request(prefix=...)``); a paged prefix holds its pages until
+        :meth:`release_prefix`."""
+        tokens = np.asarray(tokens)
+        if self.paged and self.window is not None:
+            raise ValueError("Server.add_prefix: a windowed kind's pages slide out of the "
+                             "window; prefix reuse shares the pages of exact kinds only")
+        done = {}
+        self._run([Request(tokens, 0)], "continuous", True, 1.0, None, record=done,
+                  keep_slot=True)
+        slot, pages = done["kept"]
+        if self.paged:
+            return Prefix(tokens, pages=pages)
+        return Prefix(tokens, cache=self._take(self.caches, slot))
+
+    def release_prefix(self, prefix: Prefix) -> None:
+        """Gives a paged prefix's pages back (requests still using them keep them)."""
+        for page in prefix.pages or ():
+            self.pool_pages.release(page)
+        prefix.pages = None
+        self._poison_freed()
+
+    # -- running --
+
+    def run(self, requests: Sequence[Request], *, policy: str = "continuous",
+            temperature: float = 1.0, top_k: int | None = None, record_logits: bool = False):
+        """Serves ``requests``; returns ``(outputs, stats)``: each request's generated tokens
+        ``int[max_new_tokens]`` (and, with ``record_logits``, ``(tokens, logits [n, vocab])``,
+        the logits each token was chosen from) in request order, and a :class:`ServeStats`.
+
+        ``policy``: ``"continuous"`` (a request takes any free slot at any step) or
+        ``"lockstep"`` (a batch of ``num_slots`` requests runs until its longest is done
+        before the next is admitted). Sampled requests (``key``) and greedy ones may not
+        mix in one run."""
+        if policy not in ("continuous", "lockstep"):
+            raise ValueError(f"Server.run: policy must be 'continuous' or 'lockstep', got "
+                             f"{policy!r}")
+        sampled = {r.key is not None for r in requests}
+        if len(sampled) > 1:
+            raise ValueError("Server.run: give every request a key (sampling) or none (greedy)")
+        greedy = not sampled or sampled == {False}
+        return self._run(requests, policy, greedy, temperature, top_k,
+                         record_logits=record_logits)
+
+    def _check(self, r: Request, i: int) -> int:
+        prompt = np.asarray(r.prompt)
+        start = 0 if r.prefix is None else len(r.prefix.tokens)
+        if prompt.ndim != 1 or len(prompt) < 1:
+            raise ValueError(f"Server: request {i}: prompt must be int[P] with P >= 1, got "
+                             f"shape {prompt.shape}")
+        if r.prefix is not None and not np.array_equal(prompt[:start], r.prefix.tokens):
+            raise ValueError(f"Server: request {i}: its prompt does not start with its "
+                             f"prefix's {start} tokens")
+        if start >= len(prompt):
+            raise ValueError(f"Server: request {i}: the prompt ({len(prompt)} tokens) must be "
+                             f"longer than its prefix ({start})")
+        if len(prompt) + r.max_new_tokens > self.max_len:
+            raise ValueError(f"Server: request {i} needs {len(prompt)} + {r.max_new_tokens} "
+                             f"positions, more than max_len={self.max_len}")
+        return start
+
+    def _poison_freed(self):
+        pool = self.pool_pages if self.paged else None
+        if pool is None or not pool.freed:
+            return
+        if self.poison_freed:
+            self.pool = self._poison(self.pool, jnp.asarray(pool.freed, jnp.int32))
+        pool.freed = []
+
+    def _run(self, requests, policy, greedy, temperature, top_k, *, record_logits=False,
+             record=None, keep_slot=False):
+        s_n = self.num_slots
+        starts = [self._check(r, i) for i, r in enumerate(requests)]
+        g_max = max([r.max_new_tokens for r in requests] + [1])
+        queue = list(range(len(requests)))[::-1]
+        slot_req = [-1] * s_n
+        pos = np.zeros(s_n, np.int32)
+        tables = np.zeros((s_n, getattr(self, "pages_per_seq", 1)), np.int32)
+        owned: list[list[int]] = [[] for _ in range(s_n)]
+        keys = np.zeros((s_n, g_max, 2), np.uint32)
+        last = jnp.zeros((s_n,), jnp.int32)
+        log, outs = [], []
+        stats = ServeStats()
+        fill_num = fill_den = 0
+        page_size = self.pool_pages.page_size if self.paged else None
+        t0 = time.perf_counter()
+
+        def admit(s, i):
+            r = requests[i]
+            slot_req[s] = i
+            pos[s] = starts[i]
+            keys[s] = 0
+            if r.key is not None:
+                keys[s, :r.max_new_tokens] = np.asarray(
+                    jax.random.key_data(jax.random.split(r.key, r.max_new_tokens))
+                    if jnp.issubdtype(r.key.dtype, jax.dtypes.prng_key)
+                    else jax.random.split(r.key, r.max_new_tokens))
+            if not self.paged:
+                self.caches = self._put(self.caches, s, self.empty if r.prefix is None
+                                        else r.prefix.cache)
+                return
+            tables[s] = 0
+            owned[s] = []
+            if r.prefix is not None:
+                n = len(r.prefix.tokens)
+                full = n // page_size
+                for j, page in enumerate(r.prefix.pages[:full]):
+                    tables[s, j] = self.pool_pages.share(page)
+                    owned[s].append(page)
+                if n % page_size:  # the partial page is written on: copy it
+                    page = self.pool_pages.allocate()
+                    self.pool = self._copy_page(self.pool, r.prefix.pages[full], page)
+                    tables[s, full] = page
+                    owned[s].append(page)
+
+        def finish(s):
+            i = slot_req[s]
+            slot_req[s] = -1
+            if self.paged:
+                if keep_slot and record is not None:
+                    record["kept"] = (s, list(owned[s]))
+                else:
+                    for page in owned[s]:
+                        self.pool_pages.release(page)
+                owned[s] = []
+                self._poison_freed()
+            elif keep_slot and record is not None:
+                record["kept"] = (s, None)
+            return i
+
+        while queue or any(i >= 0 for i in slot_req):
+            if policy == "continuous" or all(i < 0 for i in slot_req):
+                for s in range(s_n):
+                    if slot_req[s] < 0 and queue:
+                        admit(s, queue.pop())
+            active = np.array([i >= 0 for i in slot_req])
+            tok = np.zeros(s_n, np.int32)
+            use_prompt = np.zeros(s_n, bool)
+            gen = np.zeros(s_n, np.int32)
+            for s in np.flatnonzero(active):
+                prompt = np.asarray(requests[slot_req[s]].prompt)
+                if pos[s] < len(prompt):
+                    tok[s], use_prompt[s] = prompt[pos[s]], True
+                gen[s] = max(pos[s] - len(prompt) + 1, 0)
+            step_keys = jnp.asarray(keys[np.arange(s_n), np.minimum(gen, g_max - 1)].copy())
+            # copies: on CPU a device array may share a numpy buffer, which the loop changes
+            args = (jnp.asarray(tok), last, jnp.asarray(use_prompt), jnp.asarray(pos.copy()))
+            if self.paged:
+                write_page = np.zeros(s_n, np.int32)
+                for s in np.flatnonzero(active):
+                    j, off = divmod(int(pos[s]), page_size)
+                    if off == 0 and tables[s, j] == 0:
+                        tables[s, j] = self.pool_pages.allocate()
+                        owned[s].append(int(tables[s, j]))
+                    write_page[s] = tables[s, j]
+                write_offset = np.where(active, pos % page_size, 0).astype(np.int32)
+                stats.peak_pages = max(stats.peak_pages, self.pool_pages.in_use)
+                held = sum(int(pos[s]) + 1 if self.window is None else
+                           min(int(pos[s]) + 1, self.window + 1) for s in np.flatnonzero(active))
+                fill_num += self.pool_pages.in_use * page_size
+                fill_den += held
+                self.pool, last, logits = self._step(
+                    self.pool, self.model, *args, jnp.asarray(tables.copy()),
+                    jnp.asarray(write_page), jnp.asarray(write_offset), step_keys, greedy,
+                    temperature, top_k)
+            else:
+                self.caches, last, logits = self._step(
+                    self.caches, self.model, *args, jnp.asarray(active), step_keys, greedy,
+                    temperature, top_k)
+            stats.steps += 1
+            stats.processed += int(active.sum())
+            outs.append((last, logits if record_logits else None))
+            for s in np.flatnonzero(active):
+                i = slot_req[s]
+                r = requests[i]
+                n_prompt = len(np.asarray(r.prompt))
+                if pos[s] >= n_prompt - 1 and gen[s] < r.max_new_tokens:
+                    log.append((stats.steps - 1, s, i, gen[s]))
+                pos[s] += 1
+                if self.paged and self.window is not None:
+                    self._slide(s, int(pos[s]), tables, owned)
+                if pos[s] >= n_prompt - 1 + r.max_new_tokens and pos[s] >= n_prompt:
+                    finish(s)
+        # one transfer of every step's outputs (stacking thousands on the device compiles a
+        # program with thousands of operands)
+        tokens = np.stack(jax.device_get([o[0] for o in outs])) if outs else None
+        seen = jax.device_get([o[1] for o in outs]) if record_logits else None
+        stats.seconds = time.perf_counter() - t0
+        results = [np.zeros(r.max_new_tokens, np.int32) for r in requests]
+        lg = [[None] * r.max_new_tokens for r in requests]
+        for step, s, i, g in log:
+            results[i][g] = tokens[step, s]
+            if record_logits:
+                lg[i][g] = seen[step][s]
+        stats.generated = sum(r.max_new_tokens for r in requests)
+        if self.paged:
+            stats.page_fill = fill_num / max(fill_den, 1)
+        if record_logits:
+            results = [(t, np.stack(lo) if lo else None)
+                       for t, lo in zip(results, lg)]
+        return results, stats
+
+    def _slide(self, s, t, tables, owned):
+        """Frees the pages of slot ``s`` that lie wholly before its window at position
+        ``t`` (the window's keys are ``t - window .. t``)."""
+        p = self.pool_pages.page_size
+        for j in range(max(t - self.window, 0) // p):
+            page = int(tables[s, j])
+            if page:
+                tables[s, j] = 0
+                owned[s].remove(page)
+                self.pool_pages.release(page)
+        self._poison_freed()
