@@ -108,7 +108,7 @@ def test_every_study_folder_has_a_readme_and_runs_from_its_folder():
     names = sorted(n for n in os.listdir(STUDIES) if os.path.isdir(os.path.join(STUDIES, n))
                    and not n.startswith(("_", ".")))
     assert names == ["compress", "early_exit", "electra", "input_timing", "memory_lm",
-                     "mixers_lra", "moe_lm", "swin_lra"]
+                     "mixers_lra", "moe_lm", "swin_lra", "zoo"]
     for name in names:
         folder = os.path.join(STUDIES, name)
         assert os.path.exists(os.path.join(folder, "__init__.py")), name
