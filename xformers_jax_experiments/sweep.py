@@ -45,22 +45,30 @@ from absl import app, flags
 
 from xformers_jax_experiments import run_lib
 
-_CONFIG = flags.DEFINE_string("config", None, "Config file, optionally ':ARG'.")
-_WORKDIR = flags.DEFINE_string("workdir", None, "Base directory: one sub-directory per run.")
-_NUM_PROCESSES = flags.DEFINE_integer("num_processes", 1, "Local runs at a time.")
-_SET = flags.DEFINE_multi_string("set", [], "KEY=VALUE override for every run (KEY without "
-                                 "the 'config.' prefix).")
-_TPU = flags.DEFINE_string("tpu", None, "TPU VM name: print the pod launch commands instead.")
-_ZONE = flags.DEFINE_string("zone", None, "TPU zone (with --tpu).")
-_PROJECT = flags.DEFINE_string("project", None, "GCP project (with --tpu; optional).")
-_REPO = flags.DEFINE_string("repo_dir", "~/xformers_jax", "The checkout on the TPU workers.")
-_PYTHON = flags.DEFINE_string("python", None, "Python on the runners (default: this one "
-                              "locally, python3 on a TPU).")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-_DRY_RUN = flags.DEFINE_bool("dry_run", False, "Print the local commands, run nothing.")
-_RESUME = flags.DEFINE_bool("resume", False, "Locally, skip runs whose directory already "
-                            "holds a finished run's metrics (a test_accuracy record): resumes "
-                            "an interrupted sweep with the same arguments.")
+FLAGS = flags.FLAGS
+
+
+def define_flags() -> None:
+    """The command's flags, defined when it runs as a script (or by a script built on it, such
+    as the zoo study's runner), never at import: absl flags are process-global, and a test
+    process imports this module beside the trainer's CLI, whose ``--config`` it would clash
+    with."""
+    flags.DEFINE_string("config", None, "Config file, optionally ':ARG'.")
+    flags.DEFINE_string("workdir", None, "Base directory: one sub-directory per run.")
+    flags.DEFINE_integer("num_processes", 1, "Local runs at a time.")
+    flags.DEFINE_multi_string("set", [], "KEY=VALUE override for every run (KEY without the "
+                              "'config.' prefix).")
+    flags.DEFINE_string("tpu", None, "TPU VM name: print the pod launch commands instead.")
+    flags.DEFINE_string("zone", None, "TPU zone (with --tpu).")
+    flags.DEFINE_string("project", None, "GCP project (with --tpu; optional).")
+    flags.DEFINE_string("repo_dir", "~/xformers_jax", "The checkout on the TPU workers.")
+    flags.DEFINE_string("python", None, "Python on the runners (default: this one locally, "
+                        "python3 on a TPU).")
+    flags.DEFINE_bool("dry_run", False, "Print the local commands, run nothing.")
+    flags.DEFINE_bool("resume", False, "Locally, skip runs whose directory already holds a "
+                      "finished run's metrics (a test_accuracy record): resumes an interrupted "
+                      "sweep with the same arguments.")
 
 
 # The run key of a swept config argument (Hyper.args).
@@ -260,24 +268,24 @@ def table(rows: list[dict]) -> str:
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-    config, base = _CONFIG.value, _WORKDIR.value
+    config, base = FLAGS.config, FLAGS.workdir
     runs = load_hyper(config)
-    if _TPU.value:
-        if not _ZONE.value:
+    if FLAGS.tpu:
+        if not FLAGS.zone:
             raise app.UsageError("--tpu needs --zone")
-        for cmd in tpu_commands(config, base, runs, _SET.value, tpu=_TPU.value,
-                                zone=_ZONE.value, project=_PROJECT.value,
-                                repo_dir=_REPO.value, python=_PYTHON.value or "python3"):
+        for cmd in tpu_commands(config, base, runs, FLAGS.set, tpu=FLAGS.tpu,
+                                zone=FLAGS.zone, project=FLAGS.project,
+                                repo_dir=FLAGS.repo_dir, python=FLAGS.python or "python3"):
             print(cmd)
         return
-    python = _PYTHON.value or sys.executable
-    if _DRY_RUN.value:
+    python = FLAGS.python or sys.executable
+    if FLAGS.dry_run:
         for i, run in enumerate(runs):
             print(" ".join(shlex.quote(a) for a in run_args(config, run_dir(base, i), run,
-                                                            _SET.value, python=python)))
+                                                            FLAGS.set, python=python)))
         return
-    codes = run_local(config, base, runs, _SET.value, num_processes=_NUM_PROCESSES.value,
-                      python=python, resume=_RESUME.value)
+    codes = run_local(config, base, runs, FLAGS.set, num_processes=FLAGS.num_processes,
+                      python=python, resume=FLAGS.resume)
     rows = gather(base, runs)
     for row, code in zip(rows, codes):
         row["exit_code"] = code
@@ -292,5 +300,6 @@ def main(argv):
 
 
 if __name__ == "__main__":
+    define_flags()
     flags.mark_flags_as_required(["config", "workdir"])
     app.run(main)

@@ -92,7 +92,7 @@ def flex_attention(
     mask_mod: Callable | Pattern | None = None,
     sink=None,
     causal: bool = False,
-    kv_mask: Bool[Array, kv_seq] | None = None,
+    kv_mask: Bool[Array, "kv_seq"] | None = None,
     segment_ids=None,
     batch_index=0,
     head_index=0,
@@ -102,7 +102,7 @@ def flex_attention(
     block_k: int | None = None,
     return_lse: bool = False,
     implementation: str | None = None,
-) -> Float[Array, "q_seq v_dim"] | tuple[Float[Array, "q_seq v_dim"], Float[Array, q_seq]]:
+) -> Float[Array, "q_seq v_dim"] | tuple[Float[Array, "q_seq v_dim"], Float[Array, "q_seq"]]:
     """Exact softmax attention with a score function and a mask function, in O(L) memory.
 
     Equal to materialising ``s = scale q k^T``, replacing it by

@@ -34,6 +34,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+from jaxtyping import Array, Float
 from jax import lax
 
 from ._delta import unit_lower_inverse
@@ -54,7 +55,14 @@ def dplr_step(s, q_t, k_t, v_t, a_t, b_t, ld_t):
     return q_t @ s, s
 
 
-def dplr_recurrent(q, k, v, a, b, ld):
+def dplr_recurrent(
+    q: Float[Array, "seq m"],
+    k: Float[Array, "seq m"],
+    v: Float[Array, "seq e"],
+    a: Float[Array, "seq m"] | None,
+    b: Float[Array, "seq m"],
+    ld: Float[Array, "seq m"],
+) -> Float[Array, "seq e"]:
     """The generalised delta rule by a per-step scan (the reference form).
 
     Args:
@@ -150,8 +158,17 @@ def _dplr_chunks(q, k, v, a, b, ld, s0, sub_chunk=4):
     return out, s_end
 
 
-def dplr_chunked(q, k, v, a, b, ld, chunk_size: int = 16, sub_chunk: int = 4,
-                 group_positions: int = GROUP_POSITIONS):
+def dplr_chunked(
+    q: Float[Array, "seq m"],
+    k: Float[Array, "seq m"],
+    v: Float[Array, "seq e"],
+    a: Float[Array, "seq m"] | None,
+    b: Float[Array, "seq m"],
+    ld: Float[Array, "seq m"],
+    chunk_size: int = 16,
+    sub_chunk: int = 4,
+    group_positions: int = GROUP_POSITIONS,
+) -> Float[Array, "seq e"]:
     """The same recurrence as :func:`dplr_recurrent`, chunkwise (see the module docstring):
     per chunk, four ``[c, c]`` score matrices over the ``M`` channels (two when ``a`` is None),
     the per-channel decays applied pairwise within sub-chunks and by matrix products across

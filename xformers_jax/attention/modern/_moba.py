@@ -244,14 +244,23 @@ def moba_attention(
     gates = jnp.einsum("qd,nd->qn", x.q, pooled.astype(x.q.dtype),
                        preferred_element_type=STATS_DTYPE)
     idx, chosen = select_blocks(gates, real, jnp.arange(x.lq), block_size, top_k, causal)
+    out = chosen_and_own_blocks(x.q, x.k, x.v, idx, chosen, block_size=block_size,
+                                kv_mask=kv_mask, scale=scale, causal=causal, chunk=chunk,
+                                implementation=implementation)
+    return out.astype(q.dtype)
+
+
+def chosen_and_own_blocks(q, k, v, index, chosen, *, block_size: int, kv_mask, scale: float,
+                          causal: bool, chunk: int, implementation):
+    """The attention over the chosen past blocks (:func:`selected_blocks_attention`) merged by
+    log-sum-exp with, when causal, the query's own block (always kept; on the tiled kernel):
+    ``[Lq, Dv]``. MoBA's output and NSA's selected branch."""
     parts = []
-    if idx.shape[1]:
-        parts.append(selected_blocks_attention(x.q, x.k, x.v, idx, chosen,
-                                               block_size=block_size, kv_mask=kv_mask,
-                                               scale=scale, tile=chunk))
+    if index.shape[1]:
+        parts.append(selected_blocks_attention(q, k, v, index, chosen, block_size=block_size,
+                                               kv_mask=kv_mask, scale=scale, tile=chunk))
     if causal:
-        parts.append(flash_attention(x.q, x.k, x.v, causal=True, kv_mask=kv_mask,
+        parts.append(flash_attention(q, k, v, causal=True, kv_mask=kv_mask,
                                      pattern=BlockLocal(block_size), scale=scale,
                                      return_lse=True, implementation=implementation))
-    out = parts[0][0] if len(parts) == 1 else merge_by_lse(*parts[0], *parts[1])[0]
-    return out.astype(q.dtype)
+    return parts[0][0] if len(parts) == 1 else merge_by_lse(*parts[0], *parts[1])[0]

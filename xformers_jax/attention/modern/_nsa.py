@@ -29,11 +29,11 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float
 
-from ...kernels import STATS_DTYPE, merge_by_lse, safe_max
+from ...kernels import STATS_DTYPE, safe_max
 from .. import _contract as C
 from .._exact import flash_attention
-from ..patterns import BlockLocal, Local
-from ._moba import pooled_blocks, select_blocks, selected_blocks_attention
+from ..patterns import Local
+from ._moba import chosen_and_own_blocks, pooled_blocks, select_blocks
 
 
 def _softmax_rows(s, keep, v):
@@ -115,16 +115,9 @@ def native_sparse_attention(
                                     block_size, causal, scale)
     idx, chosen = select_blocks(jax.lax.stop_gradient(scores), real, q_pos, block_size,
                                 num_selected, causal)
-    parts = []
-    if idx.shape[1]:
-        parts.append(selected_blocks_attention(x.q, x.k, x.v, idx, chosen,
-                                               block_size=block_size, kv_mask=kv_mask,
-                                               scale=scale, tile=chunk))
-    if causal:
-        parts.append(flash_attention(x.q, x.k, x.v, causal=True, kv_mask=kv_mask,
-                                     pattern=BlockLocal(block_size), scale=scale,
-                                     return_lse=True, implementation=implementation))
-    slc = parts[0][0] if len(parts) == 1 else merge_by_lse(*parts[0], *parts[1])[0]
+    slc = chosen_and_own_blocks(x.q, x.k, x.v, idx, chosen, block_size=block_size,
+                                kv_mask=kv_mask, scale=scale, causal=causal, chunk=chunk,
+                                implementation=implementation)
     win = flash_attention(x.q, x.k, x.v, causal=causal, kv_mask=kv_mask, scale=scale,
                           pattern=Local(window - 1, 0 if causal else window - 1),
                           implementation=implementation)

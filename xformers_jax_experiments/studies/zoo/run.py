@@ -34,19 +34,23 @@ from xformers_jax_experiments.studies.zoo import config as Z
 HERE = os.path.dirname(os.path.abspath(__file__))
 CONFIG = os.path.join(HERE, "config.py")
 
-# --workdir (the runs' base directory), --num_processes (runs at a time) and --set=KEY=VALUE
-# (an override of every run, repeatable) are the sweep tool's own flags
-# (xformers_jax_experiments.sweep).
 FLAGS = flags.FLAGS
-_GRID = flags.DEFINE_enum("grid", "cpu", Z.GRIDS, "cpu: the CPU grid; full: Zoology's.")
-_TASKS = flags.DEFINE_list("tasks", list(Z.TASKS), "Tasks to sweep.")
-_KINDS = flags.DEFINE_string("kinds", None, "Regular expression on 'SLOT/KIND' (default all).")
-_WIDTHS = flags.DEFINE_list("widths", None, "Widths (default: the grid's).")
-_LENGTHS = flags.DEFINE_list("lengths", None, "Lengths (default: each task's in the grid).")
-_LRS = flags.DEFINE_list("learning_rates", None, "Learning rates (default: the grid's).")
-_STEPS = flags.DEFINE_integer("num_train_steps", None, "Override the steps of every run.")
-_RESULTS = flags.DEFINE_string("results_dir", HERE, "Where zoo.json, zoo.md and plots go.")
-_REPORT_ONLY = flags.DEFINE_bool("report_only", False, "Rewrite the results; run nothing.")
+
+
+def _define_flags() -> None:
+    """This script's flags, with the sweep tool's own (``--workdir``: the runs' base
+    directory, ``--num_processes``: runs at a time, ``--set=KEY=VALUE``: an override of every
+    run), defined when it runs as a script (absl flags are process-global)."""
+    sweep.define_flags()
+    flags.DEFINE_enum("grid", "cpu", Z.GRIDS, "cpu: the CPU grid; full: Zoology's.")
+    flags.DEFINE_list("tasks", list(Z.TASKS), "Tasks to sweep.")
+    flags.DEFINE_string("kinds", None, "Regular expression on 'SLOT/KIND' (default all).")
+    flags.DEFINE_list("widths", None, "Widths (default: the grid's).")
+    flags.DEFINE_list("lengths", None, "Lengths (default: each task's in the grid).")
+    flags.DEFINE_list("learning_rates", None, "Learning rates (default: the grid's).")
+    flags.DEFINE_integer("num_train_steps", None, "Override the steps of every run.")
+    flags.DEFINE_string("results_dir", HERE, "Where zoo.json, zoo.md and plots go.")
+    flags.DEFINE_bool("report_only", False, "Rewrite the results; run nothing.")
 
 
 def runs(grid: str, tasks, kinds_re=None, widths=None, lrs=None, steps=None, lengths=None):
@@ -200,11 +204,11 @@ def main(argv):
     del argv
     if not FLAGS.workdir:
         raise app.UsageError("--workdir is required")
-    planned = runs(_GRID.value, _TASKS.value, _KINDS.value, _WIDTHS.value, _LRS.value,
-                   _STEPS.value, _LENGTHS.value)
+    planned = runs(FLAGS.grid, FLAGS.tasks, FLAGS.kinds, FLAGS.widths, FLAGS.learning_rates,
+                   FLAGS.num_train_steps, FLAGS.lengths)
     names = [n for n, _ in planned]
     wall, failed = None, []
-    if not _REPORT_ONLY.value:
+    if not FLAGS.report_only:
         t0 = time.time()
         codes = sweep.run_local(CONFIG, FLAGS.workdir, [r for _, r in planned], FLAGS.set,
                                 num_processes=FLAGS.num_processes, resume=True, names=names)
@@ -224,10 +228,11 @@ def main(argv):
                 sizes[key] = None
                 r.setdefault("error", f"state: {type(e).__name__}: {e}"[:200])
         r["state_bytes"] = sizes[key]
-    print(report(rows, _RESULTS.value, wall, _GRID.value))
-    if not _REPORT_ONLY.value and failed:
+    print(report(rows, FLAGS.results_dir, wall, FLAGS.grid))
+    if not FLAGS.report_only and failed:
         sys.exit(1)
 
 
 if __name__ == "__main__":
+    _define_flags()
     app.run(main)
