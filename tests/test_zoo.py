@@ -127,6 +127,12 @@ def test_scored_positions_only_and_early_stop(tmp_path):
     assert int(sums["count"]) == int(batch["scored"].sum()) == 4 * 2
     result = train.train_and_evaluate(c, str(tmp_path))
     assert result["step"] == 4 and result["stopped_early_at"] == 4
+    # Killed after the early stop's checkpoint, before the run was recorded as finished: the
+    # restart resumes as stopped instead of training on.
+    from xformers_jax.train import _loop
+    again = _loop._train_and_evaluate(c, str(tmp_path))
+    assert again["step"] == 4 and again["stopped_early_at"] == 4
+    assert again["validation_accuracy"] == result["validation_accuracy"]
 
 
 def test_zoo_hyperparameters_fill_every_causal_kind():

@@ -199,16 +199,24 @@ def _train_and_evaluate(config, workdir: str, *, on_step=None) -> dict:
     # checkpointed with the iterator so that a resumed run logs the same means.
     interval = IntervalMean()
 
-    def data_state():
-        return {"iterator": train_iter.get_state(), "interval": interval.get_state()}
+    def data_state(stopped_early=None):
+        saved = {"iterator": train_iter.get_state(), "interval": interval.get_state()}
+        # An early stop is part of the checkpoint: a run killed after it (while testing) and
+        # restarted resumes as stopped, rather than training on past the target accuracy.
+        if stopped_early is not None:
+            saved["stopped_early_at"] = stopped_early
+        return saved
 
     checkpointer = Checkpointer(workdir, keep=config.keep_checkpoints)
+    stopped_early = None
     restored = checkpointer.restore_latest(state, plan.state)
     if restored is not None:
         state, saved = restored
         train_iter.set_state(saved["iterator"])
         interval.set_state(saved["interval"])
-        logging.info("resumed from step %d", int(state.step))
+        stopped_early = saved.get("stopped_early_at")
+        logging.info("resumed from step %d%s", int(state.step),
+                     "" if stopped_early is None else " (stopped early: not training further)")
     else:
         state = plan.place_state(state)
     train_step = make_train_step(loss_fn, optimizer,
@@ -229,9 +237,8 @@ def _train_and_evaluate(config, workdir: str, *, on_step=None) -> dict:
                       enabled=config.progress_bar and jax.process_index() == 0)
     shown = {}
     validation = {}
-    stopped_early = None
     try:
-        while step < total:
+        while step < total and stopped_early is None:
             state, metrics = train_step(state, plan.place_batch(next(train_iter)))
             step += 1
             faults = metrics.pop("faults")
@@ -262,7 +269,7 @@ def _train_and_evaluate(config, workdir: str, *, on_step=None) -> dict:
                     stopped_early = step
                     bar.message(f"step {step}: validation accuracy reached "
                                 f"{config.stop_at_accuracy}: stopping")
-                    checkpointer.save(step, state, data_state(), force=True)
+                    checkpointer.save(step, state, data_state(stopped_early), force=True)
                     break
             saved = step % config.checkpoint_every == 0 or step == total
             if saved:
@@ -279,6 +286,8 @@ def _train_and_evaluate(config, workdir: str, *, on_step=None) -> dict:
                     checkpointer.save(step, state, data_state(), force=True)
                 return {"preempted": True, "step": step}
         checkpointer.wait()
+        if not validation:  # resumed with nothing left to train: the last state's figures
+            validation = run_eval(eval_step, state.model, task.validation, config.batch_size)
         best = checkpointer.restore_best(state, plan.state)
         best_state = state if best is None else best[0]
         test = run_eval(eval_step, best_state.model, task.test, config.batch_size)
