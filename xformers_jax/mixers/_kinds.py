@@ -134,7 +134,7 @@ KINDS = (
     Kind("h3", h3, "mixers",
          Paper("Fu et al.", 2023, "Hungry Hungry Hippos: Towards Language Modeling with State "
                "Space Models"),
-         time="O(D P (L log L + L N))", memory="O(L D P + H N L)", causal=True,
+         time="O(D P L log L + H N L)", memory="O(L D P + H N L)", causal=True,
          decoding="recurrent", state_size="(S - 1) D + D P N",
          test_hyperparameters={"state_size": 4, "shift_size": 3, "head_dim": 2},
          hyperparameters={
