@@ -115,8 +115,9 @@ def _short_conv_reference(u, w, b):
 
 
 def _hyena_reference(u, short_w, short_b, filters, bias):
-    """Definition 3.1 of Poli et al.: ``z_1 = v``, ``z_{n+1,t} = x_{n,t} (sum_{s <= t}
-    h_n[t - s] z_{n,s} + b_n z_{n,t})``, after the short convolution of every stream."""
+    """The Hyena recurrence of Poli et al. (Section 3.1): ``z_1 = v``, ``z_{n+1,t} = x_{n,t}
+    (sum_{s <= t} h_n[t - s] z_{n,s} + b_n z_{n,t})``, after every stream's short
+    convolution."""
     order, dim = bias.shape
     streams = _short_conv_reference(u, short_w, short_b).reshape(u.shape[0], order + 1, dim)
     t = jnp.arange(u.shape[0])

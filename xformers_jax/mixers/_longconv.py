@@ -10,7 +10,7 @@
   ``2L`` (causal); decoding runs them as the state space models they are: the last ``S - 1``
   keys and a complex ``[P, P, N/2]`` state per head, ``O(1)`` per step.
 - Hyena (Poli et al. 2023, "Hyena Hierarchy: Towards Larger Convolutional Language Models",
-  Definition 3.1): ``N + 1`` projections of the input, each through a short causal
+  Section 3.1): ``N + 1`` projections of the input, each through a short causal
   convolution, ``v, x_1 .. x_N``; ``z_1 = v``, ``z_{n+1} = x_n * (h_n * z_n + b_n z_n)``,
   ``y = z_{N+1}``, with long causal filters ``h_n [D, L]`` (implicit: materialised by the
   layer from positions, ``nn.Hyena``) convolved by FFT of size ``2L``. The paper gives no

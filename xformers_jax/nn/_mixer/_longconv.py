@@ -17,8 +17,8 @@ import jax.numpy as jnp
 
 from ... import mixers as M
 from .._slots import implements
-from ._base import MixerModule, both_ways, check_mask, dense, log_uniform, recurrent_cache, \
-    zero_padded
+from ._base import (MixerModule, both_ways, check_mask, dense, log_uniform, recurrent_cache,
+                    zero_padded)
 
 
 def _no_bidirectional_cache(name, causal):
