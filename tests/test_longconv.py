@@ -198,6 +198,25 @@ def test_h3_with_one_channel_per_head_is_a_hyena_of_order_two():
     assert_close(_jit(M.h3)(q, k, v, shift, dt, a, b, c, d)[..., 0], hyena, EXACT)
 
 
+def test_hyena_filters_are_the_windowed_ffn_of_positions():
+    """``h(t) = exp(-alpha_d t') FFN(PE(t'))``, ``t' = t / max_len``, ``PE = [t', cos(2 pi k
+    t'), sin(2 pi k t')]``, an FFN with sine activations; a filter does not depend on the
+    length it is materialised at (a prefix's filters are the longer run's first taps)."""
+    layer = _jit(lambda key: nn.MixerSpec("hyena", {"filter_width": 8, "emb_dim": 5}).build(
+        4, 2, causal=True, max_len=16, key=key))(jax.random.PRNGKey(0))
+    t = np.arange(16) / 16
+    pe = np.stack([t, np.cos(2 * np.pi * t), np.cos(4 * np.pi * t), np.sin(2 * np.pi * t),
+                   np.sin(4 * np.pi * t)], -1)
+    w1, b1, w2, b2, w3, freq = (np.asarray(x, np.float64) for x in (
+        layer.f_w1, layer.f_b1, layer.f_w2, layer.f_b2, layer.f_w3, layer.freq))
+    ffn = np.sin(freq * (np.sin(freq * (pe @ w1 + b1)) @ w2 + b2)) @ w3  # [t, N D]
+    rates = np.log(100) / np.linspace(1.5, 0.3, 4)  # decay to 1% over 1.5 .. 0.3 of max_len
+    want = ffn.reshape(16, 2, 4) * np.exp(-t[:, None, None] * rates)
+    got = _jit(lambda m: m.filters(16))(layer)
+    assert_close(got, np.transpose(want, (1, 2, 0)), EXACT)
+    assert_close(_jit(lambda m: m.filters(11))(layer), got[..., :11], EXACT)
+
+
 def _numbers(tree):
     """Real numbers held (a complex number is two)."""
     return sum(math.prod(x.shape) * (2 if jnp.issubdtype(x.dtype, jnp.complexfloating) else 1)
