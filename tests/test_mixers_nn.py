@@ -42,8 +42,8 @@ def test_registry_lists_every_mixer_with_complete_metadata():
         assert kind.family == "mixers" and kind.missing() == (), name
     assert set(RECURRENT) == {"s4d", "s5", "retnet", "gla", "mamba2", "mamba",
                               "gated_deltanet", "mlstm", "hgrn2", "kda", "rwkv7",
-                              "delta_product"}
-    assert set(DECODES) - set(RECURRENT) == {"gmlp", "amlp"}  # a cache growing with L
+                              "delta_product", "h3"}
+    assert set(DECODES) - set(RECURRENT) == {"gmlp", "amlp", "hyena"}  # a cache growing with L
 
 
 def test_registry_errors():
@@ -120,7 +120,7 @@ def test_causal_no_leak_and_decoding_equals_parallel(key, name):
     assert_close(decode_all(m, x), y, EXACT, err_msg="decoding != parallel form")
 
 
-@pytest.mark.parametrize("name", ["mamba2", "s4d", "gmlp", "fnet"])
+@pytest.mark.parametrize("name", ["mamba2", "s4d", "gmlp", "fnet", "h3", "hyena"])
 def test_bf16_inputs_and_gradients(key, name):
     m = _module(name, causal=False)
     x = _x(key).astype(jnp.bfloat16)

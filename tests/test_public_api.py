@@ -189,6 +189,9 @@ MIXERS_NAMES = {
     # The recurrences since the surveys, with their decoding steps.
     "DPLR_CHUNK", "delta_product", "delta_product_step", "hgrn2", "kda", "kda_step", "mlstm",
     "mlstm_init_state", "mlstm_step", "rwkv7", "rwkv7_step",
+    # The long convolutions (H3, Hyena) and the short causal convolution they and Mamba share.
+    "causal_depthwise_conv", "causal_depthwise_step", "h3", "h3_init_state", "h3_step", "hyena",
+    "hyena_step",
     # Every mixer's record (xformers_jax.kinds.Kind).
     "KINDS",
 }

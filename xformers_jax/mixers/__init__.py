@@ -1,12 +1,14 @@
 """Token mixers that are not attention: gated linear recurrences on the one chunked causal
 scan (RetNet, GLA, HGRN2, Mamba-2's SSD, xLSTM's mLSTM, Gated DeltaNet, Kimi Delta Attention,
-RWKV-7, DeltaProduct), diagonal state space models (S4D, S5,
-Mamba's selective scan), the MLP / Fourier / pooling / lambda mixers (one-sequence functions)
-and LSRA's lightweight convolution. :data:`KINDS` holds every mixer as a
-:class:`xformers_jax.kinds.Kind` record; the Equinox modules and the one slot registry are in
+RWKV-7, DeltaProduct), diagonal state space models (S4D, S5, Mamba's selective scan), the long
+convolutions trained by FFT (H3, Hyena), the MLP / Fourier / pooling / lambda mixers
+(one-sequence functions) and LSRA's lightweight convolution. :data:`KINDS` holds every mixer as
+a :class:`xformers_jax.kinds.Kind` record; the Equinox modules and the one slot registry are in
 :mod:`xformers_jax.nn` (``MixerSpec``).
 """
 
+from ._conv import causal_depthwise_conv as causal_depthwise_conv
+from ._conv import causal_depthwise_step as causal_depthwise_step
 from ._conv import lightweight_conv as lightweight_conv
 from ._kinds import KINDS as KINDS
 
@@ -22,6 +24,11 @@ from ._delta_rules import kda as kda
 from ._delta_rules import kda_step as kda_step
 from ._delta_rules import rwkv7 as rwkv7
 from ._delta_rules import rwkv7_step as rwkv7_step
+from ._longconv import h3 as h3
+from ._longconv import h3_init_state as h3_init_state
+from ._longconv import h3_step as h3_step
+from ._longconv import hyena as hyena
+from ._longconv import hyena_step as hyena_step
 from ._mlstm import mlstm as mlstm
 from ._mlstm import mlstm_init_state as mlstm_init_state
 from ._mlstm import mlstm_step as mlstm_step

@@ -11,6 +11,7 @@ from ._conv import lightweight_conv
 from ._mixing import (fourier_mixing, lambda_mixing, pool_mixing, spatial_gating,
                       token_mixing_mlp)
 from ._delta_rules import DPLR_CHUNK, delta_product, kda, rwkv7
+from ._longconv import h3, hyena
 from ._mlstm import mlstm
 from ._recurrences import GLA_CHUNK, gated_delta, gla, hgrn2, retention, ssd
 from ._ssm import s4d, s5, selective_scan
@@ -130,6 +131,33 @@ KINDS = (
          time="O(L P H)", memory="O(L P)", causal=True, decoding="recurrent",
          segments=True, test_hyperparameters={"state_size": 8},
          hyperparameters=_ssm(64, "associative", "'associative' or 'sequential'")),
+    Kind("h3", h3, "mixers",
+         Paper("Fu et al.", 2023, "Hungry Hungry Hippos: Towards Language Modeling with State "
+               "Space Models"),
+         time="O(D P L log L + H N L)", memory="O(L D P + H N L)", causal=True,
+         decoding="recurrent", state_size="(S - 1) D + D P N",
+         test_hyperparameters={"state_size": 4, "shift_size": 3, "head_dim": 2},
+         hyperparameters={
+             "state_size": (64, "states N of each head's diagonal SSM (N/2 conjugate pairs)"),
+             "shift_size": (64, "taps S of the shift SSM on the keys (its state size)"),
+             "head_dim": (1, "channels P per head: P^2 outer-product channels share a kernel"),
+             "dt_min": (1e-3, "smallest initial step size (log-uniform in [dt_min, dt_max])"),
+             "dt_max": (1e-1, "largest initial step size"),
+             "implementation": ("fft", "the form: 'fft' (kernels and FFT convolutions) or "
+                                       "'recurrent'")}),
+    Kind("hyena", hyena, "mixers",
+         Paper("Poli et al.", 2023, "Hyena Hierarchy: Towards Larger Convolutional Language "
+               "Models"),
+         time="O(N D L log L + L F (F + N D))", memory="O(N D L + L F)", causal=True,
+         decoding="kv", state_size="N D per token + (W - 1)(N + 1) D",
+         test_hyperparameters={"filter_width": 8, "emb_dim": 5},
+         hyperparameters={
+             "order": (2, "the operator's order N (N + 1 projections, N long filters)"),
+             "filter_width": (64, "hidden width F of the implicit filters' FFN"),
+             "emb_dim": (33, "positional features of the filters: t and (emb_dim - 1) / 2 "
+                             "sine bands (odd)"),
+             "sine_freq": (1.0, "initial frequency omega of the FFN's sin activations"),
+             "short_width": (3, "taps W of the short causal convolution of every stream")}),
     Kind("mlp_mixer", token_mixing_mlp, "mixers",
          Paper("Tolstikhin et al.", 2021, "MLP-Mixer: An all-MLP Architecture for Vision"),
          time="O(L T D)", memory="O(L D + T L)", causal=False, fixed_length=True,

@@ -88,11 +88,16 @@ def s4d_kernel(dt, a, b, c, length: int):
 
 def causal_convolve(u, kernel):
     """``y[t, h] = sum_{s <= t} kernel[h, t - s] u[s, h]`` by FFT (zero-padded to ``2L``, so
-    the convolution is linear, not circular). u: ``[L, H]``; kernel: ``[H, L]``."""
+    the convolution is linear, not circular), in float32. u: ``[L, H]``; kernel: ``[H, L]``;
+    or u ``[L, *C]`` with a kernel ``[*K, L]`` whose leading axes broadcast against ``C`` (H3's
+    per-head kernel ``[H, 1, 1, L]`` over its ``[L, H, P, P]`` outer products)."""
     length = u.shape[0]
+    if kernel.shape[-1] != length:
+        raise ValueError(f"causal_convolve: the kernel's last axis must have the sequence "
+                         f"length {length}, got kernel {kernel.shape} for u {u.shape}")
     n = 2 * length
     uf = jnp.fft.rfft(u.astype(jnp.float32), n=n, axis=0)
-    kf = jnp.fft.rfft(kernel.T, n=n, axis=0)
+    kf = jnp.fft.rfft(jnp.moveaxis(kernel.astype(jnp.float32), -1, 0), n=n, axis=0)
     return jnp.fft.irfft(uf * kf, n=n, axis=0)[:length]
 
 

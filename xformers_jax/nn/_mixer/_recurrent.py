@@ -21,6 +21,8 @@ import jax.numpy as jnp
 from ... import mixers as M
 from ...attention.linear import causal_step, gated_delta_step
 from ...mixers import GLA_CHUNK, selective_step
+from ...mixers import causal_depthwise_conv as _causal_conv
+from ...mixers import causal_depthwise_step as _conv_step
 from .._slots import implements
 from ._base import (MixerModule, both_ways, check_mask, dense, log_uniform, recurrent_cache,
                         zero_padded)
@@ -261,27 +263,6 @@ class GatedDeltaNet(_QKVRecurrence):
 
 def _conv_init(key, width, channels):
     return jax.random.uniform(key, (width, channels), minval=-1, maxval=1) / math.sqrt(width)
-
-
-def _causal_conv(x, w, b, segment_ids=None):
-    """Depthwise causal convolution ``y_t = sum_i w_i x_{t - W + 1 + i} + b``; x ``[B, L, C]``.
-    With ``segment_ids int[B, L]`` (packed documents) a tap reads only its own document."""
-    width = w.shape[0]
-    xp = jnp.pad(x, ((0, 0), (width - 1, 0), (0, 0)))
-    length = x.shape[1]
-    taps = [xp[:, i: i + length] for i in range(width)]
-    if segment_ids is not None:
-        sp = jnp.pad(segment_ids, ((0, 0), (width - 1, 0)), constant_values=-1)
-        taps = [jnp.where((sp[:, i: i + length] == segment_ids)[..., None], t,
-                          jnp.zeros((), t.dtype)) for i, t in enumerate(taps)]
-    return sum(t * w[i].astype(x.dtype) for i, t in enumerate(taps)) + b.astype(x.dtype)
-
-
-def _conv_step(buffer, x_t, w, b):
-    """One step of :func:`_causal_conv`: ``buffer [B, W-1, C]`` holds the last inputs."""
-    window = jnp.concatenate([buffer, x_t[:, None].astype(buffer.dtype)], axis=1)
-    y = jnp.einsum("bwc,wc->bc", window, w.astype(buffer.dtype)) + b.astype(buffer.dtype)
-    return y, window[:, 1:]
 
 
 def _dt_bias(key, shape, dt_min, dt_max):
