@@ -30,8 +30,9 @@ current transformed queries against ``k~`` of ``b``, then carries the queries th
 product (``Q <- Q - (Q W_b^T) Y_b``, ``O(c^2 D)``), the scores merged by the online softmax of
 the tiled kernels (``kernels.online_step``). Each (query block, key block) pair sees its own
 transformed queries, so the shared tiled kernel (one ``q`` for every key tile) cannot run it.
-Time ``O(L^2 D)``, memory ``O(L D)`` (query blocks run ``group`` at a time under
-``jax.checkpoint``); no ``L x L`` map and no ``L x L x D`` array.
+Time ``O(L^2 D + L c^2)``, memory ``O(L (D + c))`` (query blocks run ``group`` at a time
+under ``jax.checkpoint``, so the backward pass holds one group's walk at a time); no ``L x L``
+map and no ``L x L x D`` array.
 """
 
 from __future__ import annotations
@@ -150,12 +151,12 @@ def path_attention(
       kv_mask: ``bool[L]``, True for real tokens; a padded token has no key and the identity
         transform. scale: ``1/sqrt(Dk)`` by default. key: unused (the contract's).
       block_size: positions per block ``c`` (the UT form of ``c`` Householders).
-      group: query blocks run together per step (memory ``O(group c L / c)`` per step of the
-        backward pass's recomputation).
+      group: query blocks run together per step (the backward pass recomputes one group's
+        walk at a time, ``O(group L D)`` memory).
 
     Returns:
       ``[L, Dv]`` in q's dtype, equal to :func:`path_attention_reference`. Time ``O(L^2 D +
-      L c^2)``, memory ``O(L D)``.
+      L c^2)``, memory ``O(L (D + c))``.
     """
     name = "path_attention"
     C.check_positive_int(name, "block_size", block_size)
