@@ -143,3 +143,14 @@ def test_errors_name_the_problem():
         jax.random.PRNGKey(0))
     with pytest.raises(ValueError, match="num_heads=2, num_kv_heads=1"):
         jax.eval_shape(layer, jnp.ones((1, 8, 16)))
+
+
+def test_a_paged_cache_is_refused():
+    # Each step rewrites every cached key, which a paged cache (read-only pages shared by the
+    # sequences, written after the step) cannot hold.
+    layer = jit0(lambda key: nn.MultiHeadAttention(16, 2, spec=nn.AttentionSpec("path"),
+                                                   causal=True, key=key))(jax.random.PRNGKey(0))
+    pages, new = jnp.zeros((2, 4, 2, 8)), jnp.zeros((1, 2, 8))
+    cache = nn.PagedKVCache(pages, pages, jnp.zeros((2,), jnp.int32), jnp.asarray(0), new, new)
+    with pytest.raises(NotImplementedError, match=r"KVDecoding.attend or .update"):
+        jax.eval_shape(layer.decode, jnp.ones((1, 1, 16)), cache)
