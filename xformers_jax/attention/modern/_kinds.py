@@ -368,8 +368,8 @@ KINDS = (
              _dsa_attend, init=_dsa_init, takes_input=True,
              decoding=KVDecoding(attend=_dsa_decode, entry=_dsa_entry, widths=_dsa_widths))),
     Kind("path", path_attention, "modern", _PATH_PAPER,
-         time="O(L^2 D + L c^2), blocks of c", memory="O(L (D + c))", causal=True,
-         decoding="kv",
+         time="O(L^2 D + L c^2), blocks of c",
+         memory="O(g L (D + c)), g query blocks at a time", causal=True, decoding="kv",
          state_size="2 H D per token (keys and values; each step rewrites every cached key, "
                     "O(L H D))",
          test_hyperparameters={"block_size": 4, "group": 2},
