@@ -120,6 +120,25 @@ def test_padded_tokens_are_absent_whatever_they_hold():
         assert np.isfinite(np.asarray(g)).all()
 
 
+def test_a_packed_row_equals_each_document_alone():
+    # Documents of 13 and 17 tokens, then padding: no query sees another document's keys, and
+    # every transform between a key and a query is their own document's.
+    args = _inputs(7)
+    ids = jnp.asarray([1] * 13 + [2] * 17 + [0] * 7)
+    f = functools.partial(P.path_attention, block_size=4, group=2)
+
+    @jit0
+    def run(args):
+        packed = f(*args, kv_mask=ids > 0, segment_ids=ids)
+        ref = P.path_attention_reference(*args, kv_mask=ids > 0, segment_ids=ids)
+        alone = [f(*(a[s:e] for a in args)) for s, e in ((0, 13), (13, 30))]
+        return packed, ref, alone
+
+    packed, ref, alone = run(args)
+    assert_close(packed[:30], jnp.concatenate(alone))
+    assert_close(packed[:30], ref[:30])
+
+
 def test_bfloat16_inputs():
     args = _inputs(5)
     out = jit0(functools.partial(P.path_attention, kv_mask=MASK, block_size=8))(

@@ -284,7 +284,7 @@ def _path_heads(q_heads, k_heads):
 
 
 def _path_attend(q, k, v, params, *, causal, kv_mask, bias, key, inputs, q_mask=None,
-                 block_size=64, group=8):
+                 segment_ids=None, block_size=64, group=8):
     _path_heads(q.shape[2], k.shape[2])
     w, beta = _path_transforms(real_only(kv_mask, inputs), params)
     fn = functools.partial(path_attention, block_size=block_size, group=group)
@@ -292,7 +292,7 @@ def _path_attend(q, k, v, params, *, causal, kv_mask, bias, key, inputs, q_mask=
     # query): a layer runs it causally in any model, as the delta rule's recurrence.
     return multihead(fn, arg_axes=("batch_heads", "batch_heads"))(
         q, k, v, jnp.moveaxis(w, 2, 1), jnp.moveaxis(beta, 2, 1), causal=True,
-        kv_mask=kv_mask)
+        kv_mask=kv_mask, segment_ids=segment_ids)
 
 
 def _path_update(k, params, *, inputs, valid, index, block_size=64, group=8):
@@ -370,6 +370,7 @@ KINDS = (
     Kind("path", path_attention, "modern", _PATH_PAPER,
          time="O(L^2 D + L c^2), blocks of c",
          memory="O(g L (D + c)), g query blocks at a time", causal=True, decoding="kv",
+         segments=True,
          state_size="2 H D per token (keys and values; each step rewrites every cached key, "
                     "O(L H D))",
          test_hyperparameters={"block_size": 4, "group": 2},

@@ -11,7 +11,8 @@ with ``w_t`` unit-norm and ``beta_t`` in ``(0, 2)`` (both functions of the token
 layer computes them). A key is transformed by each later token in turn (``k_j <- H_t k_j`` at
 step ``t``), which is how the paper decodes. ``beta = 0`` makes every ``H_t = I``: plain causal
 softmax attention. A padded token (``kv_mask`` False) is absent: no key, and its ``H`` is
-``I``.
+``I``. Packed rows (``segment_ids``, each document one contiguous run of positions): a query
+sees the keys of its own document only, so every transform between them is its document's.
 
 Fast form (:func:`path_attention`, the paper's blockwise algorithm). Within a block of ``c``
 positions the product of Householders has the compact WY/UT form (Joffrain et al., 2006;
@@ -41,7 +42,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jaxtyping import Array, Bool, Float
+from jaxtyping import Array, Bool, Float, Int
 
 from ...kernels import STATS_DTYPE, cdiv, finish, online_step, pad_to
 from .. import _contract as C
@@ -57,7 +58,7 @@ def _check_transforms(name, w, beta, x):
     return w, beta
 
 
-def _prologue(name, q, k, v, w, beta, causal, kv_mask):
+def _prologue(name, q, k, v, w, beta, causal, kv_mask, segment_ids):
     if not causal:
         raise ValueError(f"{name}: PaTH's transforms accumulate from each key to a later query, "
                          "so it exists only with causal=True")
@@ -65,21 +66,23 @@ def _prologue(name, q, k, v, w, beta, causal, kv_mask):
     C.check_same_length(name, x, "causal PaTH is self-attention (query i at position i), "
                                  "needs Lq == Lk")
     w, beta = _check_transforms(name, w, beta, x)
+    segments = C.check_segment_ids(name, segment_ids, x.lq, x.lk)
     f32 = STATS_DTYPE
     w, beta = w.astype(f32), beta.astype(f32)
     if kv_mask is not None:  # a padded token is absent: its transform is the identity
         w = jnp.where(kv_mask[:, None], w, 0.0)
         beta = jnp.where(kv_mask, beta, 0.0)
-    return x, kv_mask, w, beta
+    return x, kv_mask, w, beta, segments
 
 
 def path_attention_reference(q, k, v, w, beta, *, causal: bool = True, kv_mask=None,
-                             scale: float | None = None):
+                             segment_ids=None, scale: float | None = None):
     """PaTH attention from its definition (float32): for every query ``i`` the keys
     ``H_i ... H_{j+1} k_j`` materialised (``[L, L, D]``), one dense causal softmax. For tests
     and small sizes: ``O(L^2 D^2)`` time. Arguments as :func:`path_attention`."""
     name = "path_attention_reference"
-    x, kv_mask, w, beta = _prologue(name, q, k, v, w, beta, causal, kv_mask)
+    x, kv_mask, w, beta, segments = _prologue(name, q, k, v, w, beta, causal, kv_mask,
+                                              segment_ids)
     f32 = STATS_DTYPE
     scale = C.resolve_scale(x.dk, scale)
     eye = jnp.eye(x.dk, dtype=f32)
@@ -101,6 +104,8 @@ def path_attention_reference(q, k, v, w, beta, *, causal: bool = True, kv_mask=N
     keep = pos[None, :] <= pos[:, None]
     if kv_mask is not None:
         keep = keep & kv_mask[None, :]
+    if segments is not None:
+        keep = keep & (segments[0][:, None] == segments[1][None, :])
     s = jnp.where(keep, s, -jnp.inf)
     m = jnp.max(s, -1, keepdims=True)
     p = jnp.where(keep, jnp.exp(s - jnp.where(jnp.isfinite(m), m, 0.0)), 0.0)
@@ -136,6 +141,7 @@ def path_attention(
     *,
     causal: bool = True,
     kv_mask: Bool[Array, "seq"] | None = None,
+    segment_ids: Int[Array, "seq"] | None = None,
     scale: float | None = None,
     key=None,
     block_size: int = 64,
@@ -150,7 +156,9 @@ def path_attention(
         identity, 2 a reflection).
       causal: must be True (the transforms accumulate from a key to a later query).
       kv_mask: ``bool[L]``, True for real tokens; a padded token has no key and the identity
-        transform. scale: ``1/sqrt(Dk)`` by default. key: unused (the contract's).
+        transform. segment_ids: ``int[L]`` (or a ``(q_ids, kv_ids)`` pair) for packed rows,
+        each document one contiguous run of positions: query ``i`` sees key ``j`` only when
+        their ids are equal. scale: ``1/sqrt(Dk)`` by default. key: unused (the contract's).
       block_size: positions per block ``c`` (the UT form of ``c`` Householders). The UT
         inverse's entries grow when many directions in a block are nearly equal with strengths
         near 2 (reflections that cancel in pairs): identical directions with ``beta = 2``
@@ -166,7 +174,8 @@ def path_attention(
     name = "path_attention"
     C.check_positive_int(name, "block_size", block_size)
     C.check_positive_int(name, "group", group)
-    x, kv_mask, w, beta = _prologue(name, q, k, v, w, beta, causal, kv_mask)
+    x, kv_mask, w, beta, segments = _prologue(name, q, k, v, w, beta, causal, kv_mask,
+                                              segment_ids)
     f32 = STATS_DTYPE
     scale = C.resolve_scale(x.dk, scale)
     length = x.lq
@@ -181,9 +190,14 @@ def path_attention(
 
     qb, kb, vb, wb = (blocks(a.astype(f32)) for a in (x.q, x.k, x.v, w))
     betab, realb = blocks(beta), blocks(real, value=False)
+    if segments is None:
+        seg_q = seg_k = jnp.zeros((ng * g, c), jnp.int32)
+    else:
+        seg_q, seg_k = blocks(segments[0]), blocks(segments[1])
     q_start, k_end, y, own = _block_factors(qb, kb, wb, betab)
-    causal_in_block = jnp.tril(jnp.ones((c, c), bool))
-    own = jnp.where(causal_in_block & realb[:, None, :], own * scale, -jnp.inf)
+    keep = jnp.tril(jnp.ones((c, c), bool)) & realb[:, None, :]
+    keep = keep & (seg_q[:, :, None] == seg_k[:, None, :])
+    own = jnp.where(keep, own * scale, -jnp.inf)
 
     @jax.checkpoint
     def one_group(first):
@@ -201,8 +215,8 @@ def path_attention(
             def walk(carry):
                 def one(i, qc, m, l, acc):
                     b = jnp.maximum(i - back, 0)
-                    s = jnp.where(realb[b][None, :] & (i >= back), qc @ k_end[b].T * scale,
-                                  -jnp.inf)
+                    keep = realb[b][None, :] & (seg_q[i][:, None] == seg_k[b][None, :])
+                    s = jnp.where(keep & (i >= back), qc @ k_end[b].T * scale, -jnp.inf)
                     m, l, acc = online_step(s, m, l, acc, lambda p: p @ vb[b])
                     return qc - (qc @ wb[b].T) @ y[b], m, l, acc
 
