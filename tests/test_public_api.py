@@ -51,7 +51,7 @@ ATTENTION_NAMES = {
     "deepseek_sparse_attention", "differential_attention", "differential_lambda",
     "lambda_init_for", "lightning_indexer", "mha_cache_bytes_per_token",
     "mla_cache_bytes_per_token", "moba_attention", "multi_head_latent_attention",
-    "native_sparse_attention",
+    "native_sparse_attention", "path_attention", "path_update_keys",
     # Cluster-Former's attention (its layer is models.ClusterformerAttention).
     "assign_clusters", "cluster_chunk_attention", "kmeans_centroids",
     # Every attention kind's record (xformers_jax.kinds.Kind), family by family.

@@ -106,12 +106,18 @@ class KVDecoding:
       cache (default: its keys and values);
     - ``widths(hp, *, num_kv_heads, head_dim) -> (Hc, Dc, Ec)``: the cache's per-token shape
       (default ``(num_kv_heads, head_dim, head_dim)``).
+
+    A kind whose cached keys change as the sequence grows (PaTH: every cached key is
+    transformed by each new token's Householder) gives ``update(k [B,C,Hc,Dc], params, *,
+    inputs [B,1,dim], valid bool[B,C], index, **hp) -> k``: the cached keys rewritten before
+    the new token's entry is appended at ``index`` (it works with or without ``attend``).
     """
 
     pattern: Callable[[Mapping], Any] | None = None
     attend: Callable | None = None
     entry: Callable | None = None
     widths: Callable | None = None
+    update: Callable | None = None
     name = "kv"
 
     def __post_init__(self):

@@ -115,6 +115,8 @@ _ARXIV = {
     "State Space Duality": "2405.21060",
     "Gated Linear Attention Transformers with Hardware-Efficient Training": "2312.06635",
     "Gated Delta Networks: Improving Mamba2 with Delta Rule": "2412.06464",
+    "PaTH Attention: Position Encoding via Accumulating Householder Transformations":
+        "2505.16381",
 }
 
 # Each slot a model fills by name: (title, how a model names a kind, the slot in nn's registry,

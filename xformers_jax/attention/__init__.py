@@ -143,6 +143,8 @@ from .modern import mla_cache_bytes_per_token as mla_cache_bytes_per_token
 from .modern import multi_head_latent_attention as multi_head_latent_attention
 from .modern import moba_attention as moba_attention
 from .modern import native_sparse_attention as native_sparse_attention
+from .modern import path_attention as path_attention
+from .modern import path_update_keys as path_update_keys
 
 from ._kinds import KINDS as _EXACT_KINDS
 from .learned._kinds import KINDS as _LEARNED_KINDS

@@ -358,13 +358,22 @@ class MultiHeadAttention(eqx.Module):
             return self.output(o[:, None]), RecurrentCache(state, cache.index + 1)
         decoding = self.adapter.decoding
         own = isinstance(decoding, KVDecoding) and decoding.attend is not None
+        rewrites = isinstance(decoding, KVDecoding) and decoding.update is not None
         if isinstance(cache, PagedKVCache):
-            if own:
+            if own or rewrites:
                 raise NotImplementedError(
                     f"MultiHeadAttention: attention kind {self.spec.kind!r} decodes over a cache "
-                    "of its own (KVDecoding.attend), which a paged cache does not hold; serve "
-                    "it with one cache per slot (page_size=None)")
+                    "of its own (KVDecoding.attend or .update), which a paged cache does not "
+                    "hold; serve it with one cache per slot (page_size=None)")
             return self._decode_paged(q, k, v, t_pos, cache)
+        if rewrites:
+            # Cached keys that change with every new token (PaTH's transforms), before the
+            # token's own entry is appended.
+            new_k = decoding.update(
+                cache.k, self.params, inputs=x, index=cache.index,
+                valid=jnp.broadcast_to(cache.valid, (b, cache.pos.shape[0])),
+                **self._call_hyperparameters())
+            cache = eqx.tree_at(lambda c: c.k, cache, new_k.astype(cache.k.dtype))
         if own:
             # The kind's own attention over its own cache (two maps, a selection of cached
             # blocks, a compressed latent): KVDecoding's hooks.

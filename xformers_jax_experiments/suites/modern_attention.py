@@ -6,7 +6,10 @@ the pooled keys), NSA with 16 selected blocks of 128 plus its compressed branch 
 and a 512-key window, DSA with the lightning indexer (4 heads of width 32) choosing 2048
 tokens. MoBA and NSA run H=4 heads; DSA runs as DeepSeek-V3.2 does, one key/value head shared
 by the H=4 query heads (its choice is per token, shared by the heads, so each chosen key is
-gathered once for all of them); flash runs both layouts.
+gathered once for all of them); flash runs both layouts. PaTH (H=4, blocks of 64) computes
+every key (its transforms change every score): its time against flash's is the cost of
+the data-dependent position encoding (gradients also through its Householder directions
+and strengths).
 
 MLA: the cache per token at equal width (H=16 heads of 64, width 1024; d_c = 4 * 64, d_R =
 64 / 2, DeepSeek-V2's ratios) against multi-head attention's keys and values, computed by
@@ -20,12 +23,13 @@ from __future__ import annotations
 import functools
 
 import jax
+import jax.numpy as jnp
 
 from xformers_jax.attention import (deepseek_sparse_attention, flash_attention,
                                     lightning_indexer, mha_cache_bytes_per_token,
                                     mla_cache_bytes_per_token, moba_attention,
                                     multi_head_latent_attention, multihead,
-                                    native_sparse_attention)
+                                    native_sparse_attention, path_attention)
 from xformers_jax_experiments.bench_lib import Case, Results, Workload, ratio_check, value_check
 from xformers_jax_experiments.suites.attention import attention_flops, qkv
 
@@ -68,6 +72,12 @@ def build(variant: str, L: int, H: int = 4, D: int = 64, kv_heads: int | None = 
             return attend(q, k, v, *index(qi, w, ki))
 
         return Workload(f, (q, k, v, qi, w, ki), grad_argnums=(0, 1, 2))
+    if variant == "path":
+        w = _normal(12, (1, H, L, D))
+        w = w / jnp.linalg.norm(w, axis=-1, keepdims=True)
+        beta = 2 * jax.nn.sigmoid(_normal(13, (1, H, L)))
+        f = multihead(path_attention, arg_axes=("batch_heads", "batch_heads"))
+        return Workload(f, (q, k, v, w, beta))
     raise ValueError(f"unknown variant {variant!r}")
 
 
@@ -91,7 +101,8 @@ def cases(quick: bool) -> list[Case]:
            Case("flash_mqa", _BUILD, dict(variant="flash", L=L, kv_heads=1), modes=fb),
            Case("moba", _BUILD, dict(variant="moba", L=L), modes=fb),
            Case("nsa", _BUILD, dict(variant="nsa", L=L), modes=fb),
-           Case("dsa_mqa", _BUILD, dict(variant="dsa", L=L, kv_heads=1), modes=fb)]
+           Case("dsa_mqa", _BUILD, dict(variant="dsa", L=L, kv_heads=1), modes=fb),
+           Case("path", _BUILD, dict(variant="path", L=L), modes=fb)]
     step = "xformers_jax_experiments.suites.modern_attention:build_mla_step"
     out += [Case(f"mla_step_{name}", step, dict(absorb=absorb, context=L), modes=("fwd",))
             for name, absorb in (("naive", False), ("absorbed", True))]

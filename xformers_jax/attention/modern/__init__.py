@@ -1,5 +1,6 @@
 """Softmax attention as changed since the surveys: differential attention, multi-head latent
-attention, MoBA, native sparse attention, DeepSeek sparse attention (its lightning indexer).
+attention, MoBA, native sparse attention, DeepSeek sparse attention (its lightning indexer),
+PaTH attention.
 
 Every public name here is also exported by ``xformers_jax.attention``.
 """
@@ -14,3 +15,5 @@ from ._mla import mla_cache_bytes_per_token as mla_cache_bytes_per_token
 from ._mla import multi_head_latent_attention as multi_head_latent_attention
 from ._moba import moba_attention as moba_attention
 from ._nsa import native_sparse_attention as native_sparse_attention
+from ._path import path_attention as path_attention
+from ._path import path_update_keys as path_update_keys

@@ -1,15 +1,17 @@
 """The softmax kinds published since the surveys as :class:`~xformers_jax.kinds.Kind` records,
 with their adapters: differential attention, multi-head latent attention, MoBA, native sparse
-attention and DeepSeek sparse attention.
+attention, DeepSeek sparse attention and PaTH attention.
 
 Each decodes over a growing cache (``KVDecoding``) with its own attention over it (its
 ``attend`` hook): two softmax maps (differential), the latent with ``W_UK`` and ``W_UV``
 absorbed (MLA, whose cache holds the latent and the rotary key, not per-head keys and
 values), the blocks or tokens one query chooses (MoBA, NSA, DSA: the forward pass's choice at
 that position, computed over the cache; DSA's cache also holds each token's indexer key).
+PaTH decodes over plain softmax, its cached keys rewritten by each new token's Householder
+transform (``update``).
 
-NSA's gates and DSA's indexer are computed from the block input (``takes_input``), so these
-two run in self-attention only.
+NSA's gates, DSA's indexer and PaTH's transforms are computed from the block input
+(``takes_input``), so these run in self-attention only.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from ._dsa import deepseek_sparse_attention, lightning_indexer
 from ._mla import multi_head_latent_attention, rotary
 from ._moba import moba_attention, moba_reference
 from ._nsa import native_sparse_attention, native_sparse_reference
+from ._path import path_attention, path_update_keys
 
 _DIFF_PAPER = Paper("Ye et al.", 2024, "Differential Transformer")
 _MLA_PAPER = Paper("DeepSeek-AI", 2024, "DeepSeek-V2: A Strong, Economical, and Efficient "
@@ -36,6 +39,9 @@ _NSA_PAPER = Paper("Yuan et al.", 2025, "Native Sparse Attention: Hardware-Align
                    "Trainable Sparse Attention")
 _DSA_PAPER = Paper("DeepSeek-AI", 2025, "DeepSeek-V3.2-Exp: Boosting Long-Context Efficiency "
                    "with DeepSeek Sparse Attention")
+
+_PATH_PAPER = Paper("Yang et al.", 2025, "PaTH Attention: Position Encoding via Accumulating "
+                    "Householder Transformations")
 
 _TILES = {**TILES, **IMPLEMENTATION}
 
@@ -248,6 +254,55 @@ def _dsa_decode(q, k, v_ki, params, *, valid, index, inputs, top_k=2048, index_h
         q, k, v, idx, chosen, causal=True, kv_mask=valid)
 
 
+# -- PaTH attention ----------------------------------------------------------------------------
+
+def _path_init(key, hp, *, num_heads, head_dim, max_len, dim):
+    # Each head's Householder direction and strength from the token (the paper adds a short
+    # convolution before the normalisation, and a low-rank projection; a full linear map here,
+    # so a decoding step needs the token alone).
+    kw, kb = jax.random.split(key)
+    return {"w_w": _normal(kw, (dim, num_heads, head_dim), dim),
+            "w_beta": _normal(kb, (dim, num_heads), dim), "b_beta": jnp.zeros((num_heads,))}
+
+
+def _path_transforms(inputs, params):
+    """``(w [B, L, H, D], beta [B, L, H])`` in float32 from the block input: ``w_t`` unit-norm,
+    ``beta_t = 2 sigmoid(.)`` in ``(0, 2)`` (the paper's range, reflections included)."""
+    x = inputs.astype(jnp.float32)
+    w = jnp.einsum("bld,dhe->blhe", x, params["w_w"].astype(jnp.float32))
+    w = w * jax.lax.rsqrt(jnp.sum(w * w, -1, keepdims=True) + 1e-6)
+    logits = jnp.einsum("bld,dh->blh", x, params["w_beta"].astype(jnp.float32))
+    return w, 2.0 * jax.nn.sigmoid(logits + params["b_beta"])
+
+
+def _path_heads(q_heads, k_heads):
+    if q_heads != k_heads:
+        raise ValueError(f"attention kind 'path': its transforms are per head and rewrite the "
+                         f"keys, so every query head needs its own key head; got "
+                         f"num_heads={q_heads}, num_kv_heads={k_heads} (give num_kv_heads = "
+                         "num_heads)")
+
+
+def _path_attend(q, k, v, params, *, causal, kv_mask, bias, key, inputs, q_mask=None,
+                 segment_ids=None, block_size=64, group=8):
+    _path_heads(q.shape[2], k.shape[2])
+    w, beta = _path_transforms(real_only(kv_mask, inputs), params)
+    fn = functools.partial(path_attention, block_size=block_size, group=group)
+    # PaTH exists causally only (a key's transforms are those of the later tokens up to the
+    # query): a layer runs it causally in any model, as the delta rule's recurrence.
+    return multihead(fn, arg_axes=("batch_heads", "batch_heads"))(
+        q, k, v, jnp.moveaxis(w, 2, 1), jnp.moveaxis(beta, 2, 1), causal=True,
+        kv_mask=kv_mask, segment_ids=segment_ids)
+
+
+def _path_update(k, params, *, inputs, valid, index, block_size=64, group=8):
+    # The paper's inference form: the new token's H_t rewrites every cached key, O(C D).
+    _path_heads(params["w_w"].shape[1], k.shape[2])
+    w, beta = _path_transforms(inputs, params)
+    per_head = jax.vmap(path_update_keys, in_axes=(1, 0, 0), out_axes=1)
+    return jax.vmap(per_head)(k, w[:, 0], beta[:, 0])
+
+
 KINDS = (
     Kind("differential", differential_attention, "modern", _DIFF_PAPER,
          time="O(L^2 D), two maps", memory="O(L D)", causal=True, decoding="kv",
@@ -312,4 +367,16 @@ KINDS = (
          adapter=AttentionAdapter(
              _dsa_attend, init=_dsa_init, takes_input=True,
              decoding=KVDecoding(attend=_dsa_decode, entry=_dsa_entry, widths=_dsa_widths))),
+    Kind("path", path_attention, "modern", _PATH_PAPER,
+         time="O(L^2 D + L c^2), blocks of c",
+         memory="O(g L (D + c)), g query blocks at a time", causal=True, decoding="kv",
+         segments=True,
+         state_size="2 H D per token (keys and values; each step rewrites every cached key, "
+                    "O(L H D))",
+         test_hyperparameters={"block_size": 4, "group": 2},
+         hyperparameters={
+             "block_size": (64, "positions per block (the UT form of its Householders)"),
+             "group": (8, "query blocks computed together per step")},
+         adapter=AttentionAdapter(_path_attend, init=_path_init, takes_input=True,
+                                  decoding=KVDecoding(update=_path_update))),
 )
