@@ -6,8 +6,9 @@ Each decodes over a growing cache (``KVDecoding``) with its own attention over i
 ``attend`` hook): two softmax maps (differential), the latent with ``W_UK`` and ``W_UV``
 absorbed (MLA, whose cache holds the latent and the rotary key, not per-head keys and
 values), the forget-gate decay (forgetting attention, whose cache also holds each token's log
-forget gate per query head), the blocks or tokens one query chooses (MoBA, NSA, DSA: the forward pass's choice at
-that position, computed over the cache; DSA's cache also holds each token's indexer key).
+forget gate per query head), the blocks or tokens one query chooses (MoBA, NSA, DSA: the
+forward pass's choice at that position, computed over the cache; DSA's cache also holds each
+token's indexer key).
 
 Forgetting attention's gates, NSA's gates and DSA's indexer are computed from the block input
 (``takes_input``), so these three run in self-attention only.
