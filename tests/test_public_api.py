@@ -37,6 +37,9 @@ ATTENTION_NAMES = {
     "causal_chunked", "causal_parallel", "causal_recurrent", "causal_step",
     "gated_delta_chunked", "gated_delta_recurrent", "gated_delta_step",
     "dplr_chunked", "dplr_recurrent", "dplr_step", "taylor_features",
+    # Log-linear attention's Fenwick-tree hierarchy of states over the same recurrence.
+    "fenwick_levels", "loglinear_chunked", "loglinear_parallel", "loglinear_recurrent",
+    "loglinear_step", "num_levels",
     "token_learner", "topk_attention",
     # Attention with priors and multi-head variants.
     "AverageGate", "AverageState", "Disagreement", "attention_weights", "average_attention",
@@ -188,6 +191,7 @@ MIXERS_NAMES = {
     "zoh", "lightweight_conv", "GLA_CHUNK",
     # The recurrences since the surveys, with their decoding steps.
     "DPLR_CHUNK", "delta_product", "delta_product_step", "hgrn2", "kda", "kda_step", "mlstm",
+    "loglinear_ssd",
     "mlstm_init_state", "mlstm_step", "rwkv7", "rwkv7_step",
     # Every mixer's record (xformers_jax.kinds.Kind).
     "KINDS",

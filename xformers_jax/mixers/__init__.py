@@ -1,5 +1,5 @@
 """Token mixers that are not attention: gated linear recurrences on the one chunked causal
-scan (RetNet, GLA, HGRN2, Mamba-2's SSD, xLSTM's mLSTM, Gated DeltaNet, Kimi Delta Attention,
+scan (RetNet, GLA, HGRN2, Mamba-2's SSD and its log-linear form, xLSTM's mLSTM, Gated DeltaNet, Kimi Delta Attention,
 RWKV-7, DeltaProduct), diagonal state space models (S4D, S5,
 Mamba's selective scan), the MLP / Fourier / pooling / lambda mixers (one-sequence functions)
 and LSRA's lightweight convolution. :data:`KINDS` holds every mixer as a
@@ -22,6 +22,7 @@ from ._delta_rules import kda as kda
 from ._delta_rules import kda_step as kda_step
 from ._delta_rules import rwkv7 as rwkv7
 from ._delta_rules import rwkv7_step as rwkv7_step
+from ._loglinear import loglinear_ssd as loglinear_ssd
 from ._mlstm import mlstm as mlstm
 from ._mlstm import mlstm_init_state as mlstm_init_state
 from ._mlstm import mlstm_step as mlstm_step

@@ -11,6 +11,7 @@ from ._conv import lightweight_conv
 from ._mixing import (fourier_mixing, lambda_mixing, pool_mixing, spatial_gating,
                       token_mixing_mlp)
 from ._delta_rules import DPLR_CHUNK, delta_product, kda, rwkv7
+from ._loglinear import loglinear_ssd
 from ._mlstm import mlstm
 from ._recurrences import GLA_CHUNK, gated_delta, gla, hgrn2, retention, ssd
 from ._ssm import s4d, s5, selective_scan
@@ -61,6 +62,16 @@ KINDS = (
          hyperparameters={**_ssm(64, "chunked", "'chunked', 'parallel' or 'recurrent'"),
                           **_SELECTIVE,
                           "chunk_size": (64, "positions per chunk of the chunked scan")}),
+    Kind("loglinear_mamba2", loglinear_ssd, "mixers",
+         Paper("Guo et al.", 2025, "Log-Linear Attention"),
+         time="O(L c N + L N P log(L/c))", memory="O(L D + (L/c) N D log(L/c))", causal=True,
+         decoding="recurrent",
+         state_size="O(log L) H N P: bit_length(L) H N P + (W - 1)(E + 2 N)",
+         test_hyperparameters={**_CHUNK, "state_size": 8},
+         hyperparameters={**_ssm(64, "chunked", "'chunked', 'parallel' or 'recurrent'"),
+                          **_SELECTIVE,
+                          "chunk_size": (64, ("positions per chunk of the chunked form (a power "
+                                              "of two)"))}),
     Kind("mamba", selective_scan, "mixers",
          Paper("Gu and Dao", 2023, "Mamba: Linear-Time Sequence Modeling with Selective State "
                "Spaces"),
