@@ -1,9 +1,10 @@
-"""Log-linear attention (Guo et al., 2025) over Mamba-2: the Fenwick levels partition every
-prefix as the paper's tree does; the chunked form (the paper's chunkwise algorithm, on the one
-scan's chunk groups) and the token-by-token form (decoding's ``O(log L)`` states) equal the
-``L x L`` masked reference, outputs and gradients; with every level weight 1 it is Mamba-2
-(the function and the layer). The registry-wide tests (``test_kinds*.py -k loglinear``) run
-the layer in models (decoding, padding, prefix, rows)."""
+"""Log-linear attention (Guo et al., 2025) over Mamba-2 and linear attention: the Fenwick
+levels partition every prefix as the paper's tree does; the chunked form (the paper's
+chunkwise algorithm, on the one scan's chunk groups) and the token-by-token form (decoding's
+``O(log L)`` states) equal the ``L x L`` masked reference, outputs and gradients; with every
+level weight 1 each is its base (Mamba-2, the function and the layer; linear attention). The
+registry-wide tests (``test_kinds*.py -k loglinear``) run both layers in models (decoding,
+padding, prefix, rows)."""
 
 import functools
 
@@ -90,6 +91,28 @@ def test_with_every_level_weight_one_it_is_mamba2():
     *outs, want = run(x, dt, a, b, c)
     for out in outs:  # at the real positions
         assert_close(out[MASK], want[MASK])
+
+
+def test_log_linear_attention_with_every_level_weight_one_is_linear_attention():
+    q, k, v = (jax.random.normal(key, (L, 4))
+               for key in jax.random.split(jax.random.PRNGKey(7), 3))
+    lam = jax.nn.softplus(jax.random.normal(jax.random.PRNGKey(8), (L, LA.num_levels(L))))
+
+    def run(q, k, v, lam):
+        forms = ("chunked", "recurrent", "parallel")
+        return ([M.loglinear_linear(q, k, v, jnp.ones_like(lam), kv_mask=MASK,
+                                    implementation=f, chunk_size=8) for f in forms],
+                [M.loglinear_linear(q, k, v, lam, kv_mask=MASK, implementation=f, chunk_size=8)
+                 for f in forms],
+                M.linear_recurrence(q, k * MASK[:, None], v, jnp.zeros(L),
+                                    implementation="parallel"))
+
+    ones, weighted, want = jit0(run)(q, k, v, lam)
+    for out in ones:
+        assert_close(out[MASK], want[MASK])
+    for out in weighted[:2]:
+        assert_close(out, weighted[2])
+    assert float(jnp.max(jnp.abs(weighted[2] - ones[2]))) > 1e-2
 
 
 def test_the_layer_with_level_weights_one_is_the_mamba2_layer():

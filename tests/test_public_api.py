@@ -191,7 +191,7 @@ MIXERS_NAMES = {
     "zoh", "lightweight_conv", "GLA_CHUNK",
     # The recurrences since the surveys, with their decoding steps.
     "DPLR_CHUNK", "delta_product", "delta_product_step", "hgrn2", "kda", "kda_step", "mlstm",
-    "loglinear_ssd",
+    "loglinear_linear", "loglinear_ssd",
     "mlstm_init_state", "mlstm_step", "rwkv7", "rwkv7_step",
     # Every mixer's record (xformers_jax.kinds.Kind).
     "KINDS",

@@ -22,6 +22,7 @@ from ._delta_rules import kda as kda
 from ._delta_rules import kda_step as kda_step
 from ._delta_rules import rwkv7 as rwkv7
 from ._delta_rules import rwkv7_step as rwkv7_step
+from ._loglinear import loglinear_linear as loglinear_linear
 from ._loglinear import loglinear_ssd as loglinear_ssd
 from ._mlstm import mlstm as mlstm
 from ._mlstm import mlstm_init_state as mlstm_init_state

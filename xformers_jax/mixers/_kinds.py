@@ -11,7 +11,7 @@ from ._conv import lightweight_conv
 from ._mixing import (fourier_mixing, lambda_mixing, pool_mixing, spatial_gating,
                       token_mixing_mlp)
 from ._delta_rules import DPLR_CHUNK, delta_product, kda, rwkv7
-from ._loglinear import loglinear_ssd
+from ._loglinear import loglinear_linear, loglinear_ssd
 from ._mlstm import mlstm
 from ._recurrences import GLA_CHUNK, gated_delta, gla, hgrn2, retention, ssd
 from ._ssm import s4d, s5, selective_scan
@@ -72,6 +72,14 @@ KINDS = (
                           **_SELECTIVE,
                           "chunk_size": (64, ("positions per chunk of the chunked form (a power "
                                               "of two)"))}),
+    Kind("loglinear_linear", loglinear_linear, "mixers",
+         Paper("Guo et al.", 2025, "Log-Linear Attention"),
+         time="O(L c D + L D^2 log(L/c) / H)", memory="O(L D + (L/c) D^2 log(L/c) / H)",
+         causal=True, decoding="recurrent",
+         state_size="O(log L) H D_k D_v: bit_length(L) H D_k D_v",
+         test_hyperparameters=_CHUNK,
+         hyperparameters=_scan(64, "'chunked', 'parallel' or 'recurrent' (chunks: a power of "
+                                   "two)")),
     Kind("mamba", selective_scan, "mixers",
          Paper("Gu and Dao", 2023, "Mamba: Linear-Time Sequence Modeling with Selective State "
                "Spaces"),
