@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from tests.fast_jit import jit0
+from tests.fast_jit import build, jit0
 from tests.tolerances import EXACT_GRAD, assert_close
 from xformers_jax import attention as A
 from xformers_jax import nn
@@ -81,3 +81,23 @@ def test_bad_gates_are_named():
         F.forgetting_attention(q, k, v, jnp.zeros(L - 1))
     with pytest.raises(ValueError, match="self-attention"):
         F.forgetting_attention(q[:5], k, v, jnp.zeros(L))
+
+
+def test_decoding_with_grouped_query_heads_equals_the_forward_pass():
+    # 4 query heads over 2 key/value heads: each cached key keeps the gates of its group's
+    # query heads, which must be read back by the right heads.
+    spec = nn.AttentionSpec("fox", {"block_q": 8, "block_k": 8})
+    layer = build(functools.partial(nn.MultiHeadAttention, 16, 4, num_kv_heads=2, spec=spec,
+                                    causal=True, max_len=12), 0)
+    x = jax.random.normal(jax.random.PRNGKey(4), (2, 12, 16))
+
+    def both(layer, x):
+        def step(cache, x_t):
+            out, cache = layer.decode(x_t[:, None], cache)
+            return cache, out[:, 0]
+
+        steps = jax.lax.scan(step, layer.init_cache(2, 12), jnp.moveaxis(x, 1, 0))[1]
+        return layer(x), jnp.moveaxis(steps, 0, 1)
+
+    full, decoded = jit0(both)(layer, x)
+    assert_close(decoded, full)
