@@ -48,20 +48,26 @@ def test_tiled_equals_the_papers_form_outputs_and_gradients(causal):
 
 def test_gates_that_never_forget_give_softmax_attention():
     q, k, v, _ = _arrays(1)
-    out = F.forgetting_attention(q, k, v, jnp.zeros(L), causal=True, kv_mask=MASK, block_q=8,
-                                 block_k=8)
-    assert_close(out, A.dot_product_attention(q, k, v, causal=True, kv_mask=MASK))
+    out, want = jit0(lambda q, k, v: (
+        F.forgetting_attention(q, k, v, jnp.zeros(L), causal=True, kv_mask=MASK, block_q=8,
+                               block_k=8),
+        A.dot_product_attention(q, k, v, causal=True, kv_mask=MASK)))(q, k, v)
+    assert_close(out, want)
 
 
 def test_a_large_gate_bias_in_the_layer_gives_causal_softmax_attention():
     # f = sigmoid(40) = 1 in float32: the layer is multi-head causal softmax attention.
     spec = nn.AttentionSpec("fox", {"gate_bias_init": 40.0, "block_q": 8, "block_k": 8})
-    layer = nn.MultiHeadAttention(16, 2, spec=spec, max_len=L, key=jax.random.PRNGKey(0))
+    layer = build(functools.partial(nn.MultiHeadAttention, 16, 2, spec=spec, max_len=L), 0)
     x = jax.random.normal(jax.random.PRNGKey(3), (2, L, 16))
-    q, k, v = layer.project(x, None)
-    out = layer.adapter.attend(q, k, v, layer.params, causal=True, kv_mask=None, bias=None,
-                               key=None, inputs=x, **layer._call_hyperparameters())
-    assert_close(out, A.multihead(A.dot_product_attention)(q, k, v, causal=True))
+
+    def both(layer, x):
+        q, k, v = layer.project(x, None)
+        out = layer.adapter.attend(q, k, v, layer.params, causal=True, kv_mask=None, bias=None,
+                                   key=None, inputs=x, **layer._call_hyperparameters())
+        return out, A.multihead(A.dot_product_attention)(q, k, v, causal=True)
+
+    assert_close(*jit0(both)(layer, x))
 
 
 def test_the_decoding_step_reads_the_gates_of_its_cache():
