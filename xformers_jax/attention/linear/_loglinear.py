@@ -144,19 +144,21 @@ def loglinear_recurrent(fq, fk, v, ld, lam):
 
 
 @functools.partial(jax.checkpoint, prevent_cse=False)
-def _intra(fq, fk, v, b, lam, lev):
-    """Within-chunk outputs with the level mask: ``lam [n, C, c + 1]``, ``lev int[C, C]``."""
-    c = lev.shape[0]
-    weight = lam[:, jnp.arange(c)[:, None], jnp.maximum(lev, 0)]
+def _intra(fq, fk, v, b, lam, onehot):
+    """Within-chunk outputs with the level mask: ``lam [n, C, c + 1]``, ``onehot [C, c + 1,
+    C]`` (``onehot[t, l, s]``: key ``s`` is at level ``l`` of query ``t``)."""
+    # The level weights spread by a product with the one-hot levels, not a gather: a gather's
+    # gradient is a scatter, which XLA:CPU runs element by element.
+    weight = jnp.einsum("ntl,tls->nts", lam, onehot)
     scores = jnp.einsum("ncm,ndm->ncd", fq, fk) * _intra_decay(b) * weight
     return jnp.einsum("ncd,nde->nce", scores, v)
 
 
-def _chunks(fq, fk, v, ld, lam, first, states, *, lev, bits):
+def _chunks(fq, fk, v, ld, lam, first, states, *, onehot, bits):
     """A group of ``n`` chunks from the chunk-level bucket ``states [nb, M, E]`` at its start:
     ``(out [n, C, E], states)``. ``first [n, C]`` holds each position (its chunk's index is
     ``first[:, 0] // C``)."""
-    c = lev.shape[0]
+    c = onehot.shape[0]
     b = jnp.cumsum(ld, axis=1)
     total = b[:, -1]
     kv = jnp.einsum("ncm,nce->nme", fk, v * jnp.exp(total[:, None] - b)[..., None])
@@ -168,8 +170,11 @@ def _chunks(fq, fk, v, ld, lam, first, states, *, lev, bits):
     states, starts = lax.scan(carry, states, (total, kv, first[:, 0] // c))
     nb = states.shape[0]
     lam_inter = lam[..., bits + 1: bits + 1 + nb]
-    inter = jnp.einsum("ncm,nbme,ncb->nce", fq, starts, lam_inter) * jnp.exp(b)[..., None]
-    return inter + _intra(fq, fk, v, b, lam[..., : bits + 1], lev), states
+    # fq against every level's state first ([n, C, nb, E]); contracted the other way round
+    # the weights would spread each state over the chunk's positions ([n, C, M, E]).
+    per_level = jnp.einsum("ncm,nbme->ncbe", fq, starts)
+    inter = jnp.einsum("ncbe,ncb->nce", per_level, lam_inter) * jnp.exp(b)[..., None]
+    return inter + _intra(fq, fk, v, b, lam[..., : bits + 1], onehot), states
 
 
 def loglinear_chunked(fq, fk, v, ld, lam, chunk_size: int = 64,
@@ -202,6 +207,9 @@ def loglinear_chunked(fq, fk, v, ld, lam, chunk_size: int = 64,
     arrays = [pad_to(a, padded) for a in (fq, fk, v, ld, lam)]
     arrays.append(jnp.arange(padded, dtype=jnp.int32))
     s0 = jnp.zeros((nb, fk.shape[1], v.shape[1]), jnp.result_type(fk, v))
-    fn = functools.partial(_chunks, lev=jnp.asarray(fenwick_levels(c)), bits=bits)
+    lev = fenwick_levels(c)
+    onehot = (lev[:, None, :] == np.arange(bits + 1)[None, :, None]).astype(np.float32)
+    fn = functools.partial(_chunks, onehot=jnp.asarray(onehot, jnp.result_type(fq, lam)),
+                           bits=bits)
     kw = {} if group_positions is None else {"group_positions": group_positions}
     return chunk_groups(fn, arrays, s0, c, **kw)[:length]
