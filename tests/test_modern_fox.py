@@ -107,3 +107,14 @@ def test_decoding_with_grouped_query_heads_equals_the_forward_pass():
 
     full, decoded = jit0(both)(layer, x)
     assert_close(decoded, full)
+
+
+def test_bf16_inputs_keep_the_gates_in_float32():
+    q, k, v, log_f = _arrays(5)
+    bf = [a.astype(jnp.bfloat16) for a in (q, k, v)]
+    out, want = jit0(lambda *a: (
+        F.forgetting_attention(*a[:3], log_f, kv_mask=MASK, block_q=8, block_k=8),
+        F.forgetting_attention_reference(*a[3:], log_f, kv_mask=MASK)))(
+            *bf, *[b.astype(jnp.float32) for b in bf])
+    assert out.dtype == jnp.bfloat16
+    assert_close(out, want, dtype=jnp.bfloat16)
