@@ -154,3 +154,5 @@ def test_bad_arguments_are_named():
                                     state_size=4), 0)
     with pytest.raises(ValueError, match="max_len=16 positions, got a sequence of 20"):
         layer(jnp.zeros((1, 20, 16)))
+    with pytest.raises(ValueError, match="max_len=16 positions, so it cannot decode 32"):
+        layer.init_cache(1, 32)

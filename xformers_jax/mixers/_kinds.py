@@ -65,7 +65,7 @@ KINDS = (
     Kind("loglinear_mamba2", loglinear_ssd, "mixers",
          Paper("Guo et al.", 2025, "Log-Linear Attention"),
          time="O(L c N + L N P log(L/c))", memory="O(L D + (L/c) N D log(L/c))", causal=True,
-         decoding="recurrent",
+         decoding="recurrent", fixed_length=True,
          state_size="O(log L) H N P: bit_length(L) H N P + (W - 1)(E + 2 N)",
          test_hyperparameters={**_CHUNK, "state_size": 8},
          hyperparameters={**_ssm(64, "chunked", "'chunked', 'parallel' or 'recurrent'"),
@@ -75,7 +75,7 @@ KINDS = (
     Kind("loglinear_linear", loglinear_linear, "mixers",
          Paper("Guo et al.", 2025, "Log-Linear Attention"),
          time="O(L c D + L D^2 log(L/c) / H)", memory="O(L D + (L/c) D^2 log(L/c) / H)",
-         causal=True, decoding="recurrent",
+         causal=True, decoding="recurrent", fixed_length=True,
          state_size="O(log L) H D_k D_v: bit_length(L) H D_k D_v",
          test_hyperparameters=_CHUNK,
          hyperparameters=_scan(64, "'chunked', 'parallel' or 'recurrent' (chunks: a power of "

@@ -72,6 +72,13 @@ def _call(layer, x, kv_mask):
     return zero_padded(layer._out(x, o, ctx), kv_mask)
 
 
+def _check_cache(layer, max_len):
+    if max_len > layer.max_len:
+        raise ValueError(f"{type(layer).__name__}.init_cache: its level weights are sized for "
+                         f"max_len={layer.max_len} positions, so it cannot decode {max_len}")
+    return max(max_len.bit_length(), 1)
+
+
 def _check_chunk(name, chunk_size):
     if chunk_size & (chunk_size - 1):
         raise ValueError(f"{name}: chunk_size must be a power of two (the Fenwick levels inside "
@@ -117,7 +124,7 @@ class LogLinearMamba2(Mamba2):
     def init_cache(self, batch, max_len, dtype=jnp.float32):
         inner = self.norm_scale.shape[0]
         p = inner // self.num_heads
-        n = max(max_len.bit_length(), 1)
+        n = _check_cache(self, max_len)
         return recurrent_cache((
             jnp.zeros((batch, self.num_heads, n, self.state_size, p), jnp.float32),
             jnp.zeros((batch, self.conv_w.shape[0] - 1, self.conv_w.shape[1]), jnp.float32)))
@@ -189,7 +196,7 @@ class LogLinearLinear(_QKVRecurrence):
     def init_cache(self, batch, max_len, dtype=jnp.float32):
         h = self.num_heads
         dk, dv = self.wq.shape[1] // h, self.wv.shape[1] // h
-        n = max(max_len.bit_length(), 1)
+        n = _check_cache(self, max_len)
         return recurrent_cache(jnp.zeros((batch, h, n, dk, dv), jnp.float32))
 
     def decode(self, x, cache):
