@@ -7,8 +7,8 @@ same width (fp32, B=1, 4 heads of 64), fwd+bwd.
   sub-steps): at L=8192, each at least 3x faster than causal flash attention.
 - Log-linear Mamba-2 (Guo et al. 2025; N = P = 64, chunks of 64, one B and C shared by the
   heads as in Mamba-2): at L=8192 at least 3x faster than causal flash attention too; from
-  L=8192 to L=65536 at most 9x times its levels' growth (L log L: 10 / 7 chunk levels more
-  at 64 positions per chunk), 12.9x.
+  L=8192 to L=65536 at most 9 x 10/7 = 12.9x (L log L: its chunk-level states grow from 7 to
+  10 at 64 positions per chunk).
 - Each other from L=8192 to L=65536: at most 9x (linear is 8x).
 
 Inputs are random; gates and decays are drawn as the modules' initialisations would give
