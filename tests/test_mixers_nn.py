@@ -42,7 +42,7 @@ def test_registry_lists_every_mixer_with_complete_metadata():
         assert kind.family == "mixers" and kind.missing() == (), name
     assert set(RECURRENT) == {"s4d", "s5", "retnet", "gla", "mamba2", "mamba",
                               "gated_deltanet", "mlstm", "hgrn2", "kda", "rwkv7",
-                              "delta_product", "h3"}
+                              "delta_product", "h3", "loglinear_mamba2", "loglinear_linear"}
     assert set(DECODES) - set(RECURRENT) == {"gmlp", "amlp", "hyena"}  # a cache growing with L
 
 

@@ -37,6 +37,9 @@ ATTENTION_NAMES = {
     "causal_chunked", "causal_parallel", "causal_recurrent", "causal_step",
     "gated_delta_chunked", "gated_delta_recurrent", "gated_delta_step",
     "dplr_chunked", "dplr_recurrent", "dplr_step", "taylor_features",
+    # Log-linear attention's Fenwick-tree hierarchy of states over the same recurrence.
+    "fenwick_levels", "loglinear_chunked", "loglinear_parallel", "loglinear_recurrent",
+    "loglinear_step", "num_levels",
     "token_learner", "topk_attention",
     # Attention with priors and multi-head variants.
     "AverageGate", "AverageState", "Disagreement", "attention_weights", "average_attention",
@@ -49,7 +52,7 @@ ATTENTION_NAMES = {
     "init_routing_votes", "routing_aggregation", "squash",
     # Softmax attention changed since the surveys (attention.modern).
     "deepseek_sparse_attention", "differential_attention", "differential_lambda",
-    "lambda_init_for", "lightning_indexer", "mha_cache_bytes_per_token",
+    "forgetting_attention", "lambda_init_for", "lightning_indexer", "mha_cache_bytes_per_token",
     "mla_cache_bytes_per_token", "moba_attention", "multi_head_latent_attention",
     "native_sparse_attention", "path_attention", "path_update_keys",
     # Cluster-Former's attention (its layer is models.ClusterformerAttention).
@@ -188,6 +191,7 @@ MIXERS_NAMES = {
     "zoh", "lightweight_conv", "GLA_CHUNK",
     # The recurrences since the surveys, with their decoding steps.
     "DPLR_CHUNK", "delta_product", "delta_product_step", "hgrn2", "kda", "kda_step", "mlstm",
+    "loglinear_linear", "loglinear_ssd",
     "mlstm_init_state", "mlstm_step", "rwkv7", "rwkv7_step",
     # The long convolutions (H3, Hyena) and the short causal convolution they and Mamba share.
     "causal_depthwise_conv", "causal_depthwise_step", "h3", "h3_init_state", "h3_step", "hyena",

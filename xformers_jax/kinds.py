@@ -104,8 +104,9 @@ class KVDecoding:
     - ``entry(inputs [B,1,dim], k [B,1,Hkv,Dk], v [B,1,Hkv,Dv], params, *, position,
       **hp) -> (k_entry [B,1,Hc,Dc], v_entry [B,1,Hc,Ec])``: what one token appends to the
       cache (default: its keys and values);
-    - ``widths(hp, *, num_kv_heads, head_dim) -> (Hc, Dc, Ec)``: the cache's per-token shape
-      (default ``(num_kv_heads, head_dim, head_dim)``).
+    - ``widths(hp, *, num_heads, num_kv_heads, head_dim) -> (Hc, Dc, Ec)``: the cache's
+      per-token shape (default ``(num_kv_heads, head_dim, head_dim)``); ``num_heads`` (the
+      query heads) sizes what a kind keeps per query head (forgetting attention's gates).
 
     A kind whose cached keys change as the sequence grows (PaTH: every cached key is
     transformed by each new token's Householder) gives ``update(k [B,C,Hc,Dc], params, *,

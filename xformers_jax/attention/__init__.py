@@ -53,6 +53,12 @@ from .linear import gated_delta_chunked as gated_delta_chunked
 from .linear import gated_delta_recurrent as gated_delta_recurrent
 from .linear import gated_delta_step as gated_delta_step
 from .linear import performer_attention as performer_attention
+from .linear import fenwick_levels as fenwick_levels
+from .linear import loglinear_chunked as loglinear_chunked
+from .linear import loglinear_parallel as loglinear_parallel
+from .linear import loglinear_recurrent as loglinear_recurrent
+from .linear import loglinear_step as loglinear_step
+from .linear import num_levels as num_levels
 from .linear import relu_features as relu_features
 from .linear import rfa_features as rfa_features
 from .linear import taylor_features as taylor_features
@@ -136,6 +142,7 @@ from .priors import squash as squash
 from .modern import deepseek_sparse_attention as deepseek_sparse_attention
 from .modern import differential_attention as differential_attention
 from .modern import differential_lambda as differential_lambda
+from .modern import forgetting_attention as forgetting_attention
 from .modern import lambda_init_for as lambda_init_for
 from .modern import lightning_indexer as lightning_indexer
 from .modern import mha_cache_bytes_per_token as mha_cache_bytes_per_token

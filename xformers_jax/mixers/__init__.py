@@ -1,9 +1,10 @@
 """Token mixers that are not attention: gated linear recurrences on the one chunked causal
-scan (RetNet, GLA, HGRN2, Mamba-2's SSD, xLSTM's mLSTM, Gated DeltaNet, Kimi Delta Attention,
-RWKV-7, DeltaProduct), diagonal state space models (S4D, S5, Mamba's selective scan), the long
-convolutions trained by FFT (H3, Hyena), the MLP / Fourier / pooling / lambda mixers
-(one-sequence functions) and LSRA's lightweight convolution. :data:`KINDS` holds every mixer as
-a :class:`xformers_jax.kinds.Kind` record; the Equinox modules and the one slot registry are in
+scan (RetNet, GLA, HGRN2, Mamba-2's SSD and its log-linear form, xLSTM's mLSTM, Gated
+DeltaNet, Kimi Delta Attention, RWKV-7, DeltaProduct), diagonal state space models (S4D, S5,
+Mamba's selective scan), the long convolutions trained by FFT (H3, Hyena), the MLP / Fourier /
+pooling / lambda mixers (one-sequence functions) and LSRA's lightweight convolution.
+:data:`KINDS` holds every mixer as a :class:`xformers_jax.kinds.Kind` record; the Equinox
+modules and the one slot registry are in
 :mod:`xformers_jax.nn` (``MixerSpec``).
 """
 
@@ -29,6 +30,8 @@ from ._longconv import h3_init_state as h3_init_state
 from ._longconv import h3_step as h3_step
 from ._longconv import hyena as hyena
 from ._longconv import hyena_step as hyena_step
+from ._loglinear import loglinear_linear as loglinear_linear
+from ._loglinear import loglinear_ssd as loglinear_ssd
 from ._mlstm import mlstm as mlstm
 from ._mlstm import mlstm_init_state as mlstm_init_state
 from ._mlstm import mlstm_step as mlstm_step

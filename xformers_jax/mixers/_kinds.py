@@ -12,6 +12,7 @@ from ._mixing import (fourier_mixing, lambda_mixing, pool_mixing, spatial_gating
                       token_mixing_mlp)
 from ._delta_rules import DPLR_CHUNK, delta_product, kda, rwkv7
 from ._longconv import h3, hyena
+from ._loglinear import loglinear_linear, loglinear_ssd
 from ._mlstm import mlstm
 from ._recurrences import GLA_CHUNK, gated_delta, gla, hgrn2, retention, ssd
 from ._ssm import s4d, s5, selective_scan
@@ -62,6 +63,24 @@ KINDS = (
          hyperparameters={**_ssm(64, "chunked", "'chunked', 'parallel' or 'recurrent'"),
                           **_SELECTIVE,
                           "chunk_size": (64, "positions per chunk of the chunked scan")}),
+    Kind("loglinear_mamba2", loglinear_ssd, "mixers",
+         Paper("Guo et al.", 2025, "Log-Linear Attention"),
+         time="O(L c N + L N P log(L/c))", memory="O(L D + (L/c) N D log(L/c))", causal=True,
+         decoding="recurrent", fixed_length=True,
+         state_size="O(log L) H N P: bit_length(L) H N P + (W - 1)(E + 2 N)",
+         test_hyperparameters={**_CHUNK, "state_size": 8},
+         hyperparameters={**_ssm(64, "chunked", "'chunked', 'parallel' or 'recurrent'"),
+                          **_SELECTIVE,
+                          "chunk_size": (64, ("positions per chunk of the chunked form (a power "
+                                              "of two)"))}),
+    Kind("loglinear_linear", loglinear_linear, "mixers",
+         Paper("Guo et al.", 2025, "Log-Linear Attention"),
+         time="O(L c D + L D^2 log(L/c) / H)", memory="O(L D + (L/c) D^2 log(L/c) / H)",
+         causal=True, decoding="recurrent", fixed_length=True,
+         state_size="O(log L) H D_k D_v: bit_length(L) H D_k D_v",
+         test_hyperparameters=_CHUNK,
+         hyperparameters=_scan(64, "'chunked', 'parallel' or 'recurrent' (chunks: a power of "
+                                   "two)")),
     Kind("mamba", selective_scan, "mixers",
          Paper("Gu and Dao", 2023, "Mamba: Linear-Time Sequence Modeling with Selective State "
                "Spaces"),

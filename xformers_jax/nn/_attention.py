@@ -335,7 +335,8 @@ class MultiHeadAttention(eqx.Module):
             capacity = decoding.left(hp) + 1 if ring else max_len
             heads, dk, dv = self.num_kv_heads, self.head_dim, self.head_dim
             if not ring and decoding.widths is not None:
-                heads, dk, dv = decoding.widths(hp, num_kv_heads=heads, head_dim=dk)
+                heads, dk, dv = decoding.widths(hp, num_heads=self.num_heads, num_kv_heads=heads,
+                                                head_dim=dk)
             return KVCache.empty(batch, capacity, heads, dk, dv, dtype, ring=ring)
         if isinstance(decoding, RecurrentDecoding):
             state = decoding.init_state(batch, self.num_heads, self.head_dim, self.head_dim,

@@ -6,7 +6,8 @@ gated recurrences and state space models of ``xformers_jax.mixers``), in its per
 (``causal_step``, ``causal_recurrent``), chunkwise-parallel (``causal_chunked``) and parallel
 (``causal_parallel``) forms; the delta rule's forms (``gated_delta_*``) add its chunked
 triangular solve, and the generalised (diagonal-plus-rank-one) delta rule's forms
-(``dplr_*``) its per-channel decays. Every public name here is also exported by
+(``dplr_*``) its per-channel decays; log-linear attention's forms (``loglinear_*``, Guo et al.
+2025) keep a Fenwick-tree hierarchy of its states, each read with its own level weight. Every public name here is also exported by
 ``xformers_jax.attention``.
 """
 
@@ -34,6 +35,12 @@ from ._linear import linear_attention as linear_attention
 from ._linear import linear_attention_init_state as linear_attention_init_state
 from ._linear import linear_attention_step as linear_attention_step
 from ._linear import performer_attention as performer_attention
+from ._loglinear import fenwick_levels as fenwick_levels
+from ._loglinear import loglinear_chunked as loglinear_chunked
+from ._loglinear import loglinear_parallel as loglinear_parallel
+from ._loglinear import loglinear_recurrent as loglinear_recurrent
+from ._loglinear import loglinear_step as loglinear_step
+from ._loglinear import num_levels as num_levels
 from ._scan import causal_chunked as causal_chunked
 from ._scan import causal_parallel as causal_parallel
 from ._scan import causal_recurrent as causal_recurrent

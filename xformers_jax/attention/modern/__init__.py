@@ -1,6 +1,6 @@
-"""Softmax attention as changed since the surveys: differential attention, multi-head latent
-attention, MoBA, native sparse attention, DeepSeek sparse attention (its lightning indexer),
-PaTH attention.
+"""Softmax attention as changed since the surveys: differential attention, forgetting attention
+(FoX's forget gates as a score function), multi-head latent attention, MoBA, native sparse
+attention, DeepSeek sparse attention (its lightning indexer), PaTH attention.
 
 Every public name here is also exported by ``xformers_jax.attention``.
 """
@@ -10,6 +10,7 @@ from ._differential import differential_lambda as differential_lambda
 from ._differential import lambda_init_for as lambda_init_for
 from ._dsa import deepseek_sparse_attention as deepseek_sparse_attention
 from ._dsa import lightning_indexer as lightning_indexer
+from ._fox import forgetting_attention as forgetting_attention
 from ._mla import mha_cache_bytes_per_token as mha_cache_bytes_per_token
 from ._mla import mla_cache_bytes_per_token as mla_cache_bytes_per_token
 from ._mla import multi_head_latent_attention as multi_head_latent_attention

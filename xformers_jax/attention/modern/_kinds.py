@@ -1,17 +1,18 @@
 """The softmax kinds published since the surveys as :class:`~xformers_jax.kinds.Kind` records,
-with their adapters: differential attention, multi-head latent attention, MoBA, native sparse
-attention, DeepSeek sparse attention and PaTH attention.
+with their adapters: differential attention, forgetting attention, multi-head latent
+attention, MoBA, native sparse attention, DeepSeek sparse attention and PaTH attention.
 
 Each decodes over a growing cache (``KVDecoding``) with its own attention over it (its
 ``attend`` hook): two softmax maps (differential), the latent with ``W_UK`` and ``W_UV``
 absorbed (MLA, whose cache holds the latent and the rotary key, not per-head keys and
-values), the blocks or tokens one query chooses (MoBA, NSA, DSA: the forward pass's choice at
-that position, computed over the cache; DSA's cache also holds each token's indexer key).
-PaTH decodes over plain softmax, its cached keys rewritten by each new token's Householder
-transform (``update``).
+values), the forget-gate decay (forgetting attention, whose cache also holds each token's log
+forget gate per query head), the blocks or tokens one query chooses (MoBA, NSA, DSA: the
+forward pass's choice at that position, computed over the cache; DSA's cache also holds each
+token's indexer key). PaTH decodes over plain softmax, its cached keys rewritten by each new
+token's Householder transform (``update``).
 
-NSA's gates, DSA's indexer and PaTH's transforms are computed from the block input
-(``takes_input``), so these run in self-attention only.
+Forgetting attention's gates, NSA's gates, DSA's indexer and PaTH's transforms are computed
+from the block input (``takes_input``), so these run in self-attention only.
 """
 
 from __future__ import annotations
@@ -26,12 +27,15 @@ from .._adapters import IMPLEMENTATION, TILES, lifted, real_only
 from .._multihead import multihead
 from ._differential import differential_attention, differential_lambda, lambda_init_for
 from ._dsa import deepseek_sparse_attention, lightning_indexer
+from ._fox import forgetting_attention, forgetting_decode_step
 from ._mla import multi_head_latent_attention, rotary
 from ._moba import moba_attention, moba_reference
 from ._nsa import native_sparse_attention, native_sparse_reference
 from ._path import path_attention, path_update_keys
 
 _DIFF_PAPER = Paper("Ye et al.", 2024, "Differential Transformer")
+_FOX_PAPER = Paper("Lin et al.", 2025, "Forgetting Transformer: Softmax Attention with a Forget "
+                   "Gate")
 _MLA_PAPER = Paper("DeepSeek-AI", 2024, "DeepSeek-V2: A Strong, Economical, and Efficient "
                    "Mixture-of-Experts Language Model")
 _MOBA_PAPER = Paper("Lu et al.", 2025, "MoBA: Mixture of Block Attention for Long-Context LLMs")
@@ -70,6 +74,52 @@ def _diff_attend(q, k, v, params, *, causal, kv_mask, bias, key, q_mask=None, la
 
 def _diff_decode(q, k, v, params, *, valid, index, **hp):
     return _diff_attend(q, k, v, params, causal=False, kv_mask=valid, bias=None, key=None, **hp)
+
+
+# -- forgetting attention ------------------------------------------------------------------------
+
+def _fox_init(key, hp, *, num_heads, head_dim, max_len, dim):
+    # f_t = sigmoid(w_f^T x_t + b_f), one gate per head (the paper's Eq. 5).
+    return {"w_f": _normal(key, (dim, num_heads), dim),
+            "b_f": jnp.full((num_heads,), hp["gate_bias_init"], jnp.float32)}
+
+
+def _fox_log_gates(inputs, params):
+    """``log f [B, L, H]`` in float32 from the block input ``[B, L, dim]``."""
+    g = inputs @ params["w_f"].astype(inputs.dtype)
+    return jax.nn.log_sigmoid(g.astype(jnp.float32) + params["b_f"].astype(jnp.float32))
+
+
+def _fox_attend(q, k, v, params, *, causal, kv_mask, bias, key, inputs, q_mask=None,
+                block_q=None, block_k=None, implementation=None):
+    log_f = jnp.moveaxis(_fox_log_gates(real_only(kv_mask, inputs), params), -1, 1)
+    fn = functools.partial(forgetting_attention, block_q=block_q, block_k=block_k,
+                           implementation=implementation)
+    return multihead(fn, arg_axes=("batch_heads",))(q, k, v, log_f, causal=causal,
+                                                    kv_mask=kv_mask)
+
+
+def _fox_entry(inputs, k, v, params, *, position, block_q=None, block_k=None,
+               implementation=None):
+    # Beside its value, each key/value head keeps the token's log gate of every query head of
+    # its group (heads h = g G .. g G + G - 1 read kv head g).
+    log_f = _fox_log_gates(inputs, params)
+    log_f = log_f.reshape(*v.shape[:3], -1)
+    return k, jnp.concatenate([v, log_f.astype(v.dtype)], -1)
+
+
+def _fox_widths(hp, *, num_heads, num_kv_heads, head_dim):
+    return num_kv_heads, head_dim, head_dim + num_heads // num_kv_heads
+
+
+def _fox_decode(q, k, v_g, params, *, valid, index, inputs, block_q=None, block_k=None,
+                implementation=None):
+    b, c, hkv, _ = k.shape
+    groups = q.shape[2] // hkv
+    v, log_f = v_g[..., :-groups], v_g[..., -groups:].reshape(b, c, hkv * groups)
+    return multihead(forgetting_decode_step, arg_axes=("batch_heads",),
+                     kwarg_axes={"valid": "batch"})(q, k, v, jnp.moveaxis(log_f, -1, 1),
+                                                    valid=valid)
 
 
 # -- multi-head latent attention -----------------------------------------------------------------
@@ -145,7 +195,7 @@ def _mla_entry(inputs, k, v, params, *, position, rope_base=10000.0, **hp):
     return _mla_latent(inputs, params, jnp.reshape(position, (1,)), rope_base)
 
 
-def _mla_widths(hp, *, num_kv_heads, head_dim):
+def _mla_widths(hp, *, num_heads, num_kv_heads, head_dim):
     d_c, d_r = _mla_sizes("mla", head_dim, hp["latent_dim"], hp["rope_dim"])
     return 1, d_c, d_r
 
@@ -240,7 +290,7 @@ def _dsa_entry(inputs, k, v, params, *, position, top_k=2048, index_heads=4, ind
     return k, jnp.concatenate([v, ki.astype(v.dtype)], -1)
 
 
-def _dsa_widths(hp, *, num_kv_heads, head_dim):
+def _dsa_widths(hp, *, num_heads, num_kv_heads, head_dim):
     return num_kv_heads, head_dim, head_dim + hp["index_dim"]
 
 
@@ -313,6 +363,17 @@ KINDS = (
              **_TILES},
          adapter=AttentionAdapter(_diff_attend, init=_diff_init,
                                   decoding=KVDecoding(attend=_diff_decode))),
+    Kind("fox", forgetting_attention, "modern", _FOX_PAPER,
+         time="O(L^2 D)", memory="O(L D)", causal=True, decoding="kv",
+         state_size="H_kv (D_k + D_v) + H per token (keys, values, a log gate per head)",
+         test_hyperparameters={"block_q": 8, "block_k": 8},
+         hyperparameters={
+             "gate_bias_init": (0.0, ("b_f's initial value: f = sigmoid(b_f) before training "
+                                      "(0: f = 1/2; larger: longer memory)")),
+             **_TILES},
+         adapter=AttentionAdapter(
+             _fox_attend, init=_fox_init, takes_input=True, init_only={"gate_bias_init"},
+             decoding=KVDecoding(attend=_fox_decode, entry=_fox_entry, widths=_fox_widths))),
     Kind("mla", multi_head_latent_attention, "modern", _MLA_PAPER,
          time="O(L^2 D)", memory="O(L D); cache (d_c + d_R) per token",
          causal=True, decoding="kv",
