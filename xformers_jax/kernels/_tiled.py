@@ -32,6 +32,7 @@ import math
 from typing import Any, Callable
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 
@@ -493,6 +494,50 @@ def _positions(block_q: int, block_k: int):
     return jnp.zeros((block_q, 1), jnp.int32), jnp.zeros((1, block_k), jnp.int32)
 
 
+def convert_flex(score_mod, mask_mod, block_q: int, block_k: int):
+    """Flex attention's functions closure-converted at one ``[block_q, block_k]`` tile:
+    ``(score_fn, score_floats, score_data, mask_fn, mask_data)``.
+
+    ``score_fn(s, b, h, q_pos, k_pos, score_floats, score_data)`` and ``mask_fn(b, h, q_pos,
+    k_pos, [], mask_data)`` evaluate ``score_mod(s, b, h, q_pos, k_pos)`` and ``mask_mod(b, h,
+    q_pos, k_pos)`` on ``s f32[bq, bk]``, ``q_pos int32[bq, 1]``, ``k_pos int32[1, bk]``;
+    ``score_floats`` are the captured arrays that receive gradients (see :func:`_convert`).
+    A function absent gives ``None`` and empty lists. Every tiled kernel (this XLA path and
+    the Pallas kernels) evaluates them this way."""
+    scalar = jnp.zeros((), jnp.int32)
+    score_fn, score_floats, score_data, mask_fn, mask_data = None, [], [], None, []
+    if score_mod is not None:
+        score_fn, score_floats, score_data = _convert(
+            score_mod, jnp.zeros((block_q, block_k), STATS_DTYPE), scalar, scalar,
+            *_positions(block_q, block_k))
+    if mask_mod is not None:
+        mask_fn, _, mask_data = _convert(mask_mod, scalar, scalar,
+                                         *_positions(block_q, block_k), differentiable=False)
+    return score_fn, score_floats, score_data, mask_fn, mask_data
+
+
+def flex_primitives(score_mod, mask_mod, block_q: int = 16, block_k: int = 16) -> frozenset:
+    """The names of the JAX primitives flex attention's functions apply (nested jaxprs
+    included), traced at one tile: what a compiled kernel must be able to lower (Pallas
+    lowers neither ``gather`` nor ``dynamic_slice`` on Triton, so indexing a captured array
+    by ``h`` or by position keeps a function on the XLA path there)."""
+    names = set()
+
+    def walk(jaxpr):
+        for eqn in jaxpr.eqns:
+            names.add(eqn.primitive.name)
+            for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+                walk(sub)
+
+    scalar = jnp.zeros((), jnp.int32)
+    if score_mod is not None:
+        walk(jax.make_jaxpr(score_mod)(jnp.zeros((block_q, block_k), STATS_DTYPE), scalar,
+                                       scalar, *_positions(block_q, block_k)).jaxpr)
+    if mask_mod is not None:
+        walk(jax.make_jaxpr(mask_mod)(scalar, scalar, *_positions(block_q, block_k)).jaxpr)
+    return frozenset(names)
+
+
 def _prepare(q, k, v, layout, *, kv_mask, segments, bias, scale, dropout_rate, key,
              score_mod=None, mask_mod=None, sink=None, index=(0, 0)):
     """Pads checked inputs to whole tiles and gathers the static and dynamic kernel inputs."""
@@ -513,15 +558,8 @@ def _prepare(q, k, v, layout, *, kv_mask, segments, bias, scale, dropout_rate, k
     elif bias is not None:
         bias_fn, bias_arg, bias_data = _convert(
             lambda i, j: bias(i, j), *_positions(layout.block_q, layout.block_k))
-    bq, bk = layout.block_q, layout.block_k
-    scalar = jnp.zeros((), jnp.int32)
-    score_fn, score_floats, score_data, mask_fn, mask_data = None, [], [], None, []
-    if score_mod is not None:
-        score_fn, score_floats, score_data = _convert(
-            score_mod, jnp.zeros((bq, bk), STATS_DTYPE), scalar, scalar, *_positions(bq, bk))
-    if mask_mod is not None:
-        mask_fn, _, mask_data = _convert(mask_mod, scalar, scalar, *_positions(bq, bk),
-                                         differentiable=False)
+    score_fn, score_floats, score_data, mask_fn, mask_data = convert_flex(
+        score_mod, mask_mod, layout.block_q, layout.block_k)
     bh = jnp.stack([jnp.asarray(i, jnp.int32) for i in index])
     st = _Static(
         layout=layout,
