@@ -6,7 +6,10 @@ al., 2022; Milakov & Gimelshein, 2018) in the forward pass, and a backward pass 
 recomputes each tile's probabilities from the saved log-sum-exp, wrapped in the kernel layer's
 custom VJP (``kernels.lse_vjp``). Each backend module supplies
 ``forward(cfg, plan, q, k, v, dyn) -> (out, lse)`` and
-``backward(cfg, plan, q, k, v, dyn, lse, delta, d_out) -> (dq, dk, dv)`` on padded inputs.
+``backward(cfg, plan, q, k, v, dyn, lse, delta, d_out) -> (dq, dk, dv, d_captures)`` on padded
+inputs; ``dyn = (kv_valid, segment ids, flex inputs)``, each None when absent, and
+``d_captures`` each query block's share of the score function's captures' cotangents
+(flex attention, :class:`FlexTile`; empty without).
 """
 
 from __future__ import annotations
