@@ -24,7 +24,6 @@ from xformers_jax import kernels
 from xformers_jax.attention import (
     alibi_score,
     flex_attention,
-    multihead,
     soft_cap_score,
     streaming_mask,
 )
