@@ -102,8 +102,8 @@ def _run(name, x, layout, *, kv_mask, segs, bias, scale, dropout_rate, key, retu
         flex=tuple(n for n in ("score_mod", "mask_mod", "sink") if flex.get(n) is not None),
     )
     if implementation != "xla" and (flex.get("score_mod") or flex.get("mask_mod")):
-        call["flex_primitives"] = kernels.flex_primitives(flex.get("score_mod"),
-                                                          flex.get("mask_mod"))
+        call["flex_primitives"] = kernels.flex_primitives(
+            flex.get("score_mod"), flex.get("mask_mod"), layout.block_q, layout.block_k)
     if implementation != "xla":
         import pallas_kernels  # noqa: F401  registers the Pallas kernels; loaded only when asked
 
