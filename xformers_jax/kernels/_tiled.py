@@ -555,6 +555,8 @@ def _orientation_free(fn) -> bool:
     def same(a, b) -> bool:
         # The tile's two axes lead (index arrays of jnp's gathers add trailing ones).
         a, b = tuple(a), tuple(b)
+        if len(a) < 2:  # a vector along one of the tile's axes has no orientation to swap
+            return a == b and not {bq, bk} & set(a)
         if len(a) != len(b) or {bq, bk} & set(a[2:]) or a[2:] != b[2:]:
             return False
         return a[:2] == b[:2][::-1] if {bq, bk} & set(a[:2]) else a == b
