@@ -264,6 +264,8 @@ TRANSPOSED = {
     # Elementwise: evaluated on the transposed tile as it lies (traced there a second time).
     "alibi_soft_cap": (lambda p: lambda s, b, h, i, j: 4.0 * jnp.tanh(
         (s - p["slopes"][h] * (i - j)) / 4.0), {"slopes": _SLOPES}, True),
+    # A gather from a table by h and by relative position.
+    "t5": (lambda p: relative_bias_score(p["table"], _t5_bucket), {"table": _TABLE}, True),
     # Reads q_idx's column: not orientation-free, so the tile is turned round for it.
     "row_bias": (lambda p: lambda s, b, h, i, j: s + p["rows"][i[:, 0]][:, None],
                  {"rows": _ROWS}, False),
