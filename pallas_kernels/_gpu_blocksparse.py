@@ -47,6 +47,12 @@ WIDE_BLOCK_Q = 128
 FORWARD_BLOCK_K = 128
 WIDE_FORWARD_STAGES = 3
 
+# Flex attention's score and mask functions run in these kernels' tiles (``_common.FlexTile``).
+FLEX = True
+# Primitives the Pallas Triton lowering lacks (jax 0.10.2): a flex function applying one runs on
+# the XLA path (``_common.PallasAttention.unsupported``).
+FLEX_UNLOWERED = ("gather", "dynamic_slice", "scatter", "scatter-add", "dynamic_update_slice")
+
 
 def _wide(dk: int, dv: int) -> bool:
     return max(head_dim(dk), head_dim(dv)) > 64
@@ -124,24 +130,29 @@ def _loop(cfg, blocks, tables, r, step, carry):
 
 
 class _Inputs:
-    """Unpacks the optional inputs (masks, mask ids, kv mask, segment ids) of a kernel."""
+    """Unpacks the optional inputs (masks, mask ids, kv mask, segment ids, flex attention's
+    ``b, h``, sink and captured arrays) of a kernel."""
 
     def __init__(self, cfg, plan, refs):
         refs = list(refs)
         self.masks = refs.pop(0) if plan.masks.size else None
         self.kv_valid = refs.pop(0) if cfg.has_kv_mask else None
         self.q_seg, self.k_seg = (refs.pop(0), refs.pop(0)) if cfg.has_segments else (None, None)
+        self.fx = None
+        if cfg.flex is not None:
+            n = cfg.flex.num_inputs
+            self.fx, refs = C.FlexTile(cfg.flex, refs[:n]), refs[n:]
         self.rest = refs
 
     @staticmethod
     def arrays(cfg, plan, dyn):
-        kv_valid, segs = dyn
+        kv_valid, segs, flex = dyn
         out = [C.masks_array(plan, jnp.int32)] if plan.masks.size else []
         if cfg.has_kv_mask:
             out.append(kv_valid[None, :])
         if cfg.has_segments:
             out += [segs[0][:, None], segs[1][None, :]]
-        return out
+        return out + (list(flex) if cfg.flex is not None else [])
 
     def mask(self, plan, q0, k0, mask_id, partial):
         bk = plan.block_k
@@ -169,14 +180,17 @@ def _fwd_kernel(blocks_ref, mids_ref, counts_ref, full_ref, starts_ref, q_ref, k
         m, l, acc = carry
         k0 = pl.multiple_of(b * bk, bk)
         mask = ins.mask(plan, q0, k0, mids_ref[i * width + t], partial)
-        s = C.scores(cfg, q, k_ref[pl.ds(k0, bk), :], mask)
+        s, _, _ = C.tile_scores(cfg, q, k_ref[pl.ds(k0, bk), :], mask, ins.fx, q0, k0)
         return C.online_step(s, v_ref[pl.ds(k0, bk), :], m, l, acc)
 
-    init = (
-        jnp.full((bq, 1), -jnp.inf, STATS_DTYPE),
-        jnp.zeros((bq, 1), STATS_DTYPE),
-        jnp.zeros((bq, o_ref.shape[-1]), STATS_DTYPE),
-    )
+    if ins.fx is not None:
+        init = (*ins.fx.initial_stats(bq), jnp.zeros((bq, o_ref.shape[-1]), STATS_DTYPE))
+    else:
+        init = (
+            jnp.full((bq, 1), -jnp.inf, STATS_DTYPE),
+            jnp.zeros((bq, 1), STATS_DTYPE),
+            jnp.zeros((bq, o_ref.shape[-1]), STATS_DTYPE),
+        )
     out, lse = C.finish(*_loop(cfg, plan.rows, tables, i, step, init))
     o_ref[...] = out.astype(o_ref.dtype)
     lse_ref[...] = lse
@@ -185,23 +199,30 @@ def _fwd_kernel(blocks_ref, mids_ref, counts_ref, full_ref, starts_ref, q_ref, k
 def _dq_kernel(blocks_ref, mids_ref, counts_ref, full_ref, starts_ref, q_ref, k_ref, v_ref,
                do_ref, lse_ref, delta_ref, *refs, cfg, plan):
     ins = _Inputs(cfg, plan, refs)
-    (dq_ref,) = ins.rest
+    dq_ref, *d_capture_refs = ins.rest  # flex: this query block's share of each capture
     bq, bk, width = plan.block_q, plan.block_k, plan.rows.width
     i = pl.program_id(0)
     q0 = i * bq
     q, d_out, lse, delta = q_ref[...], do_ref[...], lse_ref[...], delta_ref[...]
     tables = (blocks_ref, mids_ref, counts_ref, full_ref, starts_ref)
 
-    def step(t, b, dq, partial):
+    def step(t, b, carry, partial):
+        dq, d_captures = carry
         k0 = pl.multiple_of(b * bk, bk)
         k = k_ref[pl.ds(k0, bk), :]
         mask = ins.mask(plan, q0, k0, mids_ref[i * width + t], partial)
-        s = C.scores(cfg, q, k, mask)
+        s, raw, mask = C.tile_scores(cfg, q, k, mask, ins.fx, q0, k0)
         ds, _ = C.tile_grads(s, v_ref[pl.ds(k0, bk), :], d_out, lse, delta)
-        return dq + C.dot(ds.astype(k.dtype), k, C._NN)
+        ds, d_tile = C.raw_score_grad(ins.fx, ds, raw, mask, q0, k0, with_captures=True)
+        d_captures = [a + g.astype(STATS_DTYPE) for a, g in zip(d_captures, d_tile)]
+        return dq + C.dot(ds.astype(k.dtype), k, C._NN), d_captures
 
-    dq = _loop(cfg, plan.rows, tables, i, step, jnp.zeros(q.shape, STATS_DTYPE))
+    init = [jnp.zeros(c.shape, STATS_DTYPE) for c in (ins.fx.floats if ins.fx else ())]
+    dq, d_captures = _loop(cfg, plan.rows, tables, i, step,
+                           (jnp.zeros(q.shape, STATS_DTYPE), init))
     dq_ref[...] = (dq * cfg.scale).astype(dq_ref.dtype)
+    for ref, d in zip(d_capture_refs, d_captures):
+        ref[...] = d.reshape(ref.shape)
 
 
 def _dkv_kernel(blocks_ref, mids_ref, counts_ref, full_ref, starts_ref, q_ref, k_ref, v_ref,
@@ -220,9 +241,10 @@ def _dkv_kernel(blocks_ref, mids_ref, counts_ref, full_ref, starts_ref, q_ref, k
         q = q_ref[pl.ds(q0, bq), :]
         d_out = do_ref[pl.ds(q0, bq), :]
         mask = ins.mask(plan, q0, k0, mids_ref[j * width + t], partial)
-        s = C.scores(cfg, q, k, mask)
+        s, raw, mask = C.tile_scores(cfg, q, k, mask, ins.fx, q0, k0)
         ds, p = C.tile_grads(s, v, d_out, lse_ref[pl.ds(q0, bq), :],
                              delta_ref[pl.ds(q0, bq), :])
+        ds, _ = C.raw_score_grad(ins.fx, ds, raw, mask, q0, k0, with_captures=False)
         dv = dv + C.dot(p.astype(d_out.dtype), d_out, C._TN)
         dk = dk + C.dot(ds.astype(q.dtype), q, C._TN)
         return dk, dv
@@ -271,12 +293,18 @@ def backward(cfg, plan, q, k, v, dyn, lse, delta, d_out):
     specs = [_whole(a) for a in args]
     for n in (5, 8, 9, 10):  # q, dO, lse, delta: this program's query block
         specs[n] = _by_block(bq, args[n].shape[1])
-    dq = pl.pallas_call(
+    # Flex: each query block's share of the score function's differentiable captures'
+    # cotangents, one row per block (summed by the caller).
+    captures = _flex_floats(cfg, dyn)
+    dq, *d_captures = pl.pallas_call(
         functools.partial(_dq_kernel, cfg=cfg, plan=plan),
         grid=(plan.nq,),
         in_specs=specs,
-        out_specs=_by_block(bq, q.shape[1]),
-        out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+        out_specs=[_by_block(bq, q.shape[1])] + [
+            pl.BlockSpec((None, *c.shape), lambda i, n=c.ndim: (i,) + (0,) * n)
+            for c in captures],
+        out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype)] + [
+            jax.ShapeDtypeStruct((plan.nq, *c.shape), STATS_DTYPE) for c in captures],
         compiler_params=params,
         interpret=cfg.interpret,
         name="xformers_blocksparse_dq",
@@ -296,4 +324,13 @@ def backward(cfg, plan, q, k, v, dyn, lse, delta, d_out):
         interpret=cfg.interpret,
         name="xformers_blocksparse_dkv",
     )(*args)
-    return dq, dk, dv
+    return dq, dk, dv, d_captures
+
+
+def _flex_floats(cfg, dyn):
+    """The kernel inputs holding the score function's differentiable captures (none without
+    flex attention); ``_common.flex_inputs``' order: ``b, h``, the sink, then the captures."""
+    if cfg.flex is None:
+        return []
+    start = 1 + int(cfg.flex.has_sink)
+    return dyn[2][start : start + cfg.flex.counts[0]]

@@ -343,7 +343,7 @@ def forward(cfg, plan, q, k, v, dyn):
     forward plan's tiles). Layouts that are not a band, calls with key masks or segment
     ids, and interpret mode (no Mosaic GPU interpreter is used here) run the Triton forward
     on the backward's tiles."""
-    kv_valid, segs = dyn
+    kv_valid, segs, _ = dyn
     band = whole_band(plan)
     if (cfg.interpret or kv_valid is not None or segs is not None or band is None
             or (plan.block_q, plan.block_k) != (BLOCK_Q, BLOCK_K) or dtype_problems(q.dtype)):
@@ -416,10 +416,10 @@ def _fallback(cfg, plan, q, k, v, dyn):
     lq, lk = tri_plan.nq * bq, tri_plan.nk * bk
     q_t = kernels.pad_to(q[:lq], lq, 0)
     k_t, v_t = kernels.pad_to(k[:lk], lk, 0), kernels.pad_to(v[:lk], lk, 0)
-    kv_valid, segs = dyn
+    kv_valid, segs, flex = dyn
     dyn_t = (None if kv_valid is None else kernels.pad_to(kv_valid[:lk], lk, 0),
              None if segs is None else (kernels.pad_to(segs[0][:lq], lq, 0, -1),
-                                        kernels.pad_to(segs[1][:lk], lk, 0, -2)))
+                                        kernels.pad_to(segs[1][:lk], lk, 0, -2)), flex)
     out, lse = _triton.forward(tri_cfg, tri_plan, q_t, k_t, v_t, dyn_t)
     return (kernels.pad_to(out[: q.shape[0]], q.shape[0], 0),
             kernels.pad_to(lse[: q.shape[0]], q.shape[0], 0, -jnp.inf))

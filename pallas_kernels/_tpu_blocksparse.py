@@ -32,6 +32,14 @@ LANES, SUBLANES = 128, 8
 DEFAULT_BLOCK_Q = 128
 DEFAULT_BLOCK_K = 128
 
+# Flex attention's score and mask functions run in these kernels' tiles (``_common.FlexTile``):
+# ``b, h`` and the sink are read from scalar memory, captured arrays are whole VMEM blocks.
+FLEX = True
+# Indexing a captured array by ``h`` or position (ALiBi's slopes, a bias table, document ids)
+# could not be lowered for Mosaic on a CPU host (the lowering asks for the TPU's generation),
+# so it is unverified: such functions run on the XLA path until checked on a TPU.
+FLEX_UNLOWERED = ("gather", "dynamic_slice", "scatter", "scatter-add", "dynamic_update_slice")
+
 
 def default_blocks(dk: int, dv: int) -> tuple[int, int]:
     """The default tiles (not yet measured on a TPU: the same for every head dim)."""
@@ -84,7 +92,7 @@ class _Side:
         """Inputs and BlockSpecs; index maps get ``(row, step, blocks, fetch_ids, ...)``."""
         cfg, plan, w = self.cfg, self.plan, self.width
         bq, bk = plan.block_q, plan.block_k
-        kv_valid, segs = dyn
+        kv_valid, segs, _ = dyn
         q_idx = (lambda r, t, b, *_: r) if self.row_is_q else (lambda r, t, b, *_: b[r * w + t])
         k_idx = (lambda r, t, b, *_: b[r * w + t]) if self.row_is_q else (lambda r, t, b, *_: r)
         arrays, specs = [], []
@@ -101,6 +109,13 @@ class _Side:
         for x in key_side:
             arrays.append(jnp.broadcast_to(x[None, :], (SUBLANES, x.shape[0])))
             specs.append(pl.BlockSpec((SUBLANES, bk), lambda *a: (0, k_idx(*a))))
+        if cfg.flex is not None:
+            flex = list(dyn[2])
+            n_scalar = 1 + int(cfg.flex.has_sink)  # b, h and the sink
+            arrays += flex
+            specs += [pl.BlockSpec(memory_space=pltpu.SMEM) for _ in flex[:n_scalar]]
+            specs += [pl.BlockSpec(x.shape, lambda *_, n=x.ndim: (0,) * n)
+                      for x in flex[n_scalar:]]
         return arrays, specs, q_idx, k_idx
 
     def unpack(self, refs):
@@ -109,7 +124,15 @@ class _Side:
         self.q_seg_ref = refs.pop(0) if self.cfg.has_segments else None
         self.kv_valid_ref = refs.pop(0) if self.cfg.has_kv_mask else None
         self.k_seg_ref = refs.pop(0) if self.cfg.has_segments else None
+        self.fx = None
+        if self.cfg.flex is not None:
+            n = self.cfg.flex.num_inputs
+            self.fx, refs = C.FlexTile(self.cfg.flex, refs[:n]), refs[n:]
         return refs
+
+    def scores(self, q, k, mask, q0, k0):
+        """``(s, raw, mask)`` of the tile (``_common.tile_scores``)."""
+        return C.tile_scores(self.cfg, q, k, mask, self.fx, q0, k0)
 
     def mask(self, q0, k0, partial):
         static = None
@@ -138,13 +161,17 @@ def _fwd_kernel(blocks_ref, fids_ref, counts_ref, full_ref, q_ref, k_ref, v_ref,
 
     @pl.when(t == 0)
     def _():
-        m_scr[...] = jnp.full(m_scr.shape, -jnp.inf, STATS_DTYPE)
-        l_scr[...] = jnp.zeros(l_scr.shape, STATS_DTYPE)
+        if side.fx is not None:  # the sink logit, if any, starts every row
+            m0, l0 = side.fx.initial_stats(m_scr.shape[0])
+            m_scr[...], l_scr[...] = _lanes(m0), _lanes(l0)
+        else:
+            m_scr[...] = jnp.full(m_scr.shape, -jnp.inf, STATS_DTYPE)
+            l_scr[...] = jnp.zeros(l_scr.shape, STATS_DTYPE)
         acc_scr[...] = jnp.zeros(acc_scr.shape, STATS_DTYPE)
 
     def run(i, kb, partial):
-        mask = side.mask(i * plan.block_q, kb * plan.block_k, partial)
-        s = C.scores(side.cfg, q_ref[...], k_ref[...], mask)
+        q0, k0 = i * plan.block_q, kb * plan.block_k
+        s, _, _ = side.scores(q_ref[...], k_ref[...], side.mask(q0, k0, partial), q0, k0)
         m, l, acc = C.online_step(s, v_ref[...], m_scr[:, 0:1], l_scr[:, 0:1], acc_scr[...])
         m_scr[...], l_scr[...], acc_scr[...] = _lanes(m), _lanes(l), acc
 
@@ -159,20 +186,28 @@ def _fwd_kernel(blocks_ref, fids_ref, counts_ref, full_ref, q_ref, k_ref, v_ref,
 
 def _dq_kernel(blocks_ref, fids_ref, counts_ref, full_ref, q_ref, k_ref, v_ref, do_ref, lse_ref,
                delta_ref, *refs, side):
-    dq_ref, dq_scr = side.unpack(refs)
+    # Flex: each capture's cotangent, this query block's share, accumulated in its output
+    # block (resident while the row's steps run).
+    dq_ref, *d_capture_refs, dq_scr = side.unpack(refs)
     plan = side.plan
     t = pl.program_id(1)
 
     @pl.when(t == 0)
     def _():
         dq_scr[...] = jnp.zeros(dq_scr.shape, STATS_DTYPE)
+        for ref in d_capture_refs:
+            ref[...] = jnp.zeros(ref.shape, ref.dtype)
 
     def run(i, kb, partial):
-        mask = side.mask(i * plan.block_q, kb * plan.block_k, partial)
+        q0, k0 = i * plan.block_q, kb * plan.block_k
         q, k = q_ref[...], k_ref[...]
-        s = C.scores(side.cfg, q, k, mask)
+        s, raw, mask = side.scores(q, k, side.mask(q0, k0, partial), q0, k0)
         ds, _ = C.tile_grads(s, v_ref[...], do_ref[...], lse_ref[:, 0:1],
                              delta_ref[:, 0:1])
+        ds, d_tile = C.raw_score_grad(side.fx, ds, raw, mask, q0, k0,
+                                      with_captures=bool(d_capture_refs))
+        for ref, d in zip(d_capture_refs, d_tile):
+            ref[...] += d.reshape(ref.shape).astype(ref.dtype)
         dq_scr[...] += C.dot(ds.astype(k.dtype), k, C._NN)
 
     _steps(blocks_ref, counts_ref, full_ref, side.width, run)
@@ -194,11 +229,12 @@ def _dkv_kernel(blocks_ref, fids_ref, counts_ref, full_ref, q_ref, k_ref, v_ref,
         dv_scr[...] = jnp.zeros(dv_scr.shape, STATS_DTYPE)
 
     def run(j, qb, partial):
-        mask = side.mask(qb * plan.block_q, j * plan.block_k, partial)
+        q0, k0 = qb * plan.block_q, j * plan.block_k
         q, k, d_out = q_ref[...], k_ref[...], do_ref[...]
-        s = C.scores(side.cfg, q, k, mask)
+        s, raw, mask = side.scores(q, k, side.mask(q0, k0, partial), q0, k0)
         ds, p = C.tile_grads(s, v_ref[...], d_out, lse_ref[:, 0:1],
                              delta_ref[:, 0:1])
+        ds, _ = C.raw_score_grad(side.fx, ds, raw, mask, q0, k0, with_captures=False)
         dv_scr[...] += C.dot(p.astype(d_out.dtype), d_out, C._TN)
         dk_scr[...] += C.dot(ds.astype(q.dtype), q, C._TN)
 
@@ -263,11 +299,20 @@ def backward(cfg, plan, q, k, v, dyn, lse, delta, d_out):
 
     side = _Side(cfg, plan, row_is_q=True)
     extra, extra_specs, q_idx, k_idx = side.arrays_and_specs(dyn)
-    dq = _call(
+    # Flex: one row per query block of each differentiable capture's cotangent (summed by
+    # the caller).
+    captures = []
+    if cfg.flex is not None:
+        start = 1 + int(cfg.flex.has_sink)
+        captures = dyn[2][start : start + cfg.flex.counts[0]]
+    dq, *d_captures = _call(
         _dq_kernel, side, C.tables(plan.rows, fetch=True), (plan.nq, side.width), args,
         specs(q_idx, k_idx), extra, extra_specs,
-        out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
-        out_specs=pl.BlockSpec((bq, dk_), lambda *a: (q_idx(*a), 0)),
+        out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype)] + [
+            jax.ShapeDtypeStruct((plan.nq, *c.shape), STATS_DTYPE) for c in captures],
+        out_specs=[pl.BlockSpec((bq, dk_), lambda *a: (q_idx(*a), 0))] + [
+            pl.BlockSpec((None, *c.shape), lambda r, *_, n=c.ndim: (r,) + (0,) * n)
+            for c in captures],
         scratch=[(bq, dk_)],
         name="xformers_blocksparse_dq",
     )
@@ -283,4 +328,4 @@ def backward(cfg, plan, q, k, v, dyn, lse, delta, d_out):
         scratch=[(bk, dk_), (bk, dv_)],
         name="xformers_blocksparse_dkv",
     )
-    return dq, dk, dv
+    return dq, dk, dv, d_captures

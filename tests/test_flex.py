@@ -254,3 +254,49 @@ def test_bad_arguments_and_pallas_are_refused_by_name():
         flex_attention(q, k, v, mask_mod=3)
     with pytest.raises(NotImplementedError, match="score_mod not implemented"):
         flex_attention(q, k, v, score_mod=soft_cap_score(2.0), implementation="pallas")
+
+
+# -- the backward's transposed tiles (128 x 256: not row-gathered) -------------------------
+
+_ROWS = 0.1 * jax.random.normal(jax.random.PRNGKey(9), (512,))
+
+TRANSPOSED = {
+    # Elementwise: evaluated on the transposed tile as it lies (traced there a second time).
+    "alibi_soft_cap": (lambda p: lambda s, b, h, i, j: 4.0 * jnp.tanh(
+        (s - p["slopes"][h] * (i - j)) / 4.0), {"slopes": _SLOPES}, True),
+    # A gather from a table by h and by relative position.
+    "t5": (lambda p: relative_bias_score(p["table"], _t5_bucket), {"table": _TABLE}, True),
+    # Reads q_idx's column: not orientation-free, so the tile is turned round for it.
+    "row_bias": (lambda p: lambda s, b, h, i, j: s + p["rows"][i[:, 0]][:, None],
+                 {"rows": _ROWS}, False),
+}
+
+
+@pytest.mark.parametrize("name", sorted(TRANSPOSED))
+def test_score_functions_on_the_transposed_backward_tiles(name):
+    from xformers_jax.kernels._tiled import _gather_width, _orientation_free, _transposed
+
+    make, params, free = TRANSPOSED[name]
+    assert _orientation_free(make(params)) == free
+    lq = 300  # three 128-row and two 256-key tiles, the last of each padded
+    layout = P.Causal().layout(lq, lq, 128, 256)
+    assert _transposed(layout, _gather_width(layout))
+    q, k, v = _qkv(4, lq, lq)
+    kv_mask = jnp.arange(lq) < 150
+    w = jnp.sin(jnp.arange(lq * D, dtype=jnp.float32)).reshape(lq, D)
+
+    def loss(impl, q, k, v, p):
+        if impl == "flex":
+            out = flex_attention(q, k, v, score_mod=make(p), causal=True, kv_mask=kv_mask,
+                                 head_index=1, block_q=128, block_k=256)
+        else:
+            out = dense_flex(q, k, v, score_mod=make(p), causal=True, kv_mask=kv_mask, h=1)
+        return jnp.sum(out * w)
+
+    args = (q, k, v, params)
+    got = jit0(jax.value_and_grad(functools.partial(loss, "flex"), (0, 1, 2, 3)))(*args)
+    want = jit0(jax.value_and_grad(functools.partial(loss, "dense"), (0, 1, 2, 3)))(*args)
+    _close(got[0], want[0], name)
+    for what, g, r in zip(("dq", "dk", "dv", "d_params"), got[1], want[1]):
+        for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(r)):
+            _close(a, b, f"{name} {what}")

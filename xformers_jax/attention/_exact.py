@@ -90,8 +90,9 @@ def _pattern_blocks(name, pattern: Pattern, lq: int, lk: int, block_q, block_k):
 def _run(name, x, layout, *, kv_mask, segs, bias, scale, dropout_rate, key, return_lse,
          implementation, causal, flex=None, op=None):
     """Runs the chosen kernel; ``flex``: flex attention's kernel arguments (``score_mod``,
-    ``mask_mod``, ``sink``, ``index``: see ``kernels.attend_layout``), which only the XLA
-    path takes; ``op``: the kernel registry's operation (default ``name``)."""
+    ``mask_mod``, ``sink``, ``index``: see ``kernels.attend_layout``), taken by the XLA path
+    and the Pallas kernels whose ``unsupported`` does not refuse them; ``op``: the kernel
+    registry's operation (default ``name``)."""
     flex = flex or {}
     call = dict(
         lq=x.lq, lk=x.lk, dk=x.dk, dv=x.dv, dtype=x.q.dtype, layout=layout, causal=causal,
@@ -100,6 +101,9 @@ def _run(name, x, layout, *, kv_mask, segs, bias, scale, dropout_rate, key, retu
         dropout_rate=dropout_rate,
         flex=tuple(n for n in ("score_mod", "mask_mod", "sink") if flex.get(n) is not None),
     )
+    if implementation != "xla" and (flex.get("score_mod") or flex.get("mask_mod")):
+        call["flex_primitives"] = kernels.flex_primitives(
+            flex.get("score_mod"), flex.get("mask_mod"), layout.block_q, layout.block_k)
     if implementation != "xla":
         import pallas_kernels  # noqa: F401  registers the Pallas kernels; loaded only when asked
 
@@ -107,7 +111,7 @@ def _run(name, x, layout, *, kv_mask, segs, bias, scale, dropout_rate, key, retu
     if kernel is not None:
         out, lse = kernel(
             x.q, x.k, x.v, layout, kv_mask=kv_mask, segments=segs, bias=bias, scale=scale,
-            dropout_rate=dropout_rate, key=key,
+            dropout_rate=dropout_rate, key=key, **flex,
         )
     else:
         out, lse = attend_layout(

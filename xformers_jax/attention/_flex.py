@@ -3,9 +3,10 @@
 Dong, Feng, Guessous, Liang and He, 2024, "Flex Attention: A Programming Model for Generating
 Optimized Attention Kernels" (PyTorch FlexAttention). A new attention idea is often a change
 to the scores (a bias, a cap, a gate) or to which keys a query sees; here it is written as two
-pure JAX functions and runs inside the same tiled online-softmax kernel as
-:func:`~xformers_jax.attention.flash_attention` (``xformers_jax.kernels.attend_layout``),
-forward and recomputing backward, without an ``L x L`` array:
+pure JAX functions and runs inside the same tiled online-softmax kernels as
+:func:`~xformers_jax.attention.flash_attention` (``xformers_jax.kernels.attend_layout`` on
+XLA, the Pallas block-sparse kernels on GPU and TPU), forward and recomputing backward,
+without an ``L x L`` array:
 
 - ``score_mod(score, b, h, q_idx, kv_idx) -> score``: applied to each ``[bq, bk]`` tile of
   scaled scores and differentiated there (its ``jax.vjp`` inside the backward's tile); arrays
@@ -130,8 +131,12 @@ def flex_attention(
       block_q, block_k: tiles; by default those :func:`pattern_tile` finds cheapest for the
         static mask (the machine's default tile without one).
       return_lse: also return the float32 log-sum-exp of each row.
-      implementation: ``None`` or ``"xla"``; the Pallas kernels take no score or mask
-        function yet, so ``"pallas"`` raises naming why.
+      implementation: ``None`` (the Pallas block-sparse kernel on a GPU or TPU where it can
+        run the call, else the XLA path), ``"xla"``, ``"pallas"`` or a kernel's name. The
+        Triton and TPU block-sparse kernels run both functions and the sink in their tiles;
+        compiled, they refuse functions that index a captured array (``gather``,
+        ``dynamic_slice``: ALiBi's ``slopes[h]``, traced document ids), which then run on
+        the XLA path (``"pallas"`` raises naming why). The Hopper forward takes none.
 
     Returns:
       ``[Lq, Dv]`` in q's dtype, or ``(out, lse)``.

@@ -32,6 +32,7 @@ import math
 from typing import Any, Callable
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 
@@ -66,6 +67,10 @@ class _Static(_tiles.TileConfig):
     # every row's softmax has one more logit, the sink, with no value (the online softmax
     # starts from it).
     score_fn: Callable[..., Any] | None = None
+    # The score function traced at the backward's transposed tile (``s [bk, bq]``, ``q_pos
+    # [1, bq]``, ``k_pos [bk, 1]``, same captures), where :func:`_transposed_score` shows
+    # it orientation-free; None: transposed tiles are turned round for it.
+    score_fn_t: Callable[..., Any] | None = None
     mask_fn: Callable[..., Any] | None = None
     has_sink: bool = False
 
@@ -177,6 +182,12 @@ class _Tile:
     def score(self, st: _Static, s, floats):
         """The flex score function over the tile's scores ``s`` (float32)."""
         bh, others, _ = self.mods
+        if self.transposed and st.score_fn_t is not None:
+            # Evaluated as the tile lies: turning a [bk, bq] tile round for the function
+            # and back cost four tile transposes per backward step (two for its vjp), which
+            # XLA:CPU ran as copies.
+            return jnp.broadcast_to(st.score_fn_t(s, bh[0], bh[1], self.q_pos, self.k_pos,
+                                                  floats, others), s.shape).astype(STATS_DTYPE)
         return self.by_key_tile(st, lambda qp, kp, x: jnp.broadcast_to(
             st.score_fn(x, bh[0], bh[1], qp, kp, floats, others), x.shape
         ).astype(STATS_DTYPE), s)
@@ -342,6 +353,11 @@ def _forward(st: _Static, q, k, v, extra, dyn):
 _TRANSPOSE_FROM = 128 * 128
 
 
+def _transposed(layout: BlockLayout, gather: int) -> bool:
+    """Whether the backward computes ``layout``'s tiles transposed (see :func:`_backward`)."""
+    return layout.block_q * layout.block_k >= _TRANSPOSE_FROM and not gather
+
+
 def _backward(st: _Static, q, k, v, extra, dyn, out, lse, d_out, d_lse):
     """Recomputes each listed tile from the saved log-sum-exp and accumulates dq, dk, dv.
 
@@ -361,7 +377,7 @@ def _backward(st: _Static, q, k, v, extra, dyn, out, lse, d_out, d_lse):
     bias, score_floats, sink = extra
     lay = st.layout
     bq, bk = lay.block_q, lay.block_k
-    tr = bq * bk >= _TRANSPOSE_FROM and not st.gather
+    tr = _transposed(lay, st.gather)
     lse, delta = _tiles.backward_stats(out, lse, d_out, d_lse)
     q = _fold_scale(st, q)  # then dk = ds^T (scale q) needs no further scale
     k_scale = 1.0 if st.scale_folded else st.scale
@@ -493,6 +509,120 @@ def _positions(block_q: int, block_k: int):
     return jnp.zeros((block_q, 1), jnp.int32), jnp.zeros((1, block_k), jnp.int32)
 
 
+def convert_flex(score_mod, mask_mod, block_q: int, block_k: int):
+    """Flex attention's functions closure-converted at one ``[block_q, block_k]`` tile:
+    ``(score_fn, score_floats, score_data, mask_fn, mask_data)``.
+
+    ``score_fn(s, b, h, q_pos, k_pos, score_floats, score_data)`` and ``mask_fn(b, h, q_pos,
+    k_pos, [], mask_data)`` evaluate ``score_mod(s, b, h, q_pos, k_pos)`` and ``mask_mod(b, h,
+    q_pos, k_pos)`` on ``s f32[bq, bk]``, ``q_pos int32[bq, 1]``, ``k_pos int32[1, bk]``;
+    ``score_floats`` are the captured arrays that receive gradients (see :func:`_convert`).
+    A function absent gives ``None`` and empty lists. Every tiled kernel (this XLA path and
+    the Pallas kernels) evaluates them this way."""
+    scalar = jnp.zeros((), jnp.int32)
+    score_fn, score_floats, score_data, mask_fn, mask_data = None, [], [], None, []
+    if score_mod is not None:
+        score_fn, score_floats, score_data = _convert(
+            score_mod, jnp.zeros((block_q, block_k), STATS_DTYPE), scalar, scalar,
+            *_positions(block_q, block_k))
+    if mask_mod is not None:
+        mask_fn, _, mask_data = _convert(mask_mod, scalar, scalar,
+                                         *_positions(block_q, block_k), differentiable=False)
+    return score_fn, score_floats, score_data, mask_fn, mask_data
+
+
+def _orientation_free(fn) -> bool:
+    """Whether the score function ``fn(s, b, h, q_pos, k_pos)`` computes the transpose of its
+    result when given the transposed tile (``s^T``, ``q_pos [1, bq]``, ``k_pos [bk, 1]``): as
+    every elementwise function does (broadcasting, indexing captured arrays by ``h`` or by
+    position), and no function that reduces, slices or reshapes along a tile axis does.
+
+    Decided from the jaxprs of both orientations at a probe tile of 7 x 11 (sides no other
+    array is likely to have): equation by equation, the same primitives, and every value of
+    the tile's shape transposed (2-D) or of a shape free of the tile's sides. Anything else,
+    or a trace that fails, answers False (the tile is turned round instead: always right).
+    """
+    bq, bk = 7, 11
+    scalar = jnp.zeros((), jnp.int32)
+    try:
+        nat = jax.make_jaxpr(fn)(jnp.zeros((bq, bk), STATS_DTYPE), scalar, scalar,
+                                 jnp.zeros((bq, 1), jnp.int32), jnp.zeros((1, bk), jnp.int32))
+        tr = jax.make_jaxpr(fn)(jnp.zeros((bk, bq), STATS_DTYPE), scalar, scalar,
+                                jnp.zeros((1, bq), jnp.int32), jnp.zeros((bk, 1), jnp.int32))
+    except Exception:  # noqa: BLE001  a function that only works at its own orientation
+        return False
+
+    def same(a, b) -> bool:
+        # The tile's two axes lead (index arrays of jnp's gathers add trailing ones).
+        a, b = tuple(a), tuple(b)
+        if len(a) < 2:  # a vector along one of the tile's axes has no orientation to swap
+            return a == b and not {bq, bk} & set(a)
+        if len(a) != len(b) or {bq, bk} & set(a[2:]) or a[2:] != b[2:]:
+            return False
+        return a[:2] == b[:2][::-1] if {bq, bk} & set(a[:2]) else a == b
+
+    def compare(x, y) -> bool:
+        if len(x.eqns) != len(y.eqns):
+            return False
+        if not all(same(a.aval.shape, b.aval.shape) for a, b in zip(x.outvars, y.outvars)):
+            return False
+        for e, f in zip(x.eqns, y.eqns):
+            if e.primitive.name in ("transpose", "reshape", "rev"):
+                return False
+            if e.primitive is not f.primitive or len(e.outvars) != len(f.outvars):
+                return False
+            if not all(same(a.aval.shape, b.aval.shape) for a, b in zip(e.outvars, f.outvars)):
+                return False
+            subs_e = list(jax.extend.core.jaxprs_in_params(e.params))
+            subs_f = list(jax.extend.core.jaxprs_in_params(f.params))
+            if len(subs_e) != len(subs_f) or not all(map(compare, subs_e, subs_f)):
+                return False
+        return True
+
+    out = nat.jaxpr.outvars[0].aval.shape
+    if len(out) > 2 or any(n not in (1, m) for n, m in zip(out[::-1], (bk, bq))):
+        return False  # not a tile's scores (a transposed tile, say)
+    return compare(nat.jaxpr, tr.jaxpr)
+
+
+def _transposed_score(score_mod, block_q: int, block_k: int, floats, others):
+    """``score_mod`` converted at the transposed tile ``[block_k, block_q]`` (see
+    ``_Static.score_fn_t``), or None where it is not orientation-free or its captures differ
+    from the natural tile's (they are passed once, for both)."""
+    if not _orientation_free(score_mod):
+        return None
+    scalar = jnp.zeros((), jnp.int32)
+    fn, floats_t, others_t = _convert(
+        score_mod, jnp.zeros((block_k, block_q), STATS_DTYPE), scalar, scalar,
+        jnp.zeros((1, block_q), jnp.int32), jnp.zeros((block_k, 1), jnp.int32))
+    if len(floats_t) != len(floats) or len(others_t) != len(others) or not all(
+            a is b for a, b in zip((*floats_t, *others_t), (*floats, *others))):
+        return None
+    return fn
+
+
+def flex_primitives(score_mod, mask_mod, block_q: int = 16, block_k: int = 16) -> frozenset:
+    """The names of the JAX primitives flex attention's functions apply (nested jaxprs
+    included), traced at one tile: what a compiled kernel must be able to lower (Pallas
+    lowers neither ``gather`` nor ``dynamic_slice`` on Triton, so indexing a captured array
+    by ``h`` or by position keeps a function on the XLA path there)."""
+    names = set()
+
+    def walk(jaxpr):
+        for eqn in jaxpr.eqns:
+            names.add(eqn.primitive.name)
+            for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+                walk(sub)
+
+    scalar = jnp.zeros((), jnp.int32)
+    if score_mod is not None:
+        walk(jax.make_jaxpr(score_mod)(jnp.zeros((block_q, block_k), STATS_DTYPE), scalar,
+                                       scalar, *_positions(block_q, block_k)).jaxpr)
+    if mask_mod is not None:
+        walk(jax.make_jaxpr(mask_mod)(scalar, scalar, *_positions(block_q, block_k)).jaxpr)
+    return frozenset(names)
+
+
 def _prepare(q, k, v, layout, *, kv_mask, segments, bias, scale, dropout_rate, key,
              score_mod=None, mask_mod=None, sink=None, index=(0, 0)):
     """Pads checked inputs to whole tiles and gathers the static and dynamic kernel inputs."""
@@ -513,15 +643,8 @@ def _prepare(q, k, v, layout, *, kv_mask, segments, bias, scale, dropout_rate, k
     elif bias is not None:
         bias_fn, bias_arg, bias_data = _convert(
             lambda i, j: bias(i, j), *_positions(layout.block_q, layout.block_k))
-    bq, bk = layout.block_q, layout.block_k
-    scalar = jnp.zeros((), jnp.int32)
-    score_fn, score_floats, score_data, mask_fn, mask_data = None, [], [], None, []
-    if score_mod is not None:
-        score_fn, score_floats, score_data = _convert(
-            score_mod, jnp.zeros((bq, bk), STATS_DTYPE), scalar, scalar, *_positions(bq, bk))
-    if mask_mod is not None:
-        mask_fn, _, mask_data = _convert(mask_mod, scalar, scalar, *_positions(bq, bk),
-                                         differentiable=False)
+    score_fn, score_floats, score_data, mask_fn, mask_data = convert_flex(
+        score_mod, mask_mod, layout.block_q, layout.block_k)
     bh = jnp.stack([jnp.asarray(i, jnp.int32) for i in index])
     st = _Static(
         layout=layout,
@@ -534,6 +657,9 @@ def _prepare(q, k, v, layout, *, kv_mask, segments, bias, scale, dropout_rate, k
         scale_folded=bool(q.dtype == STATS_DTYPE or math.frexp(float(scale))[0] == 0.5),
         gather=gather,
         score_fn=score_fn,
+        score_fn_t=(_transposed_score(score_mod, layout.block_q, layout.block_k, score_floats,
+                                      score_data)
+                    if score_fn is not None and _transposed(layout, gather) else None),
         mask_fn=mask_fn,
         has_sink=sink is not None,
     )
