@@ -216,3 +216,17 @@ def test_render_shows_a_suites_notes(tmp_path):
     text = benchmark.render_markdown(str(tmp_path), str(tmp_path / "B.md"), plots=False)
     assert "### `attention`: notes\n\nA profile said so.\n" in text
     assert text.index("## Summary of targets") < text.index("## `attention`")
+
+
+def test_flex_ceilings_count_the_tiles_a_perfect_skip_leaves(monkeypatch):
+    """The flex suite's (why) ceilings: with the fixed tile cost table (512 x 512 tiles win at
+    L=8192), full flash computes 256 tiles and the ~10% band 46; causal flash 136 and 8 causal
+    documents of 1K 24 (8 full, 16 half-masked diagonal tiles)."""
+    from xformers_jax import kernels
+    from xformers_jax_experiments.suites import flex
+
+    table = dict(kernels.DEFAULT_TILE_COST)
+    monkeypatch.setattr(kernels, "tile_costs", lambda: table)
+    monkeypatch.setattr(kernels, "default_block", lambda: min(table, key=lambda t: (table[t], -t)))
+    band, documents = flex.ceilings(8192)
+    assert band == pytest.approx(256 / 46) and documents == pytest.approx(136 / 24)
