@@ -17,9 +17,10 @@ recurrent states, which no mask can undo.
 
 :class:`Server` runs requests of different prompt and output lengths on ``num_slots`` slots.
 Each step feeds every busy slot its next tokens: a chunk of up to ``prefill_chunk`` prompt
-tokens (chunked prefill, as in Agrawal et al., 2024, "Sarathi-Serve") or its last sampled one
-(one compiled step serves prefill and generation), so a request joins a free slot at any step
-and leaves when done (continuous batching, Yu et al., 2022, "Orca");
+tokens, with the generating slots' decoding carried along in the same step (chunked prefill,
+as in Agrawal et al., 2024, "Sarathi-Serve"; one compiled step serves prefill and
+generation), so a request joins a free slot at any step and leaves when done (continuous
+batching, Yu et al., 2022, "Orca");
 ``policy="lockstep"`` admits a new batch only when the whole previous one has finished, for
 comparison. With ``page_size`` the exact and windowed kinds keep keys and values in a pool of
 fixed-size pages (Kwon et al., 2023, "PagedAttention"): a page table per sequence, a free list,
@@ -358,14 +359,16 @@ class Server:
         ``num_pages`` pages in the pool (default: enough for every slot at ``max_len``).
       poison_freed: fill each page with NaN when it is freed (a check that a freed page is
         never read again: an output that read one would be NaN).
-      prefill_chunk: prompt tokens a slot is fed per step (chunked prefill): a step feeds
-        each prefilling slot up to this many of its prompt's tokens and each generating slot
-        its one sampled token, so a prompt of ``P`` tokens takes ``ceil(P / prefill_chunk)``
-        steps rather than ``P``. Inside the step the tokens are still decoded one after the
-        other (a loop as long as the step's longest chunk, one iteration when no slot
-        prefills): what a chunk saves is the steps' host work and dispatch, and, in
-        continuous batching, the steps that newly admitted requests hold up the others.
-        Outputs and caches equal ``prefill_chunk=1``'s.
+      prefill_chunk: prompt tokens a slot is fed per step (chunked prefill): a step is as
+        long as its longest prompt chunk (at most this many tokens; one token when no slot
+        prefills), and through it every slot advances as far: prefilling slots by their
+        prompt's tokens (then generating, once the prompt is in), generating slots by
+        generating, each token chosen inside the step from the one before. A prompt of ``P``
+        tokens takes ``ceil(P / prefill_chunk)`` steps rather than ``P``. Inside the step the
+        tokens are still decoded one after the other (a loop, not a parallel forward over
+        the chunk): what chunks save is the steps' host work and dispatch, and, in continuous
+        batching, the steps newly admitted prompts would hold the others up. Requests are
+        admitted between steps. Outputs and caches equal ``prefill_chunk=1``'s.
 
     Compiles one step (and a slot reset/copy) per model and sampling rule.
     """
