@@ -12,11 +12,13 @@ batching on requests of mixed lengths; a paged cache's memory against the tokens
 - ``read``: the time to sum a 256 MiB float32 array, the machine's memory bandwidth for the
   figure "exact attention's step within 2x of reading its cache once".
 - Serving: 96 requests, prompts log-uniform in 64..2048 tokens and outputs log-uniform in
-  16..512 (seeded; serving traces are heavy-tailed), on 16 slots of ``models.Server``, a
-  one-layer RetNet model at dim 64 (the figure is the scheduler's: both policies run the same
-  compiled step, so their ratio is that of steps taken); ``continuous`` admits a request into any free
-  slot, ``lockstep`` a new batch of 16 only when the last has finished; same tokens, same
-  compiled step.
+  16..512 (seeded; serving traces are heavy-tailed), on 16 slots of ``models.Server`` (prompts
+  fed in chunks of up to 64 tokens a step, generating slots decoding on through such a step),
+  a one-layer RetNet model at dim 64 (the figure is the scheduler's); ``continuous`` admits a
+  request into any free slot, ``lockstep`` a new batch of 16 only when the last has finished;
+  same tokens, same compiled step. Lockstep's batches prefill together and then generate one
+  token a step until their longest request is done; continuous batching keeps admitting
+  prompts, whose chunks lengthen the steps the generating slots decode through.
 """
 
 from __future__ import annotations
