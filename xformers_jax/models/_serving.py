@@ -234,13 +234,15 @@ class PagePool:
 
 
 def _chunk_loop(state, model_step, tokens, from_prompt, last, count, keys, greedy, temperature,
-                top_k):
+                top_k, record):
     """A step's tokens, one after the other: slot ``s`` is fed ``count[s]`` tokens, at
     iteration ``j`` its prompt's ``tokens[s, j]`` where ``from_prompt[s, j]``, else the token
     it chose at the iteration before (``last`` at ``j = 0``), and chooses its next token from
     the logits with ``keys[s, j]``. ``model_step(j, state, fed_tokens, fed) -> (state,
     logits)`` advances the slots where ``fed``. The loop runs ``max(count)`` times (once when
-    no slot prefills). Returns ``(state, last, chosen int[S, T], logits [S, T, vocab])``."""
+    no slot prefills). Returns ``(state, last, chosen int[S, T], logits [S, T, vocab])``, the
+    logits only when ``record`` (None otherwise: with a large vocabulary they would be the
+    step's largest output)."""
     s_n, t_n = tokens.shape
 
     def cond(carry):
@@ -256,18 +258,22 @@ def _chunk_loop(state, model_step, tokens, from_prompt, last, count, keys, greed
                        temperature, top_k)
         last = jnp.where(fed, pick, last)
         chosen = jax.lax.dynamic_update_index_in_dim(chosen, pick, j, 1)
-        seen = jax.lax.dynamic_update_index_in_dim(seen, logits.astype(seen.dtype), j, 1)
+        if record:
+            seen = jax.lax.dynamic_update_index_in_dim(seen, logits.astype(seen.dtype), j, 1)
         return j + 1, state, last, chosen, seen
 
-    vocab = jax.eval_shape(lambda st: model_step(0, st, last, count > 0), state)[1].shape[-1]
-    init = (jnp.zeros((), jnp.int32), state, last, jnp.zeros((s_n, t_n), jnp.int32),
-            jnp.zeros((s_n, t_n, vocab), jnp.float32))
+    seen = None
+    if record:
+        vocab = jax.eval_shape(lambda st: model_step(0, st, last, count > 0),
+                               state)[1].shape[-1]
+        seen = jnp.zeros((s_n, t_n, vocab), jnp.float32)
+    init = (jnp.zeros((), jnp.int32), state, last, jnp.zeros((s_n, t_n), jnp.int32), seen)
     _, state, last, chosen, seen = jax.lax.while_loop(cond, body, init)
     return state, last, chosen, seen
 
 
 def _dense_step(caches, model, tokens, from_prompt, last, positions, count, keys, greedy,
-                temperature, top_k):
+                temperature, top_k, record):
     # Slots not fed (idle, or past their count) keep their cache, at a position they hold:
     # one stepping on would run its position past the cache's capacity (a key/value cache
     # refuses that).
@@ -276,7 +282,7 @@ def _dense_step(caches, model, tokens, from_prompt, last, positions, count, keys
         return caches, logits
 
     return _chunk_loop(caches, model_step, tokens, from_prompt, last, count, keys, greedy,
-                       temperature, top_k)
+                       temperature, top_k, record)
 
 
 def _choose(logits, keys, greedy, temperature, top_k):
@@ -288,7 +294,7 @@ def _choose(logits, keys, greedy, temperature, top_k):
 
 
 def _paged_step(pool, model, tokens, from_prompt, last, positions, count, tables, write_page,
-                write_offset, keys, greedy, temperature, top_k):
+                write_offset, keys, greedy, temperature, top_k, record):
     layers = pool[0].shape[0]
 
     def one(k_pages, v_pages, token, table, length):
@@ -312,7 +318,7 @@ def _paged_step(pool, model, tokens, from_prompt, last, positions, count, tables
         return (k_pages, v_pages), logits
 
     return _chunk_loop(pool, model_step, tokens, from_prompt, last, count, keys, greedy,
-                       temperature, top_k)
+                       temperature, top_k, record)
 
 
 def _put(caches, slot, one):
@@ -335,13 +341,14 @@ _PUT = jax.jit(_put, donate_argnums=0)
 _TAKE = jax.jit(_take)
 _COPY_PAGE = jax.jit(_copy_page, donate_argnums=0)
 _POISON = jax.jit(_poison_pages, donate_argnums=0)
-_STATIC = ("greedy", "temperature", "top_k")
+_STATIC = ("greedy", "temperature", "top_k", "record")
 
 
 @functools.lru_cache(maxsize=16)
 def _jitted_step(step, static):
-    def call(state, params, *inputs, greedy, temperature, top_k):
-        return step(state, eqx.combine(params, static), *inputs, greedy, temperature, top_k)
+    def call(state, params, *inputs, greedy, temperature, top_k, record):
+        return step(state, eqx.combine(params, static), *inputs, greedy, temperature, top_k,
+                    record)
 
     return jax.jit(call, donate_argnums=0, static_argnames=_STATIC,
                    compiler_options=decode_compiler_options())
@@ -407,17 +414,17 @@ class Server:
         self._copy_page, self._poison = _COPY_PAGE, _POISON
 
     def _compiled(self, step):
-        """``step(state, model, *inputs, greedy, temperature, top_k)`` jitted with the model's
-        arrays as an argument and ``state`` (the slots' caches or the page pool) donated; one
-        program per model structure, shared by every server of that model."""
+        """``step(state, model, *inputs, greedy, temperature, top_k, record)`` jitted with the
+        model's arrays as an argument and ``state`` (the slots' caches or the page pool)
+        donated; one program per model structure, shared by every server of that model."""
         params, static = eqx.partition(self.model, eqx.is_array)
         try:
             jitted = _jitted_step(step, static)
         except TypeError:  # a model whose static part is not hashable
             jitted = _jitted_step.__wrapped__(step, static)
         return lambda state, model, *inputs: jitted(
-            state, params, *inputs[:-3], greedy=inputs[-3], temperature=inputs[-2],
-            top_k=inputs[-1])
+            state, params, *inputs[:-4], greedy=inputs[-4], temperature=inputs[-3],
+            top_k=inputs[-2], record=inputs[-1])
 
     # -- bytes --
 
@@ -614,10 +621,11 @@ class Server:
                 self.pool, last, chosen, logits = self._step(
                     self.pool, self.model, *args, jnp.asarray(tables.copy()),
                     jnp.asarray(write_page), jnp.asarray(write_offset), step_keys, greedy,
-                    temperature, top_k)
+                    temperature, top_k, record_logits)
             else:
                 self.caches, last, chosen, logits = self._step(
-                    self.caches, self.model, *args, step_keys, greedy, temperature, top_k)
+                    self.caches, self.model, *args, step_keys, greedy, temperature, top_k,
+                    record_logits)
             stats.steps += 1
             stats.processed += int(count.sum())
             outs.append((chosen, logits if record_logits else None))
