@@ -207,9 +207,11 @@ def checks(r):
                                f"cache once at the measured bandwidth "
                                f"({read_mib / read / 1024:.1f} GiB/s)",
                                exact / steps_of("dot_product"), seconds_to_read, at_most=2.0))
-    out.append(ratio_check("continuous / lockstep batching, tokens per second (mixed lengths)",
-                           r.time("serve lockstep", "fwd"), r.time("serve continuous", "fwd"),
-                           at_least=2.0))
+    # CPU time, as for the atlas: under other jobs' load the wall time of these runs of a few
+    # seconds swung from 1.0x to 5.0x between two runs of the same code.
+    out.append(ratio_check("continuous / lockstep batching, tokens per CPU second (mixed "
+                           "lengths)", r.value("cpu_s", "serve lockstep", "fwd"),
+                           r.value("cpu_s", "serve continuous", "fwd"), at_least=2.0))
     out.append(value_check("paged cache: memory held / tokens held (pages of 16)",
                            page_fill(quick), at_most=1.1, fmt="{:.3f}x"))
     return out
