@@ -152,7 +152,9 @@ def test_sampled_requests_equal_generate_alone_with_their_keys():
 def test_lockstep_gives_the_same_tokens_in_more_steps():
     model = _model("attention", "dot_product")
     requests = _requests()
-    server = models.Server(model, num_slots=2, max_len=MAX_LEN)
+    # One prompt token a step: with chunks as long as these prompts every request would take
+    # a step or two under either policy.
+    server = models.Server(model, num_slots=2, max_len=MAX_LEN, prefill_chunk=1)
     cont, c = server.run(requests)
     lock, lk = server.run(requests, policy="lockstep")
     for a, b in zip(cont, lock):
@@ -171,6 +173,49 @@ def test_an_idle_slot_keeps_its_cache_while_a_later_request_runs_on():
     served, _ = models.Server(model, num_slots=2, max_len=MAX_LEN).run(requests,
                                                                        record_logits=True)
     _assert_served_alone(model, requests, served, "an idle slot beside a long request")
+
+
+# -- chunked prefill ----------------------------------------------------------------------------
+
+CHUNKED = [("attention", "dot_product", None), ("attention", "local", None),
+           ("mixer", "retnet", None), ("attention", "dot_product", 4), ("attention", "local", 4)]
+
+
+@pytest.mark.parametrize("slot,name,page_size", CHUNKED,
+                         ids=[f"{n}-{'paged' if p else 'dense'}" for _, n, p in CHUNKED])
+def test_chunked_prefill_equals_token_by_token(slot, name, page_size):
+    """Prompts fed 3 tokens a step (several chunks, a last partial one, beside requests
+    generating) give the logits, tokens and caches of feeding them one token a step, in fewer
+    steps: exact, windowed (its ring buffer, its pages sliding out within a chunk) and
+    recurrent kinds."""
+    model = _model(slot, name, layers=2) if page_size else _model(slot, name)
+    requests = _requests(shapes=SHAPES + [(11, 3)])
+    kw = dict(num_slots=2, max_len=MAX_LEN, page_size=page_size,
+              poison_freed=page_size is not None)
+    one, chunked = (models.Server(model, prefill_chunk=c, **kw) for c in (1, 3))
+    want, ws = one.run(requests, record_logits=True)
+    got, gs = chunked.run(requests, record_logits=True)
+    for i, ((a, la), (b, lb)) in enumerate(zip(want, got)):
+        assert np.isfinite(lb).all(), f"request {i} read a freed (NaN) page"
+        assert_close(lb, la, err_msg=f"{name}: chunked vs token-by-token logits, request {i}")
+        np.testing.assert_array_equal(b, a, err_msg=f"{name}: request {i}")
+    assert gs.processed == ws.processed and gs.steps < ws.steps
+    if page_size and name == "local":
+        return  # a window's pages are not kept as a prefix
+    # The cache after an 11-token prompt: 3 chunks and a partial one against 11 steps.
+    prompt = requests[-1].prompt
+    a, b = one.add_prefix(prompt), chunked.add_prefix(prompt)
+    if page_size is None:
+        for x, y in zip(jax.tree_util.tree_leaves(a.cache), jax.tree_util.tree_leaves(b.cache)):
+            if jnp.issubdtype(x.dtype, jnp.integer):  # positions, indices
+                np.testing.assert_array_equal(y, x)
+            else:
+                assert_close(y, x, err_msg=f"{name}: the cache after a chunked prompt")
+        return
+    for pool_a, pool_b in zip(one.pool, chunked.pool):
+        held = [p[:, pages].reshape(p.shape[0], -1, *p.shape[3:])[:, :len(prompt)]
+                for p, pages in ((pool_a, a.pages), (pool_b, b.pages))]
+        assert_close(held[1], held[0], err_msg=f"{name}: the pages after a chunked prompt")
 
 
 # -- the paged cache ------------------------------------------------------------------------------

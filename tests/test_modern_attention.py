@@ -119,8 +119,8 @@ def test_mla_naive_and_absorbed_decoding_equal_the_forward_pass(hp):
 
     def run(layer):
         cache = layer.init_cache(2, 13)
-        assert cache.k.shape == (2, 13, 1, hp["latent_dim"])  # the latent, not per-head keys
-        assert cache.v.shape == (2, 13, 1, hp["rope_dim"])
+        assert cache.k.shape == (2, 1, 13, hp["latent_dim"])  # the latent, not per-head keys
+        assert cache.v.shape == (2, 1, 13, hp["rope_dim"])
 
         def step(c, xt):
             o, c = layer.decode(xt[:, None], c)

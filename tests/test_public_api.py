@@ -211,7 +211,7 @@ def test_mixers_names_are_pinned():
 
 # Serving: rows of different lengths, continuous batching, the paged cache, prefix reuse.
 SERVING_NAMES = ("PagePool", "Prefix", "Request", "ServeStats", "Server", "cache_bytes",
-                 "init_rows", "prefill_rows", "sequence_cache_bytes", "step_rows")
+                 "decode_compiler_options", "init_rows", "prefill_rows", "sequence_cache_bytes", "step_rows")
 
 
 def test_serving_names_are_exported():

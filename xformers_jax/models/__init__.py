@@ -33,6 +33,7 @@ from ._serving import Request as Request
 from ._serving import ServeStats as ServeStats
 from ._serving import Server as Server
 from ._serving import cache_bytes as cache_bytes
+from ._serving import decode_compiler_options as decode_compiler_options
 from ._serving import init_rows as init_rows
 from ._serving import prefill_rows as prefill_rows
 from ._serving import sequence_cache_bytes as sequence_cache_bytes

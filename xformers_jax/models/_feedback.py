@@ -133,8 +133,8 @@ class FeedbackLM(MemoryModel):
 
             def attend(h):
                 q, k, v = block.attn.project(h, None)
-                keys = jnp.concatenate([cache.k, k.astype(cache.k.dtype)], 1)
-                values = jnp.concatenate([cache.v, v.astype(cache.v.dtype)], 1)
+                keys = jnp.concatenate([cache.keys(), k.astype(cache.k.dtype)], 1)
+                values = jnp.concatenate([cache.values(), v.astype(cache.v.dtype)], 1)
                 valid = jnp.broadcast_to(cache.valid, keys.shape[:1] + cache.valid.shape)
                 if valid_from is not None:
                     valid = valid & (cache.pos[None] >= valid_from[:, None])

@@ -16,9 +16,11 @@ is shorter simply stops being fed (its cache is held) while the longer ones go o
 recurrent states, which no mask can undo.
 
 :class:`Server` runs requests of different prompt and output lengths on ``num_slots`` slots.
-Each step feeds every busy slot one token, a prompt token or its last sampled one (prompts are
-consumed token by token: one compiled step serves prefill and generation), so a request joins
-a free slot at any step and leaves when done (continuous batching, Yu et al., 2022, "Orca");
+Each step feeds every busy slot its next tokens: a chunk of up to ``prefill_chunk`` prompt
+tokens, with the generating slots' decoding carried along in the same step (chunked prefill,
+as in Agrawal et al., 2024, "Sarathi-Serve"; one compiled step serves prefill and
+generation), so a request joins a free slot at any step and leaves when done (continuous
+batching, Yu et al., 2022, "Orca");
 ``policy="lockstep"`` admits a new batch only when the whole previous one has finished, for
 comparison. With ``page_size`` the exact and windowed kinds keep keys and values in a pool of
 fixed-size pages (Kwon et al., 2023, "PagedAttention"): a page table per sequence, a free list,
@@ -49,6 +51,20 @@ def cache_bytes(cache) -> int:
     leaves from ``jax.eval_shape`` count as the arrays they describe)."""
     return int(sum(math.prod(a.shape) * jnp.dtype(a.dtype).itemsize
                    for a in jax.tree_util.tree_leaves(cache) if hasattr(a, "dtype")))
+
+
+def decode_compiler_options() -> dict:
+    """XLA options for a program that updates a decoding cache in place (pass them to
+    ``jax.jit(..., compiler_options=...)``; ``Server`` does).
+
+    A decoding step reads the cache and writes one slot of it. On XLA:CPU the default copy
+    insertion gives the write its own copy of every buffer that is also read in the program
+    (the whole cache, each step); its region analysis
+    (``xla_cpu_copy_insertion_use_region_analysis``) orders the read before the in-place write
+    instead. Empty on other backends."""
+    if jax.default_backend() == "cpu":
+        return {"xla_cpu_copy_insertion_use_region_analysis": True}
+    return {}
 
 
 def sequence_cache_bytes(model, max_len: int, dtype=jnp.float32) -> int:
@@ -159,7 +175,8 @@ class ServeStats:
     """What a :meth:`Server.run` did: ``steps`` (model calls), ``seconds`` (wall time, device
     work included), ``generated`` and ``processed`` tokens (prompt tokens fed plus generated
     ones), ``peak_pages`` in use and, for a paged cache, ``page_fill``: pages in use times the
-    page size over the tokens they hold, summed over steps (1.0: no page space wasted)."""
+    page size over the tokens the step reads or writes, summed over steps (1.0: no page space
+    wasted)."""
 
     steps: int = 0
     seconds: float = 0.0
@@ -216,13 +233,56 @@ class PagePool:
         return self.num_pages - 1 - len(self.free)
 
 
-def _dense_step(caches, model, tokens, last, use_prompt, positions, active, keys, greedy,
-                temperature, top_k):
-    # Idle slots keep their cache: one stepping on while others finish would run its position
-    # past the cache's capacity (a key/value cache refuses that).
-    tok = jnp.where(use_prompt, tokens, last)
-    logits, caches = step_rows(model, caches, tok, positions, active)
-    return caches, _choose(logits, keys, greedy, temperature, top_k), logits
+def _chunk_loop(state, model_step, tokens, from_prompt, last, count, keys, greedy, temperature,
+                top_k, record):
+    """A step's tokens, one after the other: slot ``s`` is fed ``count[s]`` tokens, at
+    iteration ``j`` its prompt's ``tokens[s, j]`` where ``from_prompt[s, j]``, else the token
+    it chose at the iteration before (``last`` at ``j = 0``), and chooses its next token from
+    the logits with ``keys[s, j]``. ``model_step(j, state, fed_tokens, fed) -> (state,
+    logits)`` advances the slots where ``fed``. The loop runs ``max(count)`` times (once when
+    no slot prefills). Returns ``(state, last, chosen int[S, T], logits [S, T, vocab])``, the
+    logits only when ``record`` (None otherwise: with a large vocabulary they would be the
+    step's largest output)."""
+    s_n, t_n = tokens.shape
+
+    def cond(carry):
+        return carry[0] < jnp.max(count)
+
+    def body(carry):
+        j, state, last, chosen, seen = carry
+        fed = j < count
+        tok = jnp.where(jax.lax.dynamic_index_in_dim(from_prompt, j, 1, False),
+                        jax.lax.dynamic_index_in_dim(tokens, j, 1, False), last)
+        state, logits = model_step(j, state, tok, fed)
+        pick = _choose(logits, jax.lax.dynamic_index_in_dim(keys, j, 1, False), greedy,
+                       temperature, top_k)
+        last = jnp.where(fed, pick, last)
+        chosen = jax.lax.dynamic_update_index_in_dim(chosen, pick, j, 1)
+        if record:
+            seen = jax.lax.dynamic_update_index_in_dim(seen, logits.astype(seen.dtype), j, 1)
+        return j + 1, state, last, chosen, seen
+
+    seen = None
+    if record:
+        vocab = jax.eval_shape(lambda st: model_step(0, st, last, count > 0),
+                               state)[1].shape[-1]
+        seen = jnp.zeros((s_n, t_n, vocab), jnp.float32)
+    init = (jnp.zeros((), jnp.int32), state, last, jnp.zeros((s_n, t_n), jnp.int32), seen)
+    _, state, last, chosen, seen = jax.lax.while_loop(cond, body, init)
+    return state, last, chosen, seen
+
+
+def _dense_step(caches, model, tokens, from_prompt, last, positions, count, keys, greedy,
+                temperature, top_k, record):
+    # Slots not fed (idle, or past their count) keep their cache, at a position they hold:
+    # one stepping on would run its position past the cache's capacity (a key/value cache
+    # refuses that).
+    def model_step(j, caches, tok, fed):
+        logits, caches = step_rows(model, caches, tok, positions + jnp.where(fed, j, 0), fed)
+        return caches, logits
+
+    return _chunk_loop(caches, model_step, tokens, from_prompt, last, count, keys, greedy,
+                       temperature, top_k, record)
 
 
 def _choose(logits, keys, greedy, temperature, top_k):
@@ -233,13 +293,11 @@ def _choose(logits, keys, greedy, temperature, top_k):
         logits, keys).astype(jnp.int32)
 
 
-def _paged_step(pool, model, tokens, last, use_prompt, positions, tables, write_page,
-                write_offset, keys, greedy, temperature, top_k):
-    k_pages, v_pages = pool
-    layers = k_pages.shape[0]
-    tok = jnp.where(use_prompt, tokens, last)
+def _paged_step(pool, model, tokens, from_prompt, last, positions, count, tables, write_page,
+                write_offset, keys, greedy, temperature, top_k, record):
+    layers = pool[0].shape[0]
 
-    def one(token, table, length):
+    def one(k_pages, v_pages, token, table, length):
         caches = PagedKVCache(
             k_pages, v_pages, jnp.broadcast_to(table, (layers, *table.shape)),
             jnp.broadcast_to(length, (layers,)),
@@ -248,10 +306,19 @@ def _paged_step(pool, model, tokens, last, use_prompt, positions, tables, write_
         logits, caches = model.decode_step(token[None], caches, length)
         return logits[0], caches.new_k[:, 0], caches.new_v[:, 0]
 
-    logits, new_k, new_v = jax.vmap(one)(tok, tables, positions)  # new_k: [S, layers, Hkv, D]
-    k_pages = k_pages.at[:, write_page, write_offset].set(jnp.moveaxis(new_k, 0, 1))
-    v_pages = v_pages.at[:, write_page, write_offset].set(jnp.moveaxis(new_v, 0, 1))
-    return (k_pages, v_pages), _choose(logits, keys, greedy, temperature, top_k), logits
+    def model_step(j, pool, tok, fed):
+        k_pages, v_pages = pool
+        logits, new_k, new_v = jax.vmap(one, in_axes=(None, None, 0, 0, 0))(
+            k_pages, v_pages, tok, tables, positions + jnp.where(fed, j, 0))
+        # slots not fed write to the scratch page 0 (write_page is 0 there)
+        page = jax.lax.dynamic_index_in_dim(write_page, j, 1, False)
+        offset = jax.lax.dynamic_index_in_dim(write_offset, j, 1, False)
+        k_pages = k_pages.at[:, page, offset].set(jnp.moveaxis(new_k, 0, 1))  # [S, layers..]
+        v_pages = v_pages.at[:, page, offset].set(jnp.moveaxis(new_v, 0, 1))
+        return (k_pages, v_pages), logits
+
+    return _chunk_loop(pool, model_step, tokens, from_prompt, last, count, keys, greedy,
+                       temperature, top_k, record)
 
 
 def _put(caches, slot, one):
@@ -274,15 +341,17 @@ _PUT = jax.jit(_put, donate_argnums=0)
 _TAKE = jax.jit(_take)
 _COPY_PAGE = jax.jit(_copy_page, donate_argnums=0)
 _POISON = jax.jit(_poison_pages, donate_argnums=0)
-_STATIC = ("greedy", "temperature", "top_k")
+_STATIC = ("greedy", "temperature", "top_k", "record")
 
 
 @functools.lru_cache(maxsize=16)
 def _jitted_step(step, static):
-    def call(state, params, *inputs, greedy, temperature, top_k):
-        return step(state, eqx.combine(params, static), *inputs, greedy, temperature, top_k)
+    def call(state, params, *inputs, greedy, temperature, top_k, record):
+        return step(state, eqx.combine(params, static), *inputs, greedy, temperature, top_k,
+                    record)
 
-    return jax.jit(call, donate_argnums=0, static_argnames=_STATIC)
+    return jax.jit(call, donate_argnums=0, static_argnames=_STATIC,
+                   compiler_options=decode_compiler_options())
 
 
 class Server:
@@ -297,14 +366,27 @@ class Server:
         ``num_pages`` pages in the pool (default: enough for every slot at ``max_len``).
       poison_freed: fill each page with NaN when it is freed (a check that a freed page is
         never read again: an output that read one would be NaN).
+      prefill_chunk: prompt tokens a slot is fed per step (chunked prefill): a step is as
+        long as its longest prompt chunk (at most this many tokens; one token when no slot
+        prefills), and through it every slot advances as far: prefilling slots by their
+        prompt's tokens (then generating, once the prompt is in), generating slots by
+        generating, each token chosen inside the step from the one before. A prompt of ``P``
+        tokens takes ``ceil(P / prefill_chunk)`` steps rather than ``P``. Inside the step the
+        tokens are still decoded one after the other (a loop, not a parallel forward over
+        the chunk): what chunks save is the steps' host work and dispatch, and, in continuous
+        batching, the steps newly admitted prompts would hold the others up. Requests are
+        admitted between steps. Outputs and caches equal ``prefill_chunk=1``'s.
 
     Compiles one step (and a slot reset/copy) per model and sampling rule.
     """
 
     def __init__(self, model, *, num_slots: int, max_len: int, dtype=jnp.float32,
                  page_size: int | None = None, num_pages: int | None = None,
-                 poison_freed: bool = False):
+                 poison_freed: bool = False, prefill_chunk: int = 64):
+        if prefill_chunk < 1:
+            raise ValueError(f"Server: prefill_chunk must be at least 1, got {prefill_chunk}")
         self.model, self.num_slots, self.max_len = model, num_slots, max_len
+        self.prefill_chunk = prefill_chunk
         one = jax.eval_shape(lambda m: m.init_cache(1, max_len, dtype), model)
         self.paged = page_size is not None
         self.poison_freed = poison_freed
@@ -320,7 +402,7 @@ class Server:
             self.pool_pages = PagePool(num_pages, page_size)
             # a window keeps the last `left` keys: older pages are freed as it slides
             self.window = one.pos.shape[-1] - 1 if one.ring else None
-            shape = (one.k.shape[0], num_pages, page_size, *one.k.shape[3:])
+            shape = (one.k.shape[0], num_pages, page_size, one.k.shape[2], one.k.shape[4])
             self.pool = (jnp.zeros(shape, one.k.dtype),
                          jnp.zeros(shape[:-1] + one.v.shape[-1:], one.v.dtype))
             self._step = self._compiled(_paged_step)
@@ -332,17 +414,17 @@ class Server:
         self._copy_page, self._poison = _COPY_PAGE, _POISON
 
     def _compiled(self, step):
-        """``step(state, model, *inputs, greedy, temperature, top_k)`` jitted with the model's
-        arrays as an argument and ``state`` (the slots' caches or the page pool) donated; one
-        program per model structure, shared by every server of that model."""
+        """``step(state, model, *inputs, greedy, temperature, top_k, record)`` jitted with the
+        model's arrays as an argument and ``state`` (the slots' caches or the page pool)
+        donated; one program per model structure, shared by every server of that model."""
         params, static = eqx.partition(self.model, eqx.is_array)
         try:
             jitted = _jitted_step(step, static)
         except TypeError:  # a model whose static part is not hashable
             jitted = _jitted_step.__wrapped__(step, static)
         return lambda state, model, *inputs: jitted(
-            state, params, *inputs[:-3], greedy=inputs[-3], temperature=inputs[-2],
-            top_k=inputs[-1])
+            state, params, *inputs[:-4], greedy=inputs[-4], temperature=inputs[-3],
+            top_k=inputs[-2], record=inputs[-1])
 
     # -- bytes --
 
@@ -430,7 +512,7 @@ class Server:
 
     def _run(self, requests, policy, greedy, temperature, top_k, *, record_logits=False,
              record=None, keep_slot=False):
-        s_n = self.num_slots
+        s_n, chunk = self.num_slots, self.prefill_chunk
         starts = [self._check(r, i) for i, r in enumerate(requests)]
         g_max = max([r.max_new_tokens for r in requests] + [1])
         queue = list(range(len(requests)))[::-1]
@@ -495,52 +577,68 @@ class Server:
                     if slot_req[s] < 0 and queue:
                         admit(s, queue.pop())
             active = np.array([i >= 0 for i in slot_req])
-            tok = np.zeros(s_n, np.int32)
-            use_prompt = np.zeros(s_n, bool)
-            gen = np.zeros(s_n, np.int32)
-            for s in np.flatnonzero(active):
+            busy = np.flatnonzero(active)
+            n_prompt = {s: len(np.asarray(requests[slot_req[s]].prompt)) for s in busy}
+            # Tokens a slot still feeds: its prompt's, then each generated one but the last.
+            left = {s: max(n_prompt[s] + requests[slot_req[s]].max_new_tokens - 1,
+                           n_prompt[s]) - int(pos[s]) for s in busy}
+            # The step is as long as its longest prompt chunk (one token when none prefills);
+            # generating slots go on generating through it rather than idling.
+            length = max([min(chunk, left[s]) for s in busy if pos[s] < n_prompt[s]] + [1])
+            count = np.zeros(s_n, np.int32)
+            tok = np.zeros((s_n, chunk), np.int32)
+            from_prompt = np.zeros((s_n, chunk), bool)
+            gen = np.full((s_n, chunk), -1, np.int64)  # generated index chosen at (s, j)
+            for s in busy:
+                count[s] = min(length, left[s])
                 prompt = np.asarray(requests[slot_req[s]].prompt)
-                if pos[s] < len(prompt):
-                    tok[s], use_prompt[s] = prompt[pos[s]], True
-                gen[s] = max(pos[s] - len(prompt) + 1, 0)
-            step_keys = jnp.asarray(keys[np.arange(s_n), np.minimum(gen, g_max - 1)].copy())
+                n = int(np.clip(n_prompt[s] - pos[s], 0, count[s]))
+                tok[s, :n], from_prompt[s, :n] = prompt[pos[s]:pos[s] + n], True
+                gen[s, :count[s]] = pos[s] + np.arange(count[s]) + 1 - n_prompt[s]
+            step_keys = jnp.asarray(keys[np.arange(s_n)[:, None],
+                                         np.clip(gen, 0, g_max - 1)].copy())
             # copies: on CPU a device array may share a numpy buffer, which the loop changes
-            args = (jnp.asarray(tok), last, jnp.asarray(use_prompt), jnp.asarray(pos.copy()))
+            args = (jnp.asarray(tok), jnp.asarray(from_prompt), last, jnp.asarray(pos.copy()),
+                    jnp.asarray(count))
             if self.paged:
-                write_page = np.zeros(s_n, np.int32)
-                for s in np.flatnonzero(active):
-                    j, off = divmod(int(pos[s]), page_size)
-                    if off == 0 and tables[s, j] == 0:
-                        tables[s, j] = self.pool_pages.allocate()
-                        owned[s].append(int(tables[s, j]))
-                    write_page[s] = tables[s, j]
-                write_offset = np.where(active, pos % page_size, 0).astype(np.int32)
+                write_page = np.zeros((s_n, chunk), np.int32)
+                write_offset = np.zeros((s_n, chunk), np.int32)
+                for s in busy:
+                    for f in range(count[s]):
+                        j, off = divmod(int(pos[s]) + f, page_size)
+                        if tables[s, j] == 0:
+                            tables[s, j] = self.pool_pages.allocate()
+                            owned[s].append(int(tables[s, j]))
+                        write_page[s, f], write_offset[s, f] = tables[s, j], off
                 stats.peak_pages = max(stats.peak_pages, self.pool_pages.in_use)
-                held = sum(int(pos[s]) + 1 if self.window is None else
-                           min(int(pos[s]) + 1, self.window + 1) for s in np.flatnonzero(active))
+                # the tokens the step reads or writes: a window's, from before the first fed
+                # token's window to the last fed token
+                held = sum(int(pos[s] + count[s]) if self.window is None else
+                           min(int(pos[s] + count[s]), self.window + int(count[s]))
+                           for s in busy)
                 fill_num += self.pool_pages.in_use * page_size
                 fill_den += held
-                self.pool, last, logits = self._step(
+                self.pool, last, chosen, logits = self._step(
                     self.pool, self.model, *args, jnp.asarray(tables.copy()),
                     jnp.asarray(write_page), jnp.asarray(write_offset), step_keys, greedy,
-                    temperature, top_k)
+                    temperature, top_k, record_logits)
             else:
-                self.caches, last, logits = self._step(
-                    self.caches, self.model, *args, jnp.asarray(active), step_keys, greedy,
-                    temperature, top_k)
+                self.caches, last, chosen, logits = self._step(
+                    self.caches, self.model, *args, step_keys, greedy, temperature, top_k,
+                    record_logits)
             stats.steps += 1
-            stats.processed += int(active.sum())
-            outs.append((last, logits if record_logits else None))
-            for s in np.flatnonzero(active):
+            stats.processed += int(count.sum())
+            outs.append((chosen, logits if record_logits else None))
+            for s in busy:
                 i = slot_req[s]
                 r = requests[i]
-                n_prompt = len(np.asarray(r.prompt))
-                if pos[s] >= n_prompt - 1 and gen[s] < r.max_new_tokens:
-                    log.append((stats.steps - 1, s, i, gen[s]))
-                pos[s] += 1
+                for j in range(count[s]):
+                    if 0 <= gen[s, j] < r.max_new_tokens:
+                        log.append((stats.steps - 1, s, j, i, int(gen[s, j])))
+                pos[s] += count[s]
                 if self.paged and self.window is not None:
                     self._slide(s, int(pos[s]), tables, owned)
-                if pos[s] >= n_prompt - 1 + r.max_new_tokens and pos[s] >= n_prompt:
+                if pos[s] >= n_prompt[s] - 1 + r.max_new_tokens and pos[s] >= n_prompt[s]:
                     finish(s)
         # one transfer of every step's outputs (stacking thousands on the device compiles a
         # program with thousands of operands)
@@ -549,10 +647,10 @@ class Server:
         stats.seconds = time.perf_counter() - t0
         results = [np.zeros(r.max_new_tokens, np.int32) for r in requests]
         lg = [[None] * r.max_new_tokens for r in requests]
-        for step, s, i, g in log:
-            results[i][g] = tokens[step, s]
+        for step, s, j, i, g in log:
+            results[i][g] = tokens[step, s, j]
             if record_logits:
-                lg[i][g] = seen[step][s]
+                lg[i][g] = seen[step][s, j]
         stats.generated = sum(r.max_new_tokens for r in requests)
         if self.paged:
             stats.page_fill = fill_num / max(fill_den, 1)

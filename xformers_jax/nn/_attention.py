@@ -371,10 +371,11 @@ class MultiHeadAttention(eqx.Module):
             # Cached keys that change with every new token (PaTH's transforms), before the
             # token's own entry is appended.
             new_k = decoding.update(
-                cache.k, self.params, inputs=x, index=cache.index,
+                cache.keys(), self.params, inputs=x, index=cache.index,
                 valid=jnp.broadcast_to(cache.valid, (b, cache.pos.shape[0])),
                 **self._call_hyperparameters())
-            cache = eqx.tree_at(lambda c: c.k, cache, new_k.astype(cache.k.dtype))
+            cache = eqx.tree_at(lambda c: c.k, cache,
+                                jnp.swapaxes(new_k, 1, 2).astype(cache.k.dtype))
         if own:
             # The kind's own attention over its own cache (two maps, a selection of cached
             # blocks, a compressed latent): KVDecoding's hooks.
@@ -385,23 +386,36 @@ class MultiHeadAttention(eqx.Module):
             valid = jnp.broadcast_to(cache.valid, (b, cache.pos.shape[0]))
             if self.adapter.takes_input:
                 hp = {**hp, "inputs": x}
-            o = decoding.attend(q, cache.k, cache.v, self.params, valid=valid,
+            o = decoding.attend(q, cache.keys(), cache.values(), self.params, valid=valid,
                                 index=cache.index, **hp)
             return self.output(o), cache
-        cache = cache.append(k, v)
-        valid = cache.valid
         pattern = decoding.pattern_for(self.spec.resolved) if isinstance(
             decoding, KVDecoding) else None
+        if not isinstance(self.position, BiasScheme):
+            # The held keys are read before the step's key is written (into the slot it
+            # overwrites: empty, or for a ring the one just out of the window), so the cache is
+            # updated in place rather than copied to be read after the write.
+            t, n = cache.index, cache.pos.shape[0]
+            valid = cache.valid & (jnp.arange(n) != t % n)
+            own = jnp.ones((), bool)
+            if pattern is not None and not cache.ring:
+                row = jnp.asarray(pattern.dense(n, n))[jnp.minimum(t, n - 1)]
+                valid, own = valid & row[jnp.maximum(cache.pos, 0)], row[jnp.minimum(t, n - 1)]
+            o = _one_query(q[:, 0], cache.k, cache.v, valid[None], new=(k[:, 0], v[:, 0], own))
+            return self.output(o[:, None]), cache.append(k, v)
+        cache = cache.append(k, v)
+        valid = cache.valid
         if pattern is not None and not cache.ring:
             n = cache.pos.shape[0]
             row = jnp.asarray(pattern.dense(n, n))[cache.index - 1]
             valid = valid & row[jnp.maximum(cache.pos, 0)]
+        # A score bias is a function of the query and key positions over the [B, C, H, D]
+        # layout of the attention functions: the general path (a copy of the cache).
         k_pos = jnp.broadcast_to(jnp.maximum(cache.pos, 0), (b, cache.pos.shape[0]))
-        bias = self._bias(q, cache.k, t_pos, k_pos)
-        kw = {} if bias is None else {"bias": bias}
+        keys = cache.keys()
         o = A.multihead(A.dot_product_attention, kwarg_axes={"bias": "batch_heads"})(
-            q, cache.k, cache.v, kv_mask=jnp.broadcast_to(valid, k_pos.shape), **kw
-        )
+            q, keys, cache.values(), kv_mask=jnp.broadcast_to(valid, k_pos.shape),
+            bias=self._bias(q, keys, t_pos, k_pos))
         return self.output(o), cache
 
     def _decode_paged(self, q, k, v, t_pos, cache: PagedKVCache):
@@ -428,17 +442,65 @@ class MultiHeadAttention(eqx.Module):
                 n = held_pos.shape[0]
                 row = jnp.asarray(pattern.dense(n, n))[jnp.minimum(t, n - 1)]
                 valid, own = valid & row, row[jnp.minimum(t, n - 1)]
-        keys = jnp.concatenate([held_k, k.astype(held_k.dtype)], axis=1)
-        values = jnp.concatenate([held_v, v.astype(held_v.dtype)], axis=1)
-        k_pos = jnp.concatenate([held_pos, t[None]])[None]
-        kv_mask = jnp.concatenate([valid, own[None]])[None]
-        bias = self._bias(q, keys, t_pos, k_pos)
-        kw = {} if bias is None else {"bias": bias}
-        o = A.multihead(A.dot_product_attention, kwarg_axes={"bias": "batch_heads"})(
-            q, keys, values, kv_mask=kv_mask, **kw)
+        if isinstance(self.position, BiasScheme):
+            keys = jnp.concatenate([held_k, k.astype(held_k.dtype)], axis=1)
+            values = jnp.concatenate([held_v, v.astype(held_v.dtype)], axis=1)
+            k_pos = jnp.concatenate([held_pos, t[None]])[None]
+            kv_mask = jnp.concatenate([valid, own[None]])[None]
+            o = A.multihead(A.dot_product_attention, kwarg_axes={"bias": "batch_heads"})(
+                q, keys, values, kv_mask=kv_mask, bias=self._bias(q, keys, t_pos, k_pos))
+        else:
+            # The gathered pages are a copy already: gathered heads first, and the values of
+            # slots not held zeroed (a page handed out again holds what its last owner wrote,
+            # or NaN when poisoned; a zero weight times NaN would still be NaN).
+            held_v = jnp.where(valid[None, :, None, None], held_v, jnp.zeros((), held_v.dtype))
+            o = _one_query(q[:, 0], jnp.swapaxes(held_k, 1, 2), jnp.swapaxes(held_v, 1, 2),
+                           valid[None], new=(k[:, 0], v[:, 0], own))[:, None]
         new = eqx.tree_at(lambda c: (c.new_k, c.new_v), cache,
                           (k[0].astype(cache.new_k.dtype), v[0].astype(cache.new_v.dtype)))
         return self.output(o), new
+
+
+def _one_query(q, k, v, valid, new=None):
+    """Exact softmax attention of one query per head over a heads-first key/value cache:
+    ``q [B, H, Dk]``, ``k [B, Hkv, C, Dk]``, ``v [B, Hkv, C, Dv]``, ``valid bool[1 or B, C]``
+    and, when given, ``new = (k_t [B, Hkv, Dk], v_t [B, Hkv, Dv], own bool[])``: the step's
+    own key and value, attended when ``own``, without being written into the cache first
+    -> ``[B, H, Dv]`` in q's dtype (Vaswani et al., 2017, at ``Lq = 1``).
+
+    A decoding step is bound by reading the cache, not by arithmetic: each key/value head's
+    ``[C, D]`` block is read once, contiguously, as a matrix-vector product with its group of
+    ``H / Hkv`` query heads (grouped-query attention, Ainslie et al., 2023, folded into the
+    product rather than repeating the cache), and invalid slots are masked on the ``[C]`` score
+    row (no ``[C, D]`` mask). The tiled kernel and ``multihead``'s per-head map are for many
+    queries; at one query they transpose or re-read the cache. Scores, the softmax and the
+    accumulation are float32; a query that sees no key gets zeros, as in
+    ``attention.dot_product_attention``."""
+    b, h, dk = q.shape
+    hkv = k.shape[1]
+    qg = q.reshape(b, hkv, h // hkv, dk)
+    scale = 1.0 / math.sqrt(dk)
+    s = jnp.einsum("bkgd,bkcd->bkgc", qg, k.astype(q.dtype),
+                   preferred_element_type=jnp.float32) * scale
+    mask = valid[:, None, None, :]
+    s = jnp.where(mask, s, -jnp.inf)
+    m = jnp.max(s, axis=-1)
+    if new is not None:
+        k_t, v_t, own = new
+        s_t = jnp.einsum("bkgd,bkd->bkg", qg, k_t.astype(q.dtype),
+                         preferred_element_type=jnp.float32) * scale
+        s_t = jnp.where(own, s_t, -jnp.inf)
+        m = jnp.maximum(m, s_t)
+    m = jax.lax.stop_gradient(jnp.where(jnp.isfinite(m), m, 0.0))
+    p = jnp.where(mask, jnp.exp(s - m[..., None]), 0.0)
+    den = p.sum(-1)
+    o = jnp.einsum("bkgc,bkcd->bkgd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    if new is not None:
+        p_t = jnp.where(own, jnp.exp(s_t - m), 0.0)
+        den = den + p_t
+        o = o + p_t[..., None] * v_t[:, :, None, :].astype(jnp.float32)
+    o = o / jnp.where(den == 0, 1.0, den)[..., None]
+    return o.reshape(b, h, v.shape[-1]).astype(q.dtype)
 
 
 def redraw_random_features(model, key):

@@ -17,8 +17,13 @@ import jax.numpy as jnp
 
 
 class KVCache(eqx.Module):
-    """Keys ``[B, C, Hkv, Dk]``, values ``[B, C, Hkv, Dv]``, positions ``int32[C]`` (-1 when
-    empty) and the next position ``index``; ``ring`` says whether old entries may be evicted."""
+    """Keys ``[B, Hkv, C, Dk]``, values ``[B, Hkv, C, Dv]``, positions ``int32[C]`` (-1 when
+    empty) and the next position ``index``; ``ring`` says whether old entries may be evicted.
+
+    Heads come before the slots so that each key/value head's ``[C, D]`` block is contiguous:
+    a one-query decoding step reads it as one matrix (a matrix-vector product per head, see
+    ``attention.decode_attention``) instead of gathering ``C`` strided rows; :meth:`keys` and
+    :meth:`values` give the ``[B, C, Hkv, D]`` layout of the attention functions (a copy)."""
 
     k: jax.Array
     v: jax.Array
@@ -29,8 +34,8 @@ class KVCache(eqx.Module):
     @classmethod
     def empty(cls, batch, capacity, kv_heads, dk, dv, dtype, *, ring: bool):
         return cls(
-            jnp.zeros((batch, capacity, kv_heads, dk), dtype),
-            jnp.zeros((batch, capacity, kv_heads, dv), dtype),
+            jnp.zeros((batch, kv_heads, capacity, dk), dtype),
+            jnp.zeros((batch, kv_heads, capacity, dv), dtype),
             jnp.full((capacity,), -1, jnp.int32),
             jnp.zeros((), jnp.int32),
             ring,
@@ -44,9 +49,18 @@ class KVCache(eqx.Module):
             t = eqx.error_if(t, t >= capacity,
                              f"KVCache: decoding past the cache capacity ({capacity})")
         slot = t % capacity
-        k = jax.lax.dynamic_update_slice_in_dim(self.k, k_t.astype(self.k.dtype), slot, axis=1)
-        v = jax.lax.dynamic_update_slice_in_dim(self.v, v_t.astype(self.v.dtype), slot, axis=1)
+        k_t, v_t = jnp.swapaxes(k_t, 1, 2), jnp.swapaxes(v_t, 1, 2)  # [B, Hkv, 1, D]
+        k = jax.lax.dynamic_update_slice_in_dim(self.k, k_t.astype(self.k.dtype), slot, axis=2)
+        v = jax.lax.dynamic_update_slice_in_dim(self.v, v_t.astype(self.v.dtype), slot, axis=2)
         return KVCache(k, v, self.pos.at[slot].set(t), t + 1, self.ring)
+
+    def keys(self):
+        """Keys as ``[B, C, Hkv, Dk]`` (the attention functions' layout; a copy)."""
+        return jnp.swapaxes(self.k, 1, 2)
+
+    def values(self):
+        """Values as ``[B, C, Hkv, Dv]`` (a copy)."""
+        return jnp.swapaxes(self.v, 1, 2)
 
     @property
     def valid(self):

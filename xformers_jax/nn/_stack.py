@@ -280,16 +280,25 @@ class LayerStack(eqx.Module):
         dynamic, static = self.per_layer()
         cache_dyn, cache_static = eqx.partition(caches, eqx.is_array)
 
-        def step(x, inputs):
-            params, cache, t = inputs
+        # The caches ride in the loop's carry, each layer reading its slice and writing it back
+        # at its index: scanned over as inputs and outputs instead, every step would copy the
+        # whole stack's caches into a fresh output (a key/value cache is the bulk of a
+        # decoding step's memory traffic).
+        def step(carry, inputs):
+            x, caches = carry
+            params, t = inputs
             if self.universal:
                 x = x + sinusoid(t, x.shape[-1]).astype(x.dtype)
+            cache = jax.tree_util.tree_map(lambda a: a[t], caches)
             y, cache = eqx.combine(params, static).decode(
                 x, eqx.combine(cache, cache_static), tokens=tokens, context=context,
                 context_mask=context_mask)
-            return y, eqx.filter(cache, eqx.is_array)
+            caches = jax.tree_util.tree_map(lambda a, n: a.at[t].set(n), caches,
+                                            eqx.filter(cache, eqx.is_array))
+            return (y, caches), None
 
-        x, new = jax.lax.scan(step, x, (dynamic, cache_dyn, jnp.arange(self.num_layers)))
+        (x, new), _ = jax.lax.scan(step, (x, cache_dyn),
+                                   (dynamic, jnp.arange(self.num_layers)))
         return x, eqx.combine(new, cache_static)
 
 
