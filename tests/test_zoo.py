@@ -150,7 +150,9 @@ def test_tiny_sweep_end_to_end(tmp_path):
            f"--results_dir={results}"]
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
-    rows = json.loads((results / "zoo.json").read_text())["rows"]
+    record = json.loads((results / "zoo.json").read_text())
+    rows = record["rows"]
+    assert record["wall_s"] > 0 and record["cpu_s"] > 0  # the runs' CPU time, children's
     assert {r["kind"] for r in rows} == {"dot_product", "mamba2"}
     assert all(0.0 <= r["test_accuracy"] <= 1.0 for r in rows), rows
     state = {r["kind"]: r["state_bytes"] for r in rows}
