@@ -86,3 +86,30 @@ def test_main_says_what_it_wrote(tmp_path, capsys):
     assert out.read_text() == C.catalogue()
     printed = capsys.readouterr().out
     assert f"wrote {out}" in printed and "attention kinds" in printed
+
+
+def test_recall_column_reads_the_zoo_results(tmp_path, monkeypatch):
+    """The largest finished MQAR setting per kind, the best over learning rates; blank for a
+    kind without one (an unfinished run, another task, or no run)."""
+    import json
+
+    def row(kind, L, d, lr, acc, task="mqar", slot="attention"):
+        return dict(task=task, slot=slot, kind=kind, L=L, d=d, lr=lr, test_accuracy=acc)
+
+    rows = [row("dot_product", 64, 64, 1e-3, 0.9), row("dot_product", 256, 64, 1e-3, 0.7),
+            row("dot_product", 256, 128, 1e-3, 0.25), row("dot_product", 256, 128, 3e-3, 0.75),
+            row("dot_product", 512, 128, 1e-3, None),  # not finished
+            row("performer", 64, 64, 1e-3, 0.125, task="selective_copy"),
+            row("mamba", 128, 64, 1e-3, 0.5, slot="mixer")]
+    path = tmp_path / "zoo.json"
+    path.write_text(json.dumps(dict(grid="cpu", rows=rows)))
+    monkeypatch.setattr(C, "_ZOO", str(path))
+    assert C.recall() == {("attention", "dot_product"): (0.75, 256, 128),
+                          ("mixer", "mamba"): (0.5, 128, 64)}
+    text = C.catalogue()
+    col = C._COLUMNS.index("recall")
+    assert _row_of(text, "dot_product").split(" | ")[col] == "0.75 (L=256, d=128)"
+    assert _row_of(text, "mamba").split(" | ")[col] == "0.50 (L=128, d=64)"
+    assert _row_of(text, "performer").split(" | ")[col] == ""
+    monkeypatch.setattr(C, "_ZOO", str(tmp_path / "missing.json"))
+    assert _row_of(C.catalogue(), "dot_product").split(" | ")[col] == ""

@@ -156,7 +156,9 @@ def test_tiny_sweep_end_to_end(tmp_path):
            f"--results_dir={results}"]
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
-    rows = json.loads((results / "zoo.json").read_text())["rows"]
+    record = json.loads((results / "zoo.json").read_text())
+    rows = record["rows"]
+    assert record["wall_s"] > 0 and record["cpu_s"] > 0  # the runs' CPU time, children's
     assert {r["kind"] for r in rows} == {"dot_product", "mamba2"}
     assert all(0.0 <= r["test_accuracy"] <= 1.0 for r in rows), rows
     state = {r["kind"]: r["state_bytes"] for r in rows}
@@ -166,3 +168,52 @@ def test_tiny_sweep_end_to_end(tmp_path):
     again = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert again.returncode == 0, again.stderr[-3000:]
     assert again.stdout.count("already finished") == 2  # resumed: nothing run again
+
+
+def test_logits_at_scored_positions_equal_the_full_logits():
+    """The zoo tasks' output layer runs at the scored positions only (``Task.num_scored``,
+    ``CausalLM(logits_at=)``): the loss, accuracy, evaluation sums and gradients equal those
+    of the full logits scored through the mask."""
+    import dataclasses
+
+    import equinox as eqx
+    import jax
+    import jax.numpy as jnp
+
+    from xformers_jax.train import _objective, _tasks
+
+    c = Z.get_config("mqar,attention,dot_product,32")
+    c.unlock()
+    c.data.update(dict(num_train=8, num_eval=8, num_test=8, vocab_size=256))
+    c.model.update(dict(dim=32, num_heads=1, hidden=64))
+    task = _tasks.make_task(c.data, 0)
+    assert task.num_scored == 2
+    full_task = dataclasses.replace(task, num_scored=0)
+    model = _tasks.build_model(c.model, task, jax.random.PRNGKey(0))
+    batch = {k: jnp.stack([task.train[i][k] for i in range(4)]) for k in task.train[0]}
+    at, view = _objective.scored_view(task, _tasks.models.get_model("causal_lm"), batch)
+    assert at.shape == (4, 2) and bool(view["scored"].all())
+    full = model(batch["inputs"])
+    np.testing.assert_allclose(model(batch["inputs"], logits_at=at),
+                               jnp.take_along_axis(full, at[..., None], axis=1),
+                               rtol=1e-5, atol=1e-5)
+
+    def value_and_grad(t):
+        fn = _objective.make_loss_fn(t)
+        return eqx.filter_value_and_grad(lambda m: fn(m, batch, None), has_aux=True)(model)
+
+    (loss, metrics), grads = value_and_grad(task)
+    (full_loss, full_metrics), full_grads = value_and_grad(full_task)
+    np.testing.assert_allclose(float(loss), float(full_loss), rtol=1e-5)
+    assert float(metrics["accuracy"]) == float(full_metrics["accuracy"])
+    for g, h in zip(jax.tree.leaves(grads), jax.tree.leaves(full_grads)):
+        np.testing.assert_allclose(g, h, rtol=1e-4, atol=1e-6)
+    # evaluation, with targets the model gets right at the scored positions of rows 0 and 1
+    # only: accuracy 1/2 by both paths
+    answer = jnp.where(jnp.arange(4)[:, None] < 2, full.argmax(-1), batch["targets"])
+    batch = dict(batch, targets=jnp.where(batch["scored"], answer, 0))
+    sums = _objective.make_metrics_fn(task)(model, batch)
+    full_sums = _objective.make_metrics_fn(full_task)(model, batch)
+    for k in ("loss_sum", "correct", "count"):
+        np.testing.assert_allclose(float(sums[k]), float(full_sums[k]), rtol=1e-5)
+    assert int(sums["count"]) == 8 and int(sums["correct"]) == 4

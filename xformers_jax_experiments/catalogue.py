@@ -5,7 +5,8 @@ function (``xformers_jax/attention/**/_kinds.py``, ``xformers_jax/mixers/_kinds.
 each kind's paper (linked), costs, causal and decoding support, and every hyperparameter with
 its default and meaning; and, where the ``lra`` and ``gpu_lra`` benchmark suites measured the
 kind, its training step's time and compiled memory relative to dense attention
-(``xformers_jax_experiments/results/{lra,gpu_lra}.json``).
+(``xformers_jax_experiments/results/{lra,gpu_lra}.json``); and, where the zoo study ran it,
+its multi-query associative recall accuracy (``xformers_jax_experiments/studies/zoo/zoo.json``).
 
   python -m xformers_jax_experiments.catalogue [--catalogue_out=CATALOGUE.md]
 
@@ -45,16 +46,21 @@ the spec must give it (`nn.AttentionSpec("nystrom")` is refused for want of
 `num_landmarks`); *step time, step memory*: one training step of the LRA byte-level Text
 classifier at L = 4096 with this kind, over the same step with dense `dot_product` attention
 (the `lra` benchmark suite on a CPU, `gpu_lra` on a GPU: BENCHMARKS.md), where measured;
-below 1 is cheaper.
+below 1 is cheaper; *recall*: test accuracy on Zoology's multi-query associative recall
+(Arora et al. 2023) of a 2-layer model with this kind at the largest length and width the zoo
+study (`xformers_jax_experiments/studies/zoo`, its README and `zoo.md`) finished for it, the
+best over its learning rates, with that length and width; blank where the study has no result.
 """
 
 _COLUMNS = ("kind", "function", "paper", "time", "memory", "causal", "decoding",
             "decoding state", "bias", "fixed length", "packs", "step time", "step memory",
-            "hyperparameters")
+            "recall", "hyperparameters")
 
 _RESULTS = os.path.join(os.path.dirname(__file__), "results")
 # (suite, label, the length the ratios are read at): each a training step per attention kind.
 _MEASURED = (("lra", "CPU", 4096), ("gpu_lra", "GPU", 4096))
+# The zoo study's results (one row per run: task, slot, kind, L, d, lr, test_accuracy).
+_ZOO = os.path.join(os.path.dirname(__file__), "studies", "zoo", "zoo.json")
 
 # arXiv identifiers of the papers the records cite, by title; a paper not listed here is
 # linked to an arXiv title search.
@@ -183,17 +189,44 @@ def measured() -> dict:
     return out
 
 
+def recall(path: str | None = None) -> dict:
+    """``{(slot, kind): (accuracy, L, d)}``: each kind's MQAR test accuracy in the zoo's
+    results (``path``, default the study's ``zoo.json``) at the largest finished setting (the
+    longest length, then the widest model), the best over the learning rates there; a kind
+    with no finished MQAR run is absent."""
+    path = path or _ZOO
+    if not os.path.exists(path):
+        return {}
+    with open(path) as f:
+        rows = json.load(f)["rows"]
+    out = {}
+    for r in rows:
+        acc = r.get("test_accuracy")
+        if r.get("task") != "mqar" or acc is None:
+            continue
+        key, here = (r["slot"], r["kind"]), (r["L"], r["d"], acc)
+        best = out.get(key)
+        if best is None or here > (best[1], best[2], best[0]):
+            out[key] = (acc, r["L"], r["d"])
+    return out
+
+
+def _recall(entry) -> str:
+    return "" if entry is None else f"{entry[0]:.2f} (L={entry[1]}, d={entry[2]})"
+
+
 def _ratios(pairs) -> str:
     return ", ".join(f"{label} {ratio:.2f}x" for label, ratio in pairs) or "—"
 
 
-def _row(k, costs) -> str:
+def _row(k, costs, recalls=None, slot="attention") -> str:
     cost = costs.get(k.name, {})
     cells = (f"`{k.name}`", f"`{k.function.__name__}`",
              f"{k.paper.authors} ({k.paper.year}), [*{k.paper.title}*]({paper_url(k.paper)})",
              k.time, k.memory, _yes(k.causal), k.decoding or "no", k.state_size,
              _yes(k.bias), _yes(k.fixed_length), _packs(k), _ratios(cost.get("time", ())),
-             _ratios(cost.get("memory", ())), _hyperparameters(k))
+             _ratios(cost.get("memory", ())), _recall((recalls or {}).get((slot, k.name))),
+             _hyperparameters(k))
     return "| " + " | ".join(cells).replace("\n", " ") + " |"
 
 
@@ -211,7 +244,7 @@ def catalogue() -> str:
     """The catalogue's Markdown text for the kinds registered now (those with complete
     records), one section per slot (attention, token mixers, FFN layers), one table per
     family."""
-    lines, costs = [_HEADER.rstrip("\n")], measured()
+    lines, costs, recalls = [_HEADER.rstrip("\n")], measured(), recall()
     for title, usage, slot, order in _SLOTS:
         kinds = slot_kinds(slot)
         if not kinds:
@@ -225,7 +258,7 @@ def catalogue() -> str:
                 continue
             lines += [f"\n### {family}\n", "| " + " | ".join(_COLUMNS) + " |",
                       "|" + "---|" * len(_COLUMNS)]
-            lines += [_row(k, costs) for k in rows]
+            lines += [_row(k, costs, recalls, slot) for k in rows]
     return "\n".join(lines) + "\n"
 
 

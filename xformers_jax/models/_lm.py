@@ -20,6 +20,15 @@ from ._registry import SLOTS, TRUNK, block_kwargs, register_model
 from ._trunk import finish, run_with_aux
 
 
+def _gather_rows(h, at):
+    """``h[b, at[b]]``: ``[B, K, D]`` of ``h: [B, L, D]`` at ``at: int[B, K]``."""
+    at = jnp.asarray(at)
+    if at.ndim != 2 or at.shape[0] != h.shape[0] or not jnp.issubdtype(at.dtype, jnp.integer):
+        raise ValueError(f"CausalLM: logits_at must be int [B, K] with B = {h.shape[0]} "
+                         f"(the tokens' rows), got {at.dtype} {list(at.shape)}")
+    return jnp.take_along_axis(h, at[..., None], axis=1)
+
+
 class CausalLM(eqx.Module):
     """A decoder-only language model with cached decoding and ``generate``."""
 
@@ -38,7 +47,7 @@ class CausalLM(eqx.Module):
         self.head = jax.random.normal(k3, (dim, vocab_size)) / math.sqrt(dim)
 
     def __call__(self, tokens, *, mask=None, key=None, state=None, inference=False,
-                 memory=None, return_aux=False, segment_ids=None):
+                 memory=None, return_aux=False, segment_ids=None, logits_at=None):
         """Teacher-forced logits ``[B, L, vocab]`` for ``tokens: int[B, L]`` (``(logits,
         state)`` when an ``eqx.nn.State`` is given: stateful attention, e.g. routing; ``(that,
         aux)`` with ``return_aux``: the FFNs' auxiliary outputs per layer, ``nn.aux_terms``).
@@ -53,7 +62,12 @@ class CausalLM(eqx.Module):
         padding, which ``mask`` then need not repeat): positions restart at every document
         (``nn.document_positions``) and no document sees another, so each document's logits
         equal those of the document run alone. Every kind of the model must honour segment
-        ids (``nn.check_segments`` names any that does not)."""
+        ids (``nn.check_segments`` names any that does not).
+
+        ``logits_at int[B, K]``: the logits at those positions of each row only, ``[B, K,
+        vocab]`` (the same values as ``logits[b, logits_at[b]]`` of the full call): for tasks
+        scored at a few positions (Zoology's MQAR scores ``kv`` of ``L``), where the output
+        layer over the vocabulary at every position would dominate the step."""
         positions = None
         if segment_ids is not None:
             segment_ids = jnp.asarray(segment_ids)
@@ -71,6 +85,8 @@ class CausalLM(eqx.Module):
         if memory is not None:
             if state is not None:
                 raise ValueError("CausalLM: stateful attention does not take a memory")
+            if logits_at is not None:
+                raise ValueError("CausalLM: logits_at is not supported with a memory")
             h, carry = self.layers(x, Carry(memory=memory), kv_mask=mask, key=key,
                                    inference=inference, tokens=tokens)
             h = finish(self.final_norm, h)
@@ -80,6 +96,8 @@ class CausalLM(eqx.Module):
             return out, {**carry.aux, "reconstruction_loss": memory_aux_loss(carry.memory)}
         h, new, aux = run_with_aux(self.layers, x, state, kv_mask=mask, key=key,
                                    inference=inference, tokens=tokens, **seg)
+        if logits_at is not None:
+            h = _gather_rows(h, logits_at)
         h = finish(self.final_norm, h)
         logits = constrain(h @ self.head.astype(h.dtype), X.LOGITS)
         out = logits if state is None else (logits, new)
@@ -128,7 +146,7 @@ class CausalLM(eqx.Module):
 
 
 @register_model("causal_lm", serves=("language_model",), defaults=dict(TRUNK, **SLOTS),
-                loss_weights=AUX_WEIGHTS, packs=True)
+                loss_weights=AUX_WEIGHTS, packs=True, logits_at=True)
 def causal_lm(config, task, key):
     """The decoder-only language model (:class:`CausalLM`, sinusoidal input positions)."""
     return CausalLM(task.vocab_size, config.dim, config.num_layers, config.num_heads,

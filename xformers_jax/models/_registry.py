@@ -60,6 +60,9 @@ class ModelKind:
       packs: the model takes packed rows (``segment_ids=`` int ``[B, L]``, several documents
         per row, each as if alone; ``data.pack=True`` of a language-model task); the
         trainer refuses packing for a kind that does not.
+      logits_at: the model takes ``logits_at=`` int ``[B, K]`` (positions of each row) and
+        returns the logits at those positions only, ``[B, K, vocab]``: the trainer then runs
+        the output layer and the loss only where a task scores (``Task.num_scored``).
       doc: one line for listings (the builder's docstring's first line by default).
     """
 
@@ -71,6 +74,7 @@ class ModelKind:
     target_terms: Callable | None = None
     doc: str = ""
     packs: bool = False
+    logits_at: bool = False
 
     def __post_init__(self):
         object.__setattr__(self, "serves", tuple(self.serves))
@@ -109,13 +113,13 @@ _MODELS: dict[str, ModelKind] = {}
 
 def register_model(name: str, *, serves, defaults: Mapping, loss_weights: Mapping = (),
                    target_terms: Callable | None = None, packs: bool = False,
-                   replace: bool = False):
+                   logits_at: bool = False, replace: bool = False):
     """A decorator registering ``build(config, task, key) -> model`` as the model kind
     ``name`` (see :class:`ModelKind` for the other arguments); a name already registered
     raises ValueError unless ``replace=True``. Returns the builder unchanged."""
     def register(build):
         kind = ModelKind(name, build, serves, dict(defaults), dict(loss_weights), target_terms,
-                         packs=packs)
+                         packs=packs, logits_at=logits_at)
         if name in _MODELS and not replace:
             raise ValueError(f"model kind {name!r} is already registered; pass replace=True")
         _MODELS[name] = kind

@@ -14,11 +14,17 @@ the padding that ends a row) are scored over their real tokens only: ``cross_ent
 whichever document or row it is in, so a long document counts for its length), the value the
 same documents unpacked give as the mean over their tokens; evaluation sums them and counts
 the real tokens. Tasks that score chosen positions only (``batch["scored"]``, the synthetic
-recall and copying tasks) are scored the same way over those positions.
+recall and copying tasks) are scored the same way over those positions. When such a task scores
+the same number of positions in every example (``Task.num_scored``) and the model kind takes
+``logits_at`` (``models.ModelKind.logits_at``), the model computes its output layer at those
+positions only and the loss and accuracy are taken there (:func:`scored_view`): the same
+values, without the output layer and softmax over the vocabulary at every position (MQAR at
+L = 64 scores 4 positions of 64 over a vocabulary of 8192).
 """
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import optax
 
@@ -27,11 +33,33 @@ from ._guard import INVALID_DATA, count_invalid
 from ._tasks import Task, model_inputs, spec_of
 
 
-def forward(model, batch, task: Task, key, policy: nn.Policy | None = None):
+def scored_view(task: Task, model_kind, batch):
+    """``(logits_at, batch)``: where a task scores ``task.num_scored`` positions of every row
+    (``batch["scored"]``) and ``model_kind`` takes ``logits_at``, the positions ``int[B, K]``
+    (ascending) and the batch with ``targets`` and ``scored`` gathered there (``[B, K]``);
+    else ``(None, batch)`` (the model's logits at every position, scored through the mask).
+    Rows that mark fewer than ``K`` positions pad with position 0, left unscored by the
+    gathered ``scored``; a row marking more than ``K`` would lose the later ones, so a task
+    sets ``num_scored`` only when its data marks exactly that many in every row."""
+    k = getattr(task, "num_scored", 0)
+    if (not k or not getattr(model_kind, "logits_at", False) or "scored" not in batch
+            or "carry" in batch or "segment_ids" in batch):
+        return None, batch
+    scored = batch["scored"]
+    at = jax.vmap(lambda s: jnp.nonzero(s, size=k, fill_value=0)[0])(scored)
+    gather = lambda x: jnp.take_along_axis(x, at, axis=1)  # noqa: E731
+    return at, dict(batch, targets=gather(batch["targets"]), scored=gather(scored))
+
+
+def forward(model, batch, task: Task, key, policy: nn.Policy | None = None, *,
+            logits_at=None):
     """``(outputs, aux)`` of ``model`` on ``batch``: float32 logits (``(logits, new_carry)``
     when the batch carries a state) and the model's auxiliary outputs. ``policy`` runs the
-    model in its compute dtype."""
+    model in its compute dtype; ``logits_at`` (:func:`scored_view`) asks for the logits at
+    those positions only."""
     args, kwargs = model_inputs(task, batch)
+    if logits_at is not None:
+        kwargs = dict(kwargs, logits_at=logits_at)
 
     def run(m):
         return m(*args, key=key, return_aux=True, **kwargs)
@@ -101,10 +129,11 @@ def make_loss_fn(task: Task, policy: nn.Policy | None = None, weights=None, *,
     w = model_kind.weights(dict(weights or {}))
 
     def loss_fn(model, batch, key):
-        out, aux = forward(model, batch, task, key, policy)
+        at, view = scored_view(task, model_kind, batch)
+        out, aux = forward(model, batch, task, key, policy, logits_at=at)
         logits, carry = _split(out, batch)
-        terms = task_terms(task, logits, batch)
-        terms.update(model_kind.terms(aux, batch.get("targets")))
+        terms = task_terms(task, logits, view)
+        terms.update(model_kind.terms(aux, view.get("targets")))
         loss = sum(w[name] * value for name, value in terms.items() if w.get(name))
         metrics = dict(terms)
         # Out-of-range ids would be clamped (embeddings) or wrapped (labels) silently: the
@@ -135,9 +164,13 @@ def make_metrics_fn(task: Task, policy: nn.Policy | None = None, *, kind: str | 
 
         return self_supervised
 
+    model_kind = models.get_model(kind or spec_of(task).model)
+
     def metrics_fn(model, batch):
-        logits, carry = _split(forward(model, batch, task, None, policy)[0], batch)
-        loss_sum, correct, count = _sums(logits, batch["targets"], _real(batch))
+        at, view = scored_view(task, model_kind, batch)
+        logits, carry = _split(forward(model, batch, task, None, policy, logits_at=at)[0],
+                               batch)
+        loss_sum, correct, count = _sums(logits, view["targets"], _real(view))
         out = {"loss_sum": loss_sum, "correct": correct, "count": count,
                INVALID_DATA: _invalid(task, batch)}
         return out if carry is None else dict(out, carry=carry)

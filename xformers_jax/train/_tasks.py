@@ -34,7 +34,11 @@ class Task:
     ``spec`` is the spec that made it; a ``Task`` built by hand (``spec=None``) is a
     classification of ``batch["inputs"]`` (id 0 is padding when ``padded``). ``packed``:
     the rows pack several documents (``data.PackedDocuments``; a batch holds their
-    ``segment_ids``), which the model must keep apart.
+    ``segment_ids``), which the model must keep apart. ``num_scored``: the positions scored
+    in every example when the task scores a fixed number of chosen ones (``batch["scored"]``
+    marks them; the synthetic recall and copying tasks), else 0: a model kind that takes
+    ``logits_at`` (``models.ModelKind.logits_at``) then computes its output layer and loss
+    at those positions only (``train._objective``).
     """
 
     train: object
@@ -46,6 +50,7 @@ class Task:
     padded: bool
     spec: "TaskSpec | None" = None
     packed: bool = False
+    num_scored: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -333,7 +338,7 @@ def _make_mqar(c, seed):
         n, seed=s, seq_len=c.seq_len, num_kv_pairs=c.num_kv_pairs, vocab_size=c.vocab_size,
         power_a=c.power_a)
     return Task(*_three(split, c, seed), vocab_size=c.vocab_size, num_classes=c.vocab_size,
-                seq_len=c.seq_len, padded=False)
+                seq_len=c.seq_len, padded=False, num_scored=c.num_kv_pairs)
 
 
 def _make_selective_copy(c, seed):
@@ -341,7 +346,8 @@ def _make_selective_copy(c, seed):
         n, seed=s, seq_len=c.seq_len, num_tokens=c.num_tokens, vocab=c.vocab)
     train, validation, test = _three(split, c, seed)
     return Task(train, validation, test, vocab_size=train.vocab_size,
-                num_classes=train.vocab_size, seq_len=c.seq_len, padded=False)
+                num_classes=train.vocab_size, seq_len=c.seq_len, padded=False,
+                num_scored=c.num_tokens)
 
 
 def _make_induction(c, seed):
@@ -353,7 +359,8 @@ def _make_induction(c, seed):
                                   vocab=c.vocab)
     test = D.InductionHeads(c.num_test, seed=3 * seed + 2, seq_len=test_len, vocab=c.vocab)
     return Task(train, validation, test, vocab_size=train.vocab_size,
-                num_classes=train.vocab_size, seq_len=max(c.seq_len, test_len), padded=False)
+                num_classes=train.vocab_size, seq_len=max(c.seq_len, test_len), padded=False,
+                num_scored=1)
 
 
 def _make_electra(c, seed):

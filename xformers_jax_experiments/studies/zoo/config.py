@@ -11,7 +11,7 @@ attention slot (``SLOT=attention``) or token-mixer slot (``SLOT=mixer``) holds `
 :func:`zoo_hyperparameters`, on ``TASK`` (``mqar``, ``selective_copy``, ``induction``) at
 length ``L``. MQAR's pairs follow Zoology's grid: ``kv = L / 16`` ((64, 4), (128, 8),
 (256, 16)). The width is ``model.dim`` (one head per 32 channels, MLP 4x). ``GRID`` picks the
-schedule: ``cpu`` (the default: 20k training examples, at most 2000 steps of batch 64, an
+schedule: ``cpu`` (the default: 20k training examples, at most 1000 steps of batch 64, an
 evaluation every 200) or ``full`` (Zoology's: 100k examples, 64 epochs of batch 64). The
 study's runner (``run.py``) sweeps kinds, settings, widths and learning rates through
 ``xformers_jax_experiments.sweep``.
@@ -109,8 +109,8 @@ def get_config(arg=None):
     c.progress_bar = False
     if grid == "cpu":
         c.data.update(dict(num_train=20_000, num_eval=500, num_test=1_000))
-        c.update(dict(batch_size=64, num_train_steps=2000, log_every=100, eval_every=200,
-                      checkpoint_every=1000))
+        c.update(dict(batch_size=64, num_train_steps=1000, log_every=100, eval_every=200,
+                      checkpoint_every=500))
     else:
         c.data.update(dict(num_train=100_000, num_eval=3_000, num_test=3_000))
         steps = 64 * 100_000 // 64
