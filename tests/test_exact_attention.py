@@ -307,6 +307,18 @@ def test_composes_with_jit_vmap_grad(key):
     assert_close(out[1], multihead(dot_product_attention)(q + 1, k, v))
 
 
+def test_numpy_masks_under_jit_and_grad(key):
+    """A NumPy mask (as a data pipeline hands it over) batched by multihead reaches the tiled
+    kernel's custom VJP under jit as a JAX array, not as a raw constant JAX's tracer rejects."""
+    q = jax.random.normal(key, (2, 16, 2, 8))
+    mask = np.arange(16)[None, :] < np.array([[16], [9]])
+
+    flash = jax.jit(lambda q: multihead(flash_attention)(q, q, q, kv_mask=mask, **BLOCKS))
+    g = jax.grad(lambda q: jnp.sum(flash(q) ** 2))(q)  # jit (or a layer scan) inside grad
+    dense = lambda q: multihead(dot_product_attention)(q, q, q, kv_mask=jnp.asarray(mask))
+    assert_close(g, jax.grad(lambda q: jnp.sum(dense(q) ** 2))(q), EXACT_GRAD)
+
+
 @pytest.mark.parametrize("fn", [dot_product_attention, flash_attention])
 def test_bad_input_names_the_problem_and_shapes(fn):
     q = jnp.zeros((8, 16))
