@@ -20,6 +20,15 @@ if PLATFORM == "cpu":
     # most by rounding.
     if "--xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]:
         os.environ["XLA_FLAGS"] += " --xla_backend_optimization_level=0"
+    # XLA:CPU's fusions emitted by its older LLVM IR emitters instead of the MLIR fusion
+    # emitters (the default since JAX 0.5): most of the compile time of the suite's small
+    # programs is spent in the MLIR emitters (one kind's padding program in
+    # test_kinds_padding.py: 0.6 s of CPU against 2.2 s), and the two emit the same
+    # arithmetic up to rounding. Codegen in one thread: the suite runs one worker per core.
+    if "--xla_cpu_use_fusion_emitters" not in os.environ["XLA_FLAGS"]:
+        os.environ["XLA_FLAGS"] += " --xla_cpu_use_fusion_emitters=false"
+    if "--xla_cpu_parallel_codegen_split_count" not in os.environ["XLA_FLAGS"]:
+        os.environ["XLA_FLAGS"] += " --xla_cpu_parallel_codegen_split_count=1"
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
 else:
     os.environ["JAX_PLATFORMS"] = PLATFORM

@@ -9,6 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from tests.fast_jit import jit0
 from tests.tolerances import EXACT, EXACT_GRAD, assert_close
 from xformers_jax.attention import (block_sparse_attention, dot_product_attention,
                                     flash_attention, multihead)
@@ -73,22 +74,31 @@ def test_flash_equals_reference(key, case, lq, lk, dv, orientation):
         pytest.skip("a single segment_ids array is for self-attention (pairs tested below)")
     q, k, v = _qkv(key, lq, lk, dv=dv)
     kw = _materialise(CASES[case], jax.random.fold_in(key, 7), lq, lk)
-    array_bias = "bias" in kw and not callable(kw["bias"])
-    ref = dot_product_attention(q, k, v, **kw)
-    out = flash_attention(q, k, v, **BLOCKS, **kw)
+    out, ref, g_out, g_ref = _against_reference(
+        functools.partial(flash_attention, **BLOCKS), kw, q, k, v)
     assert_close(out, ref)
-
-    def loss(fn, q, k, v, b):
-        extra = dict(kw, bias=b) if array_bias else kw
-        return jnp.sum(jnp.sin(fn(q, k, v, **extra)))
-
-    args = (q, k, v, kw.get("bias") if array_bias else None)
-    argnums = (0, 1, 2, 3) if array_bias else (0, 1, 2)
-    g_ref = jax.grad(functools.partial(loss, dot_product_attention), argnums)(*args)
-    g_out = jax.grad(functools.partial(loss, functools.partial(flash_attention, **BLOCKS)),
-                     argnums)(*args)
     for a, b in zip(g_out, g_ref):
         assert_close(a, b, EXACT_GRAD)
+
+
+def _against_reference(flash, kw, q, k, v):
+    """``(out, ref, flash's gradients, the reference's)``, the gradients of
+    ``sum(sin(attention))`` with respect to q, k, v and an array bias, as one compiled program
+    (called eagerly, every operation compiles on its own at every new shape)."""
+    array_bias = "bias" in kw and not callable(kw["bias"])
+    argnums = (0, 1, 2, 3) if array_bias else (0, 1, 2)
+
+    def run(q, k, v, b):
+        extra = dict(kw, bias=b) if array_bias else kw
+
+        def loss(fn, q, k, v, b):
+            return jnp.sum(jnp.sin(fn(q, k, v, **(dict(kw, bias=b) if array_bias else kw))))
+
+        return (flash(q, k, v, **extra), dot_product_attention(q, k, v, **extra),
+                jax.grad(functools.partial(loss, flash), argnums)(q, k, v, b),
+                jax.grad(functools.partial(loss, dot_product_attention), argnums)(q, k, v, b))
+
+    return jit0(run)(q, k, v, kw.get("bias") if array_bias else None)
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -106,19 +116,9 @@ def test_row_gathered_tiles_equal_reference(key, case):
     layout = (pattern or Local(lq, lk)).layout(lq, lk, 8, 8) if not causal else None
     if layout is not None:
         assert _tiled._gather_width(layout) > 1
-    array_bias = "bias" in kw and not callable(kw["bias"])
-
-    def loss(fn, q, k, v, b):
-        extra = dict(kw, bias=b) if array_bias else kw
-        return jnp.sum(jnp.sin(fn(q, k, v, pattern=pattern, **extra)))
-
     flash = functools.partial(flash_attention, block_q=8, block_k=8)
-    assert_close(flash(q, k, v, pattern=pattern, **kw),
-                 dot_product_attention(q, k, v, pattern=pattern, **kw))
-    args = (q, k, v, kw.get("bias") if array_bias else None)
-    argnums = (0, 1, 2, 3) if array_bias else (0, 1, 2)
-    g_ref = jax.grad(functools.partial(loss, dot_product_attention), argnums)(*args)
-    g_out = jax.grad(functools.partial(loss, flash), argnums)(*args)
+    out, ref, g_out, g_ref = _against_reference(flash, dict(kw, pattern=pattern), q, k, v)
+    assert_close(out, ref)
     for a, b in zip(g_out, g_ref):
         assert_close(a, b, EXACT_GRAD)
 
@@ -158,15 +158,20 @@ def test_gather_width_rule():
 @pytest.mark.parametrize("causal", [False, True])
 def test_low_precision_inputs(key, dtype, causal, orientation):
     q, k, v = _qkv(key, 40, 40, dtype=dtype)
-    out = flash_attention(q, k, v, causal=causal, **BLOCKS)
+
+    def run(q, k, v):  # one compiled program
+        out = flash_attention(q, k, v, causal=causal, **BLOCKS)
+        ref = dot_product_attention(*(x.astype(jnp.float32) for x in (q, k, v)), causal=causal)
+        grads = jax.grad(lambda q: jnp.sum(flash_attention(q, k, v, causal=causal, **BLOCKS)
+                                           .astype(jnp.float32)))(q)
+        ref_g = jax.grad(lambda q: jnp.sum(dot_product_attention(
+            q, k.astype(jnp.float32), v.astype(jnp.float32), causal=causal)))(
+            q.astype(jnp.float32))
+        return out, ref, grads, ref_g
+
+    out, ref, grads, ref_g = jit0(run)(q, k, v)
     assert out.dtype == dtype
-    ref = dot_product_attention(*(x.astype(jnp.float32) for x in (q, k, v)), causal=causal)
     assert_close(out, ref, EXACT, dtype=dtype)
-    grads = jax.grad(lambda q: jnp.sum(flash_attention(q, k, v, causal=causal, **BLOCKS)
-                                       .astype(jnp.float32)))(q)
-    ref_g = jax.grad(lambda q: jnp.sum(dot_product_attention(q, k.astype(jnp.float32),
-                                                             v.astype(jnp.float32),
-                                                             causal=causal)))(q.astype(jnp.float32))
     assert grads.dtype == dtype
     assert_close(grads, ref_g, EXACT_GRAD, dtype=dtype)
 
@@ -200,8 +205,10 @@ def test_flash_matches_reference_on_random_shapes(lq, lk, bq, bk, causal, seed, 
     key = jax.random.PRNGKey(seed)
     q, k, v = _qkv(key, lq, lk, dk=8)
     kv_mask = jax.random.bernoulli(jax.random.fold_in(key, 1), 0.7, (lk,)) if masked else None
-    ref = dot_product_attention(q, k, v, causal=causal, kv_mask=kv_mask)
-    out = flash_attention(q, k, v, causal=causal, kv_mask=kv_mask, block_q=bq, block_k=bk)
+    ref, out = jit0(lambda q, k, v, kv_mask: (  # one program per example's shapes
+        dot_product_attention(q, k, v, causal=causal, kv_mask=kv_mask),
+        flash_attention(q, k, v, causal=causal, kv_mask=kv_mask, block_q=bq, block_k=bk)))(
+        q, k, v, kv_mask)
     assert_close(out, ref)
 
 
@@ -305,6 +312,18 @@ def test_composes_with_jit_vmap_grad(key):
     # vmap over an extra leading axis of the lifted function.
     out = jax.vmap(lambda q: multihead(flash_attention)(q, k, v))(jnp.stack([q, q + 1]))
     assert_close(out[1], multihead(dot_product_attention)(q + 1, k, v))
+
+
+def test_numpy_masks_under_jit_and_grad(key):
+    """A NumPy mask (as a data pipeline hands it over) batched by multihead reaches the tiled
+    kernel's custom VJP under jit as a JAX array, not as a raw constant JAX's tracer rejects."""
+    q = jax.random.normal(key, (2, 16, 2, 8))
+    mask = np.arange(16)[None, :] < np.array([[16], [9]])
+
+    flash = jax.jit(lambda q: multihead(flash_attention)(q, q, q, kv_mask=mask, **BLOCKS))
+    g = jax.grad(lambda q: jnp.sum(flash(q) ** 2))(q)  # jit (or a layer scan) inside grad
+    dense = lambda q: multihead(dot_product_attention)(q, q, q, kv_mask=jnp.asarray(mask))
+    assert_close(g, jax.grad(lambda q: jnp.sum(dense(q) ** 2))(q), EXACT_GRAD)
 
 
 @pytest.mark.parametrize("fn", [dot_product_attention, flash_attention])

@@ -60,44 +60,46 @@ def _padding_program(slot, name):
     key = jax.random.PRNGKey(4)
     if slot == "attention":
         spec = nn.AttentionSpec(name, nn.get_kind(slot, name).test_hyperparameters)
-        layer = jit0(lambda k: nn.MultiHeadAttention(DIM, HEADS, spec=spec, max_len=L, key=k))(
-            key)
+        make = lambda k: nn.MultiHeadAttention(DIM, HEADS, spec=spec, max_len=L, key=k)
         inputs = [normal(B, L, HEADS, DIM // HEADS) for _ in range(3)] + [normal(B, L, DIM)]
-        own = layer.params  # fixed buffers unwrapped, as the layer passes them
+        own_of = lambda layer: layer.params  # fixed buffers unwrapped, as the layer passes them
 
-        def apply(inputs, own):
+        def apply(layer, inputs, own):
             q, k, v, x = inputs
             return _attend(layer, q, k, v, x, own), {}
     else:
-        make = _SPECS[slot][1]
-        spec = make(name, nn.get_kind(slot, name).test_hyperparameters)
+        spec = _SPECS[slot][1](name, nn.get_kind(slot, name).test_hyperparameters)
         if slot == "mixer":
-            layer = jit0(lambda k: nn._mixer.make_mixer(spec, DIM, HEADS, causal=False,
-                                                        max_len=L, key=k))(key)
+            make = lambda k: nn._mixer.make_mixer(spec, DIM, HEADS, causal=False, max_len=L,
+                                                  key=k)
         else:
-            layer = jit0(lambda k: spec.build(DIM, HIDDEN, key=k))(key)
+            make = lambda k: spec.build(DIM, HIDDEN, key=k)
         inputs = [normal(B, L, DIM)]
         tokens = jax.random.randint(key, (B, L), 1, VOCAB)
-        own = layer
+        own_of = lambda layer: layer
 
-        def apply(inputs, own):
+        def apply(layer, inputs, own):
             if slot == "mixer":
                 return own(inputs[0], kv_mask=_MASK), {}
             return nn._ffns.call_ffn(own, inputs[0], mask=_MASK, tokens=tokens, inference=True)
 
-    params, static = eqx.partition(own, eqx.is_inexact_array)
     cotangent = normal(B, L, DIM)
 
-    def loss(inputs, params):
-        out, aux = apply(inputs, eqx.combine(params, static))
-        real = jnp.where(_MASK.reshape(B, L, *[1] * (out.ndim - 2)), out, 0)
-        return jnp.sum(real.reshape(B, L, -1) * cotangent[..., : real[0, 0].size]), (real, aux)
+    def run(inputs):  # the layer is built inside the one compiled program
+        layer = make(key)
+        params, static = eqx.partition(own_of(layer), eqx.is_inexact_array)
 
-    grad = jax.grad(loss, argnums=(0, 1), has_aux=True)
+        def loss(inputs, params):
+            out, aux = apply(layer, inputs, eqx.combine(params, static))
+            real = jnp.where(_MASK.reshape(B, L, *[1] * (out.ndim - 2)), out, 0)
+            return (jnp.sum(real.reshape(B, L, -1) * cotangent[..., : real[0, 0].size]),
+                    (real, aux))
+
+        return jax.grad(loss, argnums=(0, 1), has_aux=True)(inputs, params)[::-1]
+
     junk = [jnp.where(_MASK.reshape(B, L, *[1] * (x.ndim - 2)), x, 30 * normal(*x.shape))
             for x in inputs]
-    run = jit0(lambda inputs, params: grad(inputs, params)[::-1])
-    return junk, functools.partial(run, params=params)
+    return junk, jit0(run)
 
 
 def _poison(slot, inputs, where, value):

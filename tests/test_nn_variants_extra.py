@@ -1,7 +1,7 @@
 """The sparse, delta-rule and routing kinds (their adapters in xformers_jax/attention/**/_kinds.py):
 references against other registry kinds, delta-rule decoding, and routing attention's
 eqx.nn.State through attention, blocks and scanned stacks (the generic registry tests in
-test_nn_registry.py cover forward, gradient, jit and causal no-leak for the stateless ones)."""
+test_kinds_behaviour.py cover forward, gradient, jit and causal no-leak for the stateless ones)."""
 
 import equinox as eqx
 import jax

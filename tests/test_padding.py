@@ -10,11 +10,11 @@ Model level, over the one registry, inside ``models.EncoderClassifier`` with ``m
     logits (kinds whose parameters fix the length, ``Kind.fixed_length``, and that take no
     shorter sequence are tested at their length, with the rows swapped);
 (c) changing a token in the middle of a causal language model changes no earlier logit: in
-    ``test_nn_registry.py::test_causal_lm_forward_grad_jit_no_leak``, which already compiles
+    ``test_kinds_behaviour.py::test_causal_lm_forward_grad_jit_no_leak``, which already compiles
     every stateless causal kind's ``models.CausalLM``, and here for the kinds that keep state.
 
 Each kind is one compiled forward program, at XLA's backend optimisation level 0 as in
-``test_nn_registry.py``: where the logits are the same function of the parameters whatever the
+``test_kinds_behaviour.py``: where the logits are the same function of the parameters whatever the
 padding, so are their gradients (compiling every kind's backward twice more would double this
 file's time). Gradients are checked at the function level, for the kinds that compute
 statistics over queries (clustered, improved clustered, Nystromformer, ProbSparse, routing,
@@ -139,7 +139,7 @@ def test_encoder_padding_content_and_amount_change_nothing(kind):
 @pytest.mark.parametrize("kind", [k for k in CAUSAL_KINDS
                                   if nn.get_kind("attention", k).adapter.state])
 def test_stateful_causal_lm_middle_token_changes_no_earlier_logit(kind):
-    # (c) for the kinds test_nn_registry.py skips (they keep eqx.nn.State, e.g. routing).
+    # (c) for the kinds test_kinds_behaviour.py skips (they keep eqx.nn.State, e.g. routing).
     model, state = _build(models.CausalLM, VOCAB, DIM, 1, HEADS, HIDDEN, kind=kind, max_len=SHORT,
                           key=jax.random.PRNGKey(1))
     tokens = jax.random.randint(jax.random.PRNGKey(2), (1, SHORT), 0, VOCAB)

@@ -7,6 +7,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 # How an argument is laid out relative to batch and heads:
 #   None           shared by every batch element and head
@@ -124,6 +125,11 @@ def multihead(
             """Brings x to leading axes [B, Hkv, G] where it is mapped, returning (x, in_axes)."""
             if axes is None:
                 return x, (None, None, None)
+            # NumPy leaves become JAX arrays before vmap: a NumPy array batched by vmap reaches
+            # a custom_vjp (the tiled kernel's) under jit or scan as a raw constant, which
+            # JAX's tracer rejects ("non-canonical constant").
+            x = jax.tree_util.tree_map(
+                lambda leaf: jnp.asarray(leaf) if isinstance(leaf, np.ndarray) else leaf, x)
             leaves = jax.tree_util.tree_leaves(x)
             lead = {"batch": (b,), "heads": (h,), "batch_heads": (b, h)}[axes]
             for leaf in leaves:
