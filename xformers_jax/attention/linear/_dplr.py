@@ -81,39 +81,102 @@ def dplr_recurrent(
     return lax.scan(step, init, (q, k, v, a, b, ld))[1]
 
 
-class _Scores:
-    """The ``[n, c, c]`` matrices ``sum_m x_tm y_jm exp(gx_tm - gy_jm)`` for ``j < t`` of a
-    chunk, for several ``(x, y)`` sharing ``(gx, gy)``.
+def _shift(x, d):
+    """``x[..., t - d, :]`` along the positions axis (``-2``), zeros for ``t < d``; ``d < 0``
+    shifts the other way."""
+    c = x.shape[-2]
+    pad = [(0, 0)] * (x.ndim - 2)
+    if d >= 0:
+        return jnp.pad(x, pad + [(d, 0), (0, 0)])[..., :c, :]
+    return jnp.pad(x, pad + [(0, -d), (0, 0)])[..., -d:, :]
 
-    Within sub-chunks of ``s`` positions the per-channel decays are applied pairwise (an
-    ``[s, s, M]`` product: exact for any decay). Across sub-chunks a pair factorises through
-    the reference ``ref_I`` (``gx_t <= ref_I <= gy_j`` for ``t`` in sub-chunk ``I`` and ``j``
-    before it): ``exp(gx_t - ref_I) exp(ref_I - gy_j)``, both factors ``<= 1``, so the
-    product is a matrix multiplication and no exponent is positive. The secondary chunking
-    of Yang et al. (2024, GLA, Sec. 4.2), which keeps the ``[c, c, M]`` work to ``s/c`` of it.
+
+def _band(c, sub, d, dtype):
+    """``[c, c]``: 1 at ``(t, t - d)`` where ``t - d`` is in ``t``'s sub-chunk of ``sub``."""
+    t = jnp.arange(c)
+    return ((t[:, None] - d == t[None, :]) & (t[:, None] % sub >= d)).astype(dtype)
+
+
+def _across_factors(gx, gy, sub):
+    """``x_scale [n, c/s, s, M]`` and ``y_scale [n, c/s, c, M]`` of :func:`_scores`: the
+    factors through each sub-chunk's reference point, ``y_scale`` zero for ``j`` not before
+    the sub-chunk."""
+    n, c, m = gx.shape
+    gxb = gx.reshape(n, c // sub, sub, m)
+    ref = gxb[:, :, 0]  # each sub-chunk's reference point: its first gx
+    x_scale = jnp.exp(gxb - ref[:, :, None])
+    before = (jnp.arange(c)[None, :] < (jnp.arange(c // sub) * sub)[:, None])[None, ..., None]
+    # The inner where keeps exp off the positive exponents the mask drops.
+    y_scale = jnp.where(before, jnp.exp(jnp.where(before, ref[:, :, None] - gy[:, None], 0.0)),
+                        0.0)
+    return x_scale, y_scale
+
+
+def _offset_decay(gx, gy, d):
+    """``exp(gx_t - gy_{t-d})``, ``[n, c, M]``; the minimum keeps exp off the positive
+    exponents of the pairs :func:`_band` drops (the pairs it keeps are ``<= 0``)."""
+    return jnp.exp(jnp.minimum(gx - _shift(gy, d), 0.0))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _scores(xs, ys, gx, gy, sub):
+    """``S[p, q, n, t, j] = sum_m xs[p, n, t, m] ys[q, n, j, m] exp(gx[n, t, m] - gy[n, j, m])``
+    for ``j < t`` (zero elsewhere): the ``[c, c]`` score matrices of a chunk for every pair of
+    ``xs: [P, n, c, M]`` and ``ys: [Q, n, c, M]`` sharing the cumulative log-decays
+    ``gx, gy: [n, c, M]``.
+
+    Needs ``gx_t <= gx_r <= gy_j`` whenever ``r`` is the first position of ``t``'s sub-chunk of
+    ``sub`` positions and ``j < r``, and ``gx_t <= gy_j`` for ``j < t`` (true for ``gx = p``,
+    ``gy = g`` of :func:`_dplr_chunks`). Within a sub-chunk the per-channel decays are applied
+    pairwise, one offset ``t - j`` at a time (``sub - 1`` products over ``[c, M]``: exact for
+    any decay); across sub-chunks a pair factorises through that reference point,
+    ``exp(gx_t - gx_r) exp(gx_r - gy_j)``, both factors ``<= 1``, so the product is a matrix
+    multiplication and no exponent is positive: the secondary chunking of Yang et al. (2024,
+    GLA, Sec. 4.2), which keeps the ``[c, c, M]`` work to about ``s/c`` of it. Every sum over
+    ``M`` is a ``dot_general``: XLA:CPU ran the multiply-and-reduce over the minor axis of
+    ``[..., s, s, M]`` products several times slower.
+
+    Its VJP (as GLA's in :mod:`._scan`) recomputes the decays and differentiates only the
+    products: ``gx`` enters as a rescaling of ``xs`` by ``exp(gx)`` and ``gy`` of ``ys`` by
+    ``exp(-gy)``, so ``dgx = sum_p xs dxs`` and ``dgy = -sum_q ys dys``; autodiff through the
+    decays instead carried a cotangent for every decay factor.
     """
+    _, n, c, m = xs.shape
+    ns = c // sub
+    x_scale, y_scale = _across_factors(gx, gy, sub)
+    xb = xs.reshape(-1, n, ns, sub, m)
+    out = jnp.einsum("pnism,qnijm->pqnisj", xb * x_scale, ys[:, :, None] * y_scale)
+    out = out.reshape(*out.shape[:3], c, c)
+    for d in range(1, sub):
+        inner = jnp.einsum("pncm,qncm->pqnc", xs, _shift(ys, d) * _offset_decay(gx, gy, d))
+        out = out + inner[..., None] * _band(c, sub, d, out.dtype)
+    return out
 
-    def __init__(self, gx, gy, ref, sub):
-        n, c, m = gx.shape
-        self.shape = (n, c // sub, sub, m)
-        gxb, gyb = gx.reshape(self.shape), gy.reshape(self.shape)
-        mask = jnp.tril(jnp.ones((sub, sub), bool), -1)[..., None]
-        diff = gxb[:, :, :, None] - gyb[:, :, None]
-        # The inner wheres keep exp off the positive exponents the masks drop (their overflow
-        # would turn the masked-out gradient into NaN).
-        self.decay = jnp.where(mask, jnp.exp(jnp.where(mask, diff, 0.0)), 0.0)
-        self.x_scale = jnp.exp(gxb - ref[:, :, None])
-        before = (jnp.arange(c)[None, :] < (jnp.arange(c // sub) * sub)[:, None])[None, ..., None]
-        self.y_scale = jnp.where(before, jnp.exp(jnp.where(before, ref[:, :, None] - gy[:, None],
-                                                           0.0)), 0.0)
 
-    def __call__(self, x, y):
-        n, ns, sub, m = self.shape
-        xb, yb = x.reshape(self.shape), y.reshape(self.shape)
-        inner = jnp.sum(xb[:, :, :, None] * yb[:, :, None] * self.decay, axis=-1)
-        across = jnp.einsum("nism,nijm->nisj", xb * self.x_scale, y[:, None] * self.y_scale)
-        inner = jnp.einsum("nist,ij->nisjt", inner, jnp.eye(ns, dtype=inner.dtype))
-        return (across + inner.reshape(across.shape)).reshape(n, ns * sub, ns * sub)
+def _scores_fwd(xs, ys, gx, gy, sub):
+    return _scores(xs, ys, gx, gy, sub), (xs, ys, gx, gy)
+
+
+def _scores_bwd(sub, res, ds):
+    xs, ys, gx, gy = res
+    _, n, c, m = xs.shape
+    ns = c // sub
+    x_scale, y_scale = _across_factors(gx, gy, sub)
+    xb = xs.reshape(-1, n, ns, sub, m)
+    # Across sub-chunks: y_scale is zero for j not before the sub-chunk, which masks the rest.
+    d_across = ds.reshape(*ds.shape[:3], ns, sub, c)
+    dxs = (jnp.einsum("pqnisj,qnijm->pnism", d_across, ys[:, :, None] * y_scale)
+           * x_scale).reshape(xs.shape)
+    dys = jnp.sum(jnp.einsum("pqnisj,pnism->qnijm", d_across, xb * x_scale) * y_scale, axis=2)
+    for d in range(1, sub):
+        decay = _offset_decay(gx, gy, d)
+        d_inner = jnp.sum(ds * _band(c, sub, d, ds.dtype), -1)  # [P, Q, n, c]
+        dxs = dxs + jnp.einsum("pqnc,qncm->pncm", d_inner, _shift(ys, d) * decay)
+        dys = dys + _shift(jnp.einsum("pqnc,pncm->qncm", d_inner, xs * decay), -d)
+    return dxs, dys, jnp.sum(xs * dxs, 0), -jnp.sum(ys * dys, 0)
+
+
+_scores.defvjp(_scores_fwd, _scores_bwd)
 
 
 def _dplr_chunks(q, k, v, a, b, ld, s0, sub_chunk=4):
@@ -124,20 +187,17 @@ def _dplr_chunks(q, k, v, a, b, ld, s0, sub_chunk=4):
     sub = math.gcd(c, sub_chunk)
     g = jnp.cumsum(ld, axis=1)
     p = g - ld
-    ref = p[:, ::sub]  # each sub-chunk's decay before its first position
-    reads = _Scores(p, g, ref, sub)
     # The outputs' scores exp(g_t - g_j) are the reads' exp(p_t - g_j) scaled by exp(ld_t) <= 1
     # for j < t, and 1 for j = t: one set of decays serves both.
     qd = q * jnp.exp(ld)
-
-    def outs(y):
-        return reads(qd, y) + jnp.sum(q * y, -1)[..., None] * jnp.eye(c, dtype=q.dtype)
-
-    p_bk, q_k = reads(b, k), outs(k)
+    ys = jnp.stack([k] if a is None else [k, a])
+    scores = _scores(jnp.stack([b, qd]), ys, p, g, sub)
+    diagonal = jnp.eye(c, dtype=q.dtype) * jnp.sum(q * ys, -1)[..., None]  # [Q, n, c, c]
+    p_bk, q_k = scores[0, 0], scores[1, 0] + diagonal[0]
     if a is None:
         p_ba, q_a, a = -p_bk, -q_k, -k
     else:
-        p_ba, q_a = reads(b, a), outs(a)
+        p_ba, q_a = scores[0, 1], scores[1, 1] + diagonal[1]
     inverse = unit_lower_inverse(-p_ba)
     w = inverse @ (b * jnp.exp(p))                                   # U = x + w S_0
     x = inverse @ (p_bk @ v)
@@ -172,7 +232,7 @@ def dplr_chunked(
     """The same recurrence as :func:`dplr_recurrent`, chunkwise (see the module docstring):
     per chunk, four ``[c, c]`` score matrices over the ``M`` channels (two when ``a`` is None),
     the per-channel decays applied pairwise within sub-chunks and by matrix products across
-    them (:class:`_Scores`), one unit lower-triangular inverse, then a scan over chunks;
+    them (:func:`_scores`), one unit lower-triangular inverse, then a scan over chunks;
     chunks go in groups through :func:`~._scan.chunk_groups`, rematerialised in the backward
     pass.
 
