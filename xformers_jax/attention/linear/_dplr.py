@@ -34,8 +34,8 @@ import math
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Float
 from jax import lax
+from jaxtyping import Array, Float
 
 from ._delta import unit_lower_inverse
 from ._scan import GROUP_POSITIONS, chunk_groups
