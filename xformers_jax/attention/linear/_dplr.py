@@ -34,6 +34,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jaxtyping import Array, Float
 
@@ -97,19 +98,22 @@ def _band(c, sub, d, dtype):
     return ((t[:, None] - d == t[None, :]) & (t[:, None] % sub >= d)).astype(dtype)
 
 
-def _across_factors(gx, gy, sub):
-    """``x_scale [n, c/s, s, M]`` and ``y_scale [n, c/s, c, M]`` of :func:`_scores`: the
-    factors through each sub-chunk's reference point, ``y_scale`` zero for ``j`` not before
-    the sub-chunk."""
-    n, c, m = gx.shape
-    gxb = gx.reshape(n, c // sub, sub, m)
-    ref = gxb[:, :, 0]  # each sub-chunk's reference point: its first gx
-    x_scale = jnp.exp(gxb - ref[:, :, None])
-    before = (jnp.arange(c)[None, :] < (jnp.arange(c // sub) * sub)[:, None])[None, ..., None]
-    # The inner where keeps exp off the positive exponents the mask drops.
-    y_scale = jnp.where(before, jnp.exp(jnp.where(before, ref[:, :, None] - gy[:, None], 0.0)),
-                        0.0)
-    return x_scale, y_scale
+def _across(xs, ys, gx, gy, sub):
+    """The pairs of sub-chunks ``I > J`` of :func:`_scores`, packed (the ``(ns - 1) ns / 2``
+    lower blocks only, ``ns = c / sub``): ``xs`` and ``ys`` gathered per pair with their
+    factors through ``I``'s reference point (``xs`` scaled, ``[P, n, pairs, sub, M]``; ``ys``
+    and its scale ``[n, pairs, sub, M]`` apart), and the one-hot
+    ``[pairs, ns]`` maps from pairs to ``I`` and to ``J``."""
+    _, n, c, m = xs.shape
+    ns = c // sub
+    rows, cols = np.tril_indices(ns, -1)
+    gxb, gyb = gx.reshape(n, ns, sub, m), gy.reshape(n, ns, sub, m)
+    ref = gxb[:, :, :1]  # each sub-chunk's reference point: its first gx
+    xp = (xs.reshape(-1, n, ns, sub, m) * jnp.exp(gxb - ref))[:, :, rows]
+    y_scale = jnp.exp(ref[:, rows] - gyb[:, cols])
+    eye = np.eye(ns, dtype=np.float32)
+    return (xp, ys.reshape(-1, n, ns, sub, m)[:, :, cols], y_scale,
+            jnp.asarray(eye[rows], xs.dtype), jnp.asarray(eye[cols], xs.dtype))
 
 
 def _offset_decay(gx, gy, d):
@@ -141,12 +145,10 @@ def _scores(xs, ys, gx, gy, sub):
     ``exp(-gy)``, so ``dgx = sum_p xs dxs`` and ``dgy = -sum_q ys dys``; autodiff through the
     decays instead carried a cotangent for every decay factor.
     """
-    _, n, c, m = xs.shape
-    ns = c // sub
-    x_scale, y_scale = _across_factors(gx, gy, sub)
-    xb = xs.reshape(-1, n, ns, sub, m)
-    out = jnp.einsum("pnism,qnijm->pqnisj", xb * x_scale, ys[:, :, None] * y_scale)
-    out = out.reshape(*out.shape[:3], c, c)
+    c = xs.shape[2]
+    xp, yp, y_scale, to_i, to_j = _across(xs, ys, gx, gy, sub)
+    blocks = jnp.einsum("pnksm,qnktm->pqnkst", xp, yp * y_scale)
+    out = jnp.einsum("pqnkst,ki,kj->pqnisjt", blocks, to_i, to_j).reshape(*blocks.shape[:3], c, c)
     for d in range(1, sub):
         inner = jnp.einsum("pncm,qncm->pqnc", xs, _shift(ys, d) * _offset_decay(gx, gy, d))
         out = out + inner[..., None] * _band(c, sub, d, out.dtype)
@@ -159,15 +161,16 @@ def _scores_fwd(xs, ys, gx, gy, sub):
 
 def _scores_bwd(sub, res, ds):
     xs, ys, gx, gy = res
-    _, n, c, m = xs.shape
+    c = xs.shape[2]
     ns = c // sub
-    x_scale, y_scale = _across_factors(gx, gy, sub)
-    xb = xs.reshape(-1, n, ns, sub, m)
-    # Across sub-chunks: y_scale is zero for j not before the sub-chunk, which masks the rest.
-    d_across = ds.reshape(*ds.shape[:3], ns, sub, c)
-    dxs = (jnp.einsum("pqnisj,qnijm->pnism", d_across, ys[:, :, None] * y_scale)
-           * x_scale).reshape(xs.shape)
-    dys = jnp.sum(jnp.einsum("pqnisj,pnism->qnijm", d_across, xb * x_scale) * y_scale, axis=2)
+    xp, yp, y_scale, to_i, to_j = _across(xs, ys, gx, gy, sub)
+    x_scale = jnp.exp(gx - jnp.repeat(gx[:, ::sub], sub, axis=1))
+    d_blocks = jnp.einsum("pqnisjt,ki,kj->pqnkst", ds.reshape(*ds.shape[:3], ns, sub, ns, sub),
+                          to_i, to_j)
+    dxs = jnp.einsum("pqnkst,qnktm,ki->pnism", d_blocks, yp * y_scale, to_i)
+    dxs = dxs.reshape(xs.shape) * x_scale
+    dys = jnp.einsum("pqnkst,pnksm->qnktm", d_blocks, xp) * y_scale
+    dys = jnp.einsum("qnktm,kj->qnjtm", dys, to_j).reshape(ys.shape)
     for d in range(1, sub):
         decay = _offset_decay(gx, gy, d)
         d_inner = jnp.sum(ds * _band(c, sub, d, ds.dtype), -1)  # [P, Q, n, c]
