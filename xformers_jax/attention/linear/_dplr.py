@@ -36,6 +36,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.ad_checkpoint import checkpoint_name
 from jaxtyping import Array, Float
 
 from ._delta import unit_lower_inverse
@@ -182,6 +183,13 @@ def _scores_bwd(sub, res, ds):
 _scores.defvjp(_scores_fwd, _scores_bwd)
 
 
+# The score matrices ([c, c] per chunk and pair, a quarter of the [c, M] inputs at c = 16,
+# M = 64) are kept from the forward pass: recomputing them was the dearest part of the
+# groups' rematerialisation.
+_SCORES = "dplr_scores"
+_KEEP_SCORES = jax.checkpoint_policies.save_only_these_names(_SCORES)
+
+
 def _dplr_chunks(q, k, v, a, b, ld, s0, sub_chunk=4):
     """The chunkwise generalised delta rule over ``n`` chunks (``[n, c, ...]`` arrays) from the
     state ``s0``: (out ``[n, c, E]``, final state). See the module docstring. ``a = None`` is
@@ -194,21 +202,35 @@ def _dplr_chunks(q, k, v, a, b, ld, s0, sub_chunk=4):
     # for j < t, and 1 for j = t: one set of decays serves both.
     qd = q * jnp.exp(ld)
     ys = jnp.stack([k] if a is None else [k, a])
-    scores = _scores(jnp.stack([b, qd]), ys, p, g, sub)
+    scores = checkpoint_name(_scores(jnp.stack([b, qd]), ys, p, g, sub), _SCORES)
     diagonal = jnp.eye(c, dtype=q.dtype) * jnp.sum(q * ys, -1)[..., None]  # [Q, n, c, c]
     p_bk, q_k = scores[0, 0], scores[1, 0] + diagonal[0]
-    if a is None:
-        p_ba, q_a, a = -p_bk, -q_k, -k
-    else:
-        p_ba, q_a = scores[0, 1], scores[1, 1] + diagonal[1]
-    inverse = unit_lower_inverse(-p_ba)
-    w = inverse @ (b * jnp.exp(p))                                   # U = x + w S_0
-    x = inverse @ (p_bk @ v)
-    inter = q_k @ v
+    # U = x + w S_0 with [x, w] = (I - P_ba)^-1 [P_bk V, b * exp(p)]: one product for both.
+    rhs = jnp.concatenate([p_bk @ v, b * jnp.exp(p)], -1)
     qg = q * jnp.exp(g)
     total = g[:, -1]
+    kg = k * jnp.exp(total[:, None] - g)
+    if a is None:
+        # a = -k: the reads are taken back along k, so the chunk writes k^T (v - u) and reads
+        # out Q_qk (v - u) (the gated delta rule's pseudo-values), one product each.
+        xw = unit_lower_inverse(p_bk) @ rhs
+        pseudo, w = v - xw[..., :v.shape[-1]], xw[..., v.shape[-1]:]    # v - U = pseudo - w S_0
+
+        @functools.partial(jax.checkpoint, prevent_cse=False)
+        def delta_chunk(s, xs):
+            pseudo_n, w_n, qg_n, qk_n, t_n, kg_n = xs
+            pseudo_n = pseudo_n - w_n @ s
+            out = qg_n @ s + qk_n @ pseudo_n
+            return jnp.exp(t_n)[:, None] * s + kg_n.T @ pseudo_n, out
+
+        s_end, out = lax.scan(delta_chunk, s0, (pseudo, w, qg, q_k, total, kg))
+        return out, s_end
+    p_ba, q_a = scores[0, 1], scores[1, 1] + diagonal[1]
+    xw = unit_lower_inverse(-p_ba) @ rhs
+    x, w = xw[..., :v.shape[-1]], xw[..., v.shape[-1]:]
+    inter = q_k @ v
     ag = a * jnp.exp(total[:, None] - g)
-    kv = jnp.einsum("ncm,nce->nme", k * jnp.exp(total[:, None] - g), v)
+    kv = jnp.einsum("ncm,nce->nme", kg, v)
 
     @functools.partial(jax.checkpoint, prevent_cse=False)
     def chunk(s, xs):
@@ -250,9 +272,11 @@ def dplr_chunked(
         def chunks(q, k, v, b, ld, s):
             return _dplr_chunks(q, k, v, None, b, ld, s, sub_chunk)
 
-        return chunk_groups(chunks, (q, k, v, b, ld), s0, chunk_size, group_positions)
+        return chunk_groups(chunks, (q, k, v, b, ld), s0, chunk_size, group_positions,
+                        _KEEP_SCORES)
 
     def chunks(q, k, v, a, b, ld, s):
         return _dplr_chunks(q, k, v, a, b, ld, s, sub_chunk)
 
-    return chunk_groups(chunks, (q, k, v, a, b, ld), s0, chunk_size, group_positions)
+    return chunk_groups(chunks, (q, k, v, a, b, ld), s0, chunk_size, group_positions,
+                        _KEEP_SCORES)
