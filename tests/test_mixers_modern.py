@@ -189,7 +189,7 @@ def test_dplr_scores_and_their_vjp_equal_the_pairwise_sum():
     w = _rand(43, 2, 2, n, c, c)
     fast = _jit(lambda *a: _scores(*a, sub))
     assert_close(fast(xs, ys, gx, gy), dense(xs, ys, gx, gy), EXACT)
-    loss = lambda f: lambda *a: jnp.sum(f(*a) * w)  # noqa: E731
+    loss = lambda f: lambda *a: jnp.sum(f(*a) * w)
     g_fast = _jit(jax.grad(loss(lambda *a: _scores(*a, sub)), argnums=(0, 1, 2, 3)))(
         xs, ys, gx, gy)
     g_dense = _jit(jax.grad(loss(dense), argnums=(0, 1, 2, 3)))(xs, ys, gx, gy)
