@@ -259,7 +259,8 @@ def dplr_chunked(
     the per-channel decays applied pairwise within sub-chunks and by matrix products across
     them (:func:`_scores`), one unit lower-triangular inverse, then a scan over chunks;
     chunks go in groups through :func:`~._scan.chunk_groups`, rematerialised in the backward
-    pass.
+    pass except for the score matrices, which are kept (``[c, c]`` per chunk and pair: ``2 c``
+    floats per position, or ``4 c`` with ``a``).
 
     Args: as :func:`dplr_recurrent`, where ``a = None`` means ``a = -k`` (the delta rule:
     what is written along ``k`` is first removed along it); chunk_size: positions per chunk
