@@ -36,7 +36,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.ad_checkpoint import checkpoint_name
 from jaxtyping import Array, Float
 
 from ._delta import unit_lower_inverse
@@ -183,13 +182,6 @@ def _scores_bwd(sub, res, ds):
 _scores.defvjp(_scores_fwd, _scores_bwd)
 
 
-# The score matrices ([c, c] per chunk and pair, a quarter of the [c, M] inputs at c = 16,
-# M = 64) are kept from the forward pass: recomputing them was the dearest part of the
-# groups' rematerialisation.
-_SCORES = "dplr_scores"
-_KEEP_SCORES = jax.checkpoint_policies.save_only_these_names(_SCORES)
-
-
 def _dplr_chunks(q, k, v, a, b, ld, s0, sub_chunk=4):
     """The chunkwise generalised delta rule over ``n`` chunks (``[n, c, ...]`` arrays) from the
     state ``s0``: (out ``[n, c, E]``, final state). See the module docstring. ``a = None`` is
@@ -202,7 +194,7 @@ def _dplr_chunks(q, k, v, a, b, ld, s0, sub_chunk=4):
     # for j < t, and 1 for j = t: one set of decays serves both.
     qd = q * jnp.exp(ld)
     ys = jnp.stack([k] if a is None else [k, a])
-    scores = checkpoint_name(_scores(jnp.stack([b, qd]), ys, p, g, sub), _SCORES)
+    scores = _scores(jnp.stack([b, qd]), ys, p, g, sub)
     diagonal = jnp.eye(c, dtype=q.dtype) * jnp.sum(q * ys, -1)[..., None]  # [Q, n, c, c]
     p_bk, q_k = scores[0, 0], scores[1, 0] + diagonal[0]
     # U = x + w S_0 with [x, w] = (I - P_ba)^-1 [P_bk V, b * exp(p)]: one product for both.
@@ -259,8 +251,8 @@ def dplr_chunked(
     the per-channel decays applied pairwise within sub-chunks and by matrix products across
     them (:func:`_scores`), one unit lower-triangular inverse, then a scan over chunks;
     chunks go in groups through :func:`~._scan.chunk_groups`, rematerialised in the backward
-    pass except for the score matrices, which are kept (``[c, c]`` per chunk and pair: ``2 c``
-    floats per position, or ``4 c`` with ``a``).
+    pass (keeping the score matrices instead, ``2 c`` or ``4 c`` floats per position, was no
+    faster on the 2-core EPYC at L=8192 and slower at 65536).
 
     Args: as :func:`dplr_recurrent`, where ``a = None`` means ``a = -k`` (the delta rule:
     what is written along ``k`` is first removed along it); chunk_size: positions per chunk
@@ -273,11 +265,9 @@ def dplr_chunked(
         def chunks(q, k, v, b, ld, s):
             return _dplr_chunks(q, k, v, None, b, ld, s, sub_chunk)
 
-        return chunk_groups(chunks, (q, k, v, b, ld), s0, chunk_size, group_positions,
-                        _KEEP_SCORES)
+        return chunk_groups(chunks, (q, k, v, b, ld), s0, chunk_size, group_positions)
 
     def chunks(q, k, v, a, b, ld, s):
         return _dplr_chunks(q, k, v, a, b, ld, s, sub_chunk)
 
-    return chunk_groups(chunks, (q, k, v, a, b, ld), s0, chunk_size, group_positions,
-                        _KEEP_SCORES)
+    return chunk_groups(chunks, (q, k, v, a, b, ld), s0, chunk_size, group_positions)

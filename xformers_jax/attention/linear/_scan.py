@@ -216,8 +216,7 @@ def _chunks(fq, fk, v, b, s0):
     return inter + _intra_chunk(fq, fk, v, b), s_end
 
 
-def chunk_groups(fn, arrays, s0, chunk_size: int, group_positions: int = GROUP_POSITIONS,
-                 policy=None):
+def chunk_groups(fn, arrays, s0, chunk_size: int, group_positions: int = GROUP_POSITIONS):
     """Runs a chunkwise recurrence over groups of whole chunks, carrying its state.
 
     ``arrays`` (each ``[L, ...]``) are padded with zeros to whole chunks of ``c =
@@ -227,10 +226,7 @@ def chunk_groups(fn, arrays, s0, chunk_size: int, group_positions: int = GROUP_P
     groups carries the state, and each group is rematerialised in the backward pass, so what
     a group materialises (``[c, c]`` tiles per chunk, and whatever else ``fn`` builds) exists
     for one group at a time: memory ``O(L (M + E) + (L/c) M E)`` plus one group's working
-    set, which stays in cache and keeps the time linear in L on CPUs. ``policy`` (a
-    ``jax.checkpoint_policies`` entry, e.g. ``save_only_these_names(...)`` of values ``fn``
-    names with ``jax.ad_checkpoint.checkpoint_name``) keeps what it selects from the forward
-    pass instead of recomputing it: worth it for small results of expensive work.
+    set, which stays in cache and keeps the time linear in L on CPUs.
 
     Returns ``[L, E]``.
     """
@@ -242,7 +238,7 @@ def chunk_groups(fn, arrays, s0, chunk_size: int, group_positions: int = GROUP_P
     n = groups * per_group
     arrays = [pad_to(x, n * c).reshape(groups, per_group, c, *x.shape[1:]) for x in arrays]
 
-    @functools.partial(jax.checkpoint, prevent_cse=False, policy=policy)
+    @functools.partial(jax.checkpoint, prevent_cse=False)
     def group(s, x):
         out, s = fn(*x, s)
         return s, out
