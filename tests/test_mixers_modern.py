@@ -168,35 +168,6 @@ def test_dplr_chunked_equals_its_step_with_strong_per_channel_decays(sub_chunk, 
         assert_close(x, y, EXACT_GRAD)
 
 
-def test_dplr_scores_and_their_vjp_equal_the_pairwise_sum():
-    """The chunk score matrices (pairs of sub-chunks packed, pairs within a sub-chunk one
-    offset at a time, a hand-written VJP) against ``sum_m x_tm y_jm exp(gx_tm - gy_jm)`` for
-    ``j < t`` written out, and its autodiff gradients; decays of up to exp(-30) per step."""
-    from xformers_jax.attention.linear._dplr import _scores
-
-    n, c, m, sub = 2, 16, 4, 4
-    xs, ys = _rand(40, 2, n, c, m), _rand(41, 2, n, c, m)
-    ld = -30.0 * jax.nn.sigmoid(_rand(42, n, c, m, scale=3.0))
-    gy = jnp.cumsum(ld, axis=1)
-    gx = gy - ld
-
-    def dense(xs, ys, gx, gy):
-        causal = jnp.tril(jnp.ones((c, c), bool), -1)[..., None]
-        diff = gx[:, :, None] - gy[:, None]
-        decay = jnp.where(causal, jnp.exp(jnp.where(causal, diff, 0.0)), 0.0)
-        return jnp.einsum("pntm,qnjm,ntjm->pqntj", xs, ys, decay)
-
-    w = _rand(43, 2, 2, n, c, c)
-    fast = _jit(lambda *a: _scores(*a, sub))
-    assert_close(fast(xs, ys, gx, gy), dense(xs, ys, gx, gy), EXACT)
-    loss = lambda f: lambda *a: jnp.sum(f(*a) * w)
-    g_fast = _jit(jax.grad(loss(lambda *a: _scores(*a, sub)), argnums=(0, 1, 2, 3)))(
-        xs, ys, gx, gy)
-    g_dense = _jit(jax.grad(loss(dense), argnums=(0, 1, 2, 3)))(xs, ys, gx, gy)
-    for i, (x, y) in enumerate(zip(g_fast, g_dense)):
-        assert_close(x, y, EXACT_GRAD, err_msg=f"gradient {i}")
-
-
 @pytest.mark.parametrize("form", ["chunked", "recurrent"])
 def test_kda_with_one_decay_per_step_is_gated_deltanet(form):
     q, k, v = _rand(0, L, DK), _unit(_rand(1, L, DK)), _rand(2, L, DV)

@@ -34,7 +34,6 @@ import math
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 from jaxtyping import Array, Float
 
@@ -82,104 +81,39 @@ def dplr_recurrent(
     return lax.scan(step, init, (q, k, v, a, b, ld))[1]
 
 
-def _shift(x, d):
-    """``x[..., t - d, :]`` along the positions axis (``-2``), zeros for ``t < d``; ``d < 0``
-    shifts the other way."""
-    c = x.shape[-2]
-    pad = [(0, 0)] * (x.ndim - 2)
-    if d >= 0:
-        return jnp.pad(x, pad + [(d, 0), (0, 0)])[..., :c, :]
-    return jnp.pad(x, pad + [(0, -d), (0, 0)])[..., -d:, :]
+class _Scores:
+    """The ``[n, c, c]`` matrices ``sum_m x_tm y_jm exp(gx_tm - gy_jm)`` for ``j < t`` of a
+    chunk, for several ``(x, y)`` sharing ``(gx, gy)``.
 
-
-def _band(c, sub, d, dtype):
-    """``[c, c]``: 1 at ``(t, t - d)`` where ``t - d`` is in ``t``'s sub-chunk of ``sub``."""
-    t = jnp.arange(c)
-    return ((t[:, None] - d == t[None, :]) & (t[:, None] % sub >= d)).astype(dtype)
-
-
-def _across(xs, ys, gx, gy, sub):
-    """The pairs of sub-chunks ``I > J`` of :func:`_scores`, packed (the ``(ns - 1) ns / 2``
-    lower blocks only, ``ns = c / sub``): ``xs`` and ``ys`` gathered per pair with their
-    factors through ``I``'s reference point (``xs`` scaled, ``[P, n, pairs, sub, M]``; ``ys``
-    and its scale ``[n, pairs, sub, M]`` apart), and the one-hot
-    ``[pairs, ns]`` maps from pairs to ``I`` and to ``J``."""
-    _, n, c, m = xs.shape
-    ns = c // sub
-    rows, cols = np.tril_indices(ns, -1)
-    gxb, gyb = gx.reshape(n, ns, sub, m), gy.reshape(n, ns, sub, m)
-    ref = gxb[:, :, :1]  # each sub-chunk's reference point: its first gx
-    xp = (xs.reshape(-1, n, ns, sub, m) * jnp.exp(gxb - ref))[:, :, rows]
-    y_scale = jnp.exp(ref[:, rows] - gyb[:, cols])
-    eye = np.eye(ns, dtype=np.float32)
-    return (xp, ys.reshape(-1, n, ns, sub, m)[:, :, cols], y_scale,
-            jnp.asarray(eye[rows], xs.dtype), jnp.asarray(eye[cols], xs.dtype))
-
-
-def _offset_decay(gx, gy, d):
-    """``exp(gx_t - gy_{t-d})``, ``[n, c, M]``; the minimum keeps exp off the positive
-    exponents of the pairs :func:`_band` drops (the pairs it keeps are ``<= 0``)."""
-    return jnp.exp(jnp.minimum(gx - _shift(gy, d), 0.0))
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _scores(xs, ys, gx, gy, sub):
-    """``S[p, q, n, t, j] = sum_m xs[p, n, t, m] ys[q, n, j, m] exp(gx[n, t, m] - gy[n, j, m])``
-    for ``j < t`` (zero elsewhere): the ``[c, c]`` score matrices of a chunk for every pair of
-    ``xs: [P, n, c, M]`` and ``ys: [Q, n, c, M]`` sharing the cumulative log-decays
-    ``gx, gy: [n, c, M]``.
-
-    Needs ``gx_t <= gx_r <= gy_j`` whenever ``r`` is the first position of ``t``'s sub-chunk of
-    ``sub`` positions and ``j < r``, and ``gx_t <= gy_j`` for ``j < t`` (true for ``gx = p``,
-    ``gy = g`` of :func:`_dplr_chunks`). Within a sub-chunk the per-channel decays are applied
-    pairwise, one offset ``t - j`` at a time (``sub - 1`` products over ``[c, M]``: exact for
-    any decay); across sub-chunks a pair factorises through that reference point,
-    ``exp(gx_t - gx_r) exp(gx_r - gy_j)``, both factors ``<= 1``, so the product is a matrix
-    multiplication and no exponent is positive: the secondary chunking of Yang et al. (2024,
-    GLA, Sec. 4.2), which keeps the ``[c, c, M]`` work to about ``s/c`` of it. Every sum over
-    ``M`` is a ``dot_general``: XLA:CPU ran the multiply-and-reduce over the minor axis of
-    ``[..., s, s, M]`` products several times slower.
-
-    Its VJP (as GLA's in :mod:`._scan`) recomputes the decays and differentiates only the
-    products: ``gx`` enters as a rescaling of ``xs`` by ``exp(gx)`` and ``gy`` of ``ys`` by
-    ``exp(-gy)``, so ``dgx = sum_p xs dxs`` and ``dgy = -sum_q ys dys``; autodiff through the
-    decays instead carried a cotangent for every decay factor.
+    Within sub-chunks of ``s`` positions the per-channel decays are applied pairwise (an
+    ``[s, s, M]`` product: exact for any decay). Across sub-chunks a pair factorises through
+    the reference ``ref_I`` (``gx_t <= ref_I <= gy_j`` for ``t`` in sub-chunk ``I`` and ``j``
+    before it): ``exp(gx_t - ref_I) exp(ref_I - gy_j)``, both factors ``<= 1``, so the
+    product is a matrix multiplication and no exponent is positive. The secondary chunking
+    of Yang et al. (2024, GLA, Sec. 4.2), which keeps the ``[c, c, M]`` work to ``s/c`` of it.
     """
-    c = xs.shape[2]
-    xp, yp, y_scale, to_i, to_j = _across(xs, ys, gx, gy, sub)
-    blocks = jnp.einsum("pnksm,qnktm->pqnkst", xp, yp * y_scale)
-    out = jnp.einsum("pqnkst,ki,kj->pqnisjt", blocks, to_i, to_j).reshape(*blocks.shape[:3], c, c)
-    for d in range(1, sub):
-        inner = jnp.einsum("pncm,qncm->pqnc", xs, _shift(ys, d) * _offset_decay(gx, gy, d))
-        out = out + inner[..., None] * _band(c, sub, d, out.dtype)
-    return out
 
+    def __init__(self, gx, gy, ref, sub):
+        n, c, m = gx.shape
+        self.shape = (n, c // sub, sub, m)
+        gxb, gyb = gx.reshape(self.shape), gy.reshape(self.shape)
+        mask = jnp.tril(jnp.ones((sub, sub), bool), -1)[..., None]
+        diff = gxb[:, :, :, None] - gyb[:, :, None]
+        # The inner wheres keep exp off the positive exponents the masks drop (their overflow
+        # would turn the masked-out gradient into NaN).
+        self.decay = jnp.where(mask, jnp.exp(jnp.where(mask, diff, 0.0)), 0.0)
+        self.x_scale = jnp.exp(gxb - ref[:, :, None])
+        before = (jnp.arange(c)[None, :] < (jnp.arange(c // sub) * sub)[:, None])[None, ..., None]
+        self.y_scale = jnp.where(before, jnp.exp(jnp.where(before, ref[:, :, None] - gy[:, None],
+                                                           0.0)), 0.0)
 
-def _scores_fwd(xs, ys, gx, gy, sub):
-    return _scores(xs, ys, gx, gy, sub), (xs, ys, gx, gy)
-
-
-def _scores_bwd(sub, res, ds):
-    xs, ys, gx, gy = res
-    c = xs.shape[2]
-    ns = c // sub
-    xp, yp, y_scale, to_i, to_j = _across(xs, ys, gx, gy, sub)
-    x_scale = jnp.exp(gx - jnp.repeat(gx[:, ::sub], sub, axis=1))
-    d_blocks = jnp.einsum("pqnisjt,ki,kj->pqnkst", ds.reshape(*ds.shape[:3], ns, sub, ns, sub),
-                          to_i, to_j)
-    dxs = jnp.einsum("pqnkst,qnktm,ki->pnism", d_blocks, yp * y_scale, to_i)
-    dxs = dxs.reshape(xs.shape) * x_scale
-    dys = jnp.einsum("pqnkst,pnksm->qnktm", d_blocks, xp) * y_scale
-    dys = jnp.einsum("qnktm,kj->qnjtm", dys, to_j).reshape(ys.shape)
-    for d in range(1, sub):
-        decay = _offset_decay(gx, gy, d)
-        d_inner = jnp.sum(ds * _band(c, sub, d, ds.dtype), -1)  # [P, Q, n, c]
-        dxs = dxs + jnp.einsum("pqnc,qncm->pncm", d_inner, _shift(ys, d) * decay)
-        dys = dys + _shift(jnp.einsum("pqnc,pncm->qncm", d_inner, xs * decay), -d)
-    return dxs, dys, jnp.sum(xs * dxs, 0), -jnp.sum(ys * dys, 0)
-
-
-_scores.defvjp(_scores_fwd, _scores_bwd)
+    def __call__(self, x, y):
+        n, ns, sub, m = self.shape
+        xb, yb = x.reshape(self.shape), y.reshape(self.shape)
+        inner = jnp.sum(xb[:, :, :, None] * yb[:, :, None] * self.decay, axis=-1)
+        across = jnp.einsum("nism,nijm->nisj", xb * self.x_scale, y[:, None] * self.y_scale)
+        inner = jnp.einsum("nist,ij->nisjt", inner, jnp.eye(ns, dtype=inner.dtype))
+        return (across + inner.reshape(across.shape)).reshape(n, ns * sub, ns * sub)
 
 
 def _dplr_chunks(q, k, v, a, b, ld, s0, sub_chunk=4):
@@ -190,13 +124,16 @@ def _dplr_chunks(q, k, v, a, b, ld, s0, sub_chunk=4):
     sub = math.gcd(c, sub_chunk)
     g = jnp.cumsum(ld, axis=1)
     p = g - ld
+    ref = p[:, ::sub]  # each sub-chunk's decay before its first position
+    reads = _Scores(p, g, ref, sub)
     # The outputs' scores exp(g_t - g_j) are the reads' exp(p_t - g_j) scaled by exp(ld_t) <= 1
     # for j < t, and 1 for j = t: one set of decays serves both.
     qd = q * jnp.exp(ld)
-    ys = jnp.stack([k] if a is None else [k, a])
-    scores = _scores(jnp.stack([b, qd]), ys, p, g, sub)
-    diagonal = jnp.eye(c, dtype=q.dtype) * jnp.sum(q * ys, -1)[..., None]  # [Q, n, c, c]
-    p_bk, q_k = scores[0, 0], scores[1, 0] + diagonal[0]
+
+    def outs(y):
+        return reads(qd, y) + jnp.sum(q * y, -1)[..., None] * jnp.eye(c, dtype=q.dtype)
+
+    p_bk, q_k = reads(b, k), outs(k)
     # U = x + w S_0 with [x, w] = (I - P_ba)^-1 [P_bk V, b * exp(p)]: one product for both.
     rhs = jnp.concatenate([p_bk @ v, b * jnp.exp(p)], -1)
     qg = q * jnp.exp(g)
@@ -217,7 +154,7 @@ def _dplr_chunks(q, k, v, a, b, ld, s0, sub_chunk=4):
 
         s_end, out = lax.scan(delta_chunk, s0, (pseudo, w, qg, q_k, total, kg))
         return out, s_end
-    p_ba, q_a = scores[0, 1], scores[1, 1] + diagonal[1]
+    p_ba, q_a = reads(b, a), outs(a)
     xw = unit_lower_inverse(-p_ba) @ rhs
     x, w = xw[..., :v.shape[-1]], xw[..., v.shape[-1]:]
     inter = q_k @ v
@@ -249,10 +186,9 @@ def dplr_chunked(
     """The same recurrence as :func:`dplr_recurrent`, chunkwise (see the module docstring):
     per chunk, four ``[c, c]`` score matrices over the ``M`` channels (two when ``a`` is None),
     the per-channel decays applied pairwise within sub-chunks and by matrix products across
-    them (:func:`_scores`), one unit lower-triangular inverse, then a scan over chunks;
+    them (:class:`_Scores`), one unit lower-triangular inverse, then a scan over chunks;
     chunks go in groups through :func:`~._scan.chunk_groups`, rematerialised in the backward
-    pass (keeping the score matrices instead, ``2 c`` or ``4 c`` floats per position, was no
-    faster on the 2-core EPYC at L=8192 and slower at 65536).
+    pass.
 
     Args: as :func:`dplr_recurrent`, where ``a = None`` means ``a = -k`` (the delta rule:
     what is written along ``k`` is first removed along it); chunk_size: positions per chunk
