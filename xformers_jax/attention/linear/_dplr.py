@@ -134,15 +134,14 @@ def _dplr_chunks(q, k, v, a, b, ld, s0, sub_chunk=4):
         return reads(qd, y) + jnp.sum(q * y, -1)[..., None] * jnp.eye(c, dtype=q.dtype)
 
     p_bk, q_k = reads(b, k), outs(k)
-    # U = x + w S_0 with [x, w] = (I - P_ba)^-1 [P_bk V, b * exp(p)]: one product for both.
-    rhs = jnp.concatenate([p_bk @ v, b * jnp.exp(p)], -1)
     qg = q * jnp.exp(g)
     total = g[:, -1]
     kg = k * jnp.exp(total[:, None] - g)
     if a is None:
         # a = -k: the reads are taken back along k, so the chunk writes k^T (v - u) and reads
         # out Q_qk (v - u) (the gated delta rule's pseudo-values), one product each.
-        xw = unit_lower_inverse(p_bk) @ rhs
+        # U = x + w S_0 with [x, w] = (I + P_bk)^-1 [P_bk V, b * exp(p)]: one product.
+        xw = unit_lower_inverse(p_bk) @ jnp.concatenate([p_bk @ v, b * jnp.exp(p)], -1)
         pseudo, w = v - xw[..., :v.shape[-1]], xw[..., v.shape[-1]:]    # v - U = pseudo - w S_0
 
         @functools.partial(jax.checkpoint, prevent_cse=False)
@@ -155,8 +154,9 @@ def _dplr_chunks(q, k, v, a, b, ld, s0, sub_chunk=4):
         s_end, out = lax.scan(delta_chunk, s0, (pseudo, w, qg, q_k, total, kg))
         return out, s_end
     p_ba, q_a = reads(b, a), outs(a)
-    xw = unit_lower_inverse(-p_ba) @ rhs
-    x, w = xw[..., :v.shape[-1]], xw[..., v.shape[-1]:]
+    inverse = unit_lower_inverse(-p_ba)
+    w = inverse @ (b * jnp.exp(p))                                   # U = x + w S_0
+    x = inverse @ (p_bk @ v)
     inter = q_k @ v
     ag = a * jnp.exp(total[:, None] - g)
     kv = jnp.einsum("ncm,nce->nme", kg, v)
