@@ -34,8 +34,8 @@ import math
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Float
 from jax import lax
+from jaxtyping import Array, Float
 
 from ._delta import unit_lower_inverse
 from ._scan import GROUP_POSITIONS, chunk_groups
@@ -134,18 +134,32 @@ def _dplr_chunks(q, k, v, a, b, ld, s0, sub_chunk=4):
         return reads(qd, y) + jnp.sum(q * y, -1)[..., None] * jnp.eye(c, dtype=q.dtype)
 
     p_bk, q_k = reads(b, k), outs(k)
+    qg = q * jnp.exp(g)
+    total = g[:, -1]
+    kg = k * jnp.exp(total[:, None] - g)
     if a is None:
-        p_ba, q_a, a = -p_bk, -q_k, -k
-    else:
-        p_ba, q_a = reads(b, a), outs(a)
+        # a = -k: the reads are taken back along k, so the chunk writes k^T (v - u) and reads
+        # out Q_qk (v - u) (the gated delta rule's pseudo-values), one product each.
+        # U = x + w S_0 with [x, w] = (I + P_bk)^-1 [P_bk V, b * exp(p)]: one product.
+        xw = unit_lower_inverse(p_bk) @ jnp.concatenate([p_bk @ v, b * jnp.exp(p)], -1)
+        pseudo, w = v - xw[..., :v.shape[-1]], xw[..., v.shape[-1]:]    # v - U = pseudo - w S_0
+
+        @functools.partial(jax.checkpoint, prevent_cse=False)
+        def delta_chunk(s, xs):
+            pseudo_n, w_n, qg_n, qk_n, t_n, kg_n = xs
+            pseudo_n = pseudo_n - w_n @ s
+            out = qg_n @ s + qk_n @ pseudo_n
+            return jnp.exp(t_n)[:, None] * s + kg_n.T @ pseudo_n, out
+
+        s_end, out = lax.scan(delta_chunk, s0, (pseudo, w, qg, q_k, total, kg))
+        return out, s_end
+    p_ba, q_a = reads(b, a), outs(a)
     inverse = unit_lower_inverse(-p_ba)
     w = inverse @ (b * jnp.exp(p))                                   # U = x + w S_0
     x = inverse @ (p_bk @ v)
     inter = q_k @ v
-    qg = q * jnp.exp(g)
-    total = g[:, -1]
     ag = a * jnp.exp(total[:, None] - g)
-    kv = jnp.einsum("ncm,nce->nme", k * jnp.exp(total[:, None] - g), v)
+    kv = jnp.einsum("ncm,nce->nme", kg, v)
 
     @functools.partial(jax.checkpoint, prevent_cse=False)
     def chunk(s, xs):
