@@ -6,6 +6,8 @@ declares the kinds it implements with ``nn.implements``.
 
 from __future__ import annotations
 
+import math
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -62,6 +64,13 @@ def log_uniform(key, shape, low, high):
         raise ValueError(f"need 0 < dt_min <= dt_max, got dt_min={low}, dt_max={high}")
     u = jax.random.uniform(key, shape)
     return jnp.log(low) + u * (jnp.log(high) - jnp.log(low))
+
+
+def s4d_lin(shape):
+    """S4D-Lin's diagonal state matrix (Gu et al. 2022): ``(log_a_re, a_im)`` of shape
+    ``shape`` (last axis the ``N/2`` states), ``A_n = -1/2 + i pi n``."""
+    return (jnp.full(shape, math.log(0.5)),
+            jnp.broadcast_to(math.pi * jnp.arange(shape[-1], dtype=jnp.float32), shape))
 
 
 def zero_padded(y, kv_mask):

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from ... import mixers as M
 from .._slots import implements
 from ._base import (MixerModule, both_ways, check_mask, dense, log_uniform, recurrent_cache,
-                    zero_padded)
+                    s4d_lin, zero_padded)
 
 
 def _no_bidirectional_cache(name, causal):
@@ -73,8 +73,7 @@ class H3(MixerModule):
         self.shift = jax.random.normal(ks[1], (heads, head_dim, shift_size)) / math.sqrt(
             shift_size)
         self.log_dt = log_uniform(ks[2], (heads,), dt_min, dt_max)
-        self.log_a_re = jnp.full((heads, n), math.log(0.5))
-        self.a_im = jnp.broadcast_to(math.pi * jnp.arange(n, dtype=jnp.float32), (heads, n))
+        self.log_a_re, self.a_im = s4d_lin((heads, n))
         self.b_re, self.b_im = jnp.ones((heads, n)), jnp.zeros((heads, n))
         self.c = jax.random.normal(ks[3], (2, heads, n)) * math.sqrt(0.5)
         self.d = jax.random.normal(ks[4], (heads,))

@@ -18,7 +18,8 @@ import jax.numpy as jnp
 
 from ... import mixers as M
 from .._slots import implements
-from ._base import MixerModule, check_mask, dense, log_uniform, recurrent_cache, zero_padded
+from ._base import (MixerModule, check_mask, dense, log_uniform, recurrent_cache, s4d_lin,
+                    zero_padded)
 
 
 def _glu_out(x, y, w_out):
@@ -53,9 +54,7 @@ class _DiagonalSSM(MixerModule):
         """Everything but ``B``: ``keys`` draw ``log_dt``, ``C``, ``C'`` and ``D``."""
         k_dt, k_c, k_c_rev, k_d = keys
         self.log_dt = log_uniform(k_dt, dt_shape, dt_min, dt_max)
-        self.log_a_re = jnp.full(a_shape, math.log(0.5))
-        self.a_im = jnp.broadcast_to(math.pi * jnp.arange(a_shape[-1], dtype=jnp.float32),
-                                     a_shape)
+        self.log_a_re, self.a_im = s4d_lin(a_shape)
         self.c = jax.random.normal(k_c, (2, *c_shape)) * c_std
         self.c_reverse = None if causal else jax.random.normal(k_c_rev, (2, *c_shape)) * c_std
         self.d = jax.random.normal(k_d, (dim,))
