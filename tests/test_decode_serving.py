@@ -212,8 +212,10 @@ def test_chunked_prefill_equals_token_by_token(slot, name, page_size):
             else:
                 assert_close(y, x, err_msg=f"{name}: the cache after a chunked prompt")
         return
-    for pool_a, pool_b in zip(one.pool, chunked.pool):
-        held = [p[:, pages].reshape(p.shape[0], -1, *p.shape[3:])[:, :len(prompt)]
+    # every layer's keys and values: [pages, P, Hkv, D] each
+    for pool_a, pool_b in zip(jax.tree_util.tree_leaves(one.pool),
+                              jax.tree_util.tree_leaves(chunked.pool)):
+        held = [p[np.asarray(pages)].reshape(-1, *p.shape[2:])[:len(prompt)]
                 for p, pages in ((pool_a, a.pages), (pool_b, b.pages))]
         assert_close(held[1], held[0], err_msg=f"{name}: the pages after a chunked prompt")
 

@@ -38,7 +38,9 @@ def test_cached_logits_equal_teacher_forced(name):
         return m(tokens), m.prefill(tokens, m.init_cache(2, L))
 
     forced, (cached, caches) = both(model)
-    assert isinstance(caches, cache_type)
+    # One cache per layer, each its own buffers.
+    assert isinstance(caches, tuple) and len(caches) == 2
+    assert all(isinstance(c, cache_type) for c in caches)
     assert_close(cached, forced, EXACT)
 
 
@@ -46,7 +48,7 @@ def test_local_cache_evicts_to_the_window():
     model = _lm(nn.AttentionSpec("local", {"left": 3}), jax.random.PRNGKey(0))
     caches = model.init_cache(2, 100)
     # Ring buffers of window + 1 slots per layer, whatever the length to generate.
-    assert caches.k.shape == (2, 2, 4, 4, 8)
+    assert [c.k.shape for c in caches] == [(2, 4, 4, 8)] * 2
 
 
 def test_rope_and_alibi_decode():

@@ -97,7 +97,7 @@ class PagedKVCache(eqx.Module):
     tokens already held, the position of the next one.
 
     A decoding step reads the pool and returns the step's key and value as ``new_k: [1, Hkv,
-    Dk]`` and ``new_v``; it does not write them: the caller (``models.PagedServer``) scatters
+    Dk]`` and ``new_v``; it does not write them: the caller (``models.Server``) scatters
     every sequence's new entries into their pages after the step, so that sequences decoded
     side by side (``jax.vmap`` over sequences, the pool shared) never copy the pool.
     """
