@@ -1,6 +1,8 @@
 """Decoding: cached logits equal teacher-forced logits position by position (softmax, local
 and linear attention), and generate uses them (greedy, temperature, top-k)."""
 
+import re
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -110,3 +112,22 @@ def test_performer_feature_redraw():
     assert not np.allclose(np.asarray(new[0]), np.asarray(new[1]))
     # Everything else is untouched.
     assert_close(new_model.head, model.head, EXACT)
+
+
+def test_generate_updates_its_caches_in_place():
+    """``generate`` is compiled with ``models.decode_compiler_options()``: on XLA:CPU the
+    compiled program copies no key/value cache (shape ``[B, Hkv, C, D]``) beyond filling the
+    empty caches once, where the default copy insertion copies every layer's cache in the
+    decoding loops."""
+    if jax.default_backend() != "cpu":
+        pytest.skip("the copies are XLA:CPU's")
+    from xformers_jax.models import _lm
+
+    model = models.CausalLM(20, 16, 2, 2, 32, max_len=L, key=jax.random.PRNGKey(0))
+    prompt = jnp.zeros((1, 3), jnp.int32)
+    params, static = eqx.partition(model, eqx.is_array)
+    hlo = _lm._generate_jit(static).lower(
+        params, prompt, None, max_new_tokens=L - 3, temperature=1.0, top_k=None,
+        dtype=jnp.float32).compile().as_text()
+    copies = re.findall(rf"= f32\[1,2,{L},8\]\S* copy\(", hlo)
+    assert len(copies) <= 4, f"{len(copies)} copies of a layer's cache (2 layers x k, v: 4)"
