@@ -131,3 +131,20 @@ def test_generate_updates_its_caches_in_place():
         dtype=jnp.float32).compile().as_text()
     copies = re.findall(rf"= f32\[1,2,{L},8\]\S* copy\(", hlo)
     assert len(copies) <= 4, f"{len(copies)} copies of a layer's cache (2 layers x k, v: 4)"
+
+
+def test_a_decoding_step_writes_each_layers_cache_in_place():
+    """One buffer per layer (``LayerStack.init_cache``), compiled as a server compiles its step
+    (cache donated, ``models.decode_compiler_options()``): the step's temporaries hold no
+    layer's keys, so no layer's cache is copied. A stack of the caches on a leading layer axis
+    sliced per layer (the layout before) needed two layers' keys and values of temporaries, as
+    does this one without the options (XLA:CPU's copy insertion)."""
+    if jax.default_backend() != "cpu":
+        pytest.skip("the copies are XLA:CPU's")
+    model = models.CausalLM(20, 16, 2, 2, 32, max_len=L, key=jax.random.PRNGKey(0))
+    caches = jax.eval_shape(lambda: model.init_cache(1, 2048))
+    step = jax.jit(lambda m, c: m.decode_step(jnp.zeros((1,), jnp.int32), c, 5),
+                   donate_argnums=1, compiler_options=models.decode_compiler_options())
+    temp = step.lower(model, caches).compile().memory_analysis().temp_size_in_bytes
+    keys = models.cache_bytes(caches[0].k)  # one layer's keys: [1, 2, 2048, 8] float32
+    assert temp < keys, f"{temp} bytes of temporaries: a layer's cache ({keys} bytes) copied"
