@@ -110,6 +110,9 @@ class CausalLM(eqx.Module):
         return self.layers.init_memory(batch, self.head.shape[0], dtype, inference=inference)
 
     def init_cache(self, batch: int, max_len: int, dtype=jnp.float32):
+        """Empty decoding caches for ``batch`` rows of up to ``max_len`` tokens: a tuple with
+        one cache per layer (``LayerStack.init_cache``; each layer's own buffers, not a slice
+        of one ``[layers, ...]`` array), for :meth:`decode_step` and :meth:`prefill`."""
         if isinstance(self.embed.positions, ConvPositions):
             raise NotImplementedError("CausalLM: ConvPositions (CPE) has no decoding cache")
         return self.layers.init_cache(batch, max_len, dtype)
