@@ -148,3 +148,22 @@ def test_a_decoding_step_writes_each_layers_cache_in_place():
     temp = step.lower(model, caches).compile().memory_analysis().temp_size_in_bytes
     keys = models.cache_bytes(caches[0].k)  # one layer's keys: [1, 2, 2048, 8] float32
     assert temp < keys, f"{temp} bytes of temporaries: a layer's cache ({keys} bytes) copied"
+
+
+@pytest.mark.parametrize("what", ["universal", "every_other_ffn"])
+def test_stacks_that_vary_by_layer_decode_as_their_forward(what):
+    """Per-layer caches through the stacks whose layers differ at decoding: the Universal
+    Transformer's timestep embedding per layer, and units of two blocks (``FFNSpec(every=2)``:
+    a cache per unit holding each block's)."""
+    key = jax.random.PRNGKey(5)
+    if what == "universal":
+        model = models.CausalLM(20, 32, 3, 4, 64, max_len=L, key=key,
+                                stack={"universal": True})
+    else:
+        model = models.CausalLM(20, 32, 4, 4, 64, max_len=L, key=key,
+                                block={"ffn": nn.FFNSpec("product_key", every=2)})
+    tokens = jax.random.randint(key, (2, L), 0, 20)
+    forced, (cached, caches) = eqx.filter_jit(
+        lambda m: (m(tokens), m.prefill(tokens, m.init_cache(2, L))))(model)
+    assert len(caches) == model.layers.num_layers
+    assert_close(cached, forced, EXACT)
