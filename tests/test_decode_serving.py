@@ -212,8 +212,10 @@ def test_chunked_prefill_equals_token_by_token(slot, name, page_size):
             else:
                 assert_close(y, x, err_msg=f"{name}: the cache after a chunked prompt")
         return
-    for pool_a, pool_b in zip(one.pool, chunked.pool):
-        held = [p[:, pages].reshape(p.shape[0], -1, *p.shape[3:])[:, :len(prompt)]
+    # every layer's keys and values: [pages, P, Hkv, D] each
+    for pool_a, pool_b in zip(jax.tree_util.tree_leaves(one.pool),
+                              jax.tree_util.tree_leaves(chunked.pool)):
+        held = [p[np.asarray(pages)].reshape(-1, *p.shape[2:])[:len(prompt)]
                 for p, pages in ((pool_a, a.pages), (pool_b, b.pages))]
         assert_close(held[1], held[0], err_msg=f"{name}: the pages after a chunked prompt")
 
@@ -321,3 +323,45 @@ def test_a_paged_sequence_holds_whole_pages_of_its_tokens():
                                                                     3 * page]
     assert models.Server(model, num_slots=2, max_len=MAX_LEN).bytes_per_sequence(1) == \
         models.sequence_cache_bytes(model, MAX_LEN)
+
+
+@pytest.mark.parametrize("left", [None, 6], ids=["exact", "window"])
+def test_the_paged_step_reads_pages_in_place_as_the_dense_cache(left):
+    """The paged step's attention (``nn._attention._paged_one_query``: the table's pages a few
+    at a time, online softmax) equals one softmax over the same keys gathered densely
+    (``_one_query``), with the table's pages shuffled in the pool, several pages per
+    iteration and several iterations, a window starting mid-page, and every slot the query
+    may not see (past its length, other sequences' pages, before its window) NaN."""
+    from xformers_jax.nn._attention import _one_query, _paged_one_query
+
+    rng = np.random.default_rng(0)
+    n, p, hkv, h, d, m = 10, 4, 2, 4, 8, 6
+    k_pages = rng.normal(size=(n, p, hkv, d)).astype(np.float32)
+    v_pages = rng.normal(size=(n, p, hkv, d)).astype(np.float32)
+    table = rng.permutation(np.arange(1, n))[:m].astype(np.int32)
+    q = rng.normal(size=(h, d)).astype(np.float32)
+    k_t, v_t = (rng.normal(size=(hkv, d)).astype(np.float32) for _ in range(2))
+    pos = np.arange(m * p)
+    f = jax.jit(_paged_one_query, static_argnums=6, static_argnames="slots")
+    for t in (0, 1, 5, 13, 23):
+        seen = (pos < t) & (pos >= (0 if left is None else t - left))
+        kp, vp = k_pages.copy(), v_pages.copy()
+        for page in set(range(n)) - set(table[:-(-t // p)]):
+            kp[page], vp[page] = np.nan, np.nan
+        held = table[pos // p], pos % p
+        for a in (kp, vp):
+            a[held[0][~seen], held[1][~seen]] = np.nan
+        admitted = functools.partial(_admitted, t=t, left=left)
+        got = f(q, kp, vp, table, 0 if left is None else max(t - left, 0), t,
+                admitted, (k_t, v_t, True), slots=8)
+        dense_k = np.where(seen[:, None, None], kp[held[0], held[1]], 0).transpose(1, 0, 2)
+        dense_v = np.where(seen[:, None, None], vp[held[0], held[1]], 0).transpose(1, 0, 2)
+        want = _one_query(q[None], dense_k[None], dense_v[None], seen[None],
+                          new=(k_t[None], v_t[None], jnp.ones((), bool)))[0]
+        assert np.isfinite(got).all(), f"t={t}: a slot not seen was read"
+        assert_close(got, want, err_msg=f"t={t}, window {left}: paged vs dense")
+
+
+def _admitted(pos, *, t, left):
+    ok = pos < t
+    return ok if left is None else ok & (pos >= t - left)

@@ -1,6 +1,8 @@
 """Decoding: cached logits equal teacher-forced logits position by position (softmax, local
 and linear attention), and generate uses them (greedy, temperature, top-k)."""
 
+import re
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -38,7 +40,9 @@ def test_cached_logits_equal_teacher_forced(name):
         return m(tokens), m.prefill(tokens, m.init_cache(2, L))
 
     forced, (cached, caches) = both(model)
-    assert isinstance(caches, cache_type)
+    # One cache per layer, each its own buffers.
+    assert isinstance(caches, tuple) and len(caches) == 2
+    assert all(isinstance(c, cache_type) for c in caches)
     assert_close(cached, forced, EXACT)
 
 
@@ -46,7 +50,7 @@ def test_local_cache_evicts_to_the_window():
     model = _lm(nn.AttentionSpec("local", {"left": 3}), jax.random.PRNGKey(0))
     caches = model.init_cache(2, 100)
     # Ring buffers of window + 1 slots per layer, whatever the length to generate.
-    assert caches.k.shape == (2, 2, 4, 4, 8)
+    assert [c.k.shape for c in caches] == [(2, 4, 4, 8)] * 2
 
 
 def test_rope_and_alibi_decode():
@@ -108,3 +112,58 @@ def test_performer_feature_redraw():
     assert not np.allclose(np.asarray(new[0]), np.asarray(new[1]))
     # Everything else is untouched.
     assert_close(new_model.head, model.head, EXACT)
+
+
+def test_generate_updates_its_caches_in_place():
+    """``generate`` is compiled with ``models.decode_compiler_options()``: on XLA:CPU the
+    compiled program copies no key/value cache (shape ``[B, Hkv, C, D]``) beyond filling the
+    empty caches once, where the default copy insertion copies every layer's cache in the
+    decoding loops."""
+    if jax.default_backend() != "cpu":
+        pytest.skip("the copies are XLA:CPU's")
+    from xformers_jax.models import _lm
+
+    model = models.CausalLM(20, 16, 2, 2, 32, max_len=L, key=jax.random.PRNGKey(0))
+    prompt = jnp.zeros((1, 3), jnp.int32)
+    params, static = eqx.partition(model, eqx.is_array)
+    hlo = _lm._generate_jit(static).lower(
+        params, prompt, None, max_new_tokens=L - 3, temperature=1.0, top_k=None,
+        dtype=jnp.float32).compile().as_text()
+    copies = re.findall(rf"= f32\[1,2,{L},8\]\S* copy\(", hlo)
+    assert len(copies) <= 4, f"{len(copies)} copies of a layer's cache (2 layers x k, v: 4)"
+
+
+def test_a_decoding_step_writes_each_layers_cache_in_place():
+    """One buffer per layer (``LayerStack.init_cache``), compiled as a server compiles its step
+    (cache donated, ``models.decode_compiler_options()``): the step's temporaries hold no
+    layer's keys, so no layer's cache is copied. A stack of the caches on a leading layer axis
+    sliced per layer (the layout before) needed two layers' keys and values of temporaries, as
+    does this one without the options (XLA:CPU's copy insertion)."""
+    if jax.default_backend() != "cpu":
+        pytest.skip("the copies are XLA:CPU's")
+    model = models.CausalLM(20, 16, 2, 2, 32, max_len=L, key=jax.random.PRNGKey(0))
+    caches = jax.eval_shape(lambda: model.init_cache(1, 2048))
+    step = jax.jit(lambda m, c: m.decode_step(jnp.zeros((1,), jnp.int32), c, 5),
+                   donate_argnums=1, compiler_options=models.decode_compiler_options())
+    temp = step.lower(model, caches).compile().memory_analysis().temp_size_in_bytes
+    keys = models.cache_bytes(caches[0].k)  # one layer's keys: [1, 2, 2048, 8] float32
+    assert temp < keys, f"{temp} bytes of temporaries: a layer's cache ({keys} bytes) copied"
+
+
+@pytest.mark.parametrize("what", ["universal", "every_other_ffn"])
+def test_stacks_that_vary_by_layer_decode_as_their_forward(what):
+    """Per-layer caches through the stacks whose layers differ at decoding: the Universal
+    Transformer's timestep embedding per layer, and units of two blocks (``FFNSpec(every=2)``:
+    a cache per unit holding each block's)."""
+    key = jax.random.PRNGKey(5)
+    if what == "universal":
+        model = models.CausalLM(20, 32, 3, 4, 64, max_len=L, key=key,
+                                stack={"universal": True})
+    else:
+        model = models.CausalLM(20, 32, 4, 4, 64, max_len=L, key=key,
+                                block={"ffn": nn.FFNSpec("product_key", every=2)})
+    tokens = jax.random.randint(key, (2, L), 0, 20)
+    forced, (cached, caches) = eqx.filter_jit(
+        lambda m: (m(tokens), m.prefill(tokens, m.init_cache(2, L))))(model)
+    assert len(caches) == model.layers.num_layers
+    assert_close(cached, forced, EXACT)

@@ -5,6 +5,7 @@ recurrence over contiguous streams (see :mod:`._memory_lm` for decoding across s
 
 from __future__ import annotations
 
+import functools
 import math
 
 import equinox as eqx
@@ -17,6 +18,7 @@ from ..nn import (AUX_WEIGHTS, Carry, ConvPositions, Embedder, LayerNorm, LayerS
                   check_segments, document_positions, memory_aux_loss, sample_tokens,
                   transformer_stack)
 from ._registry import SLOTS, TRUNK, block_kwargs, register_model
+from ._serving import decode_compiler_options
 from ._trunk import finish, run_with_aux
 
 
@@ -108,6 +110,9 @@ class CausalLM(eqx.Module):
         return self.layers.init_memory(batch, self.head.shape[0], dtype, inference=inference)
 
     def init_cache(self, batch: int, max_len: int, dtype=jnp.float32):
+        """Empty decoding caches for ``batch`` rows of up to ``max_len`` tokens: a tuple with
+        one cache per layer (``LayerStack.init_cache``; each layer's own buffers, not a slice
+        of one ``[layers, ...]`` array), for :meth:`decode_step` and :meth:`prefill`."""
         if isinstance(self.embed.positions, ConvPositions):
             raise NotImplementedError("CausalLM: ConvPositions (CPE) has no decoding cache")
         return self.layers.init_cache(batch, max_len, dtype)
@@ -136,13 +141,48 @@ class CausalLM(eqx.Module):
 
         Greedy when ``key`` is None; otherwise samples from ``softmax(logits / temperature)``
         restricted to the ``top_k`` most likely tokens. Returns ``int[B, P + max_new_tokens]``.
+
+        Compiled on its own (once per model structure and arguments' shapes) with
+        ``models.decode_compiler_options()``, so that on CPU each step writes the caches in
+        place rather than copying them; inside a caller's ``jax.jit`` it is traced into the
+        caller's program, whose compiler options then apply.
         """
+        args = (prompt, max_new_tokens, key, temperature, top_k, dtype)
+        params, static = eqx.partition(self, eqx.is_array)
+        if any(isinstance(a, jax.core.Tracer)
+               for a in jax.tree_util.tree_leaves((params, prompt, key))):
+            return self._generate(*args)  # traced by a caller: part of its program
+        try:
+            run = _generate_jit(static)
+        except TypeError:  # a model whose static part is not hashable
+            run = _generate_jit.__wrapped__(static)
+        try:
+            return run(params, prompt, key, max_new_tokens=max_new_tokens,
+                       temperature=temperature, top_k=top_k, dtype=dtype)
+        except ValueError as e:
+            # Under a caller's trace with no traced input (a model closed over), JAX refuses
+            # compiler options on a nested jit before compiling anything.
+            if "compiler_options" not in str(e):
+                raise
+            return self._generate(*args)
+
+    def _generate(self, prompt, max_new_tokens, key, temperature, top_k, dtype):
         b, p = prompt.shape
         caches = self.init_cache(b, p + max_new_tokens, dtype)
         logits, caches = self.prefill(prompt, caches)
         new = sample_tokens(self.decode_step, logits[:, -1], caches, p, max_new_tokens,
                             key=key, temperature=temperature, top_k=top_k, dtype=prompt.dtype)
         return jnp.concatenate([prompt, new], axis=1)
+
+
+@functools.lru_cache(maxsize=16)
+def _generate_jit(static):
+    def run(params, prompt, key, *, max_new_tokens, temperature, top_k, dtype):
+        return eqx.combine(params, static)._generate(prompt, max_new_tokens, key, temperature,
+                                                     top_k, dtype)
+
+    return jax.jit(run, static_argnames=("max_new_tokens", "temperature", "top_k", "dtype"),
+                   compiler_options=decode_compiler_options())
 
 
 @register_model("causal_lm", serves=("language_model",), defaults=dict(TRUNK, **SLOTS),

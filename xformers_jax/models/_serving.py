@@ -295,30 +295,35 @@ def _choose(logits, keys, greedy, temperature, top_k):
 
 def _paged_step(pool, model, tokens, from_prompt, last, positions, count, tables, write_page,
                 write_offset, keys, greedy, temperature, top_k, record):
-    layers = pool[0].shape[0]
-
-    def one(k_pages, v_pages, token, table, length):
-        caches = PagedKVCache(
-            k_pages, v_pages, jnp.broadcast_to(table, (layers, *table.shape)),
-            jnp.broadcast_to(length, (layers,)),
-            jnp.zeros((layers, 1, *k_pages.shape[3:]), k_pages.dtype),
-            jnp.zeros((layers, 1, *v_pages.shape[3:]), v_pages.dtype))
+    # pool: one (k_pages [N, P, Hkv, Dk], v_pages [N, P, Hkv, Dv]) pair per layer, each its own
+    # buffer, so that the scatter below writes every layer's pages in place.
+    def one(pool, token, table, length):
+        caches = tuple(
+            PagedKVCache(k_pages, v_pages, table, length,
+                         jnp.zeros((1, *k_pages.shape[2:]), k_pages.dtype),
+                         jnp.zeros((1, *v_pages.shape[2:]), v_pages.dtype))
+            for k_pages, v_pages in pool)
         logits, caches = model.decode_step(token[None], caches, length)
-        return logits[0], caches.new_k[:, 0], caches.new_v[:, 0]
+        return logits[0], tuple((c.new_k[0], c.new_v[0]) for c in caches)
 
     def model_step(j, pool, tok, fed):
-        k_pages, v_pages = pool
-        logits, new_k, new_v = jax.vmap(one, in_axes=(None, None, 0, 0, 0))(
-            k_pages, v_pages, tok, tables, positions + jnp.where(fed, j, 0))
+        logits, new = jax.vmap(one, in_axes=(None, 0, 0, 0))(
+            pool, tok, tables, positions + jnp.where(fed, j, 0))
         # slots not fed write to the scratch page 0 (write_page is 0 there)
         page = jax.lax.dynamic_index_in_dim(write_page, j, 1, False)
         offset = jax.lax.dynamic_index_in_dim(write_offset, j, 1, False)
-        k_pages = k_pages.at[:, page, offset].set(jnp.moveaxis(new_k, 0, 1))  # [S, layers..]
-        v_pages = v_pages.at[:, page, offset].set(jnp.moveaxis(new_v, 0, 1))
-        return (k_pages, v_pages), logits
+        pool = tuple((k_pages.at[page, offset].set(new_k), v_pages.at[page, offset].set(new_v))
+                     for (k_pages, v_pages), (new_k, new_v) in zip(pool, new))
+        return pool, logits
 
     return _chunk_loop(pool, model_step, tokens, from_prompt, last, count, keys, greedy,
                        temperature, top_k, record)
+
+
+def _describe(cache) -> str:
+    if isinstance(cache, tuple):
+        return "a tuple of " + ", ".join(sorted({type(c).__name__ for c in cache}))
+    return type(cache).__name__
 
 
 def _put(caches, slot, one):
@@ -330,11 +335,11 @@ def _take(caches, slot):
 
 
 def _copy_page(pool, src, dst):
-    return jax.tree_util.tree_map(lambda p: p.at[:, dst].set(p[:, src]), pool)
+    return jax.tree_util.tree_map(lambda p: p.at[dst].set(p[src]), pool)
 
 
 def _poison_pages(pool, pages):
-    return jax.tree_util.tree_map(lambda p: p.at[:, pages].set(jnp.nan), pool)
+    return jax.tree_util.tree_map(lambda p: p.at[pages].set(jnp.nan), pool)
 
 
 _PUT = jax.jit(_put, donate_argnums=0)
@@ -391,20 +396,23 @@ class Server:
         self.paged = page_size is not None
         self.poison_freed = poison_freed
         if self.paged:
-            if not isinstance(one, KVCache):
+            if not (isinstance(one, tuple) and one
+                    and all(isinstance(c, KVCache) for c in one)):
                 raise ValueError(
                     f"Server: a paged cache needs every layer to decode with a key/value cache "
                     f"(exact or windowed attention kinds), but this model's cache is "
-                    f"{type(one).__name__}; use page_size=None (one cache per slot)")
+                    f"{_describe(one)}; use page_size=None (one cache per slot)")
             self.pages_per_seq = -(-max_len // page_size)
             if num_pages is None:
                 num_pages = num_slots * self.pages_per_seq + 1
             self.pool_pages = PagePool(num_pages, page_size)
             # a window keeps the last `left` keys: older pages are freed as it slides
-            self.window = one.pos.shape[-1] - 1 if one.ring else None
-            shape = (one.k.shape[0], num_pages, page_size, one.k.shape[2], one.k.shape[4])
-            self.pool = (jnp.zeros(shape, one.k.dtype),
-                         jnp.zeros(shape[:-1] + one.v.shape[-1:], one.v.dtype))
+            self.window = one[0].pos.shape[-1] - 1 if one[0].ring else None
+            # One (keys, values) pair of [pages, P, Hkv, D] pools per layer.
+            self.pool = tuple(
+                (jnp.zeros((num_pages, page_size, c.k.shape[1], c.k.shape[3]), c.k.dtype),
+                 jnp.zeros((num_pages, page_size, c.v.shape[1], c.v.shape[3]), c.v.dtype))
+                for c in one)
             self._step = self._compiled(_paged_step)
         else:
             self.empty = model.init_cache(1, max_len, dtype)
@@ -435,7 +443,7 @@ class Server:
             return cache_bytes(self.empty)
         p = self.pool_pages.page_size
         held = tokens if self.window is None else min(tokens, self.window + p)
-        page_bytes = sum(cache_bytes(a[:, :1]) for a in self.pool)
+        page_bytes = sum(cache_bytes(a[:1]) for a in jax.tree_util.tree_leaves(self.pool))
         return -(-held // p) * page_bytes
 
     # -- prefixes --

@@ -19,6 +19,7 @@ from jaxtyping import Array, Bool, Float, Int
 
 from .. import attention as A
 from .. import axes as X
+from .. import kernels as K
 from ..axes import constrain
 from ..kinds import AttentionAdapter, Kind, KVDecoding, RecurrentDecoding, WindowDecoding
 from ._cache import KVCache, PagedKVCache, RecurrentCache
@@ -431,34 +432,99 @@ class MultiHeadAttention(eqx.Module):
             raise ValueError(f"MultiHeadAttention: a paged cache is one sequence's view (batch "
                              f"1; vmap over sequences), got a batch of {q.shape[0]}")
         t = cache.length
-        held_k, held_v, held_pos = cache.gather()
-        valid = held_pos < t
+        m, p = cache.table.shape[0], cache.k_pages.shape[1]
+        n = m * p  # the positions the page table can hold
+        left = row = None
         own = jnp.ones((), bool)
         if isinstance(decoding, WindowDecoding):
-            valid = valid & (held_pos >= t - decoding.left(self._call_hyperparameters()))
+            left = decoding.left(self._call_hyperparameters())
         else:
             pattern = decoding.pattern_for(self.spec.resolved)
             if pattern is not None:
-                n = held_pos.shape[0]
                 row = jnp.asarray(pattern.dense(n, n))[jnp.minimum(t, n - 1)]
-                valid, own = valid & row, row[jnp.minimum(t, n - 1)]
+                own = row[jnp.minimum(t, n - 1)]
+
+        def admitted(pos):
+            """Which held positions ``pos int[...] < n`` the step's query sees."""
+            ok = pos < t
+            if left is not None:
+                ok = ok & (pos >= t - left)
+            if row is not None:
+                ok = ok & row[jnp.minimum(pos, n - 1)]
+            return ok
+
         if isinstance(self.position, BiasScheme):
+            # A score bias over the [B, C, H, D] layout: the sequence's pages gathered (a copy).
+            held_k, held_v, held_pos = cache.gather()
             keys = jnp.concatenate([held_k, k.astype(held_k.dtype)], axis=1)
             values = jnp.concatenate([held_v, v.astype(held_v.dtype)], axis=1)
             k_pos = jnp.concatenate([held_pos, t[None]])[None]
-            kv_mask = jnp.concatenate([valid, own[None]])[None]
+            kv_mask = jnp.concatenate([admitted(held_pos), own[None]])[None]
             o = A.multihead(A.dot_product_attention, kwarg_axes={"bias": "batch_heads"})(
                 q, keys, values, kv_mask=kv_mask, bias=self._bias(q, keys, t_pos, k_pos))
         else:
-            # The gathered pages are a copy already: gathered heads first, and the values of
-            # slots not held zeroed (a page handed out again holds what its last owner wrote,
-            # or NaN when poisoned; a zero weight times NaN would still be NaN).
-            held_v = jnp.where(valid[None, :, None, None], held_v, jnp.zeros((), held_v.dtype))
-            o = _one_query(q[:, 0], jnp.swapaxes(held_k, 1, 2), jnp.swapaxes(held_v, 1, 2),
-                           valid[None], new=(k[:, 0], v[:, 0], own))[:, None]
+            first = 0 if left is None else jnp.maximum(t - left, 0)
+            o = _paged_one_query(q[0, 0], cache.k_pages, cache.v_pages, cache.table, first, t,
+                                 admitted, new=(k[0, 0], v[0, 0], own))[None, None]
         new = eqx.tree_at(lambda c: (c.new_k, c.new_v), cache,
                           (k[0].astype(cache.new_k.dtype), v[0].astype(cache.new_v.dtype)))
         return self.output(o), new
+
+
+# Slots of a paged cache read per iteration of the paged step: pages are taken this many
+# slots at a time (a small gather), so that small pages do not make the loop's overhead the
+# step's cost while the copy stays far smaller than the sequence's cache.
+_PAGED_SLOTS = 512
+
+
+def _paged_one_query(q, k_pages, v_pages, table, first, t, admitted, new, *,
+                     slots: int = _PAGED_SLOTS):
+    """Exact softmax attention of one query per head over one sequence's pages, read where
+    they lie: ``q [H, Dk]``, the pool ``k_pages [N, P, Hkv, Dk]``, ``v_pages [N, P, Hkv, Dv]``,
+    the sequence's ``table int[M]`` (entry ``j`` holds positions ``j P .. j P + P - 1``),
+    ``first``/``t`` (int: the first position it may see and the number held), ``admitted(pos
+    int[S]) -> bool[S]`` (the positions the query sees: its window or pattern) and ``new =
+    (k_t [Hkv, Dk], v_t [Hkv, Dv], own bool[])``, the step's own key and value -> ``[H, Dv]``
+    in q's dtype.
+
+    The table's entries from ``first``'s page to ``t``'s are visited a few pages at a time
+    (``slots`` slots) by the online softmax (Milakov & Gimelshein, 2018; Kwon et al.,
+    2023, read a sequence's pages where they lie in the same way): the sequence's keys and
+    values are read once, and the pages past its length or before its window not at all,
+    where gathering them into a dense copy first read and wrote the whole table's worth.
+    Scores and statistics are float32; the values of positions not admitted are zeroed (a
+    page handed out again holds what its last owner wrote, or NaN when poisoned)."""
+    h, dk = q.shape
+    _, p, hkv, dv = v_pages.shape
+    g = max(1, slots // p)  # pages per iteration
+    blocks = -(-table.shape[0] // g)
+    table = jnp.pad(table, (0, blocks * g - table.shape[0]))  # scratch page 0: not admitted
+    qg = q.reshape(hkv, h // hkv, dk)
+    scale = 1.0 / math.sqrt(dk)
+    f32 = K.STATS_DTYPE
+
+    def body(j, carry):
+        pages = jax.lax.dynamic_slice_in_dim(table, j * g, g)
+        pos = j * g * p + jnp.arange(g * p)
+        ok = admitted(pos)
+        kb = k_pages[pages].reshape(g * p, hkv, dk)
+        vb = K.select_real_keys(v_pages[pages].reshape(g * p, hkv * dv), ok)
+        s = jnp.einsum("kgd,ckd->kgc", qg, kb.astype(q.dtype), preferred_element_type=f32)
+        s = jnp.where(ok, s * scale, -jnp.inf)
+        return K.online_step(s, *carry, lambda pr: jnp.einsum(
+            "kgc,ckd->kgd", pr.astype(vb.dtype), vb.reshape(g * p, hkv, dv),
+            preferred_element_type=f32))
+
+    init = (jnp.full((hkv, h // hkv, 1), -jnp.inf, f32), jnp.zeros((hkv, h // hkv, 1), f32),
+            jnp.zeros((hkv, h // hkv, dv), f32))
+    start, stop = first // (g * p), (t + g * p - 1) // (g * p)
+    carry = jax.lax.fori_loop(start, stop, body, init)
+    k_t, v_t, own = new
+    s_t = jnp.einsum("kgd,kd->kg", qg, k_t.astype(q.dtype), preferred_element_type=f32)
+    s_t = jnp.where(own, s_t * scale, -jnp.inf)[..., None]
+    carry = K.online_step(s_t, *carry, lambda pr: pr * v_t[:, None, :].astype(f32))
+    out, _ = K.finish(*carry)
+    return out.reshape(h, dv).astype(q.dtype)
 
 
 def _one_query(q, k, v, valid, new=None):

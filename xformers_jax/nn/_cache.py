@@ -96,8 +96,10 @@ class PagedKVCache(eqx.Module):
     so such a page's contents, NaN included, are never read). ``length`` (int) is the number of
     tokens already held, the position of the next one.
 
-    A decoding step reads the pool and returns the step's key and value as ``new_k: [1, Hkv,
-    Dk]`` and ``new_v``; it does not write them: the caller (``models.PagedServer``) scatters
+    A decoding step reads the sequence's pages where they lie in the pool (those from its
+    window's first to its length, a few pages at a time; a score bias's general path gathers
+    them, :meth:`gather`) and returns the step's key and value as ``new_k: [1, Hkv, Dk]`` and
+    ``new_v``; it does not write them: the caller (``models.Server``) scatters
     every sequence's new entries into their pages after the step, so that sequences decoded
     side by side (``jax.vmap`` over sequences, the pool shared) never copy the pool.
     """

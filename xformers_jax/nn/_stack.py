@@ -267,39 +267,46 @@ class LayerStack(eqx.Module):
             lambda a: jnp.broadcast_to(a, (self.num_layers, *a.shape)), one)
 
     def init_cache(self, batch: int, max_len: int, dtype=jnp.float32):
-        """Per-layer decoding caches, stacked on a leading layer axis."""
+        """Every layer's decoding cache: a tuple of ``num_layers`` caches, one per layer
+        (each what its block's ``init_cache`` gives, e.g. an :class:`~xformers_jax.nn.KVCache`
+        with keys ``[B, Hkv, C, D]``), its own buffers rather than a slice of one
+        ``[layers, ...]`` array, so that a decoding step writes each layer's cache in place
+        (see :meth:`decode`)."""
         dynamic, static = self.per_layer()
-        return eqx.filter_vmap(
-            lambda p: eqx.combine(p, static).init_cache(batch, max_len, dtype))(dynamic)
+        return tuple(eqx.combine(_layer(dynamic, i), static).init_cache(batch, max_len, dtype)
+                     for i in range(self.num_layers))
 
     def decode(self, x, caches, *, tokens=None, context=None, context_mask=None):
         """One decoding step through every layer: ``x [B, 1, dim]`` (``tokens int[B, 1]``, the
-        step's token ids, for hash-routed FFNs) -> ``(y, caches)``."""
+        step's token ids, for hash-routed FFNs) and ``caches`` from :meth:`init_cache` (a
+        tuple, one cache per layer) -> ``(y, caches)``.
+
+        The layers are unrolled, each reading and writing its own cache. A key/value cache is
+        the bulk of a step's memory traffic: a stack of the caches on one leading layer axis,
+        each layer's slice read out and written back inside a ``lax.scan``, made XLA copy a
+        layer's cache twice per layer and step (measured at 16K tokens, 2 layers: 31 ms a
+        token against 2.9 ms to read both caches once)."""
         if self.reversible:
             raise NotImplementedError("LayerStack.decode: reversible stacks do not decode")
+        if not isinstance(caches, (tuple, list)) or len(caches) != self.num_layers:
+            what = (f"a {type(caches).__name__} of {len(caches)}"
+                    if isinstance(caches, (tuple, list)) else type(caches).__name__)
+            raise ValueError(f"LayerStack.decode: caches must be a tuple of {self.num_layers} "
+                             f"per-layer caches (LayerStack.init_cache), got {what}")
         dynamic, static = self.per_layer()
-        cache_dyn, cache_static = eqx.partition(caches, eqx.is_array)
-
-        # The caches ride in the loop's carry, each layer reading its slice and writing it back
-        # at its index: scanned over as inputs and outputs instead, every step would copy the
-        # whole stack's caches into a fresh output (a key/value cache is the bulk of a
-        # decoding step's memory traffic).
-        def step(carry, inputs):
-            x, caches = carry
-            params, t = inputs
+        new = []
+        for i, cache in enumerate(caches):
             if self.universal:
-                x = x + sinusoid(t, x.shape[-1]).astype(x.dtype)
-            cache = jax.tree_util.tree_map(lambda a: a[t], caches)
-            y, cache = eqx.combine(params, static).decode(
-                x, eqx.combine(cache, cache_static), tokens=tokens, context=context,
-                context_mask=context_mask)
-            caches = jax.tree_util.tree_map(lambda a, n: a.at[t].set(n), caches,
-                                            eqx.filter(cache, eqx.is_array))
-            return (y, caches), None
+                x = x + sinusoid(jnp.asarray(i), x.shape[-1]).astype(x.dtype)
+            x, cache = eqx.combine(_layer(dynamic, i), static).decode(
+                x, cache, tokens=tokens, context=context, context_mask=context_mask)
+            new.append(cache)
+        return x, type(caches)(new) if isinstance(caches, tuple) else new
 
-        (x, new), _ = jax.lax.scan(step, (x, cache_dyn),
-                                   (dynamic, jnp.arange(self.num_layers)))
-        return x, eqx.combine(new, cache_static)
+
+def _layer(dynamic, i: int):
+    """Layer ``i``'s parameters out of the stacked ones."""
+    return jax.tree_util.tree_map(lambda a: a[i], dynamic)
 
 
 def _carries(layers) -> bool:
