@@ -298,6 +298,56 @@ def _work_groups(st: "_Static", gathered: bool):
     return [(g, m) for g, m in zip(_tile_groups(st.layout), (False, True)) if len(g[0])]
 
 
+def _segment_ranges(seg, length: int, block: int):
+    """``(lo, hi)``, int32[blocks]: the smallest and largest segment id of each block's real
+    positions (the first ``length`` of the padded ids ``seg``)."""
+    valid = jnp.arange(seg.shape[0]) < length
+    info = jnp.iinfo(seg.dtype)
+    lo = jnp.where(valid, seg, info.max).reshape(-1, block).min(axis=1)
+    hi = jnp.where(valid, seg, info.min).reshape(-1, block).max(axis=1)
+    return lo, hi
+
+
+def _segment_overlap(st: _Static, dyn, group) -> jax.Array:
+    """bool[n]: whether each listed tile (or row-gathered group of tiles) may hold a query
+    and a key of the same segment: their tiles' id ranges overlap. A tile outside it is all
+    masked, so skipping it leaves every output and gradient as it was (bit for bit)."""
+    lay = st.layout
+    _, q_seg, kv_seg, *_ = dyn
+    q_lo, q_hi = _segment_ranges(q_seg, lay.lq, lay.block_q)
+    k_lo, k_hi = _segment_ranges(kv_seg, lay.lk, lay.block_k)
+    qb, kb = jnp.asarray(group[0]), jnp.asarray(group[1])
+    if kb.ndim == 2:  # row-gathered: a group is kept if any of its tiles is
+        qb = qb[:, None]
+    hit = (q_lo[qb] <= k_hi[kb]) & (k_lo[kb] <= q_hi[qb])
+    return hit.any(axis=1) if hit.ndim == 2 else hit
+
+
+def _scan_tiles(st: _Static, dyn, body, carry, group):
+    """Runs ``body(carry, (q_block, k_block, mask)) -> (carry, None)`` over the work list
+    ``group``; returns the carry.
+
+    With segment ids (packed sequences; data, known only at run time) the tiles whose query
+    and key id ranges cannot meet are skipped: the listed tiles that may are moved to the
+    front (a stable sort of the list by that predicate) and a loop of that many steps walks
+    them, so a row of 8 documents does the work of their diagonal tiles, not of the whole
+    layout. Under ``jax.vmap`` over rows with different ids the loop runs the most steps any
+    row needs (finished rows' steps are selected away); over heads sharing the ids it stays
+    one loop. Calls with segment ids list single tiles (no row gathering), so a skipped
+    tile's keys and values reach nothing. Without segment ids: a scan over the static list."""
+    xs = tuple(map(jnp.asarray, group))
+    if not st.has_segments:
+        return jax.lax.scan(body, carry, xs)[0]
+    keep = _segment_overlap(st, dyn, group)
+    order = jnp.argsort(~keep, stable=True)
+    count = jnp.sum(keep.astype(jnp.int32))
+
+    def step(i, carry):
+        return body(carry, tuple(x[order[i]] for x in xs))[0]
+
+    return jax.lax.fori_loop(0, count, step, carry)
+
+
 def _fold_scale(st: _Static, q):
     """``q`` with the score scale applied when the call folds it (``_Static.scale_folded``)."""
     if not st.scale_folded:
@@ -361,7 +411,7 @@ def _forward(st: _Static, q, k, v, extra, dyn):
             l = jax.lax.dynamic_update_slice_in_dim(l, l_new, t.q0, 0)
             return (acc, m, l), None
 
-        (acc, m, l), _ = jax.lax.scan(body, (acc, m, l), tuple(map(jnp.asarray, group)))
+        acc, m, l = _scan_tiles(st, dyn, body, (acc, m, l), group)
 
     out, lse = _tiles.finish(m, l, acc)
     return out, lse[:, 0]
@@ -483,9 +533,8 @@ def _backward(st: _Static, q, k, v, extra, dyn, out, lse, d_out, d_lse):
                 )
             return (dq, dk, dv, d_bias, d_score), None
 
-        (dq, dk, dv, d_bias, d_score), _ = jax.lax.scan(
-            body, (dq, dk, dv, d_bias, d_score), tuple(map(jnp.asarray, group))
-        )
+        dq, dk, dv, d_bias, d_score = _scan_tiles(st, dyn, body,
+                                                  (dq, dk, dv, d_bias, d_score), group)
     if tr:
         dq = dq.T
         d_bias = d_bias.T if st.bias_is_array else d_bias
@@ -673,7 +722,9 @@ def flex_primitives(score_mod, mask_mod, block_q: int = 16, block_k: int = 16) -
 def _prepare(q, k, v, layout, *, kv_mask, segments, bias, scale, dropout_rate, key,
              score_mod=None, mask_mod=None, sink=None, index=(0, 0)):
     """Pads checked inputs to whole tiles and gathers the static and dynamic kernel inputs."""
-    gather = _gather_width(layout)
+    # Segment ids skip tiles one by one (``_scan_tiles``): a row-gathered group would keep
+    # every tile of a row that has one to compute.
+    gather = 0 if segments is not None else _gather_width(layout)
     lq_p = layout.num_q_blocks * layout.block_q
     lk_p = layout.num_k_blocks * layout.block_k
     k, v = _tiles.select_real_keys(k, kv_mask), _tiles.select_real_keys(v, kv_mask)
