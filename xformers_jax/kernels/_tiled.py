@@ -308,44 +308,49 @@ def _segment_ranges(seg, length: int, block: int):
     return lo, hi
 
 
-def _segment_overlap(st: _Static, dyn, group) -> jax.Array:
-    """bool[n]: whether each listed tile (or row-gathered group of tiles) may hold a query
-    and a key of the same segment: their tiles' id ranges overlap. A tile outside it is all
-    masked, so skipping it leaves every output and gradient as it was (bit for bit)."""
+def _segment_kinds(st: _Static, dyn, group) -> jax.Array:
+    """int32[n]: for each listed tile, 0 when all its queries and keys are of one segment
+    (its segment mask is all True), 1 when their id ranges overlap otherwise (it may hold a
+    pair of one segment), 2 when they do not (it is all masked: skipping it leaves every
+    output and gradient as it was, bit for bit)."""
     lay = st.layout
     _, q_seg, kv_seg, *_ = dyn
     q_lo, q_hi = _segment_ranges(q_seg, lay.lq, lay.block_q)
     k_lo, k_hi = _segment_ranges(kv_seg, lay.lk, lay.block_k)
     qb, kb = jnp.asarray(group[0]), jnp.asarray(group[1])
-    if kb.ndim == 2:  # row-gathered: a group is kept if any of its tiles is
-        qb = qb[:, None]
-    hit = (q_lo[qb] <= k_hi[kb]) & (k_lo[kb] <= q_hi[qb])
-    return hit.any(axis=1) if hit.ndim == 2 else hit
+    meet = (q_lo[qb] <= k_hi[kb]) & (k_lo[kb] <= q_hi[qb])
+    one = (q_lo[qb] == q_hi[qb]) & (k_lo[kb] == k_hi[kb]) & (q_lo[qb] == k_lo[kb])
+    return jnp.where(one, 0, jnp.where(meet, 1, 2)).astype(jnp.int32)
 
 
 def _scan_tiles(st: _Static, dyn, body, carry, group):
-    """Runs ``body(carry, (q_block, k_block, mask)) -> (carry, None)`` over the work list
-    ``group``; returns the carry.
+    """Runs ``body(carry, (q_block, k_block, mask), tile_st=st) -> (carry, None)`` over the
+    work list ``group``; returns the carry.
 
     With segment ids (packed sequences; data, known only at run time) the tiles whose query
-    and key id ranges cannot meet are skipped: the listed tiles that may are moved to the
-    front (a stable sort of the list by that predicate) and a loop of that many steps walks
-    them, so a row of 8 documents does the work of their diagonal tiles, not of the whole
-    layout. Under ``jax.vmap`` over rows with different ids the loop runs the most steps any
-    row needs (finished rows' steps are selected away); over heads sharing the ids it stays
-    one loop. Calls with segment ids list single tiles (no row gathering), so a skipped
-    tile's keys and values reach nothing. Without segment ids: a scan over the static list."""
+    and key id ranges cannot meet are skipped, and the tiles of one segment only apply no
+    segment mask: the list is sorted by :func:`_segment_kinds` (stably) and two loops of
+    data-dependent lengths walk the one-segment tiles (``tile_st`` without segments) and then
+    the mixed ones, so a row of 8 documents does the work of their diagonal tiles, not of the
+    whole layout, at the cost per tile of no segments. Under ``jax.vmap`` over rows with
+    different ids each loop runs the most steps any row needs (finished rows' steps are
+    selected away); over heads sharing the ids they stay plain loops. Calls with segment ids
+    list single tiles (no row gathering), so a skipped tile's keys and values reach nothing.
+    Without segment ids: a scan over the static list."""
     xs = tuple(map(jnp.asarray, group))
     if not st.has_segments:
         return jax.lax.scan(body, carry, xs)[0]
-    keep = _segment_overlap(st, dyn, group)
-    order = jnp.argsort(~keep, stable=True)
-    count = jnp.sum(keep.astype(jnp.int32))
+    kinds = _segment_kinds(st, dyn, group)
+    order = jnp.argsort(kinds, stable=True)
+    n_one = jnp.sum((kinds == 0).astype(jnp.int32))
+    n_meet = n_one + jnp.sum((kinds == 1).astype(jnp.int32))
+    one_segment = dataclasses.replace(st, has_segments=False)
 
-    def step(i, carry):
-        return body(carry, tuple(x[order[i]] for x in xs))[0]
+    def step(tile_st):
+        return lambda i, carry: body(carry, tuple(x[order[i]] for x in xs), tile_st=tile_st)[0]
 
-    return jax.lax.fori_loop(0, count, step, carry)
+    carry = jax.lax.fori_loop(0, n_one, step(one_segment), carry)
+    return jax.lax.fori_loop(n_one, n_meet, step(st), carry)
 
 
 def _fold_scale(st: _Static, q):
@@ -388,10 +393,10 @@ def _forward(st: _Static, q, k, v, extra, dyn):
 
     for group, with_mask in _work_groups(st, gathered=False):
 
-        def body(carry, xs, with_mask=with_mask):
+        def body(carry, xs, with_mask=with_mask, tile_st=st):
             acc, m, l = carry
             qi, kj, mi = xs
-            t = _Tile(st, q, k, dyn, extra, qi, kj, mi, with_mask)
+            t = _Tile(tile_st, q, k, dyn, extra, qi, kj, mi, with_mask)
             v_t = t.keys(v)
             m_new, l_new, a_new = _tiles.online_step(
                 t.s,
@@ -477,10 +482,10 @@ def _backward(st: _Static, q, k, v, extra, dyn, out, lse, d_out, d_lse):
     gathered = bool(st.gather)
     for group, with_mask in _work_groups(st, gathered):
 
-        def body(carry, xs, with_mask=with_mask):
+        def body(carry, xs, with_mask=with_mask, tile_st=st):
             dq, dk, dv, d_bias, d_score = carry
             qi, kj, mi = xs
-            t = _Tile(st, q_in, k, dyn, (bias_in, score_floats, sink), qi, kj, mi, with_mask,
+            t = _Tile(tile_st, q_in, k, dyn, (bias_in, score_floats, sink), qi, kj, mi, with_mask,
                       transposed=tr, gathered=gathered)
             q_t = jax.lax.dynamic_slice_in_dim(q, t.q0, bq)
             v_t = t.keys(v)
