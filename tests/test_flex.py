@@ -302,34 +302,6 @@ def test_score_functions_on_the_transposed_backward_tiles(name):
             _close(a, b, f"{name} {what}")
 
 
-# -- a monotone score function's row maximum (``score_mod.row_max``) -----------------------
-
-
-def test_row_max_of_a_monotone_score_function_excludes_masked_scores():
-    """Soft-capping carries ``row_max``: the forward takes each tile's maximum from the raw
-    scores. The masked (future) scores here grow far beyond the visible ones (``s_ij = 10 j``),
-    so a maximum that read them would underflow every visible ``exp`` (an early row's output
-    would be zeros); a query with no key of its segment keeps zeros and ``lse = -inf``."""
-    lq = 40
-    q = jnp.zeros((lq, D)).at[:, 0].set(1.0)
-    k = jnp.zeros((lq, D)).at[:, 0].set(10.0 * np.sqrt(D) * jnp.arange(lq))
-    v = jax.random.normal(jax.random.PRNGKey(3), (lq, D))
-    q_seg = jnp.asarray(np.r_[np.zeros(lq - 1), [7]], jnp.int32)  # the last query: no keys
-    cap = soft_cap_score(1000.0)
-    assert callable(cap.row_max)
-    out, lse = flex_attention(q, k, v, score_mod=cap, causal=True, block_q=TILE,
-                              block_k=TILE, segment_ids=(q_seg, jnp.zeros(lq, jnp.int32)),
-                              return_lse=True)
-    ref = dense_flex(q, k, v, score_mod=cap, causal=True)
-    _close(out[:-1], ref[:-1])
-    assert np.all(np.asarray(out[-1]) == 0.0) and np.isneginf(np.asarray(lse[-1]))
-    # the same function without the hint: equal to 1e-6
-    plain = flex_attention(q, k, v, score_mod=lambda s, b, h, i, j: cap(s, b, h, i, j),
-                           causal=True, block_q=TILE, block_k=TILE)
-    np.testing.assert_allclose(np.asarray(out[:-1]), np.asarray(plain[:-1]), atol=1e-6,
-                               rtol=1e-6)
-
-
 # -- tiles skipped from traced segment ids (packed rows) -----------------------------------
 
 

@@ -115,12 +115,7 @@ def flex_attention(
       q: ``[Lq, Dk]``. k: ``[Lk, Dk]``. v: ``[Lk, Dv]``.
       score_mod: ``score_mod(score f32[bq, bk], b, h, q_idx int32[bq, 1], kv_idx int32[1, bk])
         -> f32[bq, bk]``, or None. Returning -inf masks an entry, but a mask function lets
-        whole tiles be skipped. A function of the score alone that is non-decreasing in it
-        (soft-capping) may carry ``score_mod.row_max(m f32[bq, 1]) -> f32[bq, 1]``, its
-        output's row maximum given the input's (``soft_cap_score`` sets it): the forward
-        then takes each tile's maximum from the raw scores and evaluates the function once,
-        where it exponentiates (a monotone function's maximum is the function of the
-        maximum; only the softmax's shift changes, not its value).
+        whole tiles be skipped.
       mask_mod: ``mask_mod(b, h, q_idx, kv_idx) -> bool``, a ``patterns.Pattern`` or a
         combination of both with ``|`` and ``&``, or None (every key).
       sink: a float scalar logit added to every row's softmax denominator with no value
@@ -199,10 +194,6 @@ def soft_cap_score(cap: float) -> Callable:
     def capped(score, b, h, q_idx, kv_idx):
         return cap * jnp.tanh(score / cap)
 
-    def row_max(m):  # non-decreasing in the score alone: see flex_attention's score_mod
-        return cap * jnp.tanh(m / cap)
-
-    capped.row_max = row_max
     return capped
 
 

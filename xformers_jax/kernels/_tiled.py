@@ -73,9 +73,6 @@ class _Static(_tiles.TileConfig):
     score_fn_t: Callable[..., Any] | None = None
     mask_fn: Callable[..., Any] | None = None
     has_sink: bool = False
-    # ``score_mod.row_max`` converted (:func:`convert_row_max`): the forward takes each
-    # tile's row maximum of the modified scores from the raw scores' (see :func:`_forward`).
-    score_row_max: Callable[..., Any] | None = None
 
     __eq__ = object.__eq__
     __hash__ = object.__hash__
@@ -145,7 +142,7 @@ class _Tile:
             self.s_raw = s
             s = self.score(st, s, self.score_floats)
         if st.mask_fn is not None:
-            bh, _, mask_consts, _ = self.mods
+            bh, _, mask_consts = self.mods
             mask = _tiles.and_masks(mask, self.by_key_tile(st, lambda qp, kp: jnp.broadcast_to(
                 st.mask_fn(bh[0], bh[1], qp, kp, [], mask_consts), (qp.shape[0], kp.shape[1]))))
         self.mask = mask
@@ -184,7 +181,7 @@ class _Tile:
 
     def score(self, st: _Static, s, floats):
         """The flex score function over the tile's scores ``s`` (float32)."""
-        bh, others, _, _ = self.mods
+        bh, others, _ = self.mods
         if self.transposed and st.score_fn_t is not None:
             # Evaluated as the tile lies: turning a [bk, bq] tile round for the function
             # and back cost four tile transposes per backward step (two for its vjp), which
@@ -360,24 +357,6 @@ def _fold_scale(st: _Static, q):
     return (q.astype(STATS_DTYPE) * st.scale).astype(q.dtype)
 
 
-def _row_max(st: _Static, t: _Tile):
-    """The tile's row maximum of the modified scores from the raw scores' through
-    ``score_mod.row_max`` (None without one: ``online_step`` reduces the modified tile).
-
-    A score function of the score alone that is non-decreasing (soft-capping) has
-    ``max_j f(s_ij) = f(max_j s_ij)``: the maximum is taken over the scores the matmul wrote,
-    so ``f`` is evaluated once, inside the fusion that exponentiates, instead of being written
-    out as a tile of its own for the reduction to read (measured on XLA:CPU: the soft-capped
-    forward wrote ``tanh`` and then ``cap * tanh`` as two [bq, bk] tiles before its maximum).
-    """
-    if st.score_row_max is None:
-        return None
-    raw = t.s_raw if t.mask is None else jnp.where(t.mask, t.s_raw, -jnp.inf)
-    raw_max = raw.max(axis=-1, keepdims=True)
-    m = st.score_row_max(raw_max, [], t.mods[3])
-    return jnp.where(jnp.isneginf(raw_max), -jnp.inf, m.astype(STATS_DTYPE))
-
-
 def _forward(st: _Static, q, k, v, extra, dyn):
     lay = st.layout
     q = _fold_scale(st, q)
@@ -409,7 +388,6 @@ def _forward(st: _Static, q, k, v, extra, dyn):
                     v_t,
                     preferred_element_type=STATS_DTYPE,
                 ),
-                s_max=_row_max(st, t),
             )
             acc = jax.lax.dynamic_update_slice_in_dim(acc, a_new, t.q0, 0)
             m = jax.lax.dynamic_update_slice_in_dim(m, m_new, t.q0, 0)
@@ -580,31 +558,6 @@ def _convert(fn, *examples, differentiable: bool = True):
             [c for c, f in zip(consts, is_float) if not f])
 
 
-def convert_row_max(score_mod, block_q: int):
-    """``score_mod.row_max`` closure-converted at a ``f32[block_q, 1]`` row maximum:
-    ``(fn, data)`` with ``fn(m, [], data)``, or ``(None, [])`` when the function has none.
-
-    ``row_max(m)`` declares that ``score_mod`` is a non-decreasing function of the score
-    alone (not of ``b``, ``h`` or the positions), so that the row maximum of its output over
-    a tile's visible scores is ``row_max`` of theirs (exactly, or an upper bound: the
-    softmax does not depend on the shift). The forward then reads the raw scores for the
-    maximum. Arrays it captures are passed as data (the shift receives no gradient)."""
-    fn = getattr(score_mod, "row_max", None)
-    if fn is None:
-        return None, []
-    if not callable(fn):
-        raise ValueError(f"flex attention: score_mod.row_max must be a callable m f32[bq, 1] -> "
-                         f"f32[bq, 1], got {type(fn).__name__}")
-    example = jnp.zeros((block_q, 1), STATS_DTYPE)
-    out = jax.eval_shape(fn, example)
-    if getattr(out, "shape", None) not in ((block_q, 1), (1, 1), ()):
-        raise ValueError(f"flex attention: score_mod.row_max must map the row maximum "
-                         f"f32[{block_q}, 1] to one value per row, got {out}")
-    converted, _, data = _convert(lambda m: jnp.broadcast_to(fn(m), m.shape), example,
-                                  differentiable=False)
-    return converted, data
-
-
 def _positions(block_q: int, block_k: int):
     """Example tile positions ``(q_pos int32[bq, 1], k_pos int32[1, bk])`` to trace at."""
     return jnp.zeros((block_q, 1), jnp.int32), jnp.zeros((1, block_k), jnp.int32)
@@ -748,8 +701,6 @@ def _prepare(q, k, v, layout, *, kv_mask, segments, bias, scale, dropout_rate, k
             lambda i, j: bias(i, j), *_positions(layout.block_q, layout.block_k))
     score_fn, score_floats, score_data, mask_fn, mask_data = convert_flex(
         score_mod, mask_mod, layout.block_q, layout.block_k)
-    row_max_fn, row_max_data = (convert_row_max(score_mod, layout.block_q)
-                                if score_mod is not None else (None, []))
     bh = jnp.stack([jnp.asarray(i, jnp.int32) for i in index])
     st = _Static(
         layout=layout,
@@ -767,11 +718,10 @@ def _prepare(q, k, v, layout, *, kv_mask, segments, bias, scale, dropout_rate, k
                     if score_fn is not None and _transposed(layout, gather) else None),
         mask_fn=mask_fn,
         has_sink=sink is not None,
-        score_row_max=row_max_fn,
     )
     masks = _gather_masks(layout) if gather else layout.partial_masks
     dyn = (kv_mask_p, q_seg, kv_seg, seed, jnp.asarray(masks), bias_data,
-           (bh, score_data, mask_data, row_max_data))
+           (bh, score_data, mask_data))
     extra = (bias_arg, score_floats, () if sink is None else jnp.asarray(sink, STATS_DTYPE))
     return st, padded, extra, dyn
 
