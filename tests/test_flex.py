@@ -331,20 +331,32 @@ def test_traced_segment_ids_equal_the_definition(lq, bq, bk):
 
 
 def test_traced_segment_ids_per_row_under_multihead():
-    """Rows of a batch with different packings (the loop runs the most steps any row
-    needs): each row equals the definition with its own ids."""
+    """Rows of a batch with different packings (each loop runs the most steps any row
+    needs): outputs and gradients equal the definition with each row's own ids."""
     bsz, lq = 2, 48
     ks = jax.random.split(jax.random.PRNGKey(11), 3)
     q, k, v = (jax.random.normal(kk, (bsz, lq, H, D)) for kk in ks)
     ids = jnp.asarray(np.stack([np.repeat(np.arange(3), [16, 16, 16]),
                                 np.repeat(np.arange(2), [5, 43])]), jnp.int32)
-    out = jit0(lambda q, k, v, ids: multihead(flex_attention)(
-        q, k, v, causal=True, segment_ids=ids, block_q=TILE, block_k=TILE))(q, k, v, ids)
-    for r in range(bsz):
-        for hh in range(H):
-            ref = dense_flex(q[r, :, hh], k[r, :, hh], v[r, :, hh], causal=True,
-                             mask_fn=lambda b, h, i, j, r=r: ids[r][i] == ids[r][j])
-            _close(out[r, :, hh], ref, f"row {r} head {hh}")
+    w = jnp.cos(jnp.arange(q.size, dtype=jnp.float32)).reshape(q.shape)
+
+    def flex(q, k, v):
+        return multihead(flex_attention)(q, k, v, causal=True, segment_ids=ids, block_q=TILE,
+                                         block_k=TILE)
+
+    def dense(q, k, v):
+        return jnp.stack([jnp.stack([dense_flex(
+            q[r, :, hh], k[r, :, hh], v[r, :, hh], causal=True,
+            mask_fn=lambda b, h, i, j, r=r: ids[r][i] == ids[r][j]) for hh in range(H)], 1)
+            for r in range(bsz)])
+
+    def value_and_grads(f):
+        return jit0(jax.value_and_grad(lambda *a: jnp.sum(f(*a) * w), (0, 1, 2)))(q, k, v)
+
+    got, want = value_and_grads(flex), value_and_grads(dense)
+    _close(got[0], want[0])
+    for what, a, b in zip(("dq", "dk", "dv"), got[1], want[1]):
+        _close(a, b, what)
 
 
 def test_a_skipped_tile_is_not_computed():
