@@ -13,7 +13,10 @@ Why a flat scan over tiles rather than "map over query blocks, scan over key blo
 a sparse or causal layout hold different numbers of tiles, and a scan over the compacted list
 does exactly the listed work with static shapes, which is also what keeps the skipping real
 under ``jax.vmap`` (a data-dependent ``lax.cond`` would turn into a select and do it all).
-Full tiles and partial tiles run in two scans so full tiles carry no in-tile mask.
+Full tiles and partial tiles run in two scans so full tiles carry no in-tile mask. Segment
+ids (packed rows, data) are the one run-time skip: each listed tile's query and key id ranges
+decide whether it is computed, and the computed ones are walked by loops of data-dependent
+length (``_scan_tiles``), which stay loops under a ``vmap`` over heads.
 
 The backward pass over small tiles (a pattern tiled at 64, like BigBird's blocks) is
 row-gathered: one scan step takes ``gather`` of a query block's non-empty key tiles at once,
