@@ -300,3 +300,85 @@ def test_score_functions_on_the_transposed_backward_tiles(name):
     for what, g, r in zip(("dq", "dk", "dv", "d_params"), got[1], want[1]):
         for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(r)):
             _close(a, b, f"{name} {what}")
+
+
+# -- tiles skipped from traced segment ids (packed rows) -----------------------------------
+
+
+@pytest.mark.parametrize("lq,bq,bk", [(40, TILE, TILE), (300, 128, 256)])
+def test_traced_segment_ids_equal_the_definition(lq, bq, bk):
+    """Document ids known only at run time (the trainer's packed rows): the kernel skips the
+    tiles whose id ranges cannot meet; outputs and gradients equal the definition, documents
+    across tile edges, a padded last tile, causal. At 16 x 16 tiles the backward is
+    row-gathered, at 128 x 256 transposed."""
+    q, k, v = _qkv(5, lq, lq)
+    sizes = [7, 13, 16, 4] if lq == 40 else [90, 10, 140, 60]
+    ids = jnp.asarray(np.repeat(np.arange(4), sizes), jnp.int32)
+    w = jnp.sin(jnp.arange(lq * D, dtype=jnp.float32)).reshape(lq, D)
+
+    def loss(impl, q, k, v, ids):
+        if impl == "flex":
+            out = flex_attention(q, k, v, causal=True, segment_ids=ids, block_q=bq, block_k=bk)
+        else:
+            out = dense_flex(q, k, v, mask_fn=lambda b, h, i, j: ids[i] == ids[j], causal=True)
+        return jnp.sum(out * w)
+
+    got = jit0(jax.value_and_grad(functools.partial(loss, "flex"), (0, 1, 2)))(q, k, v, ids)
+    want = jax.value_and_grad(functools.partial(loss, "dense"), (0, 1, 2))(q, k, v, ids)
+    _close(got[0], want[0])
+    for what, a, b in zip(("dq", "dk", "dv"), got[1], want[1]):
+        _close(a, b, what)
+
+
+def test_traced_segment_ids_per_row_under_multihead():
+    """Rows of a batch with different packings (each loop runs the most steps any row
+    needs): outputs and gradients equal the definition with each row's own ids."""
+    bsz, lq = 2, 48
+    ks = jax.random.split(jax.random.PRNGKey(11), 3)
+    q, k, v = (jax.random.normal(kk, (bsz, lq, H, D)) for kk in ks)
+    ids = jnp.asarray(np.stack([np.repeat(np.arange(3), [16, 16, 16]),
+                                np.repeat(np.arange(2), [5, 43])]), jnp.int32)
+    w = jnp.cos(jnp.arange(q.size, dtype=jnp.float32)).reshape(q.shape)
+
+    def flex(q, k, v):
+        return multihead(flex_attention)(q, k, v, causal=True, segment_ids=ids, block_q=TILE,
+                                         block_k=TILE)
+
+    def dense(q, k, v):
+        return jnp.stack([jnp.stack([dense_flex(
+            q[r, :, hh], k[r, :, hh], v[r, :, hh], causal=True,
+            mask_fn=lambda b, h, i, j, r=r: ids[r][i] == ids[r][j]) for hh in range(H)], 1)
+            for r in range(bsz)])
+
+    def value_and_grads(f):
+        return jit0(jax.value_and_grad(lambda *a: jnp.sum(f(*a) * w), (0, 1, 2)))(q, k, v)
+
+    got, want = value_and_grads(flex), value_and_grads(dense)
+    _close(got[0], want[0])
+    for what, a, b in zip(("dq", "dk", "dv"), got[1], want[1]):
+        _close(a, b, what)
+
+
+def test_a_skipped_tile_is_not_computed():
+    """Four documents of one tile each, no static layout (every query tile lists every key
+    tile): the keys and values of document 2 are NaN. Its own queries see them, but every
+    other query tile skips its tile, so their outputs and gradients stay finite and equal to
+    a clean run's (computed, the tile would give ``0 * nan``: NaN)."""
+    lq = 4 * TILE
+    q, k, v = _qkv(6, lq, lq)
+    ids = jnp.asarray(np.repeat(np.arange(4), TILE), jnp.int32)
+    poison = (ids == 2)[:, None]
+    others = np.asarray(ids != 2)
+
+    def loss(q, k, v, ids):
+        out = flex_attention(q, k, v, segment_ids=ids, block_q=TILE, block_k=TILE)
+        return jnp.sum(jnp.where(poison, 0.0, out * jnp.cos(out))), out
+
+    run = jit0(jax.value_and_grad(loss, (0, 1, 2), has_aux=True))
+    (_, clean), g_clean = run(q, k, v, ids)
+    (_, dirty), g_dirty = run(q, jnp.where(poison, jnp.nan, k), jnp.where(poison, jnp.nan, v),
+                              ids)
+    np.testing.assert_array_equal(np.asarray(dirty)[others], np.asarray(clean)[others])
+    for what, a, b in zip(("dq", "dk", "dv"), g_dirty, g_clean):
+        assert np.all(np.isfinite(np.asarray(a)[others])), what
+        np.testing.assert_array_equal(np.asarray(a)[others], np.asarray(b)[others], what)

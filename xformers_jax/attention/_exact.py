@@ -150,7 +150,10 @@ def flash_attention(
       q: ``[Lq, Dk]``. k: ``[Lk, Dk]``. v: ``[Lk, Dv]``. Any lengths (tiles are padded).
       causal: query i sees keys ``j <= i`` only.
       kv_mask: ``bool[Lk]``, True for real keys (data-dependent padding).
-      segment_ids: ``int[L]`` or ``(int[Lq], int[Lk])`` for packed sequences.
+      segment_ids: ``int[L]`` or ``(int[Lq], int[Lk])`` for packed sequences. On the XLA
+        path a tile whose query and key id ranges cannot meet is skipped, forward and
+        backward (ids sorted by position, as packing lays them out, skip all but the
+        documents' own tiles; any ids stay exact).
       bias: an array ``[Lq, Lk]``, or a callable ``bias(q_pos [bq, 1], k_pos [1, bk])`` evaluated
         per tile so no ``L x L`` array is built; gradients reach an array bias and any arrays
         the callable closes over or holds (e.g. an ``eqx.Module``).

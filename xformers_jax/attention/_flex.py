@@ -124,6 +124,8 @@ def flex_attention(
         includes it.
       causal: intersect the mask with the causal one.
       kv_mask, segment_ids: the contract's key padding and packed-sequence ids (as data).
+        On the XLA path a tile whose query and key id ranges cannot meet is skipped, forward
+        and backward (the trainer's packed rows: ids known only at run time).
       batch_index, head_index: ``b`` and ``h`` for the two functions (int, or a traced int32
         scalar: pass ``jnp.arange(B)``/``jnp.arange(H)`` through ``multihead``).
       scale: score scale, ``1/sqrt(Dk)`` by default (applied before ``score_mod``).

@@ -13,7 +13,10 @@ Why a flat scan over tiles rather than "map over query blocks, scan over key blo
 a sparse or causal layout hold different numbers of tiles, and a scan over the compacted list
 does exactly the listed work with static shapes, which is also what keeps the skipping real
 under ``jax.vmap`` (a data-dependent ``lax.cond`` would turn into a select and do it all).
-Full tiles and partial tiles run in two scans so full tiles carry no in-tile mask.
+Full tiles and partial tiles run in two scans so full tiles carry no in-tile mask. Segment
+ids (packed rows, data) are the one run-time skip: each listed tile's query and key id ranges
+decide whether it is computed, and the computed ones are walked by loops of data-dependent
+length (``_scan_tiles``), which stay loops under a ``vmap`` over heads.
 
 The backward pass over small tiles (a pattern tiled at 64, like BigBird's blocks) is
 row-gathered: one scan step takes ``gather`` of a query block's non-empty key tiles at once,
@@ -295,6 +298,61 @@ def _work_groups(st: "_Static", gathered: bool):
     return [(g, m) for g, m in zip(_tile_groups(st.layout), (False, True)) if len(g[0])]
 
 
+def _segment_ranges(seg, length: int, block: int):
+    """``(lo, hi)``, int32[blocks]: the smallest and largest segment id of each block's real
+    positions (the first ``length`` of the padded ids ``seg``)."""
+    valid = jnp.arange(seg.shape[0]) < length
+    info = jnp.iinfo(seg.dtype)
+    lo = jnp.where(valid, seg, info.max).reshape(-1, block).min(axis=1)
+    hi = jnp.where(valid, seg, info.min).reshape(-1, block).max(axis=1)
+    return lo, hi
+
+
+def _segment_kinds(st: _Static, dyn, group) -> jax.Array:
+    """int32[n]: for each listed tile, 0 when all its queries and keys are of one segment
+    (its segment mask is all True), 1 when their id ranges overlap otherwise (it may hold a
+    pair of one segment), 2 when they do not (it is all masked: skipping it leaves every
+    output and gradient as it was, bit for bit)."""
+    lay = st.layout
+    _, q_seg, kv_seg, *_ = dyn
+    q_lo, q_hi = _segment_ranges(q_seg, lay.lq, lay.block_q)
+    k_lo, k_hi = _segment_ranges(kv_seg, lay.lk, lay.block_k)
+    qb, kb = jnp.asarray(group[0]), jnp.asarray(group[1])
+    meet = (q_lo[qb] <= k_hi[kb]) & (k_lo[kb] <= q_hi[qb])
+    one = (q_lo[qb] == q_hi[qb]) & (k_lo[kb] == k_hi[kb]) & (q_lo[qb] == k_lo[kb])
+    return jnp.where(one, 0, jnp.where(meet, 1, 2)).astype(jnp.int32)
+
+
+def _scan_tiles(st: _Static, dyn, body, carry, group):
+    """Runs ``body(carry, (q_block, k_block, mask), tile_st=st) -> (carry, None)`` over the
+    work list ``group``; returns the carry.
+
+    With segment ids (packed sequences; data, known only at run time) the tiles whose query
+    and key id ranges cannot meet are skipped, and the tiles of one segment only apply no
+    segment mask: the list is sorted by :func:`_segment_kinds` (stably) and two loops of
+    data-dependent lengths walk the one-segment tiles (``tile_st`` without segments) and then
+    the mixed ones, so a row of 8 documents does the work of their diagonal tiles, not of the
+    whole layout, at the cost per tile of no segments. Under ``jax.vmap`` over rows with
+    different ids each loop runs the most steps any row needs (finished rows' steps are
+    selected away); over heads sharing the ids they stay plain loops. Calls with segment ids
+    list single tiles (no row gathering), so a skipped tile's keys and values reach nothing.
+    Without segment ids: a scan over the static list."""
+    xs = tuple(map(jnp.asarray, group))
+    if not st.has_segments:
+        return jax.lax.scan(body, carry, xs)[0]
+    kinds = _segment_kinds(st, dyn, group)
+    order = jnp.argsort(kinds, stable=True)
+    n_one = jnp.sum((kinds == 0).astype(jnp.int32))
+    n_meet = n_one + jnp.sum((kinds == 1).astype(jnp.int32))
+    one_segment = dataclasses.replace(st, has_segments=False)
+
+    def step(tile_st):
+        return lambda i, carry: body(carry, tuple(x[order[i]] for x in xs), tile_st=tile_st)[0]
+
+    carry = jax.lax.fori_loop(0, n_one, step(one_segment), carry)
+    return jax.lax.fori_loop(n_one, n_meet, step(st), carry)
+
+
 def _fold_scale(st: _Static, q):
     """``q`` with the score scale applied when the call folds it (``_Static.scale_folded``)."""
     if not st.scale_folded:
@@ -317,10 +375,10 @@ def _forward(st: _Static, q, k, v, extra, dyn):
 
     for group, with_mask in _work_groups(st, gathered=False):
 
-        def body(carry, xs, with_mask=with_mask):
+        def body(carry, xs, with_mask=with_mask, tile_st=st):
             acc, m, l = carry
             qi, kj, mi = xs
-            t = _Tile(st, q, k, dyn, extra, qi, kj, mi, with_mask)
+            t = _Tile(tile_st, q, k, dyn, extra, qi, kj, mi, with_mask)
             v_t = t.keys(v)
             m_new, l_new, a_new = _tiles.online_step(
                 t.s,
@@ -339,7 +397,7 @@ def _forward(st: _Static, q, k, v, extra, dyn):
             l = jax.lax.dynamic_update_slice_in_dim(l, l_new, t.q0, 0)
             return (acc, m, l), None
 
-        (acc, m, l), _ = jax.lax.scan(body, (acc, m, l), tuple(map(jnp.asarray, group)))
+        acc, m, l = _scan_tiles(st, dyn, body, (acc, m, l), group)
 
     out, lse = _tiles.finish(m, l, acc)
     return out, lse[:, 0]
@@ -405,10 +463,10 @@ def _backward(st: _Static, q, k, v, extra, dyn, out, lse, d_out, d_lse):
     gathered = bool(st.gather)
     for group, with_mask in _work_groups(st, gathered):
 
-        def body(carry, xs, with_mask=with_mask):
+        def body(carry, xs, with_mask=with_mask, tile_st=st):
             dq, dk, dv, d_bias, d_score = carry
             qi, kj, mi = xs
-            t = _Tile(st, q_in, k, dyn, (bias_in, score_floats, sink), qi, kj, mi, with_mask,
+            t = _Tile(tile_st, q_in, k, dyn, (bias_in, score_floats, sink), qi, kj, mi, with_mask,
                       transposed=tr, gathered=gathered)
             q_t = jax.lax.dynamic_slice_in_dim(q, t.q0, bq)
             v_t = t.keys(v)
@@ -461,9 +519,8 @@ def _backward(st: _Static, q, k, v, extra, dyn, out, lse, d_out, d_lse):
                 )
             return (dq, dk, dv, d_bias, d_score), None
 
-        (dq, dk, dv, d_bias, d_score), _ = jax.lax.scan(
-            body, (dq, dk, dv, d_bias, d_score), tuple(map(jnp.asarray, group))
-        )
+        dq, dk, dv, d_bias, d_score = _scan_tiles(st, dyn, body,
+                                                  (dq, dk, dv, d_bias, d_score), group)
     if tr:
         dq = dq.T
         d_bias = d_bias.T if st.bias_is_array else d_bias
@@ -626,7 +683,9 @@ def flex_primitives(score_mod, mask_mod, block_q: int = 16, block_k: int = 16) -
 def _prepare(q, k, v, layout, *, kv_mask, segments, bias, scale, dropout_rate, key,
              score_mod=None, mask_mod=None, sink=None, index=(0, 0)):
     """Pads checked inputs to whole tiles and gathers the static and dynamic kernel inputs."""
-    gather = _gather_width(layout)
+    # Segment ids skip tiles one by one (``_scan_tiles``): a row-gathered group would keep
+    # every tile of a row that has one to compute.
+    gather = 0 if segments is not None else _gather_width(layout)
     lq_p = layout.num_q_blocks * layout.block_q
     lk_p = layout.num_k_blocks * layout.block_k
     k, v = _tiles.select_real_keys(k, kv_mask), _tiles.select_real_keys(v, kv_mask)
