@@ -52,7 +52,8 @@ ATTENTION_NAMES = {
     "init_routing_votes", "routing_aggregation", "squash",
     # Softmax attention changed since the surveys (attention.modern).
     "deepseek_sparse_attention", "differential_attention", "differential_lambda",
-    "forgetting_attention", "lambda_init_for", "lightning_indexer", "mha_cache_bytes_per_token",
+    "forgetting_attention", "indexer_alignment_loss", "lambda_init_for", "lightning_indexer",
+    "mha_cache_bytes_per_token",
     "mla_cache_bytes_per_token", "moba_attention", "multi_head_latent_attention",
     "native_sparse_attention", "path_attention", "path_update_keys",
     # Cluster-Former's attention (its layer is models.ClusterformerAttention).

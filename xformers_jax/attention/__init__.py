@@ -143,6 +143,7 @@ from .modern import deepseek_sparse_attention as deepseek_sparse_attention
 from .modern import differential_attention as differential_attention
 from .modern import differential_lambda as differential_lambda
 from .modern import forgetting_attention as forgetting_attention
+from .modern import indexer_alignment_loss as indexer_alignment_loss
 from .modern import lambda_init_for as lambda_init_for
 from .modern import lightning_indexer as lightning_indexer
 from .modern import mha_cache_bytes_per_token as mha_cache_bytes_per_token

@@ -14,8 +14,10 @@ Fast form: the indexer is computed ``chunk`` queries at a time (``[chunk, Lk]`` 
 ``[Lq, Lk]``: it is the one ``O(L^2)`` part, with ``H_I d_I`` multiply-adds per pair), and the
 chosen keys and values are gathered per query (``top_k`` of them) for the softmax. The choice
 is a discrete top-k, so no gradient reaches the indexer through it: the paper trains the
-indexer with its own loss (the KL divergence to the main attention's distribution), which this
-function does not form.
+indexer with its own loss, the KL divergence from the main attention's distribution (summed
+over heads, L1-normalised) to the indexer's softmax, over every key in a dense warm-up and
+over the selected tokens afterwards (Section 2.1.1): :func:`indexer_alignment_loss`, which the
+``dsa`` kind's layer reports as its auxiliary loss ``indexer_kl``.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
-from ...kernels import STATS_DTYPE, cdiv, pad_to
+from ...kernels import STATS_DTYPE, cdiv, pad_to, safe_max
 from .. import _contract as C
 from ._moba import gathered_block_attention
 
@@ -145,3 +147,121 @@ def deepseek_sparse_reference(q, k, v, q_index, weights, k_index, *, top_k: int,
     p = jnp.where(keep, jnp.exp(s - jnp.max(jnp.where(keep, s, -1e30), -1, keepdims=True)), 0.0)
     out = p @ f(x.v) / jnp.maximum(p.sum(-1, keepdims=True), 1e-30)
     return out.astype(q.dtype)
+
+
+def _kl_to_indexer(s, logits, keep, scale):
+    """Per query ``KL(p || softmax(I))`` over the keys ``keep [cq, n]`` marks: ``s [cq, H, n]``
+    the main attention's raw scores ``q . k`` of every head, ``logits [cq, n]`` the indexer's
+    ``I``. ``p`` is the heads' softmax maps summed over heads and L1-normalised (DeepSeek-V3.2,
+    Section 2.1.1). A query keeping no key gives 0."""
+    s = jnp.where(keep[:, None], s * scale, -jnp.inf)
+    p = jnp.where(keep[:, None], jnp.exp(s - safe_max(s.max(-1, keepdims=True))), 0.0)
+    p = p / jnp.maximum(p.sum(-1, keepdims=True), 1e-30)
+    target = p.sum(1)
+    target = target / jnp.maximum(target.sum(-1, keepdims=True), 1e-30)
+    z = jnp.where(keep, logits, -jnp.inf)
+    mz = jax.lax.stop_gradient(safe_max(z.max(-1, keepdims=True)))
+    lse = mz + jnp.log(jnp.maximum(jnp.where(keep, jnp.exp(z - mz), 0.0).sum(-1, keepdims=True),
+                                   1e-30))
+    log_q = jnp.where(keep, z - lse, 0.0)
+    pos = target > 0
+    log_target = jnp.log(jnp.where(pos, target, 1.0))
+    return jnp.where(pos, target * (log_target - log_q), 0.0).sum(-1)
+
+
+def indexer_alignment_loss(
+    q: Float[Array, "q_seq heads qk_dim"],
+    k: Float[Array, "kv_seq kv_heads qk_dim"],
+    q_index: Float[Array, "q_seq index_heads index_dim"],
+    weights: Float[Array, "q_seq index_heads"],
+    k_index: Float[Array, "kv_seq index_dim"],
+    index: Int[Array, "q_seq top_k"] | None = None,
+    chosen: Bool[Array, "q_seq top_k"] | None = None,
+    *,
+    causal: bool = False,
+    kv_mask: Bool[Array, "kv_seq"] | None = None,
+    scale: float | None = None,
+    q_offset=0,
+    chunk: int = 256,
+) -> Float[Array, "q_seq"]:
+    """The lightning indexer's training loss (DeepSeek-V3.2, Section 2.1.1): per query ``t``,
+    ``KL(p_t || softmax(I_t))``, where ``p_t`` is the main attention's distribution over the
+    keys (every head's softmax map summed over the heads, L1-normalised) and ``I_t`` the
+    indexer's scores (Eq. 1) over the same keys.
+
+    Two stages, as in the paper: the dense warm-up (``index`` None: every key the query may
+    see, ``causal`` and ``kv_mask``), and sparse training (``index``, ``chosen`` from
+    :func:`lightning_indexer`: only the selected tokens ``S_t``, both distributions
+    renormalised over them).
+
+    Only the indexer learns from it: ``q`` and ``k`` are taken under ``stop_gradient`` (the
+    target), so the gradient reaches ``q_index``, ``weights`` and ``k_index`` alone. The
+    caller detaches the indexer's inputs from the main model (the paper's "separate
+    optimisation"), as the ``dsa`` kind's layer does.
+
+    Args:
+      q: ``[Lq, H, D]`` the main attention's queries (all heads). k: ``[Lk, H_kv, D]`` its
+        keys (``H_kv`` divides ``H``; head ``h`` reads key head ``h // (H / H_kv)``).
+      q_index, weights, k_index: the indexer's ``[Lq, H_I, d_I]``, ``[Lq, H_I]``,
+        ``[Lk, d_I]``.
+      index, chosen: the sparse stage's selection ``[Lq, n]``, or None (dense stage).
+      causal, kv_mask, q_offset: which keys the dense stage covers (queries at ``q_offset +
+        arange(Lq)``). scale: the main attention's, ``1/sqrt(D)`` by default.
+      chunk: queries at a time (under ``jax.checkpoint``: no ``[Lq, Lk]`` array, dense or
+        not).
+
+    Returns:
+      ``f32[Lq]``: each query's KL divergence (0 for a query with no key).
+    """
+    name = "indexer_alignment_loss"
+    lq, h, d = q.shape
+    lk, hkv = k.shape[:2]
+    hi, di = q_index.shape[1:]
+    if (k.shape[2] != d or h % hkv or q_index.shape[0] != lq or weights.shape != (lq, hi)
+            or k_index.shape != (lk, di)):
+        raise ValueError(f"{name}: expected q [Lq, H, D], k [Lk, H_kv, D] (H_kv dividing H), "
+                         f"q_index [Lq, H_I, d_I], weights [Lq, H_I], k_index [Lk, d_I]; got "
+                         f"q{tuple(q.shape)}, k{tuple(k.shape)}, q_index{tuple(q_index.shape)}, "
+                         f"weights{tuple(weights.shape)}, k_index{tuple(k_index.shape)}")
+    if (index is None) != (chosen is None) or (index is not None and (
+            index.ndim != 2 or index.shape[0] != lq or chosen.shape != index.shape)):
+        raise ValueError(f"{name}: index and chosen must both be None (dense stage) or both "
+                         f"[Lq, n] with Lq = {lq}; got index "
+                         f"{None if index is None else tuple(index.shape)}, chosen "
+                         f"{None if chosen is None else tuple(chosen.shape)}")
+    C.check_positive_int(name, "chunk", chunk)
+    scale = C.resolve_scale(d, scale)
+    g = h // hkv
+    real = jnp.ones((lk,), bool) if kv_mask is None else kv_mask
+    qf = jax.lax.stop_gradient(q).astype(STATS_DTYPE).reshape(lq, hkv, g, d)
+    kf = jax.lax.stop_gradient(k).astype(STATS_DTYPE)
+    kif = jnp.where(real[:, None], k_index.astype(STATS_DTYPE), 0.0)
+    cq = min(chunk, lq)
+    nc = cdiv(lq, cq)
+    xs = {"q": pad_to(qf, nc * cq).reshape(nc, cq, hkv, g, d),
+          "qi": pad_to(q_index.astype(STATS_DTYPE), nc * cq).reshape(nc, cq, hi, di),
+          "w": pad_to(weights.astype(STATS_DTYPE), nc * cq).reshape(nc, cq, hi),
+          "pos": (q_offset + jnp.arange(nc * cq)).reshape(nc, cq)}
+    if index is not None:
+        n = index.shape[1]
+        xs["idx"] = pad_to(index, nc * cq).reshape(nc, cq, n)
+        xs["chosen"] = pad_to(chosen, nc * cq, value=False).reshape(nc, cq, n)
+
+    @jax.checkpoint
+    def one(c, kif):
+        if index is None:
+            s = jnp.einsum("qhgd,khd->qhgk", c["q"], kf)
+            logits = jnp.einsum("qj,qjk->qk", c["w"], jax.nn.relu(
+                jnp.einsum("qjd,kd->qjk", c["qi"], kif)))
+            keep = jnp.broadcast_to(real, (cq, lk))
+            if causal:
+                keep = keep & (jnp.arange(lk)[None, :] <= c["pos"][:, None])
+        else:
+            s = jnp.einsum("qhgd,qnhd->qhgn", c["q"], kf[c["idx"]])
+            logits = jnp.einsum("qj,qjn->qn", c["w"], jax.nn.relu(
+                jnp.einsum("qjd,qnd->qjn", c["qi"], kif[c["idx"]])))
+            keep = c["chosen"] & real[c["idx"]]
+        return _kl_to_indexer(s.reshape(cq, h, -1), logits, keep, scale)
+
+    kl = jax.lax.map(lambda c: one(c, kif), xs)
+    return kl.reshape(-1)[:lq]
