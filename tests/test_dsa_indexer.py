@@ -83,7 +83,7 @@ def test_indexer_loss_is_zero_when_the_indexer_is_the_attention(stage):
     q1, k1 = (jnp.abs(a) for a in _arrays(2, (L, 1, D), (L, 1, D)))
     q = jnp.concatenate([q1, q1], 1)
     qi, w = q1 / np.sqrt(D), jnp.ones((L, 1))
-    keep, idx, chosen = _keep_of(stage, qi, w, k1[:, 0], top_k=5)
+    _, idx, chosen = _keep_of(stage, qi, w, k1[:, 0], top_k=5)
     loss = jit0(functools.partial(S.indexer_alignment_loss, causal=True, kv_mask=MASK, chunk=8))
     assert_close(loss(q, k1, qi, w, k1[:, 0], idx, chosen), jnp.zeros((L,)), table=EXACT)
     off = loss(q, k1, 2.0 * qi, w, k1[:, 0], idx, chosen)  # sharper: no longer equal
