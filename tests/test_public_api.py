@@ -51,7 +51,8 @@ ATTENTION_NAMES = {
     "realformer_attention", "realformer_flash_attention", "talking_heads_attention",
     "init_routing_votes", "routing_aggregation", "squash",
     # Softmax attention changed since the surveys (attention.modern).
-    "deepseek_sparse_attention", "differential_attention", "differential_lambda",
+    "deepseek_sparse_attention", "deepseek_sparse_tiled", "differential_attention",
+    "differential_lambda",
     "forgetting_attention", "indexer_alignment_loss", "lambda_init_for", "lightning_indexer",
     "mha_cache_bytes_per_token",
     "mla_cache_bytes_per_token", "moba_attention", "multi_head_latent_attention",

@@ -214,9 +214,10 @@ class AttentionAdapter:
         devices (the ``sequence`` strategy), else None.
       aux: the names of the auxiliary losses the kind reports (DeepSeek sparse attention's
         ``indexer_kl``, which trains its lightning indexer). ``attend`` then also receives
-        ``return_aux`` (True in a training call whose caller takes auxiliary outputs: a
-        ``Carry`` given, ``inference`` False) and, when it is True, returns ``(out, {name: float32 scalar})`` with these
-        names; the layer writes them into ``carry.aux`` beside the FFN slot's (``nn._ffns``).
+        ``return_aux``, True in a training call whose caller takes auxiliary outputs (a
+        ``Carry`` given, ``inference`` False), and then returns ``(out, {name: float32
+        scalar})`` with these names; the layer writes them into ``carry.aux`` beside the FFN
+        slot's (``nn._ffns``).
     """
 
     attend: Callable

@@ -140,6 +140,7 @@ from .priors import init_routing_votes as init_routing_votes
 from .priors import routing_aggregation as routing_aggregation
 from .priors import squash as squash
 from .modern import deepseek_sparse_attention as deepseek_sparse_attention
+from .modern import deepseek_sparse_tiled as deepseek_sparse_tiled
 from .modern import differential_attention as differential_attention
 from .modern import differential_lambda as differential_lambda
 from .modern import forgetting_attention as forgetting_attention

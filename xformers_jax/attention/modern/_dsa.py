@@ -10,9 +10,12 @@ heads,
 indexer heads), and the main attention of token ``t`` runs over the ``top_k`` tokens with the
 largest ``I_{t,s}`` only (Eq. 2): one choice per token, shared by every attention head.
 
-Fast form: the indexer is computed ``chunk`` queries at a time (``[chunk, Lk]`` scores, never
-``[Lq, Lk]``: it is the one ``O(L^2)`` part, with ``H_I d_I`` multiply-adds per pair), and the
-chosen keys and values are gathered per query (``top_k`` of them) for the softmax. The choice
+Fast forms: the indexer is computed ``chunk`` queries at a time (``[chunk, Lk]`` scores, never
+``[Lq, Lk]``, with ``H_I d_I`` multiply-adds per pair). The attention either gathers each
+query's ``top_k`` chosen keys and values (:func:`deepseek_sparse_attention`, what a decoding
+step does) or reads the choice as a bit mask on the tiled kernel (:func:`deepseek_sparse_tiled`,
+what the ``dsa`` kind's layer runs: on XLA:CPU the gathers, and the scatter-adds of their
+backward pass, cost more than the arithmetic they save; see its docstring). The choice
 is a discrete top-k, so no gradient reaches the indexer through it: the paper trains the
 indexer with its own loss, the KL divergence from the main attention's distribution (summed
 over heads, L1-normalised) to the indexer's softmax, over every key in a dense warm-up and
@@ -24,10 +27,11 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Bool, Float, Int
+from jaxtyping import Array, Bool, Float, Int, UInt32
 
 from ...kernels import STATS_DTYPE, cdiv, pad_to, safe_max
 from .. import _contract as C
+from .._flex import flex_attention
 from ._moba import gathered_block_attention
 
 
@@ -41,7 +45,8 @@ def lightning_indexer(
     kv_mask: Bool[Array, "kv_seq"] | None = None,
     q_offset=0,
     chunk: int = 256,
-) -> tuple[Int[Array, "q_seq top_k"], Bool[Array, "q_seq top_k"]]:
+    return_bits: bool = False,
+):
     """The tokens each query chooses by the lightning indexer (DeepSeek-V3.2, Eq. 1).
 
     Args:
@@ -50,10 +55,16 @@ def lightning_indexer(
       top_k: tokens per query. causal: only keys at or before the query's position
         (``q_offset + i``; ``q_offset`` may be traced). kv_mask: ``bool[Lk]``, real keys.
       chunk: queries scored at a time.
+      return_bits: also return the choice as a bit mask (for
+        :func:`deepseek_sparse_tiled`).
 
     Returns:
       ``(index int32[Lq, n], chosen bool[Lq, n])``, ``n = min(top_k, Lk)``; a slot is not
-      ``chosen`` when fewer keys qualify. Ties go to the earlier key.
+      ``chosen`` when fewer keys qualify. Ties go to the earlier key. With ``return_bits``
+      also ``bits uint32[Lq, ceil(Lk / 32)]``: key ``s`` is chosen by query ``t`` when bit
+      ``s % 32`` of ``bits[t, s // 32]`` is set (the same choice, read off the scores by the
+      ``top_k``-th largest one and the last tied key taken; ``Lq Lk / 8`` bytes, fewer than
+      the index's ``4 Lq n`` once ``n > Lk / 32``).
     """
     lq, h, d = q_index.shape
     lk = k_index.shape[0]
@@ -78,10 +89,77 @@ def lightning_indexer(
         if causal:
             ok = ok & (k_pos[None, :] <= pc[:, None])
         val, idx = jax.lax.top_k(jnp.where(ok, score, -jnp.inf), n)
-        return idx.astype(jnp.int32), jnp.isfinite(val)
+        if not return_bits:
+            return idx.astype(jnp.int32), jnp.isfinite(val)
+        # The same choice as a mask: the scores above the n-th largest, and of those equal to
+        # it the keys up to the last one top_k took (it takes tied keys earliest first).
+        tau = val[:, -1:]
+        last_tie = jnp.max(jnp.where(val == tau, idx, -1), -1, keepdims=True)
+        sel = ok & ((score > tau) | ((score == tau) & (k_pos[None, :] <= last_tie)))
+        words = pad_to(sel, nw * 32, axis=1, value=False).reshape(cq, nw, 32)
+        bits = jnp.sum(jnp.where(words, jnp.left_shift(jnp.uint32(1), _BIT), jnp.uint32(0)),
+                       -1, dtype=jnp.uint32)
+        return idx.astype(jnp.int32), jnp.isfinite(val), bits
 
-    idx, chosen = jax.lax.map(one, (jax.lax.stop_gradient(qs), jax.lax.stop_gradient(ws), pos))
-    return idx.reshape(nc * cq, n)[:lq], chosen.reshape(nc * cq, n)[:lq]
+    nw = cdiv(lk, 32)
+    out = jax.lax.map(one, (jax.lax.stop_gradient(qs), jax.lax.stop_gradient(ws), pos))
+    out = tuple(a.reshape(nc * cq, *a.shape[2:])[:lq] for a in out)
+    return out
+
+
+_BIT = jnp.arange(32, dtype=jnp.uint32)
+
+
+def _chosen_bit(bits):
+    """``mask_mod`` reading a :func:`lightning_indexer` bit mask ``uint32[Lq, Lk / 32]``."""
+    def chosen(b, h, q_idx, kv_idx):
+        word = bits[q_idx, kv_idx >> 5]
+        return (jnp.right_shift(word, (kv_idx & 31).astype(jnp.uint32)) & 1) == 1
+    return chosen
+
+
+def deepseek_sparse_tiled(
+    q: Float[Array, "q_seq qk_dim"],
+    k: Float[Array, "kv_seq qk_dim"],
+    v: Float[Array, "kv_seq v_dim"],
+    bits: UInt32[Array, "q_seq kv_words"],
+    *,
+    causal: bool = False,
+    kv_mask: Bool[Array, "kv_seq"] | None = None,
+    scale: float | None = None,
+    key=None,
+    block_q: int | None = None,
+    block_k: int | None = None,
+    implementation: str | None = None,
+) -> Float[Array, "q_seq v_dim"]:
+    """DeepSeek sparse attention of one head (DeepSeek-V3.2, Eq. 2) on the tiled kernel: the
+    indexer's choice as a mask function (``bits`` from ``lightning_indexer(...,
+    return_bits=True)``) of :func:`~xformers_jax.attention.flex_attention`. Equal to
+    :func:`deepseek_sparse_attention` with the same choice.
+
+    Why both forms: gathering each query's ``top_k`` keys and values (``2 top_k D`` numbers per
+    query, scatter-added back in the backward pass) computes only the chosen pairs, but on
+    XLA:CPU the per-row gathers and scatters cost more than the arithmetic they save (measured
+    at 4096 tokens, 1/8 chosen, fwd+bwd: twice causal flash's time). A token-level choice
+    leaves no tile empty, so this form does causal flash's arithmetic plus one bit per pair:
+    about flash's time, whatever ``top_k``. Decoding (one query) gathers.
+
+    Args:
+      q: ``[Lq, D]``. k: ``[Lk, D]``. v: ``[Lk, Dv]``. bits: ``uint32[Lq, ceil(Lk / 32)]``.
+      causal: skip the tiles above the diagonal (the choice holds no later key).
+      kv_mask, key: the contract's. scale: ``1/sqrt(D)`` by default. block_q, block_k,
+        implementation: the tiled kernel's.
+
+    Returns:
+      ``[Lq, Dv]`` in q's dtype; a query with no chosen key gives zeros.
+    """
+    lq, lk = q.shape[0], k.shape[0]
+    if bits.shape != (lq, cdiv(lk, 32)) or bits.dtype != jnp.uint32:
+        raise ValueError(f"deepseek_sparse_tiled: bits must be uint32[Lq, ceil(Lk / 32)] = "
+                         f"[{lq}, {cdiv(lk, 32)}]; got {bits.dtype}{tuple(bits.shape)}")
+    return flex_attention(q, k, v, mask_mod=_chosen_bit(bits), causal=causal, kv_mask=kv_mask,
+                          scale=scale, block_q=block_q, block_k=block_k,
+                          implementation=implementation)
 
 
 def deepseek_sparse_attention(

@@ -24,11 +24,12 @@ import jax.numpy as jnp
 
 from ...kinds import AttentionAdapter, Kind, KVDecoding, Paper
 from .._adapters import IMPLEMENTATION, TILES, lifted, real_only
-from .._multihead import multihead
-from ._differential import differential_attention, differential_lambda, lambda_init_for
 from .._dense import dot_product_attention
 from .._exact import flash_attention
-from ._dsa import deepseek_sparse_attention, indexer_alignment_loss, lightning_indexer
+from .._multihead import multihead
+from ._differential import differential_attention, differential_lambda, lambda_init_for
+from ._dsa import (deepseek_sparse_attention, deepseek_sparse_tiled, indexer_alignment_loss,
+                   lightning_indexer)
 from ._fox import forgetting_attention, forgetting_decode_step
 from ._mla import multi_head_latent_attention, rotary
 from ._moba import moba_attention, moba_reference
@@ -268,9 +269,9 @@ def _dsa_index_inputs(inputs, params, index_heads):
     return qi, inputs @ params["w_w"].astype(dt), inputs @ params["w_ki"].astype(dt)
 
 
-def _dsa_choose(qi, w, ki, kv_mask, *, top_k, causal, chunk, q_offset=0):
+def _dsa_choose(qi, w, ki, kv_mask, *, top_k, causal, chunk, q_offset=0, return_bits=False):
     fn = functools.partial(lightning_indexer, top_k=top_k, causal=causal, chunk=chunk,
-                           q_offset=q_offset)
+                           q_offset=q_offset, return_bits=return_bits)
     return jax.vmap(lambda a, b, c, m: fn(a, b, c, kv_mask=m))(
         qi, w, ki, jnp.ones(ki.shape[:2], bool) if kv_mask is None else kv_mask)
 
@@ -288,10 +289,12 @@ def _dsa_attend(q, k, v, params, *, causal, kv_mask, bias, key, inputs, q_mask=N
         out = multihead(functools.partial(flash_attention, causal=causal))(q, k, v,
                                                                            kv_mask=kv_mask)
     else:
-        idx, chosen = _dsa_choose(qi, w, ki, kv_mask, top_k=top_k, causal=causal, chunk=chunk)
-        fn = functools.partial(deepseek_sparse_attention, chunk=chunk)
-        out = multihead(fn, arg_axes=("batch", "batch"))(q, k, v, idx, chosen, causal=causal,
-                                                         kv_mask=kv_mask)
+        # The choice as a bit mask on the tiled kernel (deepseek_sparse_tiled says why).
+        idx, chosen, bits = _dsa_choose(qi, w, ki, kv_mask, top_k=top_k, causal=causal,
+                                        chunk=chunk, return_bits=True)
+        out = multihead(deepseek_sparse_tiled, arg_axes=("batch",))(q, k, v, bits,
+                                                                   causal=causal,
+                                                                   kv_mask=kv_mask)
     if not return_aux:
         return out
     loss = functools.partial(indexer_alignment_loss, causal=causal, chunk=chunk)
@@ -451,7 +454,9 @@ KINDS = (
          adapter=AttentionAdapter(_nsa_attend, init=_nsa_init, takes_input=True,
                                   decoding=KVDecoding(attend=_nsa_decode))),
     Kind("dsa", deepseek_sparse_attention, "modern", _DSA_PAPER,
-         time="O(L k D + L^2 H_I d_I), k chosen tokens", memory="O(L k D / chunk + L D)",
+         time="O(L^2 (D + H_I d_I)): the indexer, and the chosen tokens as a mask on the tiled "
+              "kernel (decoding: O(L H_I d_I + k D))",
+         memory="O(L k + L^2 / 8 bytes): the choice",
          causal=True, decoding="kv",
          test_hyperparameters={"top_k": 5, "index_heads": 2, "index_dim": 4, "chunk": 8},
          hyperparameters={
