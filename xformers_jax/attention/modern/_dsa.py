@@ -25,8 +25,11 @@ over the selected tokens afterwards (Section 2.1.1): :func:`indexer_alignment_lo
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, Bool, Float, Int, UInt32
 
 from ...kernels import STATS_DTYPE, cdiv, pad_to, safe_max
@@ -82,32 +85,47 @@ def lightning_indexer(
     pos = (q_offset + jnp.arange(nc * cq)).reshape(nc, cq)
     k_pos = jnp.arange(lk)
 
-    def one(args):
+    def one(args, width):
         qc, wc, pc = args
-        score = jnp.einsum("qh,qhk->qk", wc, jax.nn.relu(jnp.einsum("qhd,kd->qhk", qc, kf)))
-        ok = jnp.broadcast_to(real, score.shape)
+        kw, kp = kf[:width], k_pos[:width]
+        score = jnp.einsum("qh,qhk->qk", wc, jax.nn.relu(jnp.einsum("qhd,kd->qhk", qc, kw)))
+        ok = jnp.broadcast_to(real[:width], score.shape)
         if causal:
-            ok = ok & (k_pos[None, :] <= pc[:, None])
-        val, idx = jax.lax.top_k(jnp.where(ok, score, -jnp.inf), n)
+            ok = ok & (kp[None, :] <= pc[:, None])
+        val, idx = jax.lax.top_k(jnp.where(ok, score, -jnp.inf), min(n, width))
+        val = pad_to(val, n, axis=1, value=-jnp.inf)
+        idx = pad_to(idx.astype(jnp.int32), n, axis=1)
         if not return_bits:
-            return idx.astype(jnp.int32), jnp.isfinite(val)
+            return idx, jnp.isfinite(val)
         # The same choice as a mask: the scores above the n-th largest, and of those equal to
         # it the keys up to the last one top_k took (it takes tied keys earliest first).
         tau = val[:, -1:]
         last_tie = jnp.max(jnp.where(val == tau, idx, -1), -1, keepdims=True)
-        sel = ok & ((score > tau) | ((score == tau) & (k_pos[None, :] <= last_tie)))
+        sel = ok & ((score > tau) | ((score == tau) & (kp[None, :] <= last_tie)))
         words = pad_to(sel, nw * 32, axis=1, value=False).reshape(cq, nw, 32)
         bits = jnp.sum(jnp.where(words, jnp.left_shift(jnp.uint32(1), _BIT), jnp.uint32(0)),
                        -1, dtype=jnp.uint32)
-        return idx.astype(jnp.int32), jnp.isfinite(val), bits
+        return idx, jnp.isfinite(val), bits
 
     nw = cdiv(lk, 32)
-    out = jax.lax.map(one, (jax.lax.stop_gradient(qs), jax.lax.stop_gradient(ws), pos))
-    out = tuple(a.reshape(nc * cq, *a.shape[2:])[:lq] for a in out)
-    return out
+    xs = (jax.lax.stop_gradient(qs), jax.lax.stop_gradient(ws), pos)
+    if causal and isinstance(q_offset, int):
+        # The queries of later chunks see more keys: the chunks run in a few segments, each
+        # scoring only the keys its last query sees (causal self-attention: about half the
+        # scores and of the top_k's input, its largest cost).
+        nseg = min(_SEGMENTS, nc)
+        bounds = [round(i * nc / nseg) for i in range(nseg + 1)]
+        parts = [jax.lax.map(functools.partial(one, width=min(lk, max(q_offset + c1 * cq, 1))),
+                             tuple(a[c0:c1] for a in xs))
+                 for c0, c1 in zip(bounds[:-1], bounds[1:])]
+        out = tuple(jnp.concatenate(p, 0) for p in zip(*parts))
+    else:
+        out = jax.lax.map(functools.partial(one, width=lk), xs)
+    return tuple(a.reshape(nc * cq, *a.shape[2:])[:lq] for a in out)
 
 
-_BIT = jnp.arange(32, dtype=jnp.uint32)
+_SEGMENTS = 8
+_BIT = np.arange(32, dtype=np.uint32)
 
 
 def _chosen_bit(bits):
