@@ -28,13 +28,15 @@ def _arrays(seed, *shapes):
 
 
 def _keep_of(stage, qi, w, ki, top_k):
-    """The keys each query's KL covers ``bool[L, L]`` and the sparse stage's selection."""
+    """The keys each query's KL covers ``bool[L, L]`` (the sparse stage's from the index
+    list) and the sparse stage's selection as bits."""
     if stage == "dense":
         causal = jnp.arange(L)[None, :] <= jnp.arange(L)[:, None]
-        return causal & MASK[None, :], None, None
-    idx, chosen = S.lightning_indexer(qi, w, ki, top_k=top_k, causal=True, kv_mask=MASK)
+        return causal & MASK[None, :], None
+    idx, chosen, bits = S.lightning_indexer(qi, w, ki, top_k=top_k, causal=True, kv_mask=MASK,
+                                            return_bits=True)
     keep = jnp.zeros((L, L), bool).at[jnp.arange(L)[:, None], idx].max(chosen)
-    return keep, idx, chosen
+    return keep, bits
 
 
 def _reference(q, k, qi, w, ki, keep):
@@ -54,11 +56,11 @@ def _reference(q, k, qi, w, ki, keep):
 @pytest.mark.parametrize("stage", ["dense", "sparse"])
 def test_indexer_loss_matches_the_equations(stage):
     q, k, qi, w, ki = _arrays(1, (L, H, D), (L, HKV, D), (L, HI, DI), (L, HI), (L, DI))
-    keep, idx, chosen = _keep_of(stage, qi, w, ki, top_k=5)
+    keep, bits = _keep_of(stage, qi, w, ki, top_k=5)
 
     def fast(q, k, qi, w, ki):
-        return S.indexer_alignment_loss(q, k, qi, w, ki, idx, chosen, causal=True,
-                                        kv_mask=MASK, chunk=8)
+        return S.indexer_alignment_loss(q, k, qi, w, ki, bits, causal=True, kv_mask=MASK,
+                                        chunk=8)
 
     def ref(q, k, qi, w, ki):
         return _reference(q, k, qi, w, ki, keep)
@@ -83,10 +85,10 @@ def test_indexer_loss_is_zero_when_the_indexer_is_the_attention(stage):
     q1, k1 = (jnp.abs(a) for a in _arrays(2, (L, 1, D), (L, 1, D)))
     q = jnp.concatenate([q1, q1], 1)
     qi, w = q1 / np.sqrt(D), jnp.ones((L, 1))
-    _, idx, chosen = _keep_of(stage, qi, w, k1[:, 0], top_k=5)
+    _, bits = _keep_of(stage, qi, w, k1[:, 0], top_k=5)
     loss = jit0(functools.partial(S.indexer_alignment_loss, causal=True, kv_mask=MASK, chunk=8))
-    assert_close(loss(q, k1, qi, w, k1[:, 0], idx, chosen), jnp.zeros((L,)), table=EXACT)
-    off = loss(q, k1, 2.0 * qi, w, k1[:, 0], idx, chosen)  # sharper: no longer equal
+    assert_close(loss(q, k1, qi, w, k1[:, 0], bits), jnp.zeros((L,)), table=EXACT)
+    off = loss(q, k1, 2.0 * qi, w, k1[:, 0], bits)  # sharper: no longer equal
     assert float(off[MASK].min()) >= 0 and float(off.max()) > 1e-3
 
 

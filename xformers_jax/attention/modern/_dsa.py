@@ -271,8 +271,7 @@ def indexer_alignment_loss(
     q_index: Float[Array, "q_seq index_heads index_dim"],
     weights: Float[Array, "q_seq index_heads"],
     k_index: Float[Array, "kv_seq index_dim"],
-    index: Int[Array, "q_seq top_k"] | None = None,
-    chosen: Bool[Array, "q_seq top_k"] | None = None,
+    bits: UInt32[Array, "q_seq kv_words"] | None = None,
     *,
     causal: bool = False,
     kv_mask: Bool[Array, "kv_seq"] | None = None,
@@ -285,26 +284,31 @@ def indexer_alignment_loss(
     keys (every head's softmax map summed over the heads, L1-normalised) and ``I_t`` the
     indexer's scores (Eq. 1) over the same keys.
 
-    Two stages, as in the paper: the dense warm-up (``index`` None: every key the query may
-    see, ``causal`` and ``kv_mask``), and sparse training (``index``, ``chosen`` from
-    :func:`lightning_indexer`: only the selected tokens ``S_t``, both distributions
-    renormalised over them).
+    Two stages, as in the paper: the dense warm-up (``bits`` None: every key the query may
+    see, ``causal`` and ``kv_mask``), and sparse training (``bits`` from
+    ``lightning_indexer(..., return_bits=True)``: only the selected tokens ``S_t``, both
+    distributions renormalised over them).
 
     Only the indexer learns from it: ``q`` and ``k`` are taken under ``stop_gradient`` (the
     target), so the gradient reaches ``q_index``, ``weights`` and ``k_index`` alone. The
     caller detaches the indexer's inputs from the main model (the paper's "separate
     optimisation"), as the ``dsa`` kind's layer does.
 
+    Both stages run the same dense pass, ``chunk`` queries at a time under ``jax.checkpoint``
+    (no ``[Lq, Lk]`` array; causal with a static ``q_offset``: each segment of chunks over the
+    keys its last query sees), the sparse stage keeping the chosen keys by their bits: matmuls
+    only, where gathering each query's chosen keys would scatter-add the indexer keys'
+    gradients back (see :func:`deepseek_sparse_tiled`).
+
     Args:
       q: ``[Lq, H, D]`` the main attention's queries (all heads). k: ``[Lk, H_kv, D]`` its
         keys (``H_kv`` divides ``H``; head ``h`` reads key head ``h // (H / H_kv)``).
       q_index, weights, k_index: the indexer's ``[Lq, H_I, d_I]``, ``[Lq, H_I]``,
         ``[Lk, d_I]``.
-      index, chosen: the sparse stage's selection ``[Lq, n]``, or None (dense stage).
-      causal, kv_mask, q_offset: which keys the dense stage covers (queries at ``q_offset +
+      bits: the sparse stage's selection ``uint32[Lq, ceil(Lk / 32)]``, or None (dense).
+      causal, kv_mask, q_offset: which keys may be seen (queries at ``q_offset +
         arange(Lq)``). scale: the main attention's, ``1/sqrt(D)`` by default.
-      chunk: queries at a time (under ``jax.checkpoint``: no ``[Lq, Lk]`` array, dense or
-        not).
+      chunk: queries at a time.
 
     Returns:
       ``f32[Lq]``: each query's KL divergence (0 for a query with no key).
@@ -319,12 +323,10 @@ def indexer_alignment_loss(
                          f"q_index [Lq, H_I, d_I], weights [Lq, H_I], k_index [Lk, d_I]; got "
                          f"q{tuple(q.shape)}, k{tuple(k.shape)}, q_index{tuple(q_index.shape)}, "
                          f"weights{tuple(weights.shape)}, k_index{tuple(k_index.shape)}")
-    if (index is None) != (chosen is None) or (index is not None and (
-            index.ndim != 2 or index.shape[0] != lq or chosen.shape != index.shape)):
-        raise ValueError(f"{name}: index and chosen must both be None (dense stage) or both "
-                         f"[Lq, n] with Lq = {lq}; got index "
-                         f"{None if index is None else tuple(index.shape)}, chosen "
-                         f"{None if chosen is None else tuple(chosen.shape)}")
+    nw = cdiv(lk, 32)
+    if bits is not None and (bits.shape != (lq, nw) or bits.dtype != jnp.uint32):
+        raise ValueError(f"{name}: bits must be None (dense stage) or uint32[Lq, ceil(Lk / "
+                         f"32)] = [{lq}, {nw}]; got {bits.dtype}{tuple(bits.shape)}")
     C.check_positive_int(name, "chunk", chunk)
     scale = C.resolve_scale(d, scale)
     g = h // hkv
@@ -338,26 +340,32 @@ def indexer_alignment_loss(
           "qi": pad_to(q_index.astype(STATS_DTYPE), nc * cq).reshape(nc, cq, hi, di),
           "w": pad_to(weights.astype(STATS_DTYPE), nc * cq).reshape(nc, cq, hi),
           "pos": (q_offset + jnp.arange(nc * cq)).reshape(nc, cq)}
-    if index is not None:
-        n = index.shape[1]
-        xs["idx"] = pad_to(index, nc * cq).reshape(nc, cq, n)
-        xs["chosen"] = pad_to(chosen, nc * cq, value=False).reshape(nc, cq, n)
+    if bits is not None:
+        xs["bits"] = pad_to(bits, nc * cq).reshape(nc, cq, nw)
 
-    @jax.checkpoint
-    def one(c, kif):
-        if index is None:
-            s = jnp.einsum("qhgd,khd->qhgk", c["q"], kf)
-            logits = jnp.einsum("qj,qjk->qk", c["w"], jax.nn.relu(
-                jnp.einsum("qjd,kd->qjk", c["qi"], kif)))
-            keep = jnp.broadcast_to(real, (cq, lk))
-            if causal:
-                keep = keep & (jnp.arange(lk)[None, :] <= c["pos"][:, None])
-        else:
-            s = jnp.einsum("qhgd,qnhd->qhgn", c["q"], kf[c["idx"]])
-            logits = jnp.einsum("qj,qjn->qn", c["w"], jax.nn.relu(
-                jnp.einsum("qjd,qnd->qjn", c["qi"], kif[c["idx"]])))
-            keep = c["chosen"] & real[c["idx"]]
-        return _kl_to_indexer(s.reshape(cq, h, -1), logits, keep, scale)
+    def one(c, kif, width):
+        s = jnp.einsum("qhgd,khd->qhgk", c["q"], kf[:width])
+        logits = jnp.einsum("qj,qjk->qk", c["w"], jax.nn.relu(
+            jnp.einsum("qjd,kd->qjk", c["qi"], kif[:width])))
+        k_pos = jnp.arange(width)
+        keep = jnp.broadcast_to(real[:width], (cq, width))
+        if causal:
+            keep = keep & (k_pos[None, :] <= c["pos"][:, None])
+        if bits is not None:
+            word = jnp.take(c["bits"], k_pos >> 5, axis=1)
+            keep = keep & ((jnp.right_shift(word, (k_pos & 31).astype(jnp.uint32)) & 1) == 1)
+        return _kl_to_indexer(s.reshape(cq, h, width), logits, keep, scale)
 
-    kl = jax.lax.map(lambda c: one(c, kif), xs)
+    def run(width, part):
+        step = jax.checkpoint(functools.partial(one, width=width))
+        return jax.lax.map(lambda c: step(c, kif), part)
+
+    if causal and isinstance(q_offset, int):
+        nseg = min(_SEGMENTS, nc)
+        bounds = [round(i * nc / nseg) for i in range(nseg + 1)]
+        kl = jnp.concatenate([run(min(lk, max(q_offset + c1 * cq, 1)),
+                                  {n: a[c0:c1] for n, a in xs.items()})
+                              for c0, c1 in zip(bounds[:-1], bounds[1:])], 0)
+    else:
+        kl = run(lk, xs)
     return kl.reshape(-1)[:lq]

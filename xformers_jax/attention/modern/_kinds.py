@@ -285,12 +285,12 @@ def _dsa_attend(q, k, v, params, *, causal, kv_mask, bias, key, inputs, q_mask=N
     qi, w, ki = _dsa_index_inputs(x, params, index_heads)
     _dsa_stage(stage)
     if stage == "dense":  # the warm-up: dense attention, the indexer learning to match it
-        idx = chosen = None
+        bits = None
         out = multihead(functools.partial(flash_attention, causal=causal))(q, k, v,
                                                                            kv_mask=kv_mask)
     else:
         # The choice as a bit mask on the tiled kernel (deepseek_sparse_tiled says why).
-        idx, chosen, bits = _dsa_choose(qi, w, ki, kv_mask, top_k=top_k, causal=causal,
+        _, _, bits = _dsa_choose(qi, w, ki, kv_mask, top_k=top_k, causal=causal,
                                         chunk=chunk, return_bits=True)
         out = multihead(deepseek_sparse_tiled, arg_axes=("batch",))(q, k, v, bits,
                                                                    causal=causal,
@@ -299,10 +299,10 @@ def _dsa_attend(q, k, v, params, *, causal, kv_mask, bias, key, inputs, q_mask=N
         return out
     loss = functools.partial(indexer_alignment_loss, causal=causal, chunk=chunk)
     real = jnp.ones(ki.shape[:2], bool) if kv_mask is None else kv_mask
-    if idx is None:
+    if bits is None:
         kl = jax.vmap(lambda *a: loss(*a[:5], kv_mask=a[5]))(q, k, qi, w, ki, real)
     else:
-        kl = jax.vmap(lambda *a: loss(*a[:7], kv_mask=a[7]))(q, k, qi, w, ki, idx, chosen, real)
+        kl = jax.vmap(lambda *a: loss(*a[:6], kv_mask=a[6]))(q, k, qi, w, ki, bits, real)
     rows = real if q_mask is None else q_mask
     # The mean over the real queries of the batch (the paper sums over tokens; the mean keeps
     # the weight independent of the batch and length).
