@@ -463,7 +463,7 @@ KINDS = (
              "top_k": (2048, "tokens each query attends, chosen by the lightning indexer"),
              "index_heads": (4, "H_I, the indexer's heads"),
              "index_dim": (32, "d_I, the indexer's query and key width"),
-             "chunk": (256, "queries per indexer and gather step"),
+             "chunk": (256, "queries per step of the indexer and of its KL loss"),
              "stage": ("sparse", ("'sparse': attend the top_k tokens, the indexer's KL over "
                                   "them; 'dense': the warm-up, dense attention and the KL over "
                                   "every key (the paper also freezes the main model then)"))},
