@@ -236,6 +236,33 @@ def test_dsa_attends_the_indexers_tokens(causal, top_k):
                  jit0(functools.partial(_grads, ref))((q, k, v)), table=EXACT_GRAD)
 
 
+@pytest.mark.parametrize("causal,top_k", [(False, 5), (True, 5), (True, 40)])
+def test_dsa_bits_are_the_indexers_choice_and_the_tiled_form_attends_it(causal, top_k):
+    q, k, v = _arrays(16, (L, DK), (L, DK), (L, DV))
+    qi, w, ki = _indexer_arrays(17)
+    ki = ki.at[3:9].set(ki[2])  # tied scores: top_k takes the earliest tied keys
+    idx, chosen, bits = S.lightning_indexer(qi, w, ki, top_k=top_k, causal=causal,
+                                            kv_mask=MASK, chunk=8, return_bits=True)
+    same = S.lightning_indexer(qi, w, ki, top_k=top_k, causal=causal, kv_mask=MASK, chunk=8)
+    assert all(np.array_equal(a, b) for a, b in zip((idx, chosen), same))
+    want = np.zeros((L, L), bool)
+    for t in range(L):
+        want[t, np.asarray(idx[t])[np.asarray(chosen[t])]] = True
+    words = np.asarray(bits)
+    got = (words[:, np.arange(L) // 32] >> (np.arange(L) % 32).astype(np.uint32)) & 1
+    np.testing.assert_array_equal(got.astype(bool), want)
+
+    def tiled(q, k, v):
+        return S.deepseek_sparse_tiled(q, k, v, bits, causal=causal, kv_mask=MASK, block_q=8,
+                                       block_k=8)
+
+    ref = functools.partial(S.deepseek_sparse_reference, q_index=qi, weights=w, k_index=ki,
+                            top_k=top_k, causal=causal, kv_mask=MASK)
+    assert_close(jit0(tiled)(q, k, v), jit0(ref)(q, k, v))
+    assert_close(jit0(functools.partial(_grads, tiled))((q, k, v)),
+                 jit0(functools.partial(_grads, ref))((q, k, v)), table=EXACT_GRAD)
+
+
 def test_dsa_reductions_and_choice():
     q, k, v = _arrays(12, (L, DK), (L, DK), (L, DV))
     qi, w, ki = _indexer_arrays(13)

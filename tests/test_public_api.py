@@ -51,8 +51,10 @@ ATTENTION_NAMES = {
     "realformer_attention", "realformer_flash_attention", "talking_heads_attention",
     "init_routing_votes", "routing_aggregation", "squash",
     # Softmax attention changed since the surveys (attention.modern).
-    "deepseek_sparse_attention", "differential_attention", "differential_lambda",
-    "forgetting_attention", "lambda_init_for", "lightning_indexer", "mha_cache_bytes_per_token",
+    "deepseek_sparse_attention", "deepseek_sparse_tiled", "differential_attention",
+    "differential_lambda",
+    "forgetting_attention", "indexer_alignment_loss", "lambda_init_for", "lightning_indexer",
+    "mha_cache_bytes_per_token",
     "mla_cache_bytes_per_token", "moba_attention", "multi_head_latent_attention",
     "native_sparse_attention", "path_attention", "path_update_keys",
     # Cluster-Former's attention (its layer is models.ClusterformerAttention).

@@ -212,6 +212,12 @@ class AttentionAdapter:
         (Predictive attention, Lazyformer), which no tiled kernel forms.
       sequence: a :class:`SequenceParallel` when the kind can run with ``length`` split over
         devices (the ``sequence`` strategy), else None.
+      aux: the names of the auxiliary losses the kind reports (DeepSeek sparse attention's
+        ``indexer_kl``, which trains its lightning indexer). ``attend`` then also receives
+        ``return_aux``, True in a training call whose caller takes auxiliary outputs (a
+        ``Carry`` given, ``inference`` False), and then returns ``(out, {name: float32
+        scalar})`` with these names; the layer writes them into ``carry.aux`` beside the FFN
+        slot's (``nn._ffns``).
     """
 
     attend: Callable
@@ -223,6 +229,7 @@ class AttentionAdapter:
     layer_carry: Callable | None = None
     dense_scores: bool = False
     sequence: SequenceParallel | None = None
+    aux: tuple = ()
 
     def __init_subclass__(cls, **kwargs):
         raise TypeError("AttentionAdapter is final: give a kind its module-side needs with the "
@@ -230,9 +237,14 @@ class AttentionAdapter:
 
     def __post_init__(self):
         object.__setattr__(self, "init_only", frozenset(self.init_only))
+        object.__setattr__(self, "aux", tuple(self.aux))
         if self.state is not None and self.layer_carry is not None:
             raise ValueError("AttentionAdapter: a kind keeps eqx.nn.State or a carry between "
                              "layers, not both")
+        if self.aux and (self.state is not None or self.layer_carry is not None):
+            raise ValueError(f"AttentionAdapter: a kind reporting auxiliary losses {self.aux} "
+                             "keeps no eqx.nn.State and no carry between layers (attend returns "
+                             "one second value)")
         if self.decoding is not None and not isinstance(
                 self.decoding, (KVDecoding, WindowDecoding, RecurrentDecoding)):
             raise ValueError("AttentionAdapter: decoding must be a KVDecoding, WindowDecoding, "

@@ -140,9 +140,11 @@ from .priors import init_routing_votes as init_routing_votes
 from .priors import routing_aggregation as routing_aggregation
 from .priors import squash as squash
 from .modern import deepseek_sparse_attention as deepseek_sparse_attention
+from .modern import deepseek_sparse_tiled as deepseek_sparse_tiled
 from .modern import differential_attention as differential_attention
 from .modern import differential_lambda as differential_lambda
 from .modern import forgetting_attention as forgetting_attention
+from .modern import indexer_alignment_loss as indexer_alignment_loss
 from .modern import lambda_init_for as lambda_init_for
 from .modern import lightning_indexer as lightning_indexer
 from .modern import mha_cache_bytes_per_token as mha_cache_bytes_per_token

@@ -235,6 +235,11 @@ class MultiHeadAttention(eqx.Module):
         ``eqx.nn.State`` from ``eqx.nn.make_with_state`` as ``carry.state`` and returns it
         updated; with ``inference=True`` it leaves its state unchanged.
 
+        A kind that reports auxiliary losses (``AttentionAdapter.aux``: DeepSeek sparse
+        attention's ``indexer_kl``) computes them only in a training call (``inference``
+        False) with a ``carry``, and writes them into ``carry.aux`` (the block adds the FFN
+        slot's beside them).
+
         A kind that passes scores between layers (``carries_between_layers``: Realformer,
         Predictive attention, Lazyformer) needs the previous layer's as ``carry.scores``
         (:meth:`init_layer_carry` for the first) and returns its own there;
@@ -275,11 +280,14 @@ class MultiHeadAttention(eqx.Module):
         if isinstance(self.position, QKScheme):
             q, k = self.position.rotate(q, q_pos), self.position.rotate(k, k_pos)
         causal = self.causal and context is None
+        reports = bool(self.adapter.aux) and carry is not None and not inference
+        if self.adapter.aux:
+            extra["return_aux"] = reports
         o = self._attend(causal)(
             q, k, v, self.params, causal=causal, kv_mask=kv_mask, q_mask=q_mask,
             bias=self._bias(q, k, q_pos, k_pos), key=key, **extra, **self._call_hyperparameters(),
         )
-        carried = self.state_index is not None or self.carries_between_layers
+        carried = self.state_index is not None or self.carries_between_layers or reports
         o, value = o if carried else (o, None)
         if q_mask is not None:
             o = jnp.where(q_mask[:, :, None, None], o, jnp.zeros((), o.dtype))
@@ -290,6 +298,8 @@ class MultiHeadAttention(eqx.Module):
             return out, carry.replace(scores=value)
         if self.state_index is not None:
             return out, carry.replace(state=carry.state.set(self.state_index, value))
+        if reports:
+            return out, carry.replace(aux={**carry.aux, **value})
         return out, carry
 
     def _check_segments(self, segment_ids, context, kv_mask, b, lq):

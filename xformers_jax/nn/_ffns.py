@@ -26,6 +26,11 @@ its FFN's ``aux`` into the carry it returns; ``LayerStack`` stacks every layer's
 (each router loss summed over layers, each layer's from its own router; the statistics
 averaged), which a model kind weighs with its default weights (:data:`AUX_WEIGHTS`, Switch's
 and ST-MoE's coefficients) and the config's ``loss`` section.
+
+The attention slot reports its kinds' losses into the same ``aux`` (``AttentionAdapter.aux``,
+:data:`ATTENTION_AUX_LOSSES`: DeepSeek sparse attention's ``indexer_kl``, the KL divergence
+that trains its lightning indexer), summed over layers by :func:`aux_terms` and weighed the
+same way (a config's ``loss.indexer_kl``).
 """
 
 from __future__ import annotations
@@ -39,6 +44,8 @@ from ._ffn import FeedForward
 
 MOE_AUX = ("load_balancing", "router_z", "dropped_fraction", "expert_load")
 AUX_LOSSES = ("load_balancing", "router_z")
+# Per-layer losses of attention kinds (AttentionAdapter.aux), each summed over layers.
+ATTENTION_AUX_LOSSES = ("indexer_kl",)
 
 
 def call_ffn(ffn, x, *, mask=None, tokens=None, key=None, inference=False):
@@ -69,9 +76,11 @@ def aux_losses(aux: Mapping) -> dict:
             for name in AUX_LOSSES}
 
 
-# The default weights of the FFN slot's loss terms in a training loss (Switch's load
-# balancing, ST-MoE's router z-loss): model kinds declare them with their own terms.
-AUX_WEIGHTS = {"load_balancing": LOAD_BALANCING_COEF, "router_z": Z_LOSS_COEF}
+# The default weights of the slots' loss terms in a training loss (Switch's load balancing,
+# ST-MoE's router z-loss; the DSA indexer's KL, which no other parameter sees, so its weight
+# only scales the indexer's gradient): model kinds declare them with their own terms.
+AUX_WEIGHTS = {"load_balancing": LOAD_BALANCING_COEF, "router_z": Z_LOSS_COEF,
+               "indexer_kl": 1.0}
 
 
 def aux_terms(aux: Mapping) -> dict:
@@ -80,17 +89,21 @@ def aux_terms(aux: Mapping) -> dict:
     over layers (each layer's loss from its own router), ``tokens_dropped`` (the mean dropped
     fraction over layers) and ``max_expert_load`` (the largest expert load relative to
     uniform, averaged over layers: 1 at perfect balance, ``E`` if one expert takes
-    everything); every other scalar entry as it is (a ponder cost, a reconstruction loss).
-    Entries that are neither (per-exit logits) are not terms."""
+    everything); the attention slot's (:data:`ATTENTION_AUX_LOSSES`) summed over layers;
+    every other scalar entry as it is (a ponder cost, a reconstruction loss). Entries that
+    are neither (per-exit logits) are not terms."""
     out = {}
     if "load_balancing" in aux:
         out.update(aux_losses(aux))
+    for name in ATTENTION_AUX_LOSSES:
+        if name in aux:
+            out[name] = jnp.sum(aux[name])
     if "dropped_fraction" in aux:
         out["tokens_dropped"] = jnp.mean(aux["dropped_fraction"])
     if "expert_load" in aux:
         load = aux["expert_load"]
         out["max_expert_load"] = jnp.mean(load.max(-1) * load.shape[-1])
     for name, value in aux.items():
-        if name not in MOE_AUX and jnp.ndim(value) == 0:
+        if name not in MOE_AUX and name not in out and jnp.ndim(value) == 0:
             out[name] = value
     return out

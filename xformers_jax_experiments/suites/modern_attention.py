@@ -5,11 +5,13 @@ The selection kinds see 1/8 of the keys: MoBA with 16 blocks of 128 (its own and
 the pooled keys), NSA with 16 selected blocks of 128 plus its compressed branch (128 blocks)
 and a 512-key window, DSA with the lightning indexer (4 heads of width 32) choosing 2048
 tokens. MoBA and NSA run H=4 heads; DSA runs as DeepSeek-V3.2 does, one key/value head shared
-by the H=4 query heads (its choice is per token, shared by the heads, so each chosen key is
-gathered once for all of them); flash runs both layouts. PaTH (H=4, blocks of 64) computes
-every key (its transforms change every score): its time against flash's is the cost of
-the data-dependent position encoding (gradients also through its Householder directions
-and strengths).
+by the H=4 query heads (its choice is per token, shared by the heads); flash runs both
+layouts. DSA runs as its kind does, the choice as a bit mask on the tiled kernel
+(``deepseek_sparse_tiled``); ``dsa_gather_mqa`` (measured beside it, not in the checks) is
+the form that gathers each query's chosen keys and values, ``deepseek_sparse_attention``.
+PaTH (H=4, blocks of 64) computes every key (its transforms change every score): its time
+against flash's is the cost of the data-dependent position encoding (gradients also through
+its Householder directions and strengths).
 
 MLA: the cache per token at equal width (H=16 heads of 64, width 1024; d_c = 4 * 64, d_R =
 64 / 2, DeepSeek-V2's ratios) against multi-head attention's keys and values, computed by
@@ -25,7 +27,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from xformers_jax.attention import (deepseek_sparse_attention, flash_attention,
+from xformers_jax.attention import (deepseek_sparse_attention, deepseek_sparse_tiled,
+                                    flash_attention,
                                     lightning_indexer, mha_cache_bytes_per_token,
                                     mla_cache_bytes_per_token, moba_attention,
                                     multi_head_latent_attention, multihead,
@@ -62,11 +65,18 @@ def build(variant: str, L: int, H: int = 4, D: int = 64, kv_heads: int | None = 
                       arg_axes=("batch_heads",))
         gates = jax.nn.sigmoid(_normal(3, (1, H, L, 3)))
         return Workload(f, (q, k, v, gates), grad_argnums=(0, 1, 2, 3))
-    if variant == "dsa":
+    if variant in ("dsa", "dsa_gather"):
         qi, w, ki = _normal(4, (1, L, 4, 32)), _normal(5, (1, L, 4)), _normal(6, (1, L, 32))
-        index = jax.vmap(functools.partial(lightning_indexer, top_k=sel, causal=True))
-        attend = multihead(functools.partial(deepseek_sparse_attention, causal=True),
-                           arg_axes=("batch", "batch"))
+        gather = variant == "dsa_gather"
+        index = jax.vmap(functools.partial(lightning_indexer, top_k=sel, causal=True,
+                                           return_bits=not gather))
+        if gather:
+            attend = multihead(functools.partial(deepseek_sparse_attention, causal=True),
+                               arg_axes=("batch", "batch"))
+        else:
+            tiled = multihead(functools.partial(deepseek_sparse_tiled, causal=True),
+                              arg_axes=("batch",))
+            attend = lambda q, k, v, idx, chosen, bits: tiled(q, k, v, bits)  # noqa: E731
 
         def f(q, k, v, qi, w, ki):
             return attend(q, k, v, *index(qi, w, ki))
@@ -102,6 +112,8 @@ def cases(quick: bool) -> list[Case]:
            Case("moba", _BUILD, dict(variant="moba", L=L), modes=fb),
            Case("nsa", _BUILD, dict(variant="nsa", L=L), modes=fb),
            Case("dsa_mqa", _BUILD, dict(variant="dsa", L=L, kv_heads=1), modes=fb),
+           Case("dsa_gather_mqa", _BUILD, dict(variant="dsa_gather", L=L, kv_heads=1),
+                modes=fb),
            Case("path", _BUILD, dict(variant="path", L=L), modes=fb)]
     step = "xformers_jax_experiments.suites.modern_attention:build_mla_step"
     out += [Case(f"mla_step_{name}", step, dict(absorb=absorb, context=L), modes=("fwd",))

@@ -9,6 +9,8 @@ from ._differential import differential_attention as differential_attention
 from ._differential import differential_lambda as differential_lambda
 from ._differential import lambda_init_for as lambda_init_for
 from ._dsa import deepseek_sparse_attention as deepseek_sparse_attention
+from ._dsa import deepseek_sparse_tiled as deepseek_sparse_tiled
+from ._dsa import indexer_alignment_loss as indexer_alignment_loss
 from ._dsa import lightning_indexer as lightning_indexer
 from ._fox import forgetting_attention as forgetting_attention
 from ._mla import mha_cache_bytes_per_token as mha_cache_bytes_per_token

@@ -24,9 +24,12 @@ import jax.numpy as jnp
 
 from ...kinds import AttentionAdapter, Kind, KVDecoding, Paper
 from .._adapters import IMPLEMENTATION, TILES, lifted, real_only
+from .._dense import dot_product_attention
+from .._exact import flash_attention
 from .._multihead import multihead
 from ._differential import differential_attention, differential_lambda, lambda_init_for
-from ._dsa import deepseek_sparse_attention, lightning_indexer
+from ._dsa import (deepseek_sparse_attention, deepseek_sparse_tiled, indexer_alignment_loss,
+                   lightning_indexer)
 from ._fox import forgetting_attention, forgetting_decode_step
 from ._mla import multi_head_latent_attention, rotary
 from ._moba import moba_attention, moba_reference
@@ -266,24 +269,55 @@ def _dsa_index_inputs(inputs, params, index_heads):
     return qi, inputs @ params["w_w"].astype(dt), inputs @ params["w_ki"].astype(dt)
 
 
-def _dsa_choose(qi, w, ki, kv_mask, *, top_k, causal, chunk, q_offset=0):
+def _dsa_choose(qi, w, ki, kv_mask, *, top_k, causal, chunk, q_offset=0, return_bits=False):
     fn = functools.partial(lightning_indexer, top_k=top_k, causal=causal, chunk=chunk,
-                           q_offset=q_offset)
+                           q_offset=q_offset, return_bits=return_bits)
     return jax.vmap(lambda a, b, c, m: fn(a, b, c, kv_mask=m))(
         qi, w, ki, jnp.ones(ki.shape[:2], bool) if kv_mask is None else kv_mask)
 
 
 def _dsa_attend(q, k, v, params, *, causal, kv_mask, bias, key, inputs, q_mask=None,
-                top_k=2048, index_heads=4, index_dim=32, chunk=256):
-    qi, w, ki = _dsa_index_inputs(real_only(kv_mask, inputs), params, index_heads)
-    idx, chosen = _dsa_choose(qi, w, ki, kv_mask, top_k=top_k, causal=causal, chunk=chunk)
-    fn = functools.partial(deepseek_sparse_attention, chunk=chunk)
-    return multihead(fn, arg_axes=("batch", "batch"))(q, k, v, idx, chosen, causal=causal,
-                                                      kv_mask=kv_mask)
+                return_aux=False, top_k=2048, index_heads=4, index_dim=32, chunk=256,
+                stage="sparse"):
+    # The indexer reads the block input detached from the main model's graph (the paper trains
+    # it by its own loss alone): no gradient reaches the input through it.
+    x = jax.lax.stop_gradient(real_only(kv_mask, inputs))
+    qi, w, ki = _dsa_index_inputs(x, params, index_heads)
+    _dsa_stage(stage)
+    if stage == "dense":  # the warm-up: dense attention, the indexer learning to match it
+        bits = None
+        out = multihead(functools.partial(flash_attention, causal=causal))(q, k, v,
+                                                                           kv_mask=kv_mask)
+    else:
+        # The choice as a bit mask on the tiled kernel (deepseek_sparse_tiled says why).
+        _, _, bits = _dsa_choose(qi, w, ki, kv_mask, top_k=top_k, causal=causal,
+                                        chunk=chunk, return_bits=True)
+        out = multihead(deepseek_sparse_tiled, arg_axes=("batch",))(q, k, v, bits,
+                                                                   causal=causal,
+                                                                   kv_mask=kv_mask)
+    if not return_aux:
+        return out
+    loss = functools.partial(indexer_alignment_loss, causal=causal, chunk=chunk)
+    real = jnp.ones(ki.shape[:2], bool) if kv_mask is None else kv_mask
+    if bits is None:
+        kl = jax.vmap(lambda *a: loss(*a[:5], kv_mask=a[5]))(q, k, qi, w, ki, real)
+    else:
+        kl = jax.vmap(lambda *a: loss(*a[:6], kv_mask=a[6]))(q, k, qi, w, ki, bits, real)
+    rows = real if q_mask is None else q_mask
+    # The mean over the real queries of the batch (the paper sums over tokens; the mean keeps
+    # the weight independent of the batch and length).
+    mean = jnp.sum(jnp.where(rows, kl, 0.0)) / jnp.maximum(jnp.sum(rows), 1)
+    return out, {"indexer_kl": mean}
+
+
+def _dsa_stage(stage):
+    if stage not in ("sparse", "dense"):
+        raise ValueError(f"attention kind 'dsa': stage must be 'sparse' or 'dense' (the "
+                         f"indexer's warm-up), got {stage!r}")
 
 
 def _dsa_entry(inputs, k, v, params, *, position, top_k=2048, index_heads=4, index_dim=32,
-               chunk=256):
+               chunk=256, stage="sparse"):
     # The cache keeps each token's indexer key beside its values (per key/value head).
     _, _, ki = _dsa_index_inputs(inputs, params, index_heads)
     ki = jnp.broadcast_to(ki[:, :, None], (*v.shape[:3], ki.shape[-1]))
@@ -295,8 +329,11 @@ def _dsa_widths(hp, *, num_heads, num_kv_heads, head_dim):
 
 
 def _dsa_decode(q, k, v_ki, params, *, valid, index, inputs, top_k=2048, index_heads=4,
-                index_dim=32, chunk=256):
+                index_dim=32, chunk=256, stage="sparse"):
     v, ki = v_ki[..., :-index_dim], v_ki[:, :, 0, -index_dim:]
+    _dsa_stage(stage)
+    if stage == "dense":
+        return multihead(dot_product_attention)(q, k, v, kv_mask=valid)
     qi, w, _ = _dsa_index_inputs(inputs, params, index_heads)
     idx, chosen = _dsa_choose(qi, w, ki.astype(qi.dtype), valid, top_k=top_k, causal=True,
                               chunk=chunk, q_offset=index - 1)
@@ -417,16 +454,21 @@ KINDS = (
          adapter=AttentionAdapter(_nsa_attend, init=_nsa_init, takes_input=True,
                                   decoding=KVDecoding(attend=_nsa_decode))),
     Kind("dsa", deepseek_sparse_attention, "modern", _DSA_PAPER,
-         time="O(L k D + L^2 H_I d_I), k chosen tokens", memory="O(L k D / chunk + L D)",
+         time="O(L^2 (D + H_I d_I)): the indexer, and the chosen tokens as a mask on the tiled "
+              "kernel (decoding: O(L H_I d_I + k D))",
+         memory="O(L k + L^2 / 8 bytes): the choice",
          causal=True, decoding="kv",
          test_hyperparameters={"top_k": 5, "index_heads": 2, "index_dim": 4, "chunk": 8},
          hyperparameters={
              "top_k": (2048, "tokens each query attends, chosen by the lightning indexer"),
              "index_heads": (4, "H_I, the indexer's heads"),
              "index_dim": (32, "d_I, the indexer's query and key width"),
-             "chunk": (256, "queries per indexer and gather step")},
+             "chunk": (256, "queries per step of the indexer and of its KL loss"),
+             "stage": ("sparse", ("'sparse': attend the top_k tokens, the indexer's KL over "
+                                  "them; 'dense': the warm-up, dense attention and the KL over "
+                                  "every key (the paper also freezes the main model then)"))},
          adapter=AttentionAdapter(
-             _dsa_attend, init=_dsa_init, takes_input=True,
+             _dsa_attend, init=_dsa_init, takes_input=True, aux=("indexer_kl",),
              decoding=KVDecoding(attend=_dsa_decode, entry=_dsa_entry, widths=_dsa_widths))),
     Kind("path", path_attention, "modern", _PATH_PAPER,
          time="O(L^2 D + L c^2), blocks of c",
