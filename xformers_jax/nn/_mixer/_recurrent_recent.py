@@ -20,7 +20,7 @@ import jax.numpy as jnp
 
 from ... import mixers as M
 from ...attention.linear import causal_step
-from ...mixers import DPLR_CHUNK, GLA_CHUNK
+from ...mixers import DELTA_PRODUCT_CHUNK, DPLR_CHUNK, GLA_CHUNK
 from .._slots import implements
 from ._base import dense, recurrent_cache
 from ._recurrent import _dt_bias, _head_norm, _heads, _QKVRecurrence, _rms
@@ -271,7 +271,8 @@ class GatedDeltaProduct(_QKVRecurrence):
     wo: jax.Array
 
     def __init__(self, dim, num_heads, *, causal, max_len, key, householder_steps=2,
-                 chunk_size=64, implementation="chunked", dt_min=1e-3, dt_max=1e-1):
+                 chunk_size=DELTA_PRODUCT_CHUNK, implementation="chunked", dt_min=1e-3,
+                 dt_max=1e-1):
         _check_heads("GatedDeltaProduct", dim, num_heads)
         if not isinstance(householder_steps, int) or householder_steps < 1:
             raise ValueError(f"GatedDeltaProduct: householder_steps must be a positive int, "
