@@ -31,10 +31,14 @@ from ..attention.linear import (dplr_chunked, dplr_recurrent, dplr_step, gated_d
 from ._recurrences import _check, _check_2d, _f32
 
 # Chunks of the per-channel delta rules (attention.linear.dplr_chunked: decays applied pairwise
-# within sub-chunks of 4, by matrix products across them). fwd+bwd of 4 heads of 64 at
+# within sub-chunks of 2, by matrix products across them). fwd+bwd of 4 heads of 64 at
 # L=8192 on the shared 2-core machine, one process: chunks of 16 took 0.8-1.1 s, of 32
-# 1.0-2.5 s, of 64 2.7-3.7 s, and without sub-chunks (pairwise [c, c, 64] decays) 3.5 s.
-DPLR_CHUNK = 16
+# 1.0-2.5 s, of 64 2.7-3.7 s, and without sub-chunks (pairwise [c, c, 64] decays) 3.5 s (with
+# sub-chunks of 4); interleaved in one process (process CPU time, medians of 5-7 runs, three
+# runs), KDA's chunks of 8 in sub-chunks of 2 took 0.92-0.95 of chunks of 16 in sub-chunks of
+# 4 (the pairwise and the across-sub-chunk decay factors are 3/4 of the elements per
+# position), RWKV-7's 0.92-0.99.
+DPLR_CHUNK = 8
 # Sub-steps per chunk of DeltaProduct's scalar delta rule over its L n_h sub-steps. fwd+bwd of
 # 4 heads of 64 at L=8192, n_h=2, interleaved in one process on the shared 2-core machine
 # (process CPU time, the median of 7): chunks of 16 took 0.46-0.51 s, of 32 0.52-0.54 s, of 64

@@ -3,7 +3,7 @@ same width (fp32, B=1, 4 heads of 64), fwd+bwd.
 
 - mLSTM (xLSTM's stabilised matrix memory, chunks of 64), HGRN2 (per-channel forget gates,
   chunks of 16), Kimi Delta Attention and RWKV-7 (the per-channel generalised delta rule,
-  chunks of 16), Gated DeltaProduct (``n_h = 2`` delta steps per token, chunks of 16
+  chunks of 8), Gated DeltaProduct (``n_h = 2`` delta steps per token, chunks of 16
   sub-steps): at L=8192, each at least 3x faster than causal flash attention.
 - Log-linear Mamba-2 (Guo et al. 2025; N = P = 64, chunks of 128, one B and C shared by the
   heads as in Mamba-2): at L=8192 at least 3x faster than causal flash attention too; from

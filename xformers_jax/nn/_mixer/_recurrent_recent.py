@@ -152,8 +152,8 @@ class KimiDeltaAttention(_QKVRecurrence):
     """Kimi Delta Attention (Kimi Linear, 2025): SiLU then L2-normalised q, k per head,
     ``beta = sigmoid(x W_beta)`` per head, per-channel decays ``log alpha = -exp(a_log_h)
     softplus(x W_a1 W_a2 + dt_bias)``, the per-channel gated delta rule, per-head RMS norm,
-    a sigmoid output gate, out-projection. Hyperparameters: ``chunk_size`` (default 16),
-    ``implementation``, ``dt_min``, ``dt_max``."""
+    a sigmoid output gate, out-projection. Hyperparameters: ``chunk_size`` (default
+    ``mixers.DPLR_CHUNK``, 8), ``implementation``, ``dt_min``, ``dt_max``."""
 
     w_beta: jax.Array
     w_a1: jax.Array
@@ -201,7 +201,7 @@ class RWKV7(_QKVRecurrence):
     ``(e^-0.61, 1)``); in-context learning rates ``a = sigmoid(x W_a1 W_a2 + b_a)``; removal
     keys ``kappa = normalise(k * xi)``, replacement keys ``k * (1 + (a - 1) alpha)`` with learned
     per-channel ``xi`` and ``alpha``; the bonus ``u``; per-head group norm; swish output gate.
-    Hyperparameters: ``chunk_size`` (default 16), ``implementation``."""
+    Hyperparameters: ``chunk_size`` (default ``mixers.DPLR_CHUNK``, 8), ``implementation``."""
 
     w_w1: jax.Array
     w_w2: jax.Array
