@@ -41,9 +41,10 @@ from ._recurrences import _check, _check_2d, _f32
 DPLR_CHUNK = 8
 # Sub-steps per chunk of DeltaProduct's scalar delta rule over its L n_h sub-steps. fwd+bwd of
 # 4 heads of 64 at L=8192, n_h=2, interleaved in one process on the shared 2-core machine
-# (process CPU time, the median of 7): chunks of 16 took 0.46-0.51 s, of 32 0.52-0.54 s, of 64
-# 0.63 s, of 8 0.56 s: the [c, c] work and the log2 c levels of the chunk inverses grow with
-# c, and at 16 the chunk-by-chunk state products do not yet dominate.
+# (process CPU time, medians of 7, three runs, before the once-per-token reads): chunks of 16
+# took 0.48-0.55 s, of 32 0.52-0.57 s, of 64 0.63 s, of 8 0.56 s: the [c, c] work and the
+# log2 c levels of the chunk inverses grow with c, and at 16 the chunk-by-chunk state
+# products do not yet dominate. Reading once per token (query_stride) then took 0.89 of that.
 DELTA_PRODUCT_CHUNK = 16
 
 
