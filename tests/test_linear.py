@@ -476,3 +476,35 @@ def test_gated_intra_chunk_vjp_equals_autodiff(scale):
     for g, g_ref in zip(vjp(ct), vjp_ref(ct)):
         assert bool(jnp.all(jnp.isfinite(g)))
         assert_close(g, g_ref, EXACT_GRAD)
+
+
+@pytest.mark.parametrize("length,chunk,stride", [(27, 6, 3), (40, 8, 2)])
+def test_delta_rule_read_every_rth_position_equals_those_rows(length, chunk, stride):
+    # gated_delta_chunked(query_stride=r) computes only the outputs at positions r-1, 2r-1,
+    # ... (DeltaProduct's reads after each token's sub-steps): they must equal those rows of
+    # the per-step scan, outputs and gradients, with a decay at every position (so the
+    # rows' decay factors are checked) and a padded last chunk (27 in chunks of 6).
+    from xformers_jax.attention.linear import gated_delta_chunked, gated_delta_recurrent
+
+    ks = jax.random.split(jax.random.PRNGKey(7), 5)
+    fq = jax.random.normal(ks[0], (length, 4))
+    fk = jax.random.normal(ks[1], (length, 4)) * 0.5
+    v = jax.random.normal(ks[2], (length, 3))
+    beta = jax.nn.sigmoid(jax.random.normal(ks[3], (length,)))
+    ld = -jax.random.uniform(ks[4], (length,))
+
+    def strided(*a):
+        return gated_delta_chunked(*a, chunk_size=chunk, query_stride=stride)
+
+    def rows(*a):
+        return gated_delta_recurrent(*a)[stride - 1::stride]
+
+    ct = jax.random.normal(jax.random.PRNGKey(9), (length // stride, 3))
+    out, vjp = jax.vjp(jax.jit(strided), fq, fk, v, beta, ld)
+    ref, vjp_ref = jax.vjp(rows, fq, fk, v, beta, ld)
+    assert out.shape == (length // stride, 3)
+    assert_close(out, ref, EXACT)
+    for g, g_ref in zip(vjp(ct), vjp_ref(ct)):
+        assert_close(g, g_ref, EXACT_GRAD)
+    with pytest.raises(ValueError, match="query_stride must be a positive int dividing"):
+        gated_delta_chunked(fq, fk, v, beta, ld, chunk_size=chunk, query_stride=5)

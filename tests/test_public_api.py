@@ -192,7 +192,8 @@ MIXERS_NAMES = {
     "s5_step", "selective_scan", "selective_step", "spatial_gating", "ssd", "token_mixing_mlp",
     "zoh", "lightweight_conv", "GLA_CHUNK",
     # The recurrences since the surveys, with their decoding steps.
-    "DPLR_CHUNK", "delta_product", "delta_product_step", "hgrn2", "kda", "kda_step", "mlstm",
+    "DPLR_CHUNK", "DELTA_PRODUCT_CHUNK", "LOGLINEAR_CHUNK", "delta_product",
+    "delta_product_step", "hgrn2", "kda", "kda_step", "mlstm",
     "loglinear_linear", "loglinear_ssd",
     "mlstm_init_state", "mlstm_step", "rwkv7", "rwkv7_step",
     # The long convolutions (H3, Hyena) and the short causal convolution they and Mamba share.

@@ -18,6 +18,7 @@ from ._mixing import lambda_mixing as lambda_mixing
 from ._mixing import pool_mixing as pool_mixing
 from ._mixing import spatial_gating as spatial_gating
 from ._mixing import token_mixing_mlp as token_mixing_mlp
+from ._delta_rules import DELTA_PRODUCT_CHUNK as DELTA_PRODUCT_CHUNK
 from ._delta_rules import DPLR_CHUNK as DPLR_CHUNK
 from ._delta_rules import delta_product as delta_product
 from ._delta_rules import delta_product_step as delta_product_step
@@ -30,6 +31,7 @@ from ._longconv import h3_init_state as h3_init_state
 from ._longconv import h3_step as h3_step
 from ._longconv import hyena as hyena
 from ._longconv import hyena_step as hyena_step
+from ._loglinear import LOGLINEAR_CHUNK as LOGLINEAR_CHUNK
 from ._loglinear import loglinear_linear as loglinear_linear
 from ._loglinear import loglinear_ssd as loglinear_ssd
 from ._mlstm import mlstm as mlstm

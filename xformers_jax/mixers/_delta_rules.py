@@ -31,10 +31,21 @@ from ..attention.linear import (dplr_chunked, dplr_recurrent, dplr_step, gated_d
 from ._recurrences import _check, _check_2d, _f32
 
 # Chunks of the per-channel delta rules (attention.linear.dplr_chunked: decays applied pairwise
-# within sub-chunks of 4, by matrix products across them). fwd+bwd of 4 heads of 64 at
+# within sub-chunks of 2, by matrix products across them). fwd+bwd of 4 heads of 64 at
 # L=8192 on the shared 2-core machine, one process: chunks of 16 took 0.8-1.1 s, of 32
-# 1.0-2.5 s, of 64 2.7-3.7 s, and without sub-chunks (pairwise [c, c, 64] decays) 3.5 s.
-DPLR_CHUNK = 16
+# 1.0-2.5 s, of 64 2.7-3.7 s, and without sub-chunks (pairwise [c, c, 64] decays) 3.5 s (with
+# sub-chunks of 4); interleaved in one process (process CPU time, medians of 5-7 runs, three
+# runs), KDA's chunks of 8 in sub-chunks of 2 took 0.92-0.95 of chunks of 16 in sub-chunks of
+# 4 (the pairwise and the across-sub-chunk decay factors are 3/4 of the elements per
+# position), RWKV-7's 0.92-0.99.
+DPLR_CHUNK = 8
+# Sub-steps per chunk of DeltaProduct's scalar delta rule over its L n_h sub-steps. fwd+bwd of
+# 4 heads of 64 at L=8192, n_h=2, interleaved in one process on the shared 2-core machine
+# (process CPU time, medians of 7, three runs, before the once-per-token reads): chunks of 16
+# took 0.48-0.55 s, of 32 0.52-0.57 s, of 64 0.63 s, of 8 0.56 s: the [c, c] work and the
+# log2 c levels of the chunk inverses grow with c, and at 16 the chunk-by-chunk state
+# products do not yet dominate. Reading once per token (query_stride) then took 0.89 of that.
+DELTA_PRODUCT_CHUNK = 16
 
 
 def _dplr(name, q, k, v, a, b, ld, kv_mask, implementation, chunk_size):
@@ -135,7 +146,7 @@ def _expand(q, k, v, beta, ld):
 
 
 def delta_product(q, k, v, beta, ld, *, kv_mask=None, implementation: str = "chunked",
-                  chunk_size: int = 64):
+                  chunk_size: int = DELTA_PRODUCT_CHUNK):
     """Gated DeltaProduct of one head: per token, ``S_{t,0} = a_t S_{t-1}`` then ``n_h`` delta
     steps ``S_{t,i} = (I - beta_{t,i} k_{t,i} k_{t,i}^T) S_{t,i-1} + beta_{t,i} k_{t,i}
     v_{t,i}^T``; ``o_t = q_t^T S_{t,n_h}``.
@@ -144,7 +155,7 @@ def delta_product(q, k, v, beta, ld, *, kv_mask=None, implementation: str = "chu
       q: ``[L, Dk]``. k: ``[L, n_h, Dk]`` (the paper L2-normalises each). v: ``[L, n_h, Dv]``.
       beta: ``[L, n_h]`` in ``[0, 2]`` (2 allows negative eigenvalues, the paper's choice).
       ld: ``[L]`` log-decays ``log a_t <= 0`` (zeros: DeltaProduct without gates).
-      chunk_size: sub-steps per chunk.
+      chunk_size: sub-steps per chunk (default ``DELTA_PRODUCT_CHUNK``, 16).
 
     Returns:
       ``[L, Dv]`` float32.
@@ -168,10 +179,10 @@ def delta_product(q, k, v, beta, ld, *, kv_mask=None, implementation: str = "chu
     fq, fk, fv, fb, fld = _expand(q, k, v, beta, ld)
     if implementation == "recurrent":
         out = gated_delta_recurrent(fq, fk, fv, fb, fld)
-    else:
-        chunk = length * nh if implementation == "parallel" else chunk_size
-        out = gated_delta_chunked(fq, fk, fv, fb, fld, chunk_size=chunk)
-    return out[nh - 1::nh]
+        return out[nh - 1::nh]
+    # Whole tokens per chunk, so the state is read once per token, after its last sub-step.
+    chunk = length * nh if implementation == "parallel" else max(chunk_size // nh, 1) * nh
+    return gated_delta_chunked(fq, fk, fv, fb, fld, chunk_size=chunk, query_stride=nh)
 
 
 def delta_product_step(s, q_t, k_t, v_t, beta_t, ld_t):

@@ -10,9 +10,9 @@ from ..kinds import Kind, Paper
 from ._conv import lightweight_conv
 from ._mixing import (fourier_mixing, lambda_mixing, pool_mixing, spatial_gating,
                       token_mixing_mlp)
-from ._delta_rules import DPLR_CHUNK, delta_product, kda, rwkv7
+from ._delta_rules import DELTA_PRODUCT_CHUNK, DPLR_CHUNK, delta_product, kda, rwkv7
 from ._longconv import h3, hyena
-from ._loglinear import loglinear_linear, loglinear_ssd
+from ._loglinear import LOGLINEAR_CHUNK, loglinear_linear, loglinear_ssd
 from ._mlstm import mlstm
 from ._recurrences import GLA_CHUNK, gated_delta, gla, hgrn2, retention, ssd
 from ._ssm import s4d, s5, selective_scan
@@ -71,16 +71,16 @@ KINDS = (
          test_hyperparameters={**_CHUNK, "state_size": 8},
          hyperparameters={**_ssm(64, "chunked", "'chunked', 'parallel' or 'recurrent'"),
                           **_SELECTIVE,
-                          "chunk_size": (64, ("positions per chunk of the chunked form (a power "
-                                              "of two)"))}),
+                          "chunk_size": (LOGLINEAR_CHUNK, ("positions per chunk of the chunked "
+                                                           "form (a power of two)"))}),
     Kind("loglinear_linear", loglinear_linear, "mixers",
          Paper("Guo et al.", 2025, "Log-Linear Attention"),
          time="O(L c D + L D^2 log(L/c) / H)", memory="O(L D + (L/c) D^2 log(L/c) / H)",
          causal=True, decoding="recurrent", fixed_length=True,
          state_size="O(log L) H D_k D_v: bit_length(L) H D_k D_v",
          test_hyperparameters=_CHUNK,
-         hyperparameters=_scan(64, "'chunked', 'parallel' or 'recurrent' (chunks: a power of "
-                                   "two)")),
+         hyperparameters=_scan(LOGLINEAR_CHUNK, "'chunked', 'parallel' or 'recurrent' "
+                                                "(chunks: a power of two)")),
     Kind("mamba", selective_scan, "mixers",
          Paper("Gu and Dao", 2023, "Mamba: Linear-Time Sequence Modeling with Selective State "
                "Spaces"),
@@ -134,8 +134,9 @@ KINDS = (
          decoding="recurrent",
          state_size="H D_k D_v", test_hyperparameters=_CHUNK,
          hyperparameters={"householder_steps": (2, "delta (Householder) steps n_h per token"),
-                          **_scan(64, "'chunked', 'recurrent' or 'parallel' (chunks count "
-                                      "the n_h sub-steps of each token)"),
+                          **_scan(DELTA_PRODUCT_CHUNK, "'chunked', 'recurrent' or 'parallel' "
+                                                       "(chunks count the n_h sub-steps of each "
+                                                       "token)"),
                           "dt_min": (1e-3, "smallest initial decay step (log-uniform)"),
                           "dt_max": (1e-1, "largest initial decay step")}),
     Kind("s4d", s4d, "mixers",

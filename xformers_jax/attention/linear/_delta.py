@@ -117,9 +117,13 @@ def unit_lower_inverse(strict):
     return inv[..., 0, :c, :c]
 
 
-def _delta_chunks(fq, fk, v, beta, ld, s0):
+def _delta_chunks(fq, fk, v, beta, ld, s0, query_stride=1):
     """The chunkwise (gated) delta rule over ``n`` chunks (``[n, c, ...]`` arrays) starting
-    from the state ``s0``: (out ``[n, c, E]``, final state)."""
+    from the state ``s0``: (out ``[n, c / r, E]``, final state), read at every ``r``-th
+    position (``r = query_stride``: positions ``r - 1, 2 r - 1, ...`` of each chunk; the rows
+    of ``fq`` between them are not read)."""
+    r = query_stride
+    fq = fq[:, r - 1::r]
     dv = v.shape[-1]
     c = v.shape[1]
     beta = beta[..., None]
@@ -131,8 +135,8 @@ def _delta_chunks(fq, fk, v, beta, ld, s0):
     inverse = unit_lower_inverse(jnp.tril(beta * gamma * jnp.einsum("ncm,ndm->ncd", fk, fk), -1))
     uw = inverse @ jnp.concatenate([beta * v, beta * jnp.exp(b)[..., None] * fk], -1)
     u, w = uw[..., :dv], uw[..., dv:]
-    scores = gamma * jnp.einsum("ncm,ndm->ncd", fq, fk)
-    qg = fq * jnp.exp(b)[..., None]
+    scores = gamma[:, r - 1::r] * jnp.einsum("ncm,ndm->ncd", fq, fk)
+    qg = fq * jnp.exp(b[:, r - 1::r])[..., None]
     kg = fk * jnp.exp(b[:, -1:] - b)[..., None]
     total = jnp.exp(b[:, -1])
 
@@ -147,7 +151,7 @@ def _delta_chunks(fq, fk, v, beta, ld, s0):
 
 
 def gated_delta_chunked(fq, fk, v, beta, ld=None, chunk_size: int = 64,
-                        group_positions: int = GROUP_POSITIONS):
+                        group_positions: int = GROUP_POSITIONS, *, query_stride: int = 1):
     """The same recurrence as :func:`gated_delta_recurrent`, chunkwise: a unit lower-triangular
     solve per chunk (the WY form, see the module docstring) and a scan over chunks.
 
@@ -157,11 +161,23 @@ def gated_delta_chunked(fq, fk, v, beta, ld=None, chunk_size: int = 64,
     so neither they nor what their backward needs are ever held for the whole sequence.
 
     Args: as :func:`gated_delta_recurrent`; chunk_size: positions per chunk (padding writes
-    nothing and does not decay); group_positions: positions per group. Returns ``[L, E]``.
+    nothing and does not decay); group_positions: positions per group; query_stride: ``r``,
+    read the state only after every ``r``-th position (positions ``r - 1, 2 r - 1, ...``; the
+    other rows of ``fq`` are not read), as DeltaProduct reads once per token after its ``r``
+    delta steps: the output scores and reads of the other rows are never computed. ``r``
+    must divide ``L`` and ``chunk_size``.
+
+    Returns ``[L / r, E]``.
     """
+    length = fk.shape[0]
+    if not (isinstance(query_stride, int) and query_stride >= 1 and length % query_stride == 0
+            and (min(chunk_size, length) % query_stride == 0)):
+        raise ValueError(f"gated_delta_chunked: query_stride must be a positive int dividing "
+                         f"L = {length} and chunk_size = {chunk_size}, got {query_stride!r}")
     ld = jnp.zeros_like(beta) if ld is None else ld
     s0 = jnp.zeros((fk.shape[-1], v.shape[-1]), jnp.result_type(fk, v))
-    return chunk_groups(_delta_chunks, (fq, fk, v, beta, ld), s0, chunk_size, group_positions)
+    fn = functools.partial(_delta_chunks, query_stride=query_stride)
+    return chunk_groups(fn, (fq, fk, v, beta, ld), s0, chunk_size, group_positions)
 
 
 def delta_rule_attention(

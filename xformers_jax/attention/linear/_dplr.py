@@ -116,7 +116,7 @@ class _Scores:
         return (across + inner.reshape(across.shape)).reshape(n, ns * sub, ns * sub)
 
 
-def _dplr_chunks(q, k, v, a, b, ld, s0, sub_chunk=4):
+def _dplr_chunks(q, k, v, a, b, ld, s0, sub_chunk=2):
     """The chunkwise generalised delta rule over ``n`` chunks (``[n, c, ...]`` arrays) from the
     state ``s0``: (out ``[n, c, E]``, final state). See the module docstring. ``a = None`` is
     the delta rule's ``a = -k``, whose score matrices are those of ``k`` negated."""
@@ -179,8 +179,8 @@ def dplr_chunked(
     a: Float[Array, "seq m"] | None,
     b: Float[Array, "seq m"],
     ld: Float[Array, "seq m"],
-    chunk_size: int = 16,
-    sub_chunk: int = 4,
+    chunk_size: int = 8,
+    sub_chunk: int = 2,
     group_positions: int = GROUP_POSITIONS,
 ) -> Float[Array, "seq e"]:
     """The same recurrence as :func:`dplr_recurrent`, chunkwise (see the module docstring):

@@ -228,7 +228,11 @@ def chunk_groups(fn, arrays, s0, chunk_size: int, group_positions: int = GROUP_P
     for one group at a time: memory ``O(L (M + E) + (L/c) M E)`` plus one group's working
     set, which stays in cache and keeps the time linear in L on CPUs.
 
-    Returns ``[L, E]``.
+    ``fn`` may return fewer rows than positions per chunk, ``c / r`` of them (a recurrence
+    read every ``r``-th position, as DeltaProduct reads once per token of ``r`` sub-steps);
+    then ``r`` must divide ``c`` and ``L``, and the result has ``L / r`` rows.
+
+    Returns ``[L, E]`` (``[L / r, E]``).
     """
     length = arrays[0].shape[0]
     c = min(chunk_size, length)
@@ -247,7 +251,8 @@ def chunk_groups(fn, arrays, s0, chunk_size: int, group_positions: int = GROUP_P
         out = fn(*(x[0] for x in arrays), s0)[0]
     else:
         out = lax.scan(group, s0, arrays)[1]
-    return out.reshape(n * c, -1)[:length]
+    rows = out.shape[-2]  # per chunk: c, or c / r
+    return out.reshape(n * rows, -1)[: length * rows // c]
 
 
 def causal_chunked(fq, fk, v, ld, chunk_size: int, group_positions: int = GROUP_POSITIONS):

@@ -98,7 +98,7 @@ class LogLinearMamba2(Mamba2):
     max_len: int = eqx.field(static=True)
 
     def __init__(self, dim, num_heads, *, causal, max_len, key, state_size=64, expand=2,
-                 conv_width=4, dt_min=1e-3, dt_max=1e-1, chunk_size=64,
+                 conv_width=4, dt_min=1e-3, dt_max=1e-1, chunk_size=M.LOGLINEAR_CHUNK,
                  implementation="chunked"):
         _check_chunk("LogLinearMamba2", chunk_size)
         key, sub = jax.random.split(key)
@@ -163,7 +163,7 @@ class LogLinearLinear(_QKVRecurrence):
     b_lam: jax.Array
     max_len: int = eqx.field(static=True)
 
-    def __init__(self, dim, num_heads, *, causal, max_len, key, chunk_size=64,
+    def __init__(self, dim, num_heads, *, causal, max_len, key, chunk_size=M.LOGLINEAR_CHUNK,
                  implementation="chunked"):
         if dim % num_heads:
             raise ValueError(f"LogLinearLinear: dim={dim} is not divisible by "

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 
 from ... import mixers as M
 from ...attention.linear import causal_step
-from ...mixers import DPLR_CHUNK, GLA_CHUNK
+from ...mixers import DELTA_PRODUCT_CHUNK, DPLR_CHUNK, GLA_CHUNK
 from .._slots import implements
 from ._base import dense, recurrent_cache
 from ._recurrent import _dt_bias, _head_norm, _heads, _QKVRecurrence, _rms
@@ -152,8 +152,8 @@ class KimiDeltaAttention(_QKVRecurrence):
     """Kimi Delta Attention (Kimi Linear, 2025): SiLU then L2-normalised q, k per head,
     ``beta = sigmoid(x W_beta)`` per head, per-channel decays ``log alpha = -exp(a_log_h)
     softplus(x W_a1 W_a2 + dt_bias)``, the per-channel gated delta rule, per-head RMS norm,
-    a sigmoid output gate, out-projection. Hyperparameters: ``chunk_size`` (default 16),
-    ``implementation``, ``dt_min``, ``dt_max``."""
+    a sigmoid output gate, out-projection. Hyperparameters: ``chunk_size`` (default
+    ``mixers.DPLR_CHUNK``, 8), ``implementation``, ``dt_min``, ``dt_max``."""
 
     w_beta: jax.Array
     w_a1: jax.Array
@@ -201,7 +201,7 @@ class RWKV7(_QKVRecurrence):
     ``(e^-0.61, 1)``); in-context learning rates ``a = sigmoid(x W_a1 W_a2 + b_a)``; removal
     keys ``kappa = normalise(k * xi)``, replacement keys ``k * (1 + (a - 1) alpha)`` with learned
     per-channel ``xi`` and ``alpha``; the bonus ``u``; per-head group norm; swish output gate.
-    Hyperparameters: ``chunk_size`` (default 16), ``implementation``."""
+    Hyperparameters: ``chunk_size`` (default ``mixers.DPLR_CHUNK``, 8), ``implementation``."""
 
     w_w1: jax.Array
     w_w2: jax.Array
@@ -271,7 +271,8 @@ class GatedDeltaProduct(_QKVRecurrence):
     wo: jax.Array
 
     def __init__(self, dim, num_heads, *, causal, max_len, key, householder_steps=2,
-                 chunk_size=64, implementation="chunked", dt_min=1e-3, dt_max=1e-1):
+                 chunk_size=DELTA_PRODUCT_CHUNK, implementation="chunked", dt_min=1e-3,
+                 dt_max=1e-1):
         _check_heads("GatedDeltaProduct", dim, num_heads)
         if not isinstance(householder_steps, int) or householder_steps < 1:
             raise ValueError(f"GatedDeltaProduct: householder_steps must be a positive int, "
