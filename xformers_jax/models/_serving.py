@@ -6,7 +6,8 @@ One interface across slots. A model that decodes (``init_cache(batch, max_len)``
 one sequence at a time under ``jax.vmap`` over a leading *sequence* axis of its caches: each
 sequence then has its own position, so rows of different lengths decode side by side whatever
 the slot holds (a key/value cache, a ring buffer, a recurrent state, a mixture of experts'
-capacity counts), with no kind-specific code here.
+capacity counts), with no kind-specific code here. A model with ``for_decoding()`` (the same
+model laid out for decoding steps: ``CausalLM.for_decoding``) is served in that layout.
 
 Alignment: prompts are left-aligned (position 0 is each row's first token, padding on the
 right). Every row's positions are then those it has decoded alone, which absolute positions,
@@ -425,7 +426,10 @@ class Server:
         """``step(state, model, *inputs, greedy, temperature, top_k, record)`` jitted with the
         model's arrays as an argument and ``state`` (the slots' caches or the page pool)
         donated; one program per model structure, shared by every server of that model."""
-        params, static = eqx.partition(self.model, eqx.is_array)
+        # A model's decoding layout (CausalLM.for_decoding: each layer's parameters their own
+        # arrays), built once here so that no step copies them out of stacked arrays.
+        model = self.model.for_decoding() if hasattr(self.model, "for_decoding") else self.model
+        params, static = eqx.partition(model, eqx.is_array)
         try:
             jitted = _jitted_step(step, static)
         except TypeError:  # a model whose static part is not hashable
