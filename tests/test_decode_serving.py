@@ -70,8 +70,12 @@ def _assert_served_alone(model, requests, served, what):
 
 # -- one interface: rows of different lengths ---------------------------------------------------
 
-@pytest.mark.parametrize("slot,name", [("attention", "dot_product"), ("mixer", "retnet")])
+@pytest.mark.parametrize("slot,name", [("attention", "dot_product"), ("mixer", "retnet"),
+                                       ("attention", "local"), ("attention", "path")])
 def test_prefill_rows_of_different_lengths_equal_each_row_alone(slot, name):
+    """Shorter rows wait (their caches held) while the longest is fed: exact attention, a
+    recurrent state, a window's ring buffer (wrapped: ``left`` 3, 7 tokens) and PaTH, whose
+    step rewrites every cached key."""
     model = _model(slot, name)
     lengths = np.array([3, 7, 1])
     prompts = np.random.default_rng(1).integers(0, VOCAB, (3, 7)).astype(np.int32)
@@ -88,6 +92,32 @@ def test_prefill_rows_of_different_lengths_equal_each_row_alone(slot, name):
     for b, n in enumerate(lengths):
         assert_close(logits[b], full[b, n - 1], err_msg=f"row {b}: prefill logits")
         assert_close(after[b], full[b, n], err_msg=f"row {b}: the step after the prefill")
+
+
+def test_an_idle_row_costs_its_step_no_pass_over_its_cache():
+    """``step_rows`` with rows not active, compiled as the server's step (caches donated,
+    ``models.decode_compiler_options()``), needs less than one row's keys of temporaries
+    more than the step of every row (``active=None``): keeping an idle row's cache makes no
+    copy of the caches. Selecting the old caches leaf by leaf kept them alive beside the new
+    ones: a copy of every row's cache. (Compiled with XLA:CPU's fusion emitters, its
+    default, which conftest turns off to compile faster: without them the batched write of
+    every row's slot is not done in place at all.)"""
+    if jax.default_backend() != "cpu":
+        pytest.skip("the copies are XLA:CPU's")
+    model = _model("attention", "dot_product").for_decoding()
+    caches = jax.eval_shape(lambda: models.init_rows(model, 3, 512))
+
+    def temporaries(hold):
+        step = jax.jit(lambda m, c, active: models.step_rows(
+            m, c, jnp.zeros((3,), jnp.int32), jnp.full((3,), 5), active if hold else None),
+            donate_argnums=1, compiler_options={**models.decode_compiler_options(),
+                                                "xla_cpu_use_fusion_emitters": True})
+        compiled = step.lower(model, caches, jnp.ones((3,), bool)).compile()
+        return compiled.memory_analysis().temp_size_in_bytes
+
+    extra = temporaries(True) - temporaries(False)
+    row = models.cache_bytes(caches[0].k) // 3
+    assert extra < row, f"holding idle rows took {extra} bytes more: a row's keys ({row}) copied"
 
 
 # -- continuous batching = one by one, every kind that decodes ----------------------------------

@@ -150,20 +150,82 @@ def test_a_decoding_step_writes_each_layers_cache_in_place():
     assert temp < keys, f"{temp} bytes of temporaries: a layer's cache ({keys} bytes) copied"
 
 
-@pytest.mark.parametrize("what", ["universal", "every_other_ffn"])
+def _weight_ops(hlo: str, shape: str) -> list[str]:
+    """The instructions of the compiled program's own computations (not inside a fusion)
+    that produce an array of ``shape`` (``"24,40"``; with a leading 1 too) other than by
+    passing one along (parameter, get-tuple-element, bitcast)."""
+    found = []
+    for comp in hlo.split("\n\n"):
+        head = comp.strip().split("\n", 1)[0]
+        if "fused" in head or "fusion" in head.split("(", 1)[0]:
+            continue
+        found += [op for op in re.findall(rf"= f32\[(?:1,)?{shape}\]\S* ([\w-]+)\(", comp)
+                  if op not in ("parameter", "get-tuple-element", "bitcast")]
+    return found
+
+
+def test_generate_slices_each_layers_parameters_once():
+    """``generate`` splits the stacked parameters into layers once (``CausalLM.for_decoding``),
+    before its prefill and sampling loops: a layer's FFN weight ``[24, 40]`` is made twice
+    in the whole program (2 layers), where slicing it inside the loops' steps made it in
+    every loop (6)."""
+    if jax.default_backend() != "cpu":
+        pytest.skip("the instruction count is XLA:CPU's")
+    from xformers_jax.models import _lm
+
+    model = models.CausalLM(20, 24, 2, 2, 40, max_len=L, key=jax.random.PRNGKey(0))
+    params, static = eqx.partition(model, eqx.is_array)
+    hlo = _lm._generate_jit(static).lower(
+        params, jnp.zeros((1, 3), jnp.int32), None, max_new_tokens=L - 3, temperature=1.0,
+        top_k=None, dtype=jnp.float32).compile().as_text()
+    made = _weight_ops(hlo, "24,40")
+    assert len(made) <= 2, f"a layer's weight [24, 40] made {len(made)} times: {made}"
+
+
+def test_a_decoding_step_copies_no_layers_parameters():
+    """A step of ``CausalLM.for_decoding()`` (as a server compiles it: cache donated,
+    ``models.decode_compiler_options()``) reads each layer's parameters where they lie: its
+    temporaries are smaller than one layer's parameters. Sliced out of the stacked
+    ``[layers, ...]`` arrays inside the step, every layer's parameters were copied."""
+    if jax.default_backend() != "cpu":
+        pytest.skip("the copies are XLA:CPU's")
+    model = models.CausalLM(20, 64, 2, 2, 256, max_len=L, key=jax.random.PRNGKey(0))
+    view = model.for_decoding()
+    caches = jax.eval_shape(lambda: view.init_cache(1, 16))
+    step = jax.jit(lambda m, c: m.decode_step(jnp.zeros((1,), jnp.int32), c, 5),
+                   donate_argnums=1, compiler_options=models.decode_compiler_options())
+    temp = step.lower(view, caches).compile().memory_analysis().temp_size_in_bytes
+    layer = models.cache_bytes(eqx.filter(model.layers.layers, eqx.is_array)) // 2
+    assert temp < layer, f"{temp} bytes of temporaries: a layer's parameters ({layer}) copied"
+
+
+@pytest.mark.parametrize("what", ["universal", "every_other_ffn", "shared_attention"])
 def test_stacks_that_vary_by_layer_decode_as_their_forward(what):
     """Per-layer caches through the stacks whose layers differ at decoding: the Universal
-    Transformer's timestep embedding per layer, and units of two blocks (``FFNSpec(every=2)``:
-    a cache per unit holding each block's)."""
+    Transformer's timestep embedding per layer, units of two blocks (``FFNSpec(every=2)``:
+    a cache per unit holding each block's) and ALBERT's shared attention; the decoding layout
+    (``for_decoding``: each layer's parameters split out, shared ones one array) decodes and
+    runs forward as the stacked model."""
     key = jax.random.PRNGKey(5)
     if what == "universal":
         model = models.CausalLM(20, 32, 3, 4, 64, max_len=L, key=key,
                                 stack={"universal": True})
+    elif what == "shared_attention":
+        model = models.CausalLM(20, 32, 3, 4, 64, max_len=L, key=key,
+                                stack={"sharing": "attention"})
     else:
         model = models.CausalLM(20, 32, 4, 4, 64, max_len=L, key=key,
                                 block={"ffn": nn.FFNSpec("product_key", every=2)})
     tokens = jax.random.randint(key, (2, L), 0, 20)
-    forced, (cached, caches) = eqx.filter_jit(
-        lambda m: (m(tokens), m.prefill(tokens, m.init_cache(2, L))))(model)
+    view = model.for_decoding()
+    forced, (cached, caches), (split, _), split_forced = eqx.filter_jit(
+        lambda m, v: (m(tokens), m.prefill(tokens, m.init_cache(2, L)),
+                      v.prefill(tokens, v.init_cache(2, L)), v(tokens)))(model, view)
     assert len(caches) == model.layers.num_layers
     assert_close(cached, forced, EXACT)
+    assert_close(split, cached, EXACT)
+    assert_close(split_forced, forced, EXACT)
+    blocks = view.layers.layers
+    assert len(blocks) == model.layers.num_layers and view.for_decoding() is view
+    if what != "every_other_ffn":  # shared: the same array in every layer, not copies
+        assert blocks[0].attn.wq is blocks[-1].attn.wq

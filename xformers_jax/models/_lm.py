@@ -117,6 +117,17 @@ class CausalLM(eqx.Module):
             raise NotImplementedError("CausalLM: ConvPositions (CPE) has no decoding cache")
         return self.layers.init_cache(batch, max_len, dtype)
 
+    def for_decoding(self) -> CausalLM:
+        """This model laid out for decoding steps: its layer stack :meth:`unstacked
+        <xformers_jax.nn.LayerStack.unstacked>`, each layer's parameters arrays of their own,
+        so that a step reads them where they lie instead of slicing (copying) them out of the
+        stacked ``[layers, ...]`` arrays. The same outputs from :meth:`decode_step`,
+        :meth:`prefill` and ``__call__``; build it once, outside the decoding loop
+        (:meth:`generate` and ``models.Server`` do). Not for training: its forward call
+        stacks the layers again."""
+        layers = self.layers.unstacked()
+        return self if layers is self.layers else eqx.tree_at(lambda m: m.layers, self, layers)
+
     def decode_step(self, token, caches, position):
         """token ``int[B]`` at ``position`` -> ``(logits [B, vocab], caches)``."""
         x, _ = self.embed(token[:, None], causal=True, offset=position)
@@ -168,9 +179,10 @@ class CausalLM(eqx.Module):
 
     def _generate(self, prompt, max_new_tokens, key, temperature, top_k, dtype):
         b, p = prompt.shape
-        caches = self.init_cache(b, p + max_new_tokens, dtype)
-        logits, caches = self.prefill(prompt, caches)
-        new = sample_tokens(self.decode_step, logits[:, -1], caches, p, max_new_tokens,
+        model = self.for_decoding()  # each layer's parameters split once, before the loops
+        caches = model.init_cache(b, p + max_new_tokens, dtype)
+        logits, caches = model.prefill(prompt, caches)
+        new = sample_tokens(model.decode_step, logits[:, -1], caches, p, max_new_tokens,
                             key=key, temperature=temperature, top_k=top_k, dtype=prompt.dtype)
         return jnp.concatenate([prompt, new], axis=1)
 

@@ -6,7 +6,8 @@ One interface across slots. A model that decodes (``init_cache(batch, max_len)``
 one sequence at a time under ``jax.vmap`` over a leading *sequence* axis of its caches: each
 sequence then has its own position, so rows of different lengths decode side by side whatever
 the slot holds (a key/value cache, a ring buffer, a recurrent state, a mixture of experts'
-capacity counts), with no kind-specific code here.
+capacity counts), with no kind-specific code here. A model with ``for_decoding()`` (the same
+model laid out for decoding steps: ``CausalLM.for_decoding``) is served in that layout.
 
 Alignment: prompts are left-aligned (position 0 is each row's first token, padding on the
 right). Every row's positions are then those it has decoded alone, which absolute positions,
@@ -43,7 +44,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..nn import KVCache, PagedKVCache, pick_token
+from ..nn import KVCache, MultiHeadAttention, PagedKVCache, pick_token
 
 
 def cache_bytes(cache) -> int:
@@ -82,11 +83,53 @@ def _one(model, cache, token, position):
     return logits, cache
 
 
-def _hold(active, new, old):
-    """``new`` where ``active[s]``, ``old`` elsewhere, leaf by leaf over the sequence axis."""
-    def pick(n, o):
-        return jnp.where(active.reshape(active.shape + (1,) * (n.ndim - 1)), n, o)
-    return jax.tree_util.tree_map(pick, new, old)
+def _is_kv(x) -> bool:
+    return isinstance(x, KVCache)
+
+
+def _appends_only(model) -> bool:
+    """Whether a decoding step of ``model`` changes each key/value cache only at the slot it
+    appends to (no attention layer rewrites its cached keys, ``rewrites_cache``)."""
+    layers = jax.tree_util.tree_leaves(model,
+                                       is_leaf=lambda x: isinstance(x, MultiHeadAttention))
+    return not any(m.rewrites_cache for m in layers if isinstance(m, MultiHeadAttention))
+
+
+def _held_step(model, cache, token, position, fed, appends: bool):
+    """One sequence's step (:func:`_one`) that, where not ``fed`` (a bool scalar), leaves its
+    cache holding what it held.
+
+    A key/value cache that the step only appends to (``appends``) keeps its positions and
+    index, and the one slot the step wrote, at its index, is zeroed: that slot is dead, never
+    read before the sequence's next step writes it (past the cache's tokens, unused and zero
+    since the cache was made empty; or, in a window's ring, the entry the next step evicts
+    and does not read). So an idle slot costs its step no pass over its cache: selecting the
+    whole old cache instead kept it alive beside the new one, a copy of every slot's cache
+    per step. (Restoring the slot's old contents needs a read of the old cache that XLA
+    fuses after the write, which copies the cache again.) Other leaves (recurrent states,
+    capacity counts, and every leaf of a kind that rewrites its cached keys) are selected
+    whole."""
+    old, treedef = jax.tree_util.tree_flatten(cache, is_leaf=_is_kv)
+    logits, new = _one(model, cache, token, position)
+
+    def where(n, o):
+        return jnp.where(fed, n, o)
+
+    def keep(n, o):
+        if not (appends and _is_kv(n)):
+            return jax.tree_util.tree_map(where, n, o)
+        t = o.index % o.pos.shape[0]
+
+        def zeroed(a):
+            wrote = jax.lax.dynamic_slice_in_dim(a, t, 1, axis=2)
+            return jax.lax.dynamic_update_slice_in_dim(a, where(wrote, jnp.zeros_like(wrote)),
+                                                       t, axis=2)
+
+        return KVCache(zeroed(n.k), zeroed(n.v), where(n.pos, o.pos), where(n.index, o.index),
+                       n.ring)
+
+    held = [keep(n, o) for n, o in zip(treedef.flatten_up_to(new), old)]
+    return logits, treedef.unflatten(held)
 
 
 def init_rows(model, rows: int, max_len: int, dtype=jnp.float32):
@@ -102,14 +145,18 @@ def step_rows(model, caches, tokens, positions, active=None):
     Args:
       model: a model with ``decode_step`` (``CausalLM``). caches: from :func:`init_rows`
         (``[S, ...]`` per leaf). tokens: ``int[S]``. positions: ``int[S]``, each row's position
-        (the tokens it holds). active: ``bool[S]`` (default all): rows not active keep their
-        cache.
+        (the tokens it holds). active: ``bool[S]`` (default all): rows not active keep what
+        their cache holds, at no pass over it (a key/value cache's one slot the step wrote
+        is zeroed, a dead slot: see :func:`_held_step`).
     Returns:
       ``(logits [S, vocab], caches)``.
     """
-    logits, new = jax.vmap(_one, in_axes=(None, 0, 0, 0))(model, caches, tokens, positions)
-    if active is not None:
-        new = _hold(active, new, caches)
+    if active is None:
+        logits, new = jax.vmap(_one, in_axes=(None, 0, 0, 0))(model, caches, tokens, positions)
+    else:
+        logits, new = jax.vmap(functools.partial(_held_step, appends=_appends_only(model)),
+                               in_axes=(None, 0, 0, 0, 0))(model, caches, tokens, positions,
+                                                           active)
     return logits[:, 0], new
 
 
@@ -425,7 +472,10 @@ class Server:
         """``step(state, model, *inputs, greedy, temperature, top_k, record)`` jitted with the
         model's arrays as an argument and ``state`` (the slots' caches or the page pool)
         donated; one program per model structure, shared by every server of that model."""
-        params, static = eqx.partition(self.model, eqx.is_array)
+        # A model's decoding layout (CausalLM.for_decoding: each layer's parameters their own
+        # arrays), built once here so that no step copies them out of stacked arrays.
+        model = self.model.for_decoding() if hasattr(self.model, "for_decoding") else self.model
+        params, static = eqx.partition(model, eqx.is_array)
         try:
             jitted = _jitted_step(step, static)
         except TypeError:  # a model whose static part is not hashable

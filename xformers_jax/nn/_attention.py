@@ -141,6 +141,13 @@ class MultiHeadAttention(eqx.Module):
         """How this layer runs its kind (the record's adapter)."""
         return self.record.adapter
 
+    @property
+    def rewrites_cache(self) -> bool:
+        """Whether a decoding step changes cached entries besides the one it appends
+        (``KVDecoding.update``: PaTH's transforms of every cached key)."""
+        decoding = self.adapter.decoding
+        return isinstance(decoding, KVDecoding) and decoding.update is not None
+
     def _call_hyperparameters(self) -> dict:
         """The spec's hyperparameters, defaults filled, without the ``init_only`` ones."""
         return self.adapter.call_hyperparameters(self.spec.resolved)
@@ -370,7 +377,7 @@ class MultiHeadAttention(eqx.Module):
             return self.output(o[:, None]), RecurrentCache(state, cache.index + 1)
         decoding = self.adapter.decoding
         own = isinstance(decoding, KVDecoding) and decoding.attend is not None
-        rewrites = isinstance(decoding, KVDecoding) and decoding.update is not None
+        rewrites = self.rewrites_cache
         if isinstance(cache, PagedKVCache):
             if own or rewrites:
                 raise NotImplementedError(

@@ -109,7 +109,12 @@ class LayerStack(eqx.Module):
 
     def per_layer(self):
         """Parameters with a leading axis of ``num_layers`` (shared ones broadcast, so their
-        gradients sum over layers) and the static part."""
+        gradients sum over layers) and the static part. (An :meth:`unstacked` stack's layers
+        are stacked again: a copy of the parameters.)"""
+        if isinstance(self.layers, tuple):
+            parts = [eqx.partition(block, eqx.is_array) for block in self.layers]
+            return (jax.tree_util.tree_map(lambda *a: jnp.stack(a), *[p for p, _ in parts]),
+                    parts[0][1])
         dynamic, static = eqx.partition(self.layers, eqx.is_array)
         n = self.num_layers
 
@@ -122,6 +127,51 @@ class LayerStack(eqx.Module):
             dynamic = eqx.tree_at(lambda b: b.attn, dynamic,
                                   jax.tree_util.tree_map(expand, dynamic.attn))
         return dynamic, static
+
+    def unstacked(self) -> LayerStack:
+        """The stack for decoding: ``layers`` a tuple of ``num_layers`` blocks, each holding
+        its own parameters (arrays without the leading layer axis), built once.
+
+        A decoding step runs the layers one after the other (:meth:`decode`); out of the
+        stacked ``[layers, ...]`` arrays each layer's parameters are a slice, which XLA
+        copies inside every step (a step of a small model at 16K tokens copied 3 MiB per
+        layer beside reading 8 MiB of its cache). Split once before the decoding loop
+        (``CausalLM.generate``, ``models.Server`` and the ``decode`` suite do), a step reads
+        each layer's parameters where they lie. Shared parameters (``sharing``) stay one
+        array, used by every layer. :meth:`decode` and :meth:`init_cache` give the stacked
+        stack's results; a forward call stacks the layers again (a copy of the parameters:
+        train the stacked stack). Idempotent."""
+        if isinstance(self.layers, tuple):
+            return self
+        dynamic, static = eqx.partition(self.layers, eqx.is_array)
+
+        def layer(i, tree=dynamic):
+            return jax.tree_util.tree_map(lambda a: a[i], tree)
+
+        # A shared part is sliced once and is then the same array in every layer.
+        if self.sharing == "all":
+            blocks = [layer(0)] * self.num_layers
+        elif self.sharing == "attention":
+            attn = layer(0, dynamic.attn)
+            blocks = [eqx.tree_at(lambda b: b.attn, layer(i), attn)
+                      for i in range(self.num_layers)]
+        else:
+            blocks = [layer(i) for i in range(self.num_layers)]
+        return self._replace(layers=tuple(eqx.combine(b, static) for b in blocks))
+
+    def stacked(self) -> LayerStack:
+        """The stack with ``[layers, ...]`` arrays (the inverse of :meth:`unstacked`; shared
+        parameters are then one copy per layer, equal)."""
+        if not isinstance(self.layers, tuple):
+            return self
+        return self._replace(layers=eqx.combine(*self.per_layer()))
+
+    def _replace(self, **fields) -> LayerStack:
+        """This stack with ``fields`` replaced (no ``__init__``: the layers are not rebuilt)."""
+        out = object.__new__(type(self))
+        for f in dataclasses.fields(self):
+            object.__setattr__(out, f.name, fields.get(f.name, getattr(self, f.name)))
+        return out
 
     def __call__(self, x, carry: Carry | None = None, *, kv_mask=None, context=None,
                  context_mask=None, positions=None, key=None, inference=False, tokens=None,
@@ -136,6 +186,10 @@ class LayerStack(eqx.Module):
         (Realformer, ...) start from the first layer's ``init_layer_carry`` and stay inside
         the stack. ``segment_ids int[B, L]``: packed rows, each document as if alone
         (``TransformerBlock``; not in reversible stacks)."""
+        if isinstance(self.layers, tuple):
+            return self.stacked()(x, carry, kv_mask=kv_mask, context=context,
+                                  context_mask=context_mask, positions=positions, key=key,
+                                  inference=inference, tokens=tokens, segment_ids=segment_ids)
         given = carry is not None
         carry = Carry() if carry is None else carry
         kw = dict(kv_mask=kv_mask, context=context, context_mask=context_mask,
@@ -241,19 +295,16 @@ class LayerStack(eqx.Module):
     def prune(self, keep) -> "LayerStack":
         """The stack with only the layers ``keep`` (indices, in order): LayerDrop's pruning
         at inference (Fan et al. keep every other layer: ``keep=range(0, n, 2)``)."""
+        if isinstance(self.layers, tuple):
+            return self.stacked().prune(keep)
         keep = [int(i) for i in keep]
         if self.sharing != "none" or not keep or not all(0 <= i < self.num_layers for i in keep):
             raise ValueError(f"LayerStack.prune: keep must be layer indices in [0, "
                              f"{self.num_layers}) of an unshared stack; got {keep} with "
                              f"sharing={self.sharing!r}")
         idx = jnp.asarray(keep)
-        out = object.__new__(type(self))
-        for f in dataclasses.fields(self):
-            object.__setattr__(out, f.name, getattr(self, f.name))
-        object.__setattr__(out, "layers", jax.tree_util.tree_map(
-            lambda a: a[idx] if eqx.is_array(a) else a, self.layers))
-        object.__setattr__(out, "num_layers", len(keep))
-        return out
+        return self._replace(layers=jax.tree_util.tree_map(
+            lambda a: a[idx] if eqx.is_array(a) else a, self.layers), num_layers=len(keep))
 
     def init_memory(self, batch: int, dim: int, dtype=jnp.float32, *, inference=False):
         """Every layer's empty memory (evaluation lengths when ``inference``), stacked on a
@@ -272,9 +323,7 @@ class LayerStack(eqx.Module):
         with keys ``[B, Hkv, C, D]``), its own buffers rather than a slice of one
         ``[layers, ...]`` array, so that a decoding step writes each layer's cache in place
         (see :meth:`decode`)."""
-        dynamic, static = self.per_layer()
-        return tuple(eqx.combine(_layer(dynamic, i), static).init_cache(batch, max_len, dtype)
-                     for i in range(self.num_layers))
+        return tuple(block.init_cache(batch, max_len, dtype) for block in self._blocks())
 
     def decode(self, x, caches, *, tokens=None, context=None, context_mask=None):
         """One decoding step through every layer: ``x [B, 1, dim]`` (``tokens int[B, 1]``, the
@@ -285,7 +334,8 @@ class LayerStack(eqx.Module):
         the bulk of a step's memory traffic: a stack of the caches on one leading layer axis,
         each layer's slice read out and written back inside a ``lax.scan``, made XLA copy a
         layer's cache twice per layer and step (measured at 16K tokens, 2 layers: 31 ms a
-        token against 2.9 ms to read both caches once)."""
+        token against 2.9 ms to read both caches once). Each layer's parameters are a slice of
+        the stacked arrays, copied inside the step, unless the stack is :meth:`unstacked`."""
         if self.reversible:
             raise NotImplementedError("LayerStack.decode: reversible stacks do not decode")
         if not isinstance(caches, (tuple, list)) or len(caches) != self.num_layers:
@@ -293,15 +343,22 @@ class LayerStack(eqx.Module):
                     if isinstance(caches, (tuple, list)) else type(caches).__name__)
             raise ValueError(f"LayerStack.decode: caches must be a tuple of {self.num_layers} "
                              f"per-layer caches (LayerStack.init_cache), got {what}")
-        dynamic, static = self.per_layer()
         new = []
-        for i, cache in enumerate(caches):
+        for i, (block, cache) in enumerate(zip(self._blocks(), caches)):
             if self.universal:
                 x = x + sinusoid(jnp.asarray(i), x.shape[-1]).astype(x.dtype)
-            x, cache = eqx.combine(_layer(dynamic, i), static).decode(
-                x, cache, tokens=tokens, context=context, context_mask=context_mask)
+            x, cache = block.decode(x, cache, tokens=tokens, context=context,
+                                    context_mask=context_mask)
             new.append(cache)
         return x, type(caches)(new) if isinstance(caches, tuple) else new
+
+    def _blocks(self):
+        """Every layer's block: an :meth:`unstacked` stack's own, else sliced out of the
+        stacked arrays (a copy of each layer's parameters where this runs)."""
+        if isinstance(self.layers, tuple):
+            return self.layers
+        dynamic, static = self.per_layer()
+        return [eqx.combine(_layer(dynamic, i), static) for i in range(self.num_layers)]
 
 
 def _layer(dynamic, i: int):

@@ -7,7 +7,8 @@ batching on requests of mixed lengths; a paged cache's memory against the tokens
   batch (one ``lax.scan``, so the cache is updated in place; 8 for exact attention, 64 for
   the others, whose steps are short) from a cache holding ``L`` tokens
   (its positions set, its contents zeros: the work does not depend on them), donated and
-  rewound to ``L`` after each call, compiled with ``models.decode_compiler_options()``;
+  rewound to ``L`` after each call, compiled with ``models.decode_compiler_options()``, the
+  model laid out for decoding (``CausalLM.for_decoding``: no layer's parameters sliced per step);
   ``state_kib`` is one sequence's cache (``models.sequence_cache_bytes``).
 - ``read``: the time to sum a 256 MiB float32 array, the machine's memory bandwidth for the
   figure "exact attention's step within 2x of reading its cache once".
@@ -97,7 +98,7 @@ def state_kib(kind: str, length: int) -> float:
 
 
 def build(kind: str, L: int, B: int):
-    model = _model(kind)
+    model = _model(kind).for_decoding()  # as generate and Server step: no parameter slices
     n = steps_of(kind)
     caches = _at_context(model.init_cache(B, L + n), L)
     token = jnp.zeros((B,), jnp.int32)
