@@ -12,9 +12,9 @@ attention slot (``SLOT=attention``) or token-mixer slot (``SLOT=mixer``) holds `
 length ``L``. MQAR's pairs follow Zoology's grid: ``kv = L / 16`` ((64, 4), (128, 8),
 (256, 16)). The width is ``model.dim`` (one head per 32 channels, MLP 4x). ``GRID`` picks the
 schedule: ``cpu`` (the default: at most ``CPU_STEPS`` = 3000 steps of batch 64, each on
-examples no earlier step read, an evaluation every 200) or ``full`` (Zoology's: 100k examples, 64 epochs of batch 64). The
-study's runner (``run.py``) sweeps kinds, settings, widths and learning rates through
-``xformers_jax_experiments.sweep``.
+examples no earlier step read, an evaluation every 200) or ``full`` (Zoology's: 100k
+examples, 64 epochs of batch 64). The study's runner (``run.py``) sweeps kinds, settings,
+widths and learning rates through ``xformers_jax_experiments.sweep``.
 """
 
 from __future__ import annotations
