@@ -106,7 +106,10 @@ def get_config(arg=None):
         c.model.attention = type(c.model.attention)(section)
     else:
         c.model.mixer = type(c.model.mixer)(section)
-    c.model.update(dict(dim=64, num_layers=2, num_heads=2, hidden=256))
+    # Zoology's language model ties its output layer to the input embeddings: the value
+    # read at a query is scored against the embeddings, one mechanism for every token, where
+    # an untied head learns each of MQAR's 4096 values' output rows separately.
+    c.model.update(dict(dim=64, num_layers=2, num_heads=2, hidden=256, tie_embeddings=True))
     c.optim.update(dict(learning_rate=1e-3, schedule="cosine", warmup_steps=100,
                         weight_decay=0.1))
     c.stop_at_accuracy = 0.99
