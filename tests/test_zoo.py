@@ -258,3 +258,28 @@ def test_logits_at_scored_positions_equal_the_full_logits():
     for k in ("loss_sum", "correct", "count"):
         np.testing.assert_allclose(float(sums[k]), float(full_sums[k]), rtol=1e-5)
     assert int(sums["count"]) == 8 and int(sums["correct"]) == 4
+
+
+def test_an_interrupted_run_reports_its_validation_accuracy(tmp_path):
+    """A run stopped before its test (``preempted``: checkpointed, the sweep resumes it) shows
+    its last validation accuracy and step as unfinished, not as an error; a run that failed
+    shows ``error``."""
+    from xformers_jax_experiments.studies.zoo import run as R
+
+    def make(name, log, metrics):
+        where = tmp_path / "runs" / name
+        where.mkdir(parents=True)
+        (where / "train.log").write_text(log)
+        (where / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in metrics))
+        return R._row(str(tmp_path / "runs"), name, {})
+
+    stopped = make("mqar/attention-based/L64_d64_lr0.003",
+                   "start\npreempted at step 2300: checkpoint saved, rerun\n",
+                   [{"step": 2200, "validation_accuracy": 0.25}, {"step": 2300, "train_loss": 1}])
+    failed = make("mqar/attention-linear/L64_d64_lr0.003", "Traceback\nValueError: bad\n",
+                  [{"step": 200, "validation_accuracy": 0.01}])
+    assert stopped.get("unfinished") and "error" not in stopped
+    assert failed["error"] == "ValueError: bad"
+    text = R.report([stopped, failed], str(tmp_path / "results"), None, "cpu")
+    assert "| attention/based | (0.250 validation at step 2200, unfinished) |" in text
+    assert "| attention/linear | error |" in text
