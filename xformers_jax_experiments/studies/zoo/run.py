@@ -175,8 +175,9 @@ def report(rows, results_dir: str, wall_s: float | None, grid: str,
                 size = None if r is None else r.get("state_bytes")
                 state = "" if size is None else f" ({_kib(size)})"
                 val = None if r is None else r.get("validation_accuracy")
+                at = None if r is None else r.get("validation_step")
                 cells.append("" if r is None else "error" if acc is None and r.get("error")
-                             else f"({val:.3f} validation at step {r.get('validation_step')}, unfinished)"
+                             else f"({val:.3f} validation at step {at}, unfinished)"
                              if acc is None and r.get("unfinished") and val is not None
                              else "" if acc is None else f"{acc:.3f}{state}")
             lines.append(f"| {slot}/{kind} | " + " | ".join(cells) + " |")
