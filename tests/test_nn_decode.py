@@ -46,6 +46,34 @@ def test_cached_logits_equal_teacher_forced(name):
     assert_close(cached, forced, EXACT)
 
 
+def test_tied_embeddings_are_the_output_layer():
+    """``tie_embeddings``: no head of its own; the logits (forward, at chosen positions and
+    cached) are those of an untied model whose head is the embedding table transposed, and
+    the table's gradient gathers both uses."""
+    key = jax.random.PRNGKey(4)
+    tied = models.CausalLM(20, 32, 2, 4, 64, max_len=L, tie_embeddings=True, key=key)
+    assert tied.head is None
+    untied = eqx.tree_at(lambda m: m.head, _lm(nn.AttentionSpec("dot_product"), key),
+                         tied.embed.table.T, is_leaf=lambda x: x is None)
+    untied = eqx.tree_at(lambda m: (m.embed, m.layers, m.final_norm), untied,
+                         (tied.embed, tied.layers, tied.final_norm))
+    tokens = jax.random.randint(key, (2, L), 0, 20)
+    forced = tied(tokens)
+    assert_close(forced, untied(tokens), EXACT)
+    at = jnp.array([[1, 5], [0, 11]])
+    assert_close(tied(tokens, logits_at=at), jnp.take_along_axis(forced, at[..., None], 1),
+                 EXACT)
+    cached, _ = eqx.filter_jit(lambda m: m.prefill(tokens, m.init_cache(2, L)))(tied)
+    assert_close(cached, forced, EXACT)
+
+    def loss(m):
+        return m(tokens).sum()
+
+    g_tied = eqx.filter_grad(loss)(tied).embed.table
+    g_untied = eqx.filter_grad(loss)(untied)
+    assert_close(g_tied, g_untied.embed.table + g_untied.head.T, EXACT)
+
+
 def test_local_cache_evicts_to_the_window():
     model = _lm(nn.AttentionSpec("local", {"left": 3}), jax.random.PRNGKey(0))
     caches = model.init_cache(2, 100)

@@ -99,6 +99,43 @@ def test_generators_refuse_bad_settings(make, match):
         make()
 
 
+def test_cpu_grid_trains_on_fresh_examples_every_step():
+    """The CPU grid's training split is as long as its schedule (following overrides of the
+    steps and the batch), so no step re-reads an example (a fixed 20k examples at V=8192 are
+    memorised); the batches are a function of the seed and resume exactly from the
+    iterator's state (what the trainer checkpoints)."""
+    from xformers_jax.train import _tasks
+
+    c = Z.get_config("mqar,attention,dot_product,64")
+    assert c.num_train_steps == Z.CPU_STEPS
+    assert c.data.num_train == c.batch_size * c.num_train_steps
+    c.num_train_steps, c.batch_size = 5, 16  # as --config.num_train_steps= overrides it
+    assert c.data.num_train == 80
+    assert Z.get_config("mqar,attention,dot_product,64,full").data.num_train == 100_000
+    task = _tasks.make_task(c.data, c.seed)
+    assert len(task.train) == 80 and task.train.vocab_size == 8192
+
+    def read(n, state=None):
+        it = D.DataIterator(task.train, batch_size=16, seed=c.seed)
+        if state is not None:
+            it.set_state(state)
+        out = [next(it)["inputs"] for _ in range(n)]
+        state = it.get_state()
+        it.close()
+        return out, state
+
+    first, _ = read(5)
+    rows = {tuple(r) for b in first for r in b}
+    assert len(rows) == 80  # five steps, 80 distinct examples: none read twice
+    again, _ = read(5)
+    for a, b in zip(first, again):
+        np.testing.assert_array_equal(a, b)  # deterministic
+    _, state = read(2)
+    resumed, _ = read(3, state)
+    for a, b in zip(first[2:], resumed):
+        np.testing.assert_array_equal(a, b)  # resumed where it stopped
+
+
 def test_scored_positions_only_and_early_stop(tmp_path):
     """MQAR through the trainer: the loss counts the scored positions only (a batch whose
     unscored targets are changed keeps its loss), and stop_at_accuracy ends the run at the
@@ -160,6 +197,10 @@ def test_tiny_sweep_end_to_end(tmp_path):
     rows = record["rows"]
     assert record["wall_s"] > 0 and record["cpu_s"] > 0  # the runs' CPU time, children's
     assert {r["kind"] for r in rows} == {"dot_product", "mamba2"}
+    # the training split follows the overridden schedule: 6 steps of 64 fresh examples
+    run_config = json.loads((tmp_path / "runs" / "mqar" / "attention-dot_product" /
+                             "L64_d64_lr0.003" / "config.json").read_text())
+    assert run_config["data"]["num_train"] == 6 * 64
     assert all(0.0 <= r["test_accuracy"] <= 1.0 for r in rows), rows
     state = {r["kind"]: r["state_bytes"] for r in rows}
     assert state["dot_product"] > 0 and state["mamba2"] > 0
@@ -217,3 +258,28 @@ def test_logits_at_scored_positions_equal_the_full_logits():
     for k in ("loss_sum", "correct", "count"):
         np.testing.assert_allclose(float(sums[k]), float(full_sums[k]), rtol=1e-5)
     assert int(sums["count"]) == 8 and int(sums["correct"]) == 4
+
+
+def test_an_interrupted_run_reports_its_validation_accuracy(tmp_path):
+    """A run stopped before its test (``preempted``: checkpointed, the sweep resumes it) shows
+    its last validation accuracy and step as unfinished, not as an error; a run that failed
+    shows ``error``."""
+    from xformers_jax_experiments.studies.zoo import run as R
+
+    def make(name, log, metrics):
+        where = tmp_path / "runs" / name
+        where.mkdir(parents=True)
+        (where / "train.log").write_text(log)
+        (where / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in metrics))
+        return R._row(str(tmp_path / "runs"), name, {})
+
+    stopped = make("mqar/attention-based/L64_d64_lr0.003",
+                   "start\npreempted at step 2300: checkpoint saved, rerun\n",
+                   [{"step": 2200, "validation_accuracy": 0.25}, {"step": 2300, "train_loss": 1}])
+    failed = make("mqar/attention-linear/L64_d64_lr0.003", "Traceback\nValueError: bad\n",
+                  [{"step": 200, "validation_accuracy": 0.01}])
+    assert stopped.get("unfinished") and "error" not in stopped
+    assert failed["error"] == "ValueError: bad"
+    text = R.report([stopped, failed], str(tmp_path / "results"), None, "cpu")
+    assert "| attention/based | (0.250 validation at step 2200, unfinished) |" in text
+    assert "| attention/linear | error |" in text

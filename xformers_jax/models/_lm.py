@@ -32,21 +32,32 @@ def _gather_rows(h, at):
 
 
 class CausalLM(eqx.Module):
-    """A decoder-only language model with cached decoding and ``generate``."""
+    """A decoder-only language model with cached decoding and ``generate``.
+
+    ``tie_embeddings``: the output layer is the input embedding table transposed
+    (``logits = h @ embed.table.T``; Press & Wolf 2017, "Using the Output Embedding to Improve
+    Language Models"; Zoology's models, Arora et al. 2023, tie them), and ``head`` is None;
+    otherwise ``head [dim, vocab]`` is its own parameter."""
 
     embed: Embedder
     layers: LayerStack
     final_norm: LayerNorm | None
-    head: jax.Array = X.param(X.EMBED, X.VOCAB)
+    head: jax.Array | None = X.param(X.EMBED, X.VOCAB)
 
     def __init__(self, vocab_size, dim, num_layers, num_heads, hidden, *, positions=None,
-                 max_len=512, block=None, stack=None, key):
+                 max_len=512, block=None, stack=None, tie_embeddings=False, key):
         k1, k2, k3 = jax.random.split(key, 3)
         self.embed = Embedder(dim, vocab_size=vocab_size, positions=positions, key=k1)
         self.layers, self.final_norm = transformer_stack(
             dim, num_layers, num_heads, hidden, causal=True, max_len=max_len, block=block,
             stack=stack, key=k2)
-        self.head = jax.random.normal(k3, (dim, vocab_size)) / math.sqrt(dim)
+        self.head = (None if tie_embeddings
+                     else jax.random.normal(k3, (dim, vocab_size)) / math.sqrt(dim))
+
+    def output_weights(self) -> jax.Array:
+        """The output layer ``[dim, vocab]``: ``head``, or the embedding table transposed
+        when the two are tied."""
+        return self.embed.table.T if self.head is None else self.head
 
     def __call__(self, tokens, *, mask=None, key=None, state=None, inference=False,
                  memory=None, return_aux=False, segment_ids=None, logits_at=None):
@@ -92,7 +103,7 @@ class CausalLM(eqx.Module):
             h, carry = self.layers(x, Carry(memory=memory), kv_mask=mask, key=key,
                                    inference=inference, tokens=tokens)
             h = finish(self.final_norm, h)
-            out = constrain(h @ self.head.astype(h.dtype), X.LOGITS), carry.memory
+            out = constrain(h @ self.output_weights().astype(h.dtype), X.LOGITS), carry.memory
             if not return_aux:
                 return out
             return out, {**carry.aux, "reconstruction_loss": memory_aux_loss(carry.memory)}
@@ -101,13 +112,14 @@ class CausalLM(eqx.Module):
         if logits_at is not None:
             h = _gather_rows(h, logits_at)
         h = finish(self.final_norm, h)
-        logits = constrain(h @ self.head.astype(h.dtype), X.LOGITS)
+        logits = constrain(h @ self.output_weights().astype(h.dtype), X.LOGITS)
         out = logits if state is None else (logits, new)
         return (out, aux) if return_aux else out
 
     def init_memory(self, batch: int, dtype=jnp.float32, *, inference=False):
         """Empty memories for ``batch`` streams (the evaluation lengths when ``inference``)."""
-        return self.layers.init_memory(batch, self.head.shape[0], dtype, inference=inference)
+        return self.layers.init_memory(batch, self.embed.table.shape[1], dtype,
+                                       inference=inference)
 
     def init_cache(self, batch: int, max_len: int, dtype=jnp.float32):
         """Empty decoding caches for ``batch`` rows of up to ``max_len`` tokens: a tuple with
@@ -133,7 +145,7 @@ class CausalLM(eqx.Module):
         x, _ = self.embed(token[:, None], causal=True, offset=position)
         h, caches = self.layers.decode(x, caches, tokens=token[:, None])
         h = finish(self.final_norm, h)
-        return (h @ self.head.astype(h.dtype))[:, 0], caches
+        return (h @ self.output_weights().astype(h.dtype))[:, 0], caches
 
     def prefill(self, tokens, caches):
         """Feeds ``tokens int[B, L]`` one by one; returns ``(logits [B, L, vocab], caches)``:
@@ -197,9 +209,12 @@ def _generate_jit(static):
                    compiler_options=decode_compiler_options())
 
 
-@register_model("causal_lm", serves=("language_model",), defaults=dict(TRUNK, **SLOTS),
+@register_model("causal_lm", serves=("language_model",),
+                defaults=dict(TRUNK, **SLOTS, tie_embeddings=False),
                 loss_weights=AUX_WEIGHTS, packs=True, logits_at=True)
 def causal_lm(config, task, key):
-    """The decoder-only language model (:class:`CausalLM`, sinusoidal input positions)."""
+    """The decoder-only language model (:class:`CausalLM`, sinusoidal input positions;
+    ``tie_embeddings``: the output layer is the input embedding table, as in Zoology)."""
     return CausalLM(task.vocab_size, config.dim, config.num_layers, config.num_heads,
-                    config.hidden, max_len=task.seq_len, block=block_kwargs(config), key=key)
+                    config.hidden, max_len=task.seq_len, block=block_kwargs(config),
+                    tie_embeddings=config.tie_embeddings, key=key)

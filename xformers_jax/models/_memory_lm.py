@@ -90,7 +90,7 @@ def _segment_cache(model, memory: MemoryState, segment_len: int) -> SegmentCache
     mk, mv, mmask = jax.vmap(lambda p, m: _layer_memory_kv(eqx.combine(p, static), m))(
         dynamic, memory)
     n, b = mmask.shape[:2]
-    d = model.head.shape[0]
+    d = model.embed.table.shape[1]
     zeros = lambda *shape: jnp.zeros((n, b, segment_len, *shape), mk.dtype)  # noqa: E731
     ffn = jax.vmap(lambda p: init_ffn_cache(eqx.combine(p, static).ffn, b))(dynamic)
     return SegmentCache(memory, mk, mv, mmask, zeros(*mk.shape[3:]), zeros(*mv.shape[3:]),
@@ -154,7 +154,7 @@ def _memory_decode_step(model, token, cache: SegmentCache):
           cache.seg_k, cache.seg_v, cache.x_in, cache.x_out, cache.ffn)
     x, (sk, sv, xin, xout, ffn) = jax.lax.scan(layer, x, xs)
     h = x if model.final_norm is None else model.final_norm(x)
-    logits = (h @ model.head.astype(h.dtype))[:, 0]
+    logits = (h @ model.output_weights().astype(h.dtype))[:, 0]
     return logits, SegmentCache(cache.memory, cache.mem_k, cache.mem_v, cache.mem_mask, sk, sv,
                                 xin, xout, c + 1, ffn)
 

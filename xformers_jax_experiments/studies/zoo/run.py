@@ -94,7 +94,12 @@ def _row(workdir: str, name: str, run: dict) -> dict:
     if row.get("test_accuracy") is None and os.path.exists(log):
         with open(log, errors="replace") as f:
             tail = [line.strip() for line in f if line.strip()][-1:]
-        row["error"] = tail[0][:200] if tail else "no output"
+        if tail and tail[0].startswith("preempted"):
+            row["unfinished"] = True  # interrupted with a checkpoint: the sweep resumes it
+            row["validation_step"] = max((m["step"] for m in metrics
+                                          if "validation_accuracy" in m), default=None)
+        else:
+            row["error"] = tail[0][:200] if tail else "no output"
     return row
 
 
@@ -151,7 +156,8 @@ def report(rows, results_dir: str, wall_s: float | None, grid: str,
              + (f" and {cpu_s / 3600:.2f} CPU-hours" if cpu_s else "")
              + "). Test accuracy on the scored positions, the best over the learning rates, "
              "and in brackets the state: one sequence's decoding state of the 2-layer model at "
-             "the run's length and width (float32; a key/value cache grows with the length).",
+             "the run's length and width (float32; a key/value cache grows with the length). "
+             "A run interrupted before its test shows its last validation accuracy and step.",
              ""]
     for task in Z.TASKS:
         keys = sorted(k for k in best if k[0] == task)
@@ -168,7 +174,11 @@ def report(rows, results_dir: str, wall_s: float | None, grid: str,
                 acc = None if r is None else r.get("test_accuracy")
                 size = None if r is None else r.get("state_bytes")
                 state = "" if size is None else f" ({_kib(size)})"
+                val = None if r is None else r.get("validation_accuracy")
+                at = None if r is None else r.get("validation_step")
                 cells.append("" if r is None else "error" if acc is None and r.get("error")
+                             else f"({val:.3f} validation at step {at}, unfinished)"
+                             if acc is None and r.get("unfinished") and val is not None
                              else "" if acc is None else f"{acc:.3f}{state}")
             lines.append(f"| {slot}/{kind} | " + " | ".join(cells) + " |")
         lines.append("")
