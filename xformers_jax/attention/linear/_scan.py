@@ -80,6 +80,15 @@ def _check_segments(segment_ids, length):
     return doc
 
 
+def _drop_first_decays(ld, doc):
+    """``ld`` with 0 at each document's first token. That decay meets a restarted (zero)
+    state, so it changes nothing, but in the chunks' cumulative sums a positive one (mLSTM's
+    stabiliser steps down at a restart) would overflow the masked-out terms and turn their
+    zero cotangents into NaN."""
+    keep = _continues(doc)
+    return jnp.where(keep if ld.ndim == 1 else keep[:, None], ld, jnp.zeros((), ld.dtype))
+
+
 def causal_step(s, fq_t, fk_t, v_t, ld_t):
     """One step ``S_t = exp(ld_t) S_{t-1} + fk_t v_t^T``, ``out_t = fq_t S_t``.
 
@@ -405,6 +414,7 @@ def causal_chunked(fq, fk, v, ld, chunk_size: int, group_positions: int = GROUP_
 
     doc = _check_segments(segment_ids, fq.shape[0])
     doc_before = jnp.concatenate([doc[:1], doc[:-1]])
+    ld = _drop_first_decays(ld, doc)
 
     def chunks_segments(fq, fk, v, ld, doc, doc_before, s):
         return _chunks(fq, fk, v, jnp.cumsum(ld, axis=1), s, doc, doc_before[:, 0])
@@ -422,6 +432,9 @@ def causal_parallel(fq, fk, v, ld, segment_ids=None):
     Args and returns: as :func:`causal_recurrent`. Time ``O(L^2 M)``, memory ``O(L^2)``
     (``O(L^2 M)`` with per-feature decays).
     """
+    doc = None if segment_ids is None else _check_segments(segment_ids, fq.shape[0])
+    if doc is not None:
+        ld = _drop_first_decays(ld, doc)
+        doc = doc[None]
     b = jnp.cumsum(ld, axis=0)
-    doc = None if segment_ids is None else _check_segments(segment_ids, fq.shape[0])[None]
     return _intra_chunk(fq[None], fk[None], v[None], b[None], doc)[0]
