@@ -56,13 +56,20 @@ def _real_rows(tree):
                         tree)
 
 
-def _check_packed(packed, alone, arrays, weight, what):
-    """Outputs and gradients of ``packed`` (with segment ids) and of ``alone`` (each document
-    run by itself) agree on the real rows."""
-    got, got_g = jit0(functools.partial(_value_and_grads, packed))(arrays, weight)
-    want, want_g = jit0(functools.partial(_value_and_grads, alone))(arrays, weight)
-    assert_close(got, want, err_msg=f"{what}: outputs")
-    assert_close(_real_rows(got_g), _real_rows(want_g), EXACT_GRAD, err_msg=f"{what}: gradients")
+def _check_packed(candidates, reference, arrays, weight, what, reference_arrays=None):
+    """Outputs and gradients of each of ``candidates`` (name -> function, with segment ids)
+    and of ``reference`` (e.g. each document run by itself) agree on the real rows; all in
+    one compiled program."""
+    def run(arrays, reference_arrays, weight):
+        got = {n: _value_and_grads(f, arrays, weight) for n, f in candidates.items()}
+        return got, _value_and_grads(reference, reference_arrays, weight)
+
+    ref_arrays = arrays if reference_arrays is None else reference_arrays
+    got, (want, want_g) = jit0(run)(arrays, ref_arrays, weight)
+    for name, (out, grads) in got.items():
+        assert_close(out, want, err_msg=f"{what}, {name}: outputs")
+        assert_close(_real_rows(grads), _real_rows(want_g), EXACT_GRAD,
+                     err_msg=f"{what}, {name}: gradients")
 
 
 def _scan_inputs(per_feature):
@@ -83,19 +90,14 @@ FORMS = {
 
 
 @pytest.mark.parametrize("per_feature", [False, True], ids=["ld[L]", "ld[L,M]"])
-@pytest.mark.parametrize("form", list(FORMS))
-def test_the_scan_restarts_at_each_document(form, per_feature):
+def test_the_scan_restarts_at_each_document(per_feature):
     arrays, weight = _scan_inputs(per_feature)
-    packed = functools.partial(FORMS[form], segment_ids=jnp.asarray(SEG))
-    _check_packed(packed, functools.partial(_per_document, LA.causal_recurrent), arrays,
-                  weight, f"{form}, {'per-feature' if per_feature else 'per-step'} decays")
-
-
-def test_the_chunked_form_equals_the_recurrent_form_with_segments():
-    arrays, weight = _scan_inputs(True)
     seg = jnp.asarray(SEG)
-    _check_packed(functools.partial(LA.causal_chunked, chunk_size=CHUNK, segment_ids=seg),
-                  functools.partial(LA.causal_recurrent, segment_ids=seg), arrays, weight,
+    forms = {n: functools.partial(f, segment_ids=seg) for n, f in FORMS.items()}
+    _check_packed(forms, functools.partial(_per_document, LA.causal_recurrent), arrays,
+                  weight, f"{'per-feature' if per_feature else 'per-step'} decays")
+    # And against the recurrent form with segment ids (a second reference).
+    _check_packed({"chunked": forms["chunked"]}, forms["recurrent"], arrays, weight,
                   "chunked against recurrent")
 
 
@@ -121,9 +123,10 @@ def _mixer_case(name):
         return (lambda x, dt, b, c, **kw: M.ssd(x, dt, -1.5, b, c, **kw)), (v, dt, k, q)
     if name == "hgrn2":
         return M.hgrn2, (q, v, jax.nn.log_sigmoid(_rand(15, L, dk) + 1))
-    # mLSTM: a large input gate in the first document raises the stabiliser, which must
-    # restart from 0 at the second.
-    i_logits = _rand(16, L).at[1].set(25.0)
+    # mLSTM: a huge input gate in the first document raises the stabiliser to ~200, which
+    # must restart from 0 at the second (carried on, it would scale the second document's
+    # keys by exp(-200), to 0 in float32, and its step down would be a log-decay of ~ +200).
+    i_logits = _rand(16, L).at[1].set(200.0)
     return M.mlstm, (q, k, v, i_logits, _rand(17, L) + 2)
 
 
@@ -146,15 +149,14 @@ def test_each_document_of_a_packed_recurrence_is_as_alone(name):
     fn, arrays = _mixer_case(name)
     seg, real = jnp.asarray(SEG), jnp.asarray(REAL)
     weight = _rand(20, L, 3)
-    packed = functools.partial(fn, kv_mask=real, segment_ids=seg, implementation="chunked",
-                               chunk_size=CHUNK)
+    forms = {form: functools.partial(fn, kv_mask=real, segment_ids=seg, implementation=form,
+                                     chunk_size=CHUNK) for form in ("chunked", "parallel",
+                                                                    "recurrent")}
     alone = functools.partial(_per_document, functools.partial(fn, implementation="recurrent"))
-    _check_packed(packed, alone, _with_nan_padding(arrays, QUERY[name]), weight,
-                  f"{name}: packed, alone")
-    recurrent = functools.partial(fn, kv_mask=real, segment_ids=seg, implementation="recurrent")
-    _check_packed(packed, recurrent, arrays, weight, f"{name}: chunked, recurrent")
-    parallel = functools.partial(fn, kv_mask=real, segment_ids=seg, implementation="parallel")
-    _check_packed(parallel, recurrent, arrays, weight, f"{name}: parallel, recurrent")
+    _check_packed(forms, alone, _with_nan_padding(arrays, QUERY[name]), weight,
+                  f"{name}: packed against alone", reference_arrays=arrays)
+    _check_packed({"chunked": forms["chunked"], "parallel": forms["parallel"]},
+                  forms["recurrent"], arrays, weight, f"{name}: against the recurrent form")
 
 
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "bidirectional"])
@@ -164,7 +166,8 @@ def test_linear_attention_reads_its_own_document(causal):
     kw = dict(causal=causal, chunk_size=CHUNK)
     packed = functools.partial(LA.linear_attention, kv_mask=real, segment_ids=seg, **kw)
     alone = functools.partial(_per_document, functools.partial(LA.linear_attention, **kw))
-    _check_packed(packed, alone, _with_nan_padding((q, k, v)), _rand(33, L, 3), "elu")
+    _check_packed({"chunked": packed}, alone, _with_nan_padding((q, k, v)), _rand(33, L, 3),
+                  "elu", reference_arrays=(q, k, v))
 
 
 def test_performer_stabiliser_restarts_at_each_document():
@@ -182,7 +185,7 @@ def test_performer_stabiliser_restarts_at_each_document():
             q, k, v, proj, kv_mask=real, segment_ids=seg, **kw)
         alone = functools.partial(_per_document, lambda q, k, v: LA.performer_attention(
             q, k, v, proj, **kw))
-        _check_packed(packed, alone, (q, k, v), _rand(44, L, 3),
+        _check_packed({"chunked": packed}, alone, (q, k, v), _rand(44, L, 3),
                       f"performer, causal={causal}")
 
 
