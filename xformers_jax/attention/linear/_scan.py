@@ -335,13 +335,15 @@ def _chunks(fq, fk, v, b, s0, doc=None, doc_before=None):
 
     xs = (total, kv) if doc is None else (total, kv, survives)
     s_end, starts = lax.scan(carry, s0, xs)
-    r = jnp.exp(b)
-    if doc is not None:
-        r = jnp.where(reads if b.ndim == 2 else reads[..., None], r, 0.0)
+    def read():  # exp(b_t), for the queries that read the state carried in
+        r = jnp.exp(b)
+        return r if doc is None else jnp.where(reads if b.ndim == 2 else reads[..., None], r,
+                                                0.0)
+
     if b.ndim == 2:
-        inter = jnp.einsum("ncm,nme->nce", fq, starts) * r[..., None]
+        inter = jnp.einsum("ncm,nme->nce", fq, starts) * read()[..., None]
     else:
-        inter = jnp.einsum("ncm,nme->nce", fq * r, starts)
+        inter = jnp.einsum("ncm,nme->nce", fq * read(), starts)
     return inter + _intra_chunk(fq, fk, v, b, doc), s_end
 
 
