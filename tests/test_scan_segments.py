@@ -84,6 +84,10 @@ FORMS = {
     # 8 positions per group: three groups, the state carried between them by the group scan.
     "chunked_groups": lambda *a, segment_ids=None: LA.causal_chunked(
         *a, CHUNK, group_positions=8, segment_ids=segment_ids),
+    # Chunks of 5 in groups of 2: the last chunk is padded, and so is the last group (by a
+    # whole chunk); boundaries fall inside chunks.
+    "chunked_padded": lambda *a, segment_ids=None: LA.causal_chunked(
+        *a, 5, group_positions=10, segment_ids=segment_ids),
     "recurrent": LA.causal_recurrent,
     "parallel": LA.causal_parallel,
 }
