@@ -167,30 +167,33 @@ def test_each_document_of_a_packed_recurrence_is_as_alone(name):
 def test_linear_attention_reads_its_own_document(causal):
     q, k, v = _rand(30, L, 4), _rand(31, L, 4), _rand(32, L, 3)
     seg, real = jnp.asarray(SEG), jnp.asarray(REAL)
-    kw = dict(causal=causal, chunk_size=CHUNK)
+    kw = {"causal": causal, "chunk_size": CHUNK}
     packed = functools.partial(LA.linear_attention, kv_mask=real, segment_ids=seg, **kw)
     alone = functools.partial(_per_document, functools.partial(LA.linear_attention, **kw))
     _check_packed({"chunked": packed}, alone, _with_nan_padding((q, k, v)), _rand(33, L, 3),
                   "elu", reference_arrays=(q, k, v))
 
 
-def test_performer_stabiliser_restarts_at_each_document():
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "bidirectional"])
+def test_performer_stabiliser_restarts_at_each_document(causal):
     # One projection row of norm 20 and a first-document key along it: log phi reaches ~200
     # there, so a running maximum carried into the next documents would scale their keys by
-    # exp(-200), to 0 in float32.
+    # exp(-200), to 0 in float32 (and without causal, one maximum per document).
     proj = LA.init_random_projection(jax.random.PRNGKey(40), 8, 4).at[0].set(
         jnp.array([20.0, 0, 0, 0]))
     q, k, v = _rand(41, L, 4), _rand(42, L, 4) / 2, _rand(43, L, 3)
-    k = k.at[1].set(jnp.array([40.0, 0, 0, 0]))  # x = k / 4^(1/4) * ... along row 0
+    k = k.at[1].set(jnp.array([40.0, 0, 0, 0]))  # scaled by sqrt(0.25): 20 along row 0
     seg, real = jnp.asarray(SEG), jnp.asarray(REAL)
-    for causal in (True, False):
-        kw = dict(causal=causal, chunk_size=CHUNK, scale=0.25)
-        packed = lambda q, k, v: LA.performer_attention(  # noqa: E731
-            q, k, v, proj, kv_mask=real, segment_ids=seg, **kw)
-        alone = functools.partial(_per_document, lambda q, k, v: LA.performer_attention(
-            q, k, v, proj, **kw))
-        _check_packed({"chunked": packed}, alone, (q, k, v), _rand(44, L, 3),
-                      f"performer, causal={causal}")
+    kw = {"causal": causal, "chunk_size": CHUNK, "scale": 0.25}
+
+    def packed(q, k, v):
+        return LA.performer_attention(q, k, v, proj, kv_mask=real, segment_ids=seg, **kw)
+
+    def one(q, k, v):
+        return LA.performer_attention(q, k, v, proj, **kw)
+
+    _check_packed({"chunked": packed}, functools.partial(_per_document, one), (q, k, v),
+                  _rand(44, L, 3), f"performer, causal={causal}")
 
 
 # --- the layers' plumbing: bidirectional runs and Mamba-2's convolution -------------------------
