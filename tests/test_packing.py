@@ -226,5 +226,5 @@ def test_the_packed_lm_config_builds_and_scores_a_packed_batch():
     loss, _ = eqx.filter_eval_shape(train.make_loss_fn(task), model, batch,
                                     jax.random.PRNGKey(1))
     assert loss.shape == () and loss.dtype == jnp.float32
-    with pytest.raises(ValueError, match="honours segment ids.*got 'performer'"):
-        stdlib_bytes.get_config("performer,packed")
+    with pytest.raises(ValueError, match="honours segment ids.*got 'reformer'"):
+        stdlib_bytes.get_config("reformer,packed")
