@@ -48,7 +48,8 @@ def _value_and_grads(fn, arrays, weight):
     def loss(*a):
         return jnp.sum(jnp.where(REAL[:, None], fn(*a) * weight, 0.0))
 
-    return jnp.where(REAL[:, None], fn(*arrays), 0.0), jax.grad(loss, tuple(range(len(arrays))))(*arrays)
+    grads = jax.grad(loss, tuple(range(len(arrays))))(*arrays)
+    return jnp.where(REAL[:, None], fn(*arrays), 0.0), grads
 
 
 def _real_rows(tree):
