@@ -69,8 +69,8 @@ class MLSTM(_QKVRecurrence):
         h = self.num_heads
         return q, k / math.sqrt(k.shape[-1]), v, gates[..., :h], gates[..., h:]
 
-    def _core(self, q, k, v, i, f, m):
-        return M.mlstm(q, k, v, i, f, kv_mask=m, **self._form())
+    def _core(self, q, k, v, i, f, m, segment_ids=None):
+        return M.mlstm(q, k, v, i, f, kv_mask=m, segment_ids=segment_ids, **self._form())
 
     def _step(self, state, q, k, v, i, f):
         return M.mlstm_step(state, q, k, v, i, f)
@@ -125,8 +125,8 @@ class HGRN2(_QKVRecurrence):
             log_f = jnp.logaddexp(math.log(lb), math.log1p(-lb) + log_f)
         return q, -jnp.expm1(log_f), v, log_f
 
-    def _core(self, q, fk, v, log_f, m):
-        return M.hgrn2(q, v, log_f, kv_mask=m, **self._form())
+    def _core(self, q, fk, v, log_f, m, segment_ids=None):
+        return M.hgrn2(q, v, log_f, kv_mask=m, segment_ids=segment_ids, **self._form())
 
     _step = staticmethod(causal_step)
     _norm = staticmethod(_rms)
