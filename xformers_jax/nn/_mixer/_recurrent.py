@@ -84,10 +84,25 @@ class _HeadRecurrence(MixerModule):
     def _form(self):
         return dict(implementation=self.implementation, chunk_size=self.chunk_size)
 
-    def __call__(self, x, *, kv_mask=None, positions=None, key=None):
-        x = check_mask(type(self).__name__, x, kv_mask)
+    def __call__(self, x, *, kv_mask=None, positions=None, key=None, segment_ids=None):
+        name = type(self).__name__
+        x = check_mask(name, x, kv_mask)
         per_head, shared, ctx = self._inputs(x, kv_mask)
-        o = _per_head(self._core, self.causal, per_head, shared, kv_mask=kv_mask)
+        core = self._core
+        if segment_ids is not None:
+            # Packed rows reach only kinds whose recurrence restarts at a document's first
+            # position (Kind.segments; their _core takes segment_ids). The ids ride along as
+            # an array every head reads (flipped with the rest in the bidirectional form).
+            if segment_ids.shape != x.shape[:2]:
+                raise ValueError(f"{name}: segment_ids must be int[B, L] = "
+                                 f"{list(x.shape[:2])}, got shape {segment_ids.shape}")
+            shared = (*shared, segment_ids)
+
+            def core(*xs):
+                *arrays, seg, m = xs
+                return self._core(*arrays, m, segment_ids=seg)
+
+        o = _per_head(core, self.causal, per_head, shared, kv_mask=kv_mask)
         return zero_padded(self._out(x, o, ctx), kv_mask)
 
 
@@ -251,8 +266,9 @@ class GatedDeltaNet(_QKVRecurrence):
             (x @ self.w_a.astype(dt)).astype(jnp.float32) + self.dt_bias)
         return q, k, v, beta, ld
 
-    def _core(self, q, k, v, beta, ld, m):
-        return M.gated_delta(q, k, v, beta, ld, kv_mask=m, **self._form())
+    def _core(self, q, k, v, beta, ld, m, segment_ids=None):
+        return M.gated_delta(q, k, v, beta, ld, kv_mask=m, segment_ids=segment_ids,
+                             **self._form())
 
     _step = staticmethod(gated_delta_step)
     _norm = staticmethod(_rms)
