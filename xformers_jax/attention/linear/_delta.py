@@ -163,6 +163,16 @@ def unit_lower_inverse(strict):
     return inv[..., 0, :c, :c]
 
 
+def _kept(x, keep):
+    """``x`` where ``keep`` (zero elsewhere), or ``x`` itself when ``keep`` is None."""
+    return x if keep is None else jnp.where(keep, x, jnp.zeros((), x.dtype))
+
+
+def _every(x, r):
+    """Positions ``r - 1, 2 r - 1, ...`` of ``x [n, c]`` (None stays None)."""
+    return None if x is None else x[:, r - 1::r]
+
+
 def _delta_chunks(fq, fk, v, beta, ld, s0, query_stride=1, starts=None):
     """The chunkwise (gated) delta rule over ``n`` chunks (``[n, c, ...]`` arrays) starting
     from the state ``s0``: (out ``[n, c / r, E]``, final state), read at every ``r``-th
@@ -176,22 +186,21 @@ def _delta_chunks(fq, fk, v, beta, ld, s0, query_stride=1, starts=None):
     beta = beta[..., None]
     b = jnp.cumsum(ld, axis=1)  # within-chunk cumulative log-decays, <= 0
     causal = jnp.tril(jnp.ones((c, c), bool))
-    gamma_0, total = jnp.exp(b), jnp.exp(b[:, -1])
-    kg = fk * jnp.exp(b[:, -1:] - b)[..., None]
+    carried = last = None
     if starts is not None:
         same, carried, last = document_masks(starts)
         causal = causal & same
-        gamma_0 = jnp.where(carried, gamma_0, 0.0)
-        total = jnp.where(carried[:, -1], total, 0.0)
-        kg = jnp.where(last[..., None], kg, 0.0)
     # exp(b_t - b_j) for j <= t only: the inner where keeps exp off the positive differences.
     diff = b[:, :, None] - b[:, None, :]
     gamma = jnp.where(causal, jnp.exp(jnp.where(causal, diff, 0.0)), 0.0)
     inverse = unit_lower_inverse(jnp.tril(beta * gamma * jnp.einsum("ncm,ndm->ncd", fk, fk), -1))
-    uw = inverse @ jnp.concatenate([beta * v, beta * gamma_0[..., None] * fk], -1)
+    uw = inverse @ jnp.concatenate([beta * v, beta * _kept(jnp.exp(b), carried)[..., None] * fk],
+                                   -1)
     u, w = uw[..., :dv], uw[..., dv:]
     scores = gamma[:, r - 1::r] * jnp.einsum("ncm,ndm->ncd", fq, fk)
-    qg = fq * gamma_0[:, r - 1::r, None]
+    qg = fq * _kept(jnp.exp(b[:, r - 1::r]), _every(carried, r))[..., None]
+    kg = fk * _kept(jnp.exp(b[:, -1:] - b), last)[..., None]
+    total = _kept(jnp.exp(b[:, -1]), None if carried is None else carried[:, -1])
 
     @functools.partial(jax.checkpoint, prevent_cse=False)
     def chunk(s, x):

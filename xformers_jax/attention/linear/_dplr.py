@@ -42,7 +42,7 @@ import jax.numpy as jnp
 from jax import lax
 from jaxtyping import Array, Float
 
-from ._delta import document_masks, document_starts, unit_lower_inverse
+from ._delta import _kept, document_masks, document_starts, unit_lower_inverse
 from ._scan import GROUP_POSITIONS, chunk_groups
 
 
@@ -140,64 +140,60 @@ def _dplr_chunks(q, k, v, a, b, ld, s0, sub_chunk=2, starts=None):
     g = jnp.cumsum(ld, axis=1)
     p = g - ld
     ref = p[:, ::sub]  # each sub-chunk's decay before its first position
-    scores = _Scores(p, g, ref, sub)
-    # The outputs' scores exp(g_t - g_j) are the reads' exp(p_t - g_j) scaled by exp(ld_t) <= 1
-    # for j < t, and 1 for j = t: one set of decays serves both.
-    qd = q * jnp.exp(ld)
-    carry_in, qg = b * jnp.exp(p), q * jnp.exp(g)
-    total = jnp.exp(g[:, -1])
-    kg = k * jnp.exp(g[:, -1:] - g)
-    reads = scores
+    reads = _Scores(p, g, ref, sub)
+    carried = last = ends = None
     if starts is not None:
         # Packed documents: masks on the chunk's own matrices (no -inf decays).
         same, carried, last = document_masks(starts)
+        carried, last, ends, unmasked = carried[..., None], last[..., None], carried[:, -1:], reads
 
         def reads(x, y):
-            return jnp.where(same, scores(x, y), 0.0)
+            return jnp.where(same, unmasked(x, y), 0.0)
 
-        carry_in = jnp.where(carried[..., None], carry_in, 0.0)
-        qg = jnp.where(carried[..., None], qg, 0.0)
-        total = jnp.where(carried[:, -1:], total, 0.0)
-        kg = jnp.where(last[..., None], kg, 0.0)
+    # The outputs' scores exp(g_t - g_j) are the reads' exp(p_t - g_j) scaled by exp(ld_t) <= 1
+    # for j < t, and 1 for j = t: one set of decays serves both.
+    qd = q * jnp.exp(ld)
 
     def outs(y):
         return reads(qd, y) + jnp.sum(q * y, -1)[..., None] * jnp.eye(c, dtype=q.dtype)
 
     p_bk, q_k = reads(b, k), outs(k)
+    qg = q * _kept(jnp.exp(g), carried)
+    total = g[:, -1]
+    kg = k * _kept(jnp.exp(total[:, None] - g), last)
     if a is None:
         # a = -k: the reads are taken back along k, so the chunk writes k^T (v - u) and reads
         # out Q_qk (v - u) (the gated delta rule's pseudo-values), one product each.
         # U = x + w S_0 with [x, w] = (I + P_bk)^-1 [P_bk V, b * exp(p)]: one product.
-        xw = unit_lower_inverse(p_bk) @ jnp.concatenate([p_bk @ v, carry_in], -1)
+        xw = unit_lower_inverse(p_bk) @ jnp.concatenate([p_bk @ v,
+                                                         b * _kept(jnp.exp(p), carried)], -1)
         pseudo, w = v - xw[..., :v.shape[-1]], xw[..., v.shape[-1]:]    # v - U = pseudo - w S_0
 
         @functools.partial(jax.checkpoint, prevent_cse=False)
         def delta_chunk(s, xs):
-            pseudo_n, w_n, qg_n, qk_n, t_n, kg_n = xs
+            pseudo_n, w_n, qg_n, qk_n, t_n, e_n, kg_n = xs
             pseudo_n = pseudo_n - w_n @ s
             out = qg_n @ s + qk_n @ pseudo_n
-            return t_n[:, None] * s + kg_n.T @ pseudo_n, out
+            return _kept(jnp.exp(t_n), e_n)[:, None] * s + kg_n.T @ pseudo_n, out
 
-        s_end, out = lax.scan(delta_chunk, s0, (pseudo, w, qg, q_k, total, kg))
+        s_end, out = lax.scan(delta_chunk, s0, (pseudo, w, qg, q_k, total, ends, kg))
         return out, s_end
     p_ba, q_a = reads(b, a), outs(a)
     inverse = unit_lower_inverse(-p_ba)
-    w = inverse @ carry_in                                           # U = x + w S_0
+    w = inverse @ (b * _kept(jnp.exp(p), carried))                   # U = x + w S_0
     x = inverse @ (p_bk @ v)
     inter = q_k @ v
-    ag = a * jnp.exp(g[:, -1:] - g)
-    if starts is not None:
-        ag = jnp.where(last[..., None], ag, 0.0)
+    ag = a * _kept(jnp.exp(total[:, None] - g), last)
     kv = jnp.einsum("ncm,nce->nme", kg, v)
 
     @functools.partial(jax.checkpoint, prevent_cse=False)
     def chunk(s, xs):
-        x_n, w_n, qg_n, qa_n, in_n, t_n, ag_n, kv_n = xs
+        x_n, w_n, qg_n, qa_n, in_n, t_n, e_n, ag_n, kv_n = xs
         u = x_n + w_n @ s
         out = qg_n @ s + qa_n @ u + in_n
-        return t_n[:, None] * s + ag_n.T @ u + kv_n, out
+        return _kept(jnp.exp(t_n), e_n)[:, None] * s + ag_n.T @ u + kv_n, out
 
-    s_end, out = lax.scan(chunk, s0, (x, w, qg, q_a, inter, total, ag, kv))
+    s_end, out = lax.scan(chunk, s0, (x, w, qg, q_a, inter, total, ends, ag, kv))
     return out, s_end
 
 
