@@ -100,6 +100,8 @@ def kda(q, k, v, beta, log_alpha, *, kv_mask=None, implementation: str = "chunke
     _check_gates(name, {"beta": (length,), "log_alpha": k.shape}, beta=beta, log_alpha=log_alpha)
     q, k, v, beta, ld = _f32(q, k, v, beta, log_alpha)
     if kv_mask is not None:
+        # Selected before the products below, so padding's content reaches no gradient.
+        k, v, ld = (jnp.where(kv_mask[:, None], x, 0) for x in (k, v, ld))
         beta = jnp.where(kv_mask, beta, 0)
     # a = -beta k: what is written along beta k is first removed along it (dplr's a = None).
     return _dplr(name, q, beta[:, None] * k, v, None, k * jnp.exp(ld), ld, kv_mask,
@@ -136,7 +138,8 @@ def rwkv7(r, k, v, log_w, kappa, a, u, *, kv_mask=None, implementation: str = "c
                         "r": k.shape}, log_w=log_w, kappa=kappa, a=a, u=u, r=r)
     r, k, v, ld, kappa, a, u = _f32(r, k, v, log_w, kappa, a, u)
     if kv_mask is not None:
-        k, v = (jnp.where(kv_mask[:, None], x, 0) for x in (k, v))
+        # Selected before the products below, so padding's content reaches no gradient.
+        k, v, ld, kappa, a = (jnp.where(kv_mask[:, None], x, 0) for x in (k, v, ld, kappa, a))
     out = _dplr(name, r, k, v, -(a * kappa), kappa, ld, kv_mask, implementation, chunk_size,
                 segment_ids)
     return out + jnp.sum(r * u * k, -1, keepdims=True) * v

@@ -310,7 +310,11 @@ def delta_rule_attention(
     segs = C.check_segment_ids(name, segment_ids, x.lq, x.lk)
     segment_ids = None if segs is None else segs[1]
     fm = resolve_feature_map(name, feature_map, feature_arrays)
-    beta = jax.nn.sigmoid(check_per_position(name, "beta_logits", beta_logits, x.lk))
+    beta_logits = check_per_position(name, "beta_logits", beta_logits, x.lk)
+    if kv_mask is not None:
+        # Selected before the sigmoid too, so a padded NaN logit gets a zero gradient.
+        beta_logits = jnp.where(kv_mask, beta_logits, 0.0)
+    beta = jax.nn.sigmoid(beta_logits)
     root_scale = math.sqrt(C.resolve_scale(x.dk, scale))
     fq = _features(fm, x.q, feature_arrays, root_scale, eps)
     k_in = x.k if kv_mask is None else jnp.where(kv_mask[:, None], x.k, 0)
