@@ -7,7 +7,9 @@ documents start inside a chunk (3, 21) and exactly on a chunk's first position (
 document spans three chunks, and with groups of 8 positions (``group_positions``) one starts
 on a group's first position (8) and one runs across a group edge (16). The padding holds NaN
 in every input a ``kv_mask`` masks (the layers zero the block input at padding first, so the
-queries are zero there). Each kind's checks are one compiled program."""
+queries are zero there). Each kind's checks are one compiled program. The layers'
+bidirectional form (both directions restart at a document's edges) is checked once per rule
+family at the end; their causal form is ``tests/test_kinds_packing.py``."""
 
 import functools
 
@@ -214,3 +216,43 @@ def test_bad_segment_ids_are_refused_naming_the_shape(call):
         jax.eval_shape(calls[call], bad)
     with pytest.raises(ValueError, match="segment_ids|segment ids"):
         jax.eval_shape(calls[call], jnp.ones((L,), jnp.float32))
+
+
+def test_the_bidirectional_layers_restart_at_both_ends_of_a_document():
+    # Packing is tested in causal LMs (test_kinds_packing); without ``causal`` the layers also
+    # run from the last position, where a document ends rather than starts: the segment ids
+    # are flipped with the rest. Outputs and input gradients of a packed row against each
+    # document alone in its own row (padded at the end, masked), for one layer on each of the
+    # two chunked rules (the scalar gated delta rule and the DPLR rule).
+    from xformers_jax.nn._mixer._recurrent import GatedDeltaNet
+    from xformers_jax.nn._mixer._recurrent_recent import RWKV7
+
+    docs, length, dim = (3, 6, 5), 16, 8
+    seg = np.concatenate([np.full(n, i + 1) for i, n in enumerate(docs)]
+                         + [np.zeros(length - sum(docs), int)]).astype(np.int32)
+    starts = np.cumsum((0,) + docs[:-1])
+    idx = np.stack([np.minimum(np.arange(length) + s, length - 1) for s in starts])
+    alone_mask = np.arange(length)[None] < np.asarray(docs)[:, None]
+
+    def run(key):
+        x = jax.random.normal(key, (1, length, dim))
+        x_alone = jnp.where(alone_mask[..., None], x[0][idx], 0.0)
+        out = {}
+        for cls in (GatedDeltaNet, RWKV7):
+            m = cls(dim, 2, causal=False, max_len=length, key=jax.random.fold_in(key, 1),
+                    chunk_size=4)
+
+            def f(x, mask, **kw):
+                y = m(x, kv_mask=mask, **kw)
+                return jnp.sum(y ** 2), y
+
+            packed = jax.grad(f, has_aux=True)(x, jnp.asarray(seg > 0)[None],
+                                               segment_ids=jnp.asarray(seg)[None])
+            out[cls.__name__] = (packed, jax.grad(f, has_aux=True)(x_alone, alone_mask))
+        return out
+
+    for name, ((g, y), (g_alone, y_alone)) in jit0(run)(jax.random.PRNGKey(9)).items():
+        for i, (s, n) in enumerate(zip(starts, docs)):
+            what = f"{name} (bidirectional), document at {s}..{s + n - 1}"
+            assert_close(y[0, s:s + n], y_alone[i, :n], EXACT, err_msg=f"{what}: outputs")
+            assert_close(g[0, s:s + n], g_alone[i, :n], EXACT_GRAD, err_msg=f"{what}: gradients")

@@ -70,7 +70,8 @@ class _HeadRecurrence(MixerModule):
     A kind defines ``_inputs(x, kv_mask) -> (per_head, shared, ctx)`` (``[B, L, H, ...]``
     arrays, ``[B, L, ...]`` arrays every head reads, anything ``_out`` needs), ``_core(*arrays,
     kv_mask)`` (one head of one sequence, a function of :mod:`xformers_jax.mixers`) and
-    ``_out(x, o, ctx)``."""
+    ``_out(x, o, ctx)``. A kind whose record claims segment ids (``Kind.segments``) takes
+    ``_core(*arrays, kv_mask, segment_ids=int[L])`` for packed rows."""
 
     num_heads: int = eqx.field(static=True)
     causal: bool = eqx.field(static=True)
