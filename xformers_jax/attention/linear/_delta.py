@@ -78,17 +78,6 @@ def document_starts(segment_ids):
     return jnp.concatenate([jnp.zeros((1,), bool), seg[1:] != seg[:-1]])
 
 
-def check_segment_ids(name, segment_ids, length):
-    """``segment_ids`` as ``int[L]`` (or None), naming ``name`` and the shape otherwise."""
-    if segment_ids is None:
-        return None
-    seg = jnp.asarray(segment_ids)
-    if seg.shape != (length,) or not jnp.issubdtype(seg.dtype, jnp.integer):
-        raise ValueError(f"{name}: segment_ids must be int[{length}] (one document id per "
-                         f"position), got {seg.dtype}{list(seg.shape)}")
-    return seg
-
-
 def document_masks(starts):
     """The masks of a chunk's documents from ``starts bool[n, c]`` (True at a document's first
     position, including position 0 of a chunk whose previous token is in another document):

@@ -12,6 +12,7 @@ GLA and Gated DeltaNet omit the short convolutions before q/k/v; Mamba and Mamba
 
 from __future__ import annotations
 
+import inspect
 import math
 
 import equinox as eqx
@@ -94,6 +95,9 @@ class _HeadRecurrence(MixerModule):
             # Packed rows reach only kinds whose recurrence restarts at a document's first
             # position (Kind.segments; their _core takes segment_ids). The ids ride along as
             # an array every head reads (flipped with the rest in the bidirectional form).
+            if "segment_ids" not in inspect.signature(self._core).parameters:
+                raise ValueError(f"{name} does not honour segment ids (packed documents would "
+                                 "see each other through its recurrence)")
             if segment_ids.shape != x.shape[:2]:
                 raise ValueError(f"{name}: segment_ids must be int[B, L] = "
                                  f"{list(x.shape[:2])}, got shape {segment_ids.shape}")
