@@ -94,7 +94,7 @@ KINDS = (
          Paper("Yang, Kautz and Hatamizadeh", 2025, "Gated Delta Networks: Improving Mamba2 "
                "with Delta Rule"),
          time="O(L c D + L D^2)", memory="O(L D + (L/c) D^2)", causal=True,
-         decoding="recurrent",
+         decoding="recurrent", segments=True,
          state_size="H D_k D_v", test_hyperparameters=_CHUNK,
          hyperparameters={**_scan(64, "'chunked', 'recurrent' or 'parallel'"),
                           "dt_min": (1e-3, "smallest initial decay step (log-uniform)"),
@@ -117,7 +117,7 @@ KINDS = (
          Paper("Kimi Team", 2025, "Kimi Linear: An Expressive, Efficient Attention "
                "Architecture"),
          time="O(L c D_k + L D^2)", memory="O(L D + (L/c) D^2 + c^2 D_k)", causal=True,
-         decoding="recurrent",
+         decoding="recurrent", segments=True,
          state_size="H D_k D_v", test_hyperparameters=_CHUNK,
          hyperparameters={**_scan(DPLR_CHUNK, "'chunked', 'recurrent' or 'parallel'"),
                           "dt_min": (1e-3, "smallest initial decay step (log-uniform)"),
@@ -126,14 +126,14 @@ KINDS = (
          Paper("Peng et al.", 2025, "RWKV-7 \"Goose\" with Expressive Dynamic State "
                "Evolution"),
          time="O(L c D_k + L D^2)", memory="O(L D + (L/c) D^2 + c^2 D_k)", causal=True,
-         decoding="recurrent",
+         decoding="recurrent", segments=True,
          state_size="H D_k D_v", test_hyperparameters=_CHUNK,
          hyperparameters=_scan(DPLR_CHUNK, "'chunked', 'recurrent' or 'parallel'")),
     Kind("delta_product", delta_product, "mixers",
          Paper("Siems et al.", 2025, "DeltaProduct: Improving State-Tracking in Linear RNNs "
                "via Householder Products"),
          time="O(L n_h (c D + D^2))", memory="O(L n_h D + (L n_h/c) D^2)", causal=True,
-         decoding="recurrent",
+         decoding="recurrent", segments=True,
          state_size="H D_k D_v", test_hyperparameters=_CHUNK,
          hyperparameters={"householder_steps": (2, "delta (Householder) steps n_h per token"),
                           **_scan(DELTA_PRODUCT_CHUNK, "'chunked', 'recurrent' or 'parallel' "

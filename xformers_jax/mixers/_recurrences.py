@@ -168,7 +168,7 @@ def ssd(x, dt, a, b, c, *, kv_mask=None, implementation: str = "chunked", chunk_
 
 
 def gated_delta(q, k, v, beta, ld, *, kv_mask=None, implementation: str = "chunked",
-                chunk_size: int = 64):
+                chunk_size: int = 64, segment_ids=None):
     """The gated delta rule of one head (Yang, Kautz and Hatamizadeh 2025, Eq. 10):
     ``S_t = a_t (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T``, ``o_t = q_t S_t``.
 
@@ -177,6 +177,9 @@ def gated_delta(q, k, v, beta, ld, *, kv_mask=None, implementation: str = "chunk
       beta: ``[L]`` in ``[0, 1]``. ld: ``[L]`` log-decays ``log a_t <= 0``.
       implementation: ``"chunked"`` (triangular solve per chunk), ``"recurrent"``, or
         ``"parallel"`` (the chunked form with a single chunk).
+      segment_ids: ``int[L]`` packed documents (contiguous ids), or None: the state restarts
+        from zero at each document's first position (``a_t = 0`` there), so each document's
+        outputs and gradients are those of the document alone.
 
     Returns:
       ``[L, Dv]`` float32.
@@ -187,14 +190,18 @@ def gated_delta(q, k, v, beta, ld, *, kv_mask=None, implementation: str = "chunk
     for arg, x in (("beta", beta), ("ld", ld)):
         if x.shape != (length,):
             raise ValueError(f"gated_delta: {arg} must be [{length}], got shape {x.shape}")
+    if segment_ids is not None and (segment_ids.shape != (length,)
+                                    or not jnp.issubdtype(segment_ids.dtype, jnp.integer)):
+        raise ValueError(f"gated_delta: segment_ids must be int[{length}], got "
+                         f"{segment_ids.dtype}{list(segment_ids.shape)}")
     q, k, v, beta, ld = _f32(q, k, v, beta, ld)
     k, v, ld = _mask(name, kv_mask, length, k, v, ld)
     if kv_mask is not None:
         beta = jnp.where(kv_mask, beta, 0)
     if implementation == "recurrent":
-        return gated_delta_recurrent(q, k, v, beta, ld)
+        return gated_delta_recurrent(q, k, v, beta, ld, segment_ids=segment_ids)
     chunk = length if implementation == "parallel" else chunk_size
-    return gated_delta_chunked(q, k, v, beta, ld, chunk_size=chunk)
+    return gated_delta_chunked(q, k, v, beta, ld, chunk_size=chunk, segment_ids=segment_ids)
 
 
 def hgrn2(q, v, log_f, *, kv_mask=None, implementation: str = "chunked",

@@ -155,12 +155,13 @@ def _beta_logits(k, params):
 
 
 def _delta(q, k, v, params, *, causal, kv_mask, bias, key, feature_map="dpfp", q_mask=None,
-           **kw):
+           segment_ids=None, **kw):
     k, v = real_only(kv_mask, k, v)
     beta = jnp.moveaxis(_beta_logits(k, params), 1, 2)  # [B, H, L]
     f = multihead(functools.partial(delta_rule_attention, feature_map=feature_map, **kw),
                   arg_axes=("batch_heads",))
-    return f(q, k, v, beta, causal=True, kv_mask=kv_mask)
+    seg = {} if segment_ids is None else {"segment_ids": segment_ids}  # split over the batch
+    return f(q, k, v, beta, causal=True, kv_mask=kv_mask, **seg)
 
 
 def _delta_init_state(batch, heads, dk, dv, params, *, feature_map="dpfp", **hp):
@@ -217,7 +218,7 @@ KINDS = (
     Kind("delta_rule", delta_rule_attention, "linear",
          Paper("Schlag et al.", 2021, "Linear Transformers Are Secretly Fast Weight Programmers"),
          time="O(L M D), M features", memory="O(L M + (L/c) M D)", causal=True,
-         decoding="recurrent", test_hyperparameters={"chunk_size": 8},
+         decoding="recurrent", segments=True, test_hyperparameters={"chunk_size": 8},
          hyperparameters={"feature_map": ("dpfp", "the feature map phi: 'dpfp', 'elu', ... or a "
                                                   "callable"),
                           **_SCAN},

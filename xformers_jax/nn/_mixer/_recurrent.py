@@ -72,7 +72,8 @@ class _HeadRecurrence(MixerModule):
     A kind defines ``_inputs(x, kv_mask) -> (per_head, shared, ctx)`` (``[B, L, H, ...]``
     arrays, ``[B, L, ...]`` arrays every head reads, anything ``_out`` needs), ``_core(*arrays,
     kv_mask)`` (one head of one sequence, a function of :mod:`xformers_jax.mixers`) and
-    ``_out(x, o, ctx)``."""
+    ``_out(x, o, ctx)``. A kind whose record claims segment ids (``Kind.segments``) takes
+    ``_core(*arrays, kv_mask, segment_ids=int[L])`` for packed rows."""
 
     num_heads: int = eqx.field(static=True)
     causal: bool = eqx.field(static=True)
@@ -259,8 +260,9 @@ class GatedDeltaNet(_QKVRecurrence):
             (x @ self.w_a.astype(dt)).astype(jnp.float32) + self.dt_bias)
         return q, k, v, beta, ld
 
-    def _core(self, q, k, v, beta, ld, m):
-        return M.gated_delta(q, k, v, beta, ld, kv_mask=m, **self._form())
+    def _core(self, q, k, v, beta, ld, m, segment_ids=None):
+        return M.gated_delta(q, k, v, beta, ld, kv_mask=m, segment_ids=segment_ids,
+                             **self._form())
 
     _step = staticmethod(gated_delta_step)
     _norm = staticmethod(_rms)
