@@ -31,6 +31,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 
+import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float
 
@@ -232,8 +233,38 @@ def prefix_lm_mask(prefix: int) -> MaskMod:
     return MaskMod(prefix_or_past, ("prefix_lm_mask", prefix))
 
 
-def streaming_mask(window: int, sinks: int) -> Pattern:
+def document_offsets(segment_ids) -> jnp.ndarray:
+    """``int32[L]``: each position's offset from the first position of its document, for
+    packed-sequence ids ``segment_ids int[L]`` (a document starts wherever the id changes; the
+    padding after the last document counts as one more). A score or mask function of packed
+    rows reads positions through it, so each document sees the positions it would see alone
+    (StreamingLLM's sinks are the first tokens of each document, not of the row)."""
+    seg = jnp.asarray(segment_ids)
+    if seg.ndim != 1 or not jnp.issubdtype(seg.dtype, jnp.integer):
+        raise ValueError(f"document_offsets: segment_ids must be int[L] (one row; lift with "
+                         f"multihead), got {seg.dtype}{tuple(seg.shape)}")
+    idx = jnp.arange(seg.shape[0], dtype=jnp.int32)
+    starts = jnp.concatenate([jnp.ones((1,), bool), seg[1:] != seg[:-1]])
+    return idx - jax.lax.cummax(jnp.where(starts, idx, 0))
+
+
+def streaming_mask(window: int, sinks: int, segment_ids=None) -> Pattern:
     """StreamingLLM's mask (Xiao et al., 2024, "Efficient Streaming Language Models with
     Attention Sinks"): the first ``sinks`` keys and a window of the ``window`` keys before each
-    query (with ``causal=True``, the query itself and ``window`` keys back)."""
-    return Local(int(window), 0) | KeyPadding(int(sinks))
+    query (with ``causal=True``, the query itself and ``window`` keys back).
+
+    With packed-sequence ids ``segment_ids int[L]`` the sinks are the first ``sinks`` keys of
+    each document (:func:`document_offsets`), so a document sees what it would see alone once
+    the kernel's segment mask (``flex_attention(segment_ids=)``) keeps it inside its document.
+    The sinks then move with the data, so this is a mask function evaluated in-tile over the
+    causal tiles the documents share, not a static layout."""
+    window, sinks = int(window), int(sinks)
+    if segment_ids is None:
+        return Local(window, 0) | KeyPadding(sinks)
+    offsets = document_offsets(segment_ids)
+
+    def window_or_document_sink(b, h, q_idx, kv_idx):
+        return (((kv_idx >= q_idx - window) & (kv_idx <= q_idx))
+                | (offsets[kv_idx] < sinks))
+
+    return MaskMod(window_or_document_sink)

@@ -58,7 +58,8 @@ def _softcap(q, k, v, *, cap=50.0, **kw):
 
 
 def _streaming(q, k, v, *, window, sinks=4, **kw):
-    return flex_attention(q, k, v, mask_mod=streaming_mask(window, sinks), **kw)
+    return flex_attention(q, k, v, mask_mod=streaming_mask(window, sinks,
+                                                           kw.get("segment_ids")), **kw)
 
 
 def _learned_sinks(q, k, v, sink, *, window=None, **kw):
@@ -112,14 +113,14 @@ KINDS = (
     # Flex attention's score and mask functions (attention._flex) as kinds.
     Kind("softcap", flex_attention, "exact",
          Paper("Gemma Team", 2024, "Gemma 2: Improving Open Language Models at a Practical Size"),
-         time="O(L^2 D)", memory="O(L D)", causal=True, decoding=None,
+         time="O(L^2 D)", memory="O(L D)", causal=True, decoding=None, segments=True,
          test_hyperparameters={"cap": 1.0, "block_q": 8, "block_k": 8},
          hyperparameters={"cap": (50.0, "soft cap of the scaled logits: cap * tanh(s / cap)"),
                           **TILES},
          adapter=AttentionAdapter(lifted(_softcap))),
     Kind("streaming", flex_attention, "exact",
          Paper("Xiao et al.", 2024, "Efficient Streaming Language Models with Attention Sinks"),
-         time="O(L (w + n) D)", memory="O(L D)", causal=True, decoding="kv",
+         time="O(L (w + n) D)", memory="O(L D)", causal=True, decoding="kv", segments=True,
          test_hyperparameters={"window": 3, "sinks": 2, "block_q": 8, "block_k": 8},
          hyperparameters={"window": (REQUIRED, "keys before the query inside its window"),
                           "sinks": (4, "first keys every query sees (the attention sinks)"),
@@ -130,6 +131,7 @@ KINDS = (
     Kind("learned_sinks", flex_attention, "exact",
          Paper("OpenAI", 2025, "gpt-oss-120b & gpt-oss-20b Model Card"),
          time="O(L^2 D) (O(L w D) windowed)", memory="O(L D)", causal=True, decoding=None,
+         segments=True,
          test_hyperparameters={"block_q": 8, "block_k": 8},
          hyperparameters={"window": (None, "sliding window (keys back; both sides when not "
                                            "causal); None: all keys"),
