@@ -1,0 +1,226 @@
+"""Packed rows (``segment_ids``) in the softmax kinds outside the exact family's own kernels:
+each kind's function with segment ids against (1) its dense definition written here from the
+paper's equations with a same-document mask, outputs and gradients in float32, and (2) the
+same function run on each document alone. The documents of the row (6, 2, 5 tokens and 3
+padding positions, tiles of 4) put one boundary inside a tile, one exactly on a tile edge,
+and two documents longer than a tile; the padding holds NaN. Layer-level packing (a packed
+row equals each document alone in a ``CausalLM``) is ``tests/test_kinds_packing.py``'s, for
+every kind whose record claims segment ids. One compiled program per kind."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from tests.fast_jit import jit0
+from tests.tolerances import EXACT, EXACT_GRAD, assert_close
+from xformers_jax import attention as A
+from xformers_jax.attention.modern._differential import differential_attention
+from xformers_jax.attention.modern._fox import forgetting_attention
+
+DOCS = (6, 2, 5)
+L, D, TILE = 16, 8, 4
+SEG = np.concatenate([np.full(n, i + 1) for i, n in enumerate(DOCS)]
+                     + [np.zeros(L - sum(DOCS), int)]).astype(np.int32)
+STARTS = np.cumsum((0,) + DOCS[:-1])
+REAL = SEG > 0
+_TILES = {"block_q": TILE, "block_k": TILE}
+
+
+def _inputs(seed=0):
+    kq, kk, kv = jax.random.split(jax.random.PRNGKey(seed), 3)
+    q, k, v = (jax.random.normal(x, (L, D)) for x in (kq, kk, kv))
+    # Padded keys and values hold NaN: they must reach no real output and no gradient. (A
+    # padded query's own output is the caller's to discard; NaN there would still reach the
+    # gradient of a parameter shared by all queries, such as differential's lambda.)
+    nan = jnp.asarray(REAL)[:, None]
+    return (q,) + tuple(jnp.where(nan, a, jnp.nan) for a in (k, v))
+
+
+def _offsets():
+    return np.concatenate([np.arange(n) for n in DOCS] + [np.arange(L - sum(DOCS))])
+
+
+def _keep(causal=True):
+    """The dense reference's mask: real keys of the query's own document (and j <= i)."""
+    i, j = np.arange(L)[:, None], np.arange(L)[None, :]
+    keep = (SEG[:, None] == SEG[None, :]) & REAL[None, :]
+    return keep & (j <= i) if causal else keep
+
+
+def _softmax_rows(s, keep, sink=None):
+    """``softmax(s)`` over the kept keys of each row, in float32 (a sink logit adds to the
+    denominator); rows with no kept key are zero."""
+    s = jnp.where(keep, s.astype(jnp.float32), -jnp.inf)
+    m = jnp.max(s, -1, keepdims=True)
+    if sink is not None:
+        m = jnp.maximum(m, sink)
+    m = jnp.where(jnp.isfinite(m), m, 0.0)
+    e = jnp.where(keep, jnp.exp(s - m), 0.0)
+    den = e.sum(-1, keepdims=True) + (0.0 if sink is None else jnp.exp(sink - m))
+    return e / jnp.where(den > 0, den, 1.0)
+
+
+def _scores(q, k, scale=None):
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    return (q.astype(jnp.float32) @ k.astype(jnp.float32).T) * scale
+
+
+def _clean(*arrays):
+    """The reference's inputs: padding replaced by zeros (the dense form would turn NaN into
+    NaN rows otherwise; padding is out of every kept entry anyway)."""
+    return tuple(a if jnp.ndim(a) == 0 else
+                 jnp.where(jnp.asarray(REAL).reshape(-1, *[1] * (a.ndim - 1)), a, 0)
+                 for a in arrays)
+
+
+# -- each kind: (its function with segment ids, its dense definition, extra inputs) -----------
+
+def _softcap_fn(q, k, v, seg, mask):
+    return A.flex_attention(q, k, v, score_mod=A.soft_cap_score(1.0), causal=True,
+                            kv_mask=mask, segment_ids=seg, **_TILES)
+
+
+def _softcap_ref(q, k, v):
+    return _softmax_rows(jnp.tanh(_scores(q, k)), _keep()) @ v
+
+
+def _sinks_fn(q, k, v, seg, mask, sink):
+    return A.flex_attention(q, k, v, sink=sink, mask_mod=A.patterns.Local(3, 0), causal=True,
+                            kv_mask=mask, segment_ids=seg, **_TILES)
+
+
+def _sinks_ref(q, k, v, sink):
+    i, j = np.arange(L)[:, None], np.arange(L)[None, :]
+    return _softmax_rows(_scores(q, k), _keep() & (j >= i - 3), sink) @ v
+
+
+def _streaming_fn(q, k, v, seg, mask):
+    return A.flex_attention(q, k, v, mask_mod=A.streaming_mask(2, 2, seg), causal=True,
+                            kv_mask=mask, segment_ids=seg, **_TILES)
+
+
+def _streaming_ref(q, k, v):
+    # The sinks are the first 2 tokens of each document; the window the query and 2 back.
+    i, j = np.arange(L)[:, None], np.arange(L)[None, :]
+    keep = _keep() & ((j >= i - 2) | (_offsets()[None, :] < 2))
+    return _softmax_rows(_scores(q, k), keep) @ v
+
+
+_LAMBDA_INIT = 0.6
+
+
+def _differential_fn(q, k, v, seg, mask, lam):
+    return differential_attention(q, k, v, lam, lambda_init=_LAMBDA_INIT, causal=True,
+                                  kv_mask=mask, segment_ids=seg, **_TILES)
+
+
+def _differential_ref(q, k, v, lam):
+    # Ye et al., 2024, Eqs. 1 and 3: (1 - lambda_init) RMSNorm((A1 - lambda A2) V).
+    h = D // 2
+    scale = h ** -0.5
+    a1 = _softmax_rows(_scores(q[:, :h], k[:, :h], scale), _keep())
+    a2 = _softmax_rows(_scores(q[:, h:], k[:, h:], scale), _keep())
+    o = (a1 - lam * a2) @ v
+    return (1 - _LAMBDA_INIT) * o * jax.lax.rsqrt(jnp.mean(o * o, -1, keepdims=True) + 1e-5)
+
+
+def _fox_fn(q, k, v, seg, mask, log_f):
+    return forgetting_attention(q, k, v, log_f, causal=True, kv_mask=mask, segment_ids=seg,
+                                **_TILES)
+
+
+def _fox_ref(q, k, v, log_f):
+    # Lin et al., 2025, Eq. 7: D_ij = sum_{l = j+1}^{i} log f_l, summed term by term (inside a
+    # document every l in (j, i] belongs to it).
+    i, j, l_ = np.arange(L)[:, None, None], np.arange(L)[None, :, None], np.arange(L)
+    between = (l_ > j) & (l_ <= i)
+    d = jnp.sum(jnp.where(between, log_f, 0.0), -1)
+    return _softmax_rows(_scores(q, k) + d, _keep()) @ v
+
+
+def _extras(name):
+    key = jax.random.PRNGKey(11)
+    if name == "learned_sinks":
+        return (jnp.float32(0.3),)
+    if name == "differential":
+        return (jnp.float32(0.4),)
+    if name == "fox":
+        log_f = jax.nn.log_sigmoid(jax.random.normal(key, (L,)) + 1.0)
+        return (jnp.where(jnp.asarray(REAL), log_f, jnp.nan),)
+    return ()
+
+
+KINDS = {
+    "softcap": (_softcap_fn, _softcap_ref),
+    "learned_sinks": (_sinks_fn, _sinks_ref),
+    "streaming": (_streaming_fn, _streaming_ref),
+    "differential": (_differential_fn, _differential_ref),
+    "fox": (_fox_fn, _fox_ref),
+}
+
+
+def _weights():
+    # A fixed projection of the real outputs: the loss whose gradients are compared.
+    return jnp.where(jnp.asarray(REAL)[:, None], jax.random.normal(jax.random.PRNGKey(3),
+                                                                   (L, D)), 0.0)
+
+
+@functools.cache
+def _run(name):
+    fn, ref = KINDS[name]
+    q, k, v = _inputs()
+    extra = _extras(name)
+    seg, mask = jnp.asarray(SEG), jnp.asarray(REAL)
+
+    def run(q, k, v, extra):
+        w = _weights()
+
+        def packed(q, k, v, extra):
+            out = fn(q, k, v, seg, mask, *extra)
+            return jnp.sum(jnp.where(mask[:, None], out, 0.0) * w), out
+
+        def dense(q, k, v, extra):
+            out = ref(*_clean(q, k, v), *_clean(*extra))
+            return jnp.sum(jnp.where(mask[:, None], out, 0.0) * w), out
+
+        argnums = (0, 1, 2, 3)
+        (_, out), grads = jax.value_and_grad(packed, argnums, has_aux=True)(q, k, v, extra)
+        (_, want), want_grads = jax.value_and_grad(dense, argnums, has_aux=True)(q, k, v, extra)
+        alone = [fn(q[s:s + n], k[s:s + n], v[s:s + n], None, None,
+                    *(e[s:s + n] if jnp.ndim(e) else e for e in extra))
+                 for s, n in zip(STARTS, DOCS)]
+        return out, grads, want, want_grads, alone
+
+    return jax.tree.map(np.asarray, jit0(run)(q, k, v, extra))
+
+
+def _real(x):
+    return x[REAL] if np.ndim(x) and x.shape[0] == L else x
+
+
+@pytest.mark.parametrize("name", sorted(KINDS))
+def test_packed_rows_equal_the_dense_definition(name):
+    out, grads, want, want_grads, _ = _run(name)
+    assert_close(out[REAL], want[REAL], EXACT, jnp.float32,
+                 err_msg=f"{name}: outputs with segment ids")
+    assert all(np.isfinite(g).all() for g in jax.tree.leaves(jax.tree.map(_real, grads))), \
+        f"{name}: NaN padding reached a gradient of a real position"
+    assert_close(jax.tree.map(_real, grads), jax.tree.map(_real, want_grads), EXACT_GRAD,
+                 jnp.float32, err_msg=f"{name}: gradients with segment ids")
+
+
+@pytest.mark.parametrize("name", sorted(KINDS))
+def test_packed_rows_equal_each_document_alone(name):
+    out, _, _, _, alone = _run(name)
+    for (s, n), one in zip(zip(STARTS, DOCS), alone):
+        assert_close(out[s:s + n], one, EXACT, jnp.float32,
+                     err_msg=f"{name}: document at {s}..{s + n - 1}")
+
+
+def test_document_offsets_restart_at_every_document():
+    np.testing.assert_array_equal(np.asarray(A.document_offsets(jnp.asarray(SEG))), _offsets())
+    with pytest.raises(ValueError, match=r"int\[L\].*float32\(16, 2\)"):
+        A.document_offsets(jnp.zeros((L, 2)))
