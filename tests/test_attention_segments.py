@@ -8,6 +8,7 @@ row equals each document alone in a ``CausalLM``) is ``tests/test_kinds_packing.
 every kind whose record claims segment ids. One compiled program per kind."""
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -17,6 +18,7 @@ import pytest
 from tests.fast_jit import jit0
 from tests.tolerances import EXACT, EXACT_GRAD, assert_close
 from xformers_jax import attention as A
+from xformers_jax import nn
 from xformers_jax.attention.modern._differential import differential_attention
 from xformers_jax.attention.modern._fox import forgetting_attention
 
@@ -141,6 +143,28 @@ def _fox_ref(q, k, v, log_f):
     return _softmax_rows(_scores(q, k) + d, _keep()) @ v
 
 
+_STRIDED = A.patterns.PerHead.sparse_transformer(2, 3, "strided")
+
+
+def _per_head_fn(q, k, v, seg, mask):
+    # Two heads of width 4: the Sparse Transformer's local and strided halves (stride 3).
+    def heads(x):
+        return x.reshape(x.shape[0], 2, D // 2)
+
+    out = A.per_head_block_sparse_attention(heads(q), heads(k), heads(v), _STRIDED,
+                                            causal=True, kv_mask=mask, segment_ids=seg, **_TILES)
+    return out.reshape(-1, D)
+
+
+def _per_head_ref(q, k, v):
+    # Child et al., 2019, Eq. 3 (causal): A1 = {j : i - j < s}, A2 = {j : (i - j) mod s = 0}.
+    i, j = np.arange(L)[:, None], np.arange(L)[None, :]
+    h = D // 2
+    outs = [_softmax_rows(_scores(q[:, a:a + h], k[:, a:a + h]), _keep() & part) @ v[:, a:a + h]
+            for a, part in ((0, i - j < 3), (h, (i - j) % 3 == 0))]
+    return jnp.concatenate(outs, -1)
+
+
 def _extras(name):
     key = jax.random.PRNGKey(11)
     if name == "learned_sinks":
@@ -159,6 +183,7 @@ KINDS = {
     "streaming": (_streaming_fn, _streaming_ref),
     "differential": (_differential_fn, _differential_ref),
     "fox": (_fox_fn, _fox_ref),
+    "per_head_block_sparse": (_per_head_fn, _per_head_ref),
 }
 
 
@@ -224,3 +249,15 @@ def test_document_offsets_restart_at_every_document():
     np.testing.assert_array_equal(np.asarray(A.document_offsets(jnp.asarray(SEG))), _offsets())
     with pytest.raises(ValueError, match=r"int\[L\].*float32\(16, 2\)"):
         A.document_offsets(jnp.zeros((L, 2)))
+
+
+@pytest.mark.parametrize("hp,match", [
+    ({"kind": "fixed"}, "'fixed' Sparse Transformer heads read absolute positions"),
+    ({"heads": A.patterns.PerHead((A.patterns.Local(2, 0), A.patterns.BlockLocal(4)))},
+     r"patterns \['BlockLocal'\] may depend on absolute positions")])
+def test_per_head_patterns_of_absolute_positions_refuse_packing(hp, match):
+    kind = nn.get_kind("attention", "per_head_block_sparse")
+    resolved = kind.resolve({"stride": 4, **hp})
+    assert kind.segment_problem(resolved) is not None
+    assert re.search(match, kind.segment_problem(resolved))
+    assert kind.segment_problem(kind.resolve({"stride": 4})) is None
