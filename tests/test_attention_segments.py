@@ -73,9 +73,8 @@ def _scores(q, k, scale=None):
 def _clean(*arrays):
     """The reference's inputs: padding replaced by zeros (the dense form would turn NaN into
     NaN rows otherwise; padding is out of every kept entry anyway)."""
-    return tuple(a if jnp.ndim(a) == 0 else
-                 jnp.where(jnp.asarray(REAL).reshape(-1, *[1] * (a.ndim - 1)), a, 0)
-                 for a in arrays)
+    return tuple(jnp.where(jnp.asarray(REAL).reshape(-1, *[1] * (a.ndim - 1)), a, 0)
+                 if np.shape(a)[:1] == (L,) else a for a in arrays)
 
 
 # -- each kind: (its function with segment ids, its dense definition, extra inputs) -----------
@@ -165,6 +164,96 @@ def _per_head_ref(q, k, v):
     return jnp.concatenate(outs, -1)
 
 
+def _gaussian_fn(q, k, v, seg, mask, w_p, u_p, u_d):
+    return A.gaussian_prior_attention(q, k, v, (w_p, u_p, u_d), causal=True, kv_mask=mask,
+                                      segment_ids=seg, **_TILES)
+
+
+def _gaussian_ref(q, k, v, w_p, u_p, u_d):
+    # Yang et al., 2018, Eqs. 5-9 over each document: I_i the document's keys up to i, the
+    # centre p_i = I_i sigmoid(u_p^T tanh(W_p q_i)), sigma_i = I_i sigmoid(u_d^T ...) / 2,
+    # G_ij = -(j - p_i)^2 / (2 sigma_i^2) with j, p_i positions in the document.
+    pos = jnp.asarray(_offsets(), jnp.float32)
+    h = jnp.tanh(q @ w_p)
+    n = pos + 1.0
+    centre, sigma = n * jax.nn.sigmoid(h @ u_p), n * jax.nn.sigmoid(h @ u_d) / 2
+    g = -(pos[None, :] - centre[:, None]) ** 2 / (2 * jnp.maximum(sigma, 1e-3)[:, None] ** 2)
+    return _softmax_rows(_scores(q, k) + g, _keep()) @ v
+
+
+def _distance_fn(q, k, v, seg, mask, w, b):
+    return A.distance_prior_attention(q, k, v, w, b, causal=True, kv_mask=mask,
+                                      segment_ids=seg, **_TILES)
+
+
+def _distance_ref(q, k, v, w, b):
+    # Guo et al., 2019: the scores minus |w (i - j)^2 + b|.
+    d = (np.arange(L)[:, None] - np.arange(L)[None, :]).astype(np.float32)
+    return _softmax_rows(_scores(q, k) - jnp.abs(w * d * d + b), _keep()) @ v
+
+
+def _hardcoded_fn(q, k, v, seg, mask):
+    return A.hardcoded_gaussian_attention(q, k, v, offset=-1.0, std=1.5, causal=True,
+                                          kv_mask=mask, segment_ids=seg, **_TILES)
+
+
+def _hardcoded_ref(q, k, v):
+    # You et al., 2020: fixed weights exp(-(j - (i + offset))^2 / (2 std^2)), renormalised.
+    d = (np.arange(L)[None, :] - np.arange(L)[:, None] + 1.0).astype(np.float32)
+    return _softmax_rows(jnp.asarray(-d * d / (2 * 1.5 ** 2)), _keep()) @ v
+
+
+def _two_heads(x):
+    return x.reshape(x.shape[0], 2, D // 2)
+
+
+def _talking_fn(implementation):
+    def fn(q, k, v, seg, mask, lm, wm):
+        out = A.talking_heads_attention(_two_heads(q), _two_heads(k), _two_heads(v), lm, wm,
+                                        causal=True, kv_mask=mask, segment_ids=seg,
+                                        implementation=implementation, **_TILES)
+        return out.reshape(-1, D)
+
+    return fn
+
+
+def _talking_ref(q, k, v, lm, wm):
+    # Shazeer et al., 2020: J[h] = sum_hk P_l[hk, h] S[hk]; W[h] = softmax(J[h]);
+    # W'[hv] = sum_h P_w[h, hv] W[h]; O[:, hv] = W'[hv] v[:, hv].
+    h = D // 2
+    s = jnp.stack([_scores(q[:, a:a + h], k[:, a:a + h]) for a in (0, h)])
+    w = jnp.stack([_softmax_rows(j, _keep()) for j in jnp.einsum("kqs,kh->hqs", s, lm)])
+    w2 = jnp.einsum("hqs,hv->vqs", w, wm)
+    return jnp.concatenate([w2[i] @ v[:, a:a + h] for i, a in enumerate((0, h))], -1)
+
+
+def _collaborative_fn(q, k, v, seg, mask, mixing):
+    out = A.collaborative_attention(q, k, _two_heads(v), mixing, causal=True, kv_mask=mask,
+                                    segment_ids=seg, **_TILES)
+    return out.reshape(-1, D)
+
+
+def _collaborative_ref(q, k, v, mixing):
+    # Cordonnier et al., 2020, Eq. 6: head_h = softmax(q diag(m_h) k^T / sqrt(Dq / H)) v_h.
+    h = D // 2
+    return jnp.concatenate([_softmax_rows(_scores(q * m, k, h ** -0.5), _keep()) @ v[:, a:a + h]
+                            for m, a in zip(mixing, (0, h))], -1)
+
+
+def _multiscale_fn(q, k, v, seg, mask):
+    out = A.multiscale_attention(_two_heads(q), _two_heads(k), _two_heads(v), spans=(2, None),
+                                 causal=True, kv_mask=mask, segment_ids=seg, **_TILES)
+    return out.reshape(-1, D)
+
+
+def _multiscale_ref(q, k, v):
+    # Guo et al., 2020: head 0 sees j in [i - 2, i], head 1 every earlier key.
+    i, j = np.arange(L)[:, None], np.arange(L)[None, :]
+    h = D // 2
+    return jnp.concatenate([_softmax_rows(_scores(q[:, a:a + h], k[:, a:a + h]), _keep() & part)
+                            @ v[:, a:a + h] for a, part in ((0, j >= i - 2), (h, True))], -1)
+
+
 def _extras(name):
     key = jax.random.PRNGKey(11)
     if name == "learned_sinks":
@@ -174,6 +263,15 @@ def _extras(name):
     if name == "fox":
         log_f = jax.nn.log_sigmoid(jax.random.normal(key, (L,)) + 1.0)
         return (jnp.where(jnp.asarray(REAL), log_f, jnp.nan),)
+    if name == "gaussian_prior":
+        w_p, u_p, u_d = A.init_gaussian_window(key, D)
+        return (w_p, 2.0 * u_p, u_d)
+    if name == "distance_prior":
+        return (jnp.float32(0.3), jnp.float32(-0.2))
+    if name.startswith("talking_heads"):
+        return (jnp.asarray([[1.0, 0.4], [-0.3, 0.8]]), jnp.asarray([[0.9, 0.2], [0.5, -0.7]]))
+    if name == "collaborative":
+        return (1.0 + 0.5 * jax.random.normal(key, (2, D)),)
     return ()
 
 
@@ -184,6 +282,13 @@ KINDS = {
     "differential": (_differential_fn, _differential_ref),
     "fox": (_fox_fn, _fox_ref),
     "per_head_block_sparse": (_per_head_fn, _per_head_ref),
+    "gaussian_prior": (_gaussian_fn, _gaussian_ref),
+    "distance_prior": (_distance_fn, _distance_ref),
+    "hardcoded_gaussian": (_hardcoded_fn, _hardcoded_ref),
+    "talking_heads": (_talking_fn("tiled"), _talking_ref),
+    "talking_heads_dense": (_talking_fn("dense"), _talking_ref),
+    "collaborative": (_collaborative_fn, _collaborative_ref),
+    "multiscale": (_multiscale_fn, _multiscale_ref),
 }
 
 
@@ -215,7 +320,7 @@ def _run(name):
         (_, out), grads = jax.value_and_grad(packed, argnums, has_aux=True)(q, k, v, extra)
         (_, want), want_grads = jax.value_and_grad(dense, argnums, has_aux=True)(q, k, v, extra)
         alone = [fn(q[s:s + n], k[s:s + n], v[s:s + n], None, None,
-                    *(e[s:s + n] if jnp.ndim(e) else e for e in extra))
+                    *(e[s:s + n] if np.shape(e) == (L,) else e for e in extra))
                  for s, n in zip(STARTS, DOCS)]
         return out, grads, want, want_grads, alone
 

@@ -248,6 +248,22 @@ def document_offsets(segment_ids) -> jnp.ndarray:
     return idx - jax.lax.cummax(jnp.where(starts, idx, 0))
 
 
+def document_sum(segment_ids, x, *, reverse: bool = False) -> jnp.ndarray:
+    """``x [L]`` summed within each document of packed-sequence ids ``segment_ids int[L]``,
+    from the document's first position up to each position (``reverse``: from each position
+    to the document's last): a cumulative sum that restarts at every document, in one
+    associative scan."""
+    seg, x = jnp.asarray(segment_ids), jnp.asarray(x)
+    if reverse:
+        return document_sum(seg[::-1], x[::-1])[::-1]
+    starts = jnp.concatenate([jnp.ones((1,), bool), seg[1:] != seg[:-1]])
+
+    def combine(a, b):
+        return a[0] | b[0], jnp.where(b[0], b[1], a[1] + b[1])
+
+    return jax.lax.associative_scan(combine, (starts, x))[1]
+
+
 def streaming_mask(window: int, sinks: int, segment_ids=None) -> Pattern:
     """StreamingLLM's mask (Xiao et al., 2024, "Efficient Streaming Language Models with
     Attention Sinks"): the first ``sinks`` keys and a window of the ``window`` keys before each

@@ -25,7 +25,7 @@ from jaxtyping import Array, Bool, Float
 
 from ...kernels import STATS_DTYPE
 from .. import _contract as C
-from .._flex import flex_attention
+from .._flex import document_sum, flex_attention
 
 
 def _check_gates(name: str, log_f, length: int, k):
@@ -33,14 +33,6 @@ def _check_gates(name: str, log_f, length: int, k):
         raise ValueError(f"{name}: log_f must be float[L] (one log forget gate per token of "
                          f"this self-attention), got {log_f.dtype}{tuple(log_f.shape)} for "
                          f"k{tuple(k.shape)}")
-
-
-def _restarted_sum(starts, x):
-    """``x`` summed from the last position where ``starts`` is True up to each position."""
-    def combine(a, b):
-        return a[0] | b[0], jnp.where(b[0], b[1], a[1] + b[1])
-
-    return jax.lax.associative_scan(combine, (starts, x))[1]
 
 
 def cumulative_log_gates(log_f: Float[Array, "seq"],
@@ -55,11 +47,7 @@ def cumulative_log_gates(log_f: Float[Array, "seq"],
     log_f = log_f.astype(STATS_DTYPE)
     if kv_mask is not None:
         log_f = jnp.where(kv_mask, log_f, 0.0)
-    if segment_ids is None:
-        return jnp.cumsum(log_f)
-    seg = jnp.asarray(segment_ids)
-    starts = jnp.concatenate([jnp.ones((1,), bool), seg[1:] != seg[:-1]])
-    return _restarted_sum(starts, log_f)
+    return jnp.cumsum(log_f) if segment_ids is None else document_sum(segment_ids, log_f)
 
 
 def _decay(c, q_idx, kv_idx, causal: bool):

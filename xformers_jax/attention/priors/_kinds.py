@@ -39,11 +39,15 @@ from ._talking import talking_heads_attention
 
 _DENSE_SCORES = ("dense", "'dense' only: the kind reads the previous layer's attention map")
 
-def _per_batch(fn, q, k, v, kv_mask, *args):
-    """``fn(q [L, H, D], k, v, *args, kv_mask=)`` mapped over the batch."""
-    if kv_mask is None:
-        return jax.vmap(lambda a, b, c: fn(a, b, c, *args, kv_mask=None))(q, k, v)
-    return jax.vmap(lambda a, b, c, m: fn(a, b, c, *args, kv_mask=m))(q, k, v, kv_mask)
+def _per_batch(fn, q, k, v, kv_mask, *args, segment_ids=None):
+    """``fn(q [L, H, D], k, v, *args, kv_mask=)`` mapped over the batch (with
+    ``segment_ids=`` a row's ids when given)."""
+    rows = {"kv_mask": kv_mask}
+    if segment_ids is not None:
+        rows["segment_ids"] = segment_ids
+    given = {n: a for n, a in rows.items() if a is not None}
+    fixed = {n: None for n, a in rows.items() if a is None}
+    return jax.vmap(lambda a, b, c, r: fn(a, b, c, *args, **r, **fixed))(q, k, v, given)
 
 
 def _all_heads(q, k, v):
@@ -97,16 +101,16 @@ def _talking_init(key, hp, *, num_heads, head_dim, max_len):
     return (eye, eye)
 
 
-def _talking(q, k, v, params, *, causal, kv_mask, bias, key, q_mask=None,
+def _talking(q, k, v, params, *, causal, kv_mask, bias, key, q_mask=None, segment_ids=None,
              implementation="tiled", block_q=None, block_k=None):
     k, v = _all_heads(q, k, v)
 
-    def one(a, b, c, lm, wm, kv_mask):
-        return talking_heads_attention(a, b, c, lm, wm, causal=causal, kv_mask=kv_mask,
+    def one(a, b, c, lm, wm, **rows):
+        return talking_heads_attention(a, b, c, lm, wm, causal=causal,
                                        implementation=implementation, block_q=block_q,
-                                       block_k=block_k)
+                                       block_k=block_k, **rows)
 
-    return _per_batch(one, q, k, v, kv_mask, *params)
+    return _per_batch(one, q, k, v, kv_mask, *params, segment_ids=segment_ids)
 
 
 # --- collaborative heads (L 4.6.1) ------------------------------------------------------------
@@ -115,35 +119,35 @@ def _collaborative_init(key, hp, *, num_heads, head_dim, max_len):
     return collaborative_mixing_from_heads(num_heads, head_dim)
 
 
-def _collaborative(q, k, v, mixing, *, causal, kv_mask, bias, key, q_mask=None, block_q=None,
-                   block_k=None):
+def _collaborative(q, k, v, mixing, *, causal, kv_mask, bias, key, q_mask=None,
+                   segment_ids=None, block_q=None, block_k=None):
     # The module's concatenated per-head projections are the shared W^Q, W^K (width H Dh).
     k, v = _all_heads(q, k, v)
     b, lq, h, d = q.shape
     qs, ks = q.reshape(b, lq, h * d), k.reshape(b, k.shape[1], h * d)
 
-    def one(a, c, vv, kv_mask):
-        return collaborative_attention(a, c, vv, mixing, causal=causal, kv_mask=kv_mask,
+    def one(a, c, vv, **rows):
+        return collaborative_attention(a, c, vv, mixing, causal=causal,
                                        scale=float(d) ** -0.5, block_q=block_q,
-                                       block_k=block_k)
+                                       block_k=block_k, **rows)
 
-    return _per_batch(one, qs, ks, v, kv_mask)
+    return _per_batch(one, qs, ks, v, kv_mask, segment_ids=segment_ids)
 
 
 # --- multi-scale heads (L 4.6.2) --------------------------------------------------------------
 
 def _multiscale(q, k, v, params, *, causal, kv_mask, bias, key, q_mask=None, spans,
-                block_q=None, block_k=None):
+                segment_ids=None, block_q=None, block_k=None):
     k, v = _all_heads(q, k, v)
     if len(spans) != q.shape[2]:
         raise ValueError(f"attention kind 'multiscale': spans {spans} must give one span per "
                          f"head, but the layer has {q.shape[2]} heads (q{tuple(q.shape)})")
 
-    def one(a, b, c, kv_mask):
-        return multiscale_attention(a, b, c, spans=spans, causal=causal, kv_mask=kv_mask,
-                                    block_q=block_q, block_k=block_k)
+    def one(a, b, c, **rows):
+        return multiscale_attention(a, b, c, spans=spans, causal=causal, block_q=block_q,
+                                    block_k=block_k, **rows)
 
-    return _per_batch(one, q, k, v, kv_mask)
+    return _per_batch(one, q, k, v, kv_mask, segment_ids=segment_ids)
 
 
 # --- scores passed between layers (L 4.5.2): Realformer, Predictive attention, Lazyformer ------
@@ -249,20 +253,20 @@ def _lazy(q, k, v, params, *, causal, kv_mask, bias, key, carry, q_mask=None, ev
 KINDS = (
     Kind("gaussian_prior", gaussian_prior_attention, "priors",
          Paper("Yang et al.", 2018, "Modeling Localness for Self-Attention Networks"),
-         time="O(L^2 D)", memory="O(L)", causal=True, test_hyperparameters={},
-         hyperparameters=TILES,
+         time="O(L^2 D)", memory="O(L)", causal=True, segments=True,
+         test_hyperparameters={}, hyperparameters=TILES,
          adapter=AttentionAdapter(lifted(gaussian_prior_attention, ("heads",)),
                                   init=_gaussian_init)),
     Kind("distance_prior", distance_prior_attention, "priors",
          Paper("Guo et al.", 2019,
                "Gaussian Transformer: a Lightweight Approach for Natural Language Inference"),
-         time="O(L^2 D)", memory="O(L)", causal=True, test_hyperparameters={},
-         hyperparameters=TILES,
+         time="O(L^2 D)", memory="O(L)", causal=True, segments=True,
+         test_hyperparameters={}, hyperparameters=TILES,
          adapter=AttentionAdapter(lifted(_distance, ("heads",)), init=_distance_init)),
     Kind("hardcoded_gaussian", hardcoded_gaussian_attention, "priors",
          Paper("You et al.", 2020, "Hard-Coded Gaussian Attention for Neural Machine "
                "Translation"),
-         time="O(L^2 D)", memory="O(L)", causal=True,
+         time="O(L^2 D)", memory="O(L)", causal=True, segments=True,
          test_hyperparameters={"offset": 0.0, "std": 1.0},
          hyperparameters={
              "offset": (0.0, "the Gaussian's centre relative to the query position"),
@@ -280,7 +284,8 @@ KINDS = (
     Kind("talking_heads", talking_heads_attention, "priors",
          Paper("Shazeer et al.", 2020, "Talking-Heads Attention"),
          time="O(L^2 H^2 D) tiled, O(L^2 H (D + H)) dense", memory="O(L H^2 D) tiled, "
-         "O(H L^2) dense", causal=True, test_hyperparameters={"implementation": "tiled"},
+         "O(H L^2) dense", causal=True, segments=True,
+         test_hyperparameters={"implementation": "tiled"},
          hyperparameters={
              "implementation": ("tiled", "'tiled' (online softmax over mixed heads) or "
                                          "'dense'"),
@@ -289,12 +294,13 @@ KINDS = (
     Kind("collaborative", collaborative_attention, "priors",
          Paper("Cordonnier et al.", 2020, "Multi-Head Attention: Collaborate Instead of "
                "Concatenate"),
-         time="O(L^2 H Dq)", memory="O(L)", causal=True, test_hyperparameters={},
+         time="O(L^2 H Dq)", memory="O(L)", causal=True, segments=True,
+         test_hyperparameters={},
          hyperparameters=TILES,
          adapter=AttentionAdapter(_collaborative, init=_collaborative_init)),
     Kind("multiscale", multiscale_attention, "priors",
          Paper("Guo et al.", 2020, "Multi-Scale Self-Attention for Text Classification"),
-         time="O(L sum_h w_h D)", memory="O(L max_h w_h)", causal=True,
+         time="O(L sum_h w_h D)", memory="O(L max_h w_h)", causal=True, segments=True,
          test_hyperparameters={"spans": (2, None)},
          hyperparameters={
              "spans": (REQUIRED, "one window half-width per head (None: the whole sequence)"),
