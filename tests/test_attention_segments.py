@@ -71,10 +71,10 @@ def _scores(q, k, scale=None):
 
 
 def _clean(*arrays):
-    """The reference's inputs: padding replaced by zeros (the dense form would turn NaN into
-    NaN rows otherwise; padding is out of every kept entry anyway)."""
+    """The reference's per-token inputs: padding replaced by zeros (the dense form would turn
+    NaN into NaN rows otherwise; padding is out of every kept entry anyway)."""
     return tuple(jnp.where(jnp.asarray(REAL).reshape(-1, *[1] * (a.ndim - 1)), a, 0)
-                 if np.shape(a)[:1] == (L,) else a for a in arrays)
+                 for a in arrays)
 
 
 # -- each kind: (its function with segment ids, its dense definition, extra inputs) -----------
@@ -254,6 +254,24 @@ def _multiscale_ref(q, k, v):
                             @ v[:, a:a + h] for a, part in ((0, j >= i - 2), (h, True))], -1)
 
 
+def _average_fn(q, k, v, seg, mask, w, b):
+    return A.average_attention(q, k, v, A.AverageGate(w, b), causal=True, kv_mask=mask,
+                               segment_ids=seg)
+
+
+def _average_ref(q, k, v, w, b):
+    # Zhang et al., 2018, Eqs. 1-3 (the head's form): g_i the mean of the document's values
+    # up to i, [i; f] = sigmoid([q_i; g_i] W + b), h_i = i * v_i + f * g_i.
+    keep = _keep().astype(jnp.float32)
+    g = (keep @ v) / jnp.maximum(keep.sum(-1, keepdims=True), 1.0)
+    i_gate, f_gate = jnp.split(jax.nn.sigmoid(jnp.concatenate([q, g], -1) @ w + b), 2, -1)
+    return i_gate * v + f_gate * g
+
+
+# The kinds whose extra inputs are per token (sliced per document, cleaned of padding).
+_PER_TOKEN = {"fox"}
+
+
 def _extras(name):
     key = jax.random.PRNGKey(11)
     if name == "learned_sinks":
@@ -270,6 +288,9 @@ def _extras(name):
         return (jnp.float32(0.3), jnp.float32(-0.2))
     if name.startswith("talking_heads"):
         return (jnp.asarray([[1.0, 0.4], [-0.3, 0.8]]), jnp.asarray([[0.9, 0.2], [0.5, -0.7]]))
+    if name == "average":
+        w, b = A.init_average_gate(key, D, D)
+        return (w, 0.1 + b)
     if name == "collaborative":
         return (1.0 + 0.5 * jax.random.normal(key, (2, D)),)
     return ()
@@ -289,6 +310,7 @@ KINDS = {
     "talking_heads_dense": (_talking_fn("dense"), _talking_ref),
     "collaborative": (_collaborative_fn, _collaborative_ref),
     "multiscale": (_multiscale_fn, _multiscale_ref),
+    "average": (_average_fn, _average_ref),
 }
 
 
@@ -303,6 +325,7 @@ def _run(name):
     fn, ref = KINDS[name]
     q, k, v = _inputs()
     extra = _extras(name)
+    per_token = name in _PER_TOKEN
     seg, mask = jnp.asarray(SEG), jnp.asarray(REAL)
 
     def run(q, k, v, extra):
@@ -313,14 +336,14 @@ def _run(name):
             return jnp.sum(jnp.where(mask[:, None], out, 0.0) * w), out
 
         def dense(q, k, v, extra):
-            out = ref(*_clean(q, k, v), *_clean(*extra))
+            out = ref(*_clean(q, k, v), *(_clean(*extra) if per_token else extra))
             return jnp.sum(jnp.where(mask[:, None], out, 0.0) * w), out
 
         argnums = (0, 1, 2, 3)
         (_, out), grads = jax.value_and_grad(packed, argnums, has_aux=True)(q, k, v, extra)
         (_, want), want_grads = jax.value_and_grad(dense, argnums, has_aux=True)(q, k, v, extra)
         alone = [fn(q[s:s + n], k[s:s + n], v[s:s + n], None, None,
-                    *(e[s:s + n] if np.shape(e) == (L,) else e for e in extra))
+                    *(e[s:s + n] if per_token else e for e in extra))
                  for s, n in zip(STARTS, DOCS)]
         return out, grads, want, want_grads, alone
 

@@ -249,7 +249,7 @@ def document_offsets(segment_ids) -> jnp.ndarray:
 
 
 def document_sum(segment_ids, x, *, reverse: bool = False) -> jnp.ndarray:
-    """``x [L]`` summed within each document of packed-sequence ids ``segment_ids int[L]``,
+    """``x [L, ...]`` summed along its first axis within each document of packed-sequence ids ``segment_ids int[L]``,
     from the document's first position up to each position (``reverse``: from each position
     to the document's last): a cumulative sum that restarts at every document, in one
     associative scan."""
@@ -259,7 +259,8 @@ def document_sum(segment_ids, x, *, reverse: bool = False) -> jnp.ndarray:
     starts = jnp.concatenate([jnp.ones((1,), bool), seg[1:] != seg[:-1]])
 
     def combine(a, b):
-        return a[0] | b[0], jnp.where(b[0], b[1], a[1] + b[1])
+        restart = b[0].reshape(b[0].shape + (1,) * (b[1].ndim - 1))
+        return a[0] | b[0], jnp.where(restart, b[1], a[1] + b[1])
 
     return jax.lax.associative_scan(combine, (starts, x))[1]
 

@@ -276,7 +276,7 @@ KINDS = (
     Kind("average", average_attention, "priors",
          Paper("Zhang et al.", 2018, "Accelerating Neural Transformer via an Average Attention "
                "Network"),
-         time="O(L D^2)", memory="O(L D)", causal=True, decoding="recurrent",
+         time="O(L D^2)", memory="O(L D)", causal=True, decoding="recurrent", segments=True,
          test_hyperparameters={},
          adapter=AttentionAdapter(
              lifted(average_attention, ("heads",)), init=_average_init,
