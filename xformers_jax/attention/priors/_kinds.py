@@ -39,15 +39,15 @@ from ._talking import talking_heads_attention
 
 _DENSE_SCORES = ("dense", "'dense' only: the kind reads the previous layer's attention map")
 
-def _per_batch(fn, q, k, v, kv_mask, *args, segment_ids=None):
-    """``fn(q [L, H, D], k, v, *args, kv_mask=)`` mapped over the batch (with
-    ``segment_ids=`` a row's ids when given)."""
-    rows = {"kv_mask": kv_mask}
-    if segment_ids is not None:
-        rows["segment_ids"] = segment_ids
+def _per_batch(fn, q, k, v, kv_mask, *args, segment_ids=None, per_row=()):
+    """``fn(q [L, H, D], k, v, *per_row, *args, kv_mask=, segment_ids=)`` mapped over the
+    batch: ``per_row`` arrays and the masks split by row, ``args`` shared; a mask not given
+    is passed as None."""
+    rows = {"kv_mask": kv_mask, "segment_ids": segment_ids}
     given = {n: a for n, a in rows.items() if a is not None}
     fixed = {n: None for n, a in rows.items() if a is None}
-    return jax.vmap(lambda a, b, c, r: fn(a, b, c, *args, **r, **fixed))(q, k, v, given)
+    return jax.vmap(lambda a, b, c, p, r: fn(a, b, c, *p, *args, **r, **fixed))(
+        q, k, v, tuple(per_row), given)
 
 
 def _all_heads(q, k, v):
@@ -153,17 +153,19 @@ def _multiscale(q, k, v, params, *, causal, kv_mask, bias, key, q_mask=None, spa
 # --- scores passed between layers (L 4.5.2): Realformer, Predictive attention, Lazyformer ------
 # The stack threads each kind's carry from layer to layer (AttentionAdapter.layer_carry).
 
-def _heads_map(fn, q, k, v, kv_mask, *per_head, out_axes=(1, 0)):
-    """``fn(q [L, D], k, v, *per_head, m)`` over heads (axis 2 of q/k/v, axis 1 of the
-    per-head arrays; outputs per ``out_axes``) and the batch; ``m`` is ``kv_mask[b]`` or
-    None."""
-    def batch(q, k, v, *rest):
-        *per, m = rest if kv_mask is not None else (*rest, None)
-        return jax.vmap(lambda a, b, c, *p: fn(a, b, c, *p, m), in_axes=(1, 1, 1) +
+def _heads_map(fn, q, k, v, kv_mask, *per_head, segment_ids=None, out_axes=(1, 0)):
+    """``fn(q [L, D], k, v, *per_head, kv_mask=, segment_ids=)`` over heads (axis 2 of
+    q/k/v, axis 1 of the per-head arrays; outputs per ``out_axes``) and the batch; the masks
+    are ``kv_mask[b]`` and ``segment_ids[b]``, or None."""
+    rows = {n: a for n, a in (("kv_mask", kv_mask), ("segment_ids", segment_ids))
+            if a is not None}
+    fixed = {n: None for n in ("kv_mask", "segment_ids") if n not in rows}
+
+    def batch(q, k, v, per, r):
+        return jax.vmap(lambda a, b, c, *p: fn(a, b, c, *p, **r, **fixed), in_axes=(1, 1, 1) +
                         (0,) * len(per), out_axes=out_axes)(q, k, v, *per)
 
-    args = (q, k, v, *per_head) + (() if kv_mask is None else (kv_mask,))
-    return jax.vmap(batch)(*args)
+    return jax.vmap(batch)(q, k, v, per_head, rows)
 
 
 def _realformer_carry(batch, lq, lk, hp, *, num_heads, head_dim, num_layers):
@@ -176,11 +178,12 @@ def _realformer_carry(batch, lq, lk, hp, *, num_heads, head_dim, num_layers):
 
 
 def _realformer(q, k, v, params, *, causal, kv_mask, bias, key, carry, q_mask=None,
-                implementation="dense", block_q=None, block_k=None):
+                segment_ids=None, implementation="dense", block_q=None, block_k=None):
     k, v = _all_heads(q, k, v)
     if implementation == "dense":
-        return _heads_map(lambda a, b, c, prev, m: realformer_attention(
-            a, b, c, prev, causal=causal, kv_mask=m), q, k, v, kv_mask, carry)
+        return _heads_map(lambda a, b, c, prev, **rows: realformer_attention(
+            a, b, c, prev, causal=causal, **rows), q, k, v, kv_mask, carry,
+            segment_ids=segment_ids)
     if implementation != "tiled":
         raise ValueError(f"attention kind 'realformer': implementation must be 'dense' or "
                          f"'tiled', got {implementation!r}")
@@ -188,16 +191,16 @@ def _realformer(q, k, v, params, *, causal, kv_mask, bias, key, carry, q_mask=No
     qs = jax.lax.dynamic_update_index_in_dim(qs, q.astype(qs.dtype), t, 0)
     ks = jax.lax.dynamic_update_index_in_dim(ks, k.astype(ks.dtype), t, 0)
 
-    def one(qn, kn, c, m):  # qn [n, Lq, D], kn [n, Lk, D], c [Lk, Dv]
+    rows = {n: a for n, a in (("kv_mask", kv_mask), ("segment_ids", segment_ids))
+            if a is not None}
+
+    def one(qn, kn, c, r):  # qn [n, Lq, D], kn [n, Lk, D], c [Lk, Dv]
         return realformer_flash_attention(qn.astype(c.dtype), kn.astype(c.dtype), c,
-                                          causal=causal, kv_mask=m, block_q=block_q,
-                                          block_k=block_k)
+                                          causal=causal, block_q=block_q, block_k=block_k,
+                                          **r)
 
     heads = jax.vmap(one, in_axes=(2, 2, 1, None), out_axes=1)
-    if kv_mask is None:
-        out = jax.vmap(lambda a, b, c: heads(a, b, c, None), in_axes=(1, 1, 0))(qs, ks, v)
-    else:
-        out = jax.vmap(heads, in_axes=(1, 1, 0, 0))(qs, ks, v, kv_mask)
+    out = jax.vmap(heads, in_axes=(1, 1, 0, 0))(qs, ks, v, rows)
     return out, (qs, ks, t + 1)
 
 
@@ -217,33 +220,31 @@ def _scores_and_count(batch, lq, lk, hp, *, num_heads, head_dim, num_layers):
     return jnp.zeros((batch, num_heads, lq, lk), jnp.float32), jnp.zeros((), jnp.int32)
 
 
-def _predictive(q, k, v, conv, *, causal, kv_mask, bias, key, carry, q_mask=None, alpha=0.5,
-                implementation="dense"):
+def _predictive(q, k, v, conv, *, causal, kv_mask, bias, key, carry, q_mask=None,
+                segment_ids=None, alpha=0.5, implementation="dense"):
     k, v = real_only(kv_mask, *_all_heads(q, k, v))
     prev, t = carry
     # The first layer has no map below it: vanilla attention (alpha = 1).
     a = jnp.where(t == 0, 1.0, alpha)
 
-    def one(q, k, v, prev, m):
-        return predictive_attention(q, k, v, prev, conv, a, causal=causal, kv_mask=m)
+    def one(q, k, v, prev, **rows):
+        return predictive_attention(q, k, v, prev, conv, a, causal=causal, **rows)
 
-    if kv_mask is None:
-        out, s = jax.vmap(lambda *x: one(*x, None))(q, k, v, prev)
-    else:
-        out, s = jax.vmap(one)(q, k, v, prev, kv_mask)
+    out, s = _per_batch(one, q, k, v, kv_mask, segment_ids=segment_ids, per_row=(prev,))
     return out, (s, t + 1)
 
 
-def _lazy(q, k, v, params, *, causal, kv_mask, bias, key, carry, q_mask=None, every=2,
-          implementation="dense"):
+def _lazy(q, k, v, params, *, causal, kv_mask, bias, key, carry, q_mask=None,
+          segment_ids=None, every=2, implementation="dense"):
     if not (isinstance(every, int) and every >= 1):
         raise ValueError(f"attention kind 'lazy': every must be a positive int, got {every!r}")
     k, v = real_only(kv_mask, *_all_heads(q, k, v))
     prev, t = carry
 
     def weights():
-        return _heads_map(lambda a, b, c, m: attention_weights(
-            a, b, causal=causal, kv_mask=m)[0], q, k, v, kv_mask, out_axes=0)
+        return _heads_map(lambda a, b, c, **rows: attention_weights(
+            a, b, causal=causal, **rows)[0], q, k, v, kv_mask, segment_ids=segment_ids,
+            out_axes=0)
 
     # Layers between recomputations skip the score computation (lax.cond), not mask it.
     w = jax.lax.cond(t % every == 0, weights, lambda: prev)
@@ -309,7 +310,7 @@ KINDS = (
     Kind("realformer", realformer_attention, "priors",
          Paper("He et al.", 2021, "RealFormer: Transformer Likes Residual Attention"),
          time="O(L^2 D) dense, O(L^2 n D) tiled at layer n", memory="O(H L^2) dense, "
-         "O(n L D) tiled", causal=True, test_hyperparameters={},
+         "O(n L D) tiled", causal=True, segments=True, test_hyperparameters={},
          hyperparameters={
              "implementation": ("dense", "'dense' (the previous scores carried) or 'tiled' "
                                          "(every layer's queries and keys carried)"),
@@ -318,7 +319,7 @@ KINDS = (
     Kind("predictive", predictive_attention, "priors",
          Paper("Wang et al.", 2021, "Predictive Attention Transformer: Improving Transformer "
                "with Attention Map Prediction"),
-         time="O(L^2 (D + 9 H))", memory="O(H L^2) (dense scores)", causal=True,
+         time="O(L^2 (D + 9 H))", memory="O(H L^2) (dense scores)", causal=True, segments=True,
          test_hyperparameters={"alpha": 0.5},
          hyperparameters={
              "alpha": (0.5, "weight of this layer's scores against the convolved previous map"),
@@ -328,7 +329,7 @@ KINDS = (
     Kind("lazy", lazy_attention, "priors",
          Paper("Ying et al.", 2021, "LazyFormer: Self Attention with Lazy Update"),
          time="O(L^2 D), the map every k layers", memory="O(H L^2) (dense scores)",
-         causal=True, test_hyperparameters={"every": 2},
+         causal=True, segments=True, test_hyperparameters={"every": 2},
          hyperparameters={
              "every": (2, "layers k per recomputed attention map (the others reuse it)"),
              "implementation": _DENSE_SCORES},
