@@ -268,8 +268,67 @@ def _average_ref(q, k, v, w, b):
     return i_gate * v + f_gate * g
 
 
+# Scores passed between layers (He et al., 2021; Wang et al., 2021; Ying et al., 2021): two
+# layers, the first's queries and keys as extra per-token inputs.
+
+def _realformer_fn(q, k, v, seg, mask, q1, k1):
+    _, s1 = A.realformer_attention(q1, k1, v, None, causal=True, kv_mask=mask, segment_ids=seg)
+    return A.realformer_attention(q, k, v, s1, causal=True, kv_mask=mask, segment_ids=seg)[0]
+
+
+def _realformer_tiled_fn(q, k, v, seg, mask, q1, k1):
+    return A.realformer_flash_attention(jnp.stack([q1, q]), jnp.stack([k1, k]), v, causal=True,
+                                        kv_mask=mask, segment_ids=seg, **_TILES)
+
+
+def _realformer_ref(q, k, v, q1, k1):
+    # The residual scores S_2 = q_2 k_2^T / sqrt(d) + S_1.
+    return _softmax_rows(_scores(q, k) + _scores(q1, k1), _keep()) @ v
+
+
+def _lazy_fn(q, k, v, seg, mask, q1, k1):
+    _, w = A.lazy_attention(q1, k1, v, causal=True, kv_mask=mask, segment_ids=seg)
+    return A.lazy_attention(q, k, v, w, recompute=False, causal=True, kv_mask=mask,
+                            segment_ids=seg)[0]
+
+
+def _lazy_ref(q, k, v, q1, k1):
+    return _softmax_rows(_scores(q1, k1), _keep()) @ v
+
+
+_CONV = 0.3 * jax.random.normal(jax.random.PRNGKey(4), (2, 2, 3, 3))
+
+
+def _predictive_fn(q, k, v, seg, mask, q1, k1):
+    heads = [_two_heads(x) for x in (q, k, v, q1, k1)]
+    _, s1 = A.predictive_attention(heads[3], heads[4], heads[2], None, _CONV, 0.5,
+                                   causal=True, kv_mask=mask, segment_ids=seg)
+    out, _ = A.predictive_attention(*heads[:3], s1, _CONV, 0.5, causal=True, kv_mask=mask,
+                                    segment_ids=seg)
+    return out.reshape(-1, D)
+
+
+def _predictive_ref(q, k, v, q1, k1):
+    # Wang et al., 2021: S_2 = a S_own + (1 - a) Conv(S_1), the 3 x 3 taps over the previous
+    # map (rows i-2..i, columns j-1..j+1), each document's map convolved on its own (zero
+    # outside its visible entries).
+    h = D // 2
+    halves = (slice(0, h), slice(h, D))
+    keep = _keep()
+    s1 = jnp.stack([_scores(q1[:, c], k1[:, c]) for c in halves])
+    conv = 0.0
+    for doc in range(1, len(DOCS) + 1):
+        mine = keep & (SEG[:, None] == doc)
+        padded = jnp.pad(jnp.where(mine, s1, 0.0), ((0, 0), (2, 0), (1, 1)))
+        taps = sum(_CONV[:, :, a, b] @ padded[:, a:a + L, b:b + L].reshape(2, -1)
+                   for a in range(3) for b in range(3)).reshape(2, L, L)
+        conv = conv + jnp.where(SEG[:, None] == doc, taps, 0.0)
+    return jnp.concatenate([_softmax_rows(0.5 * _scores(q[:, c], k[:, c]) + 0.5 * conv[o],
+                                          keep) @ v[:, c] for o, c in enumerate(halves)], -1)
+
+
 # The kinds whose extra inputs are per token (sliced per document, cleaned of padding).
-_PER_TOKEN = {"fox"}
+_PER_TOKEN = {"fox", "realformer", "realformer_tiled", "lazy", "predictive"}
 
 
 def _extras(name):
@@ -288,6 +347,9 @@ def _extras(name):
         return (jnp.float32(0.3), jnp.float32(-0.2))
     if name.startswith("talking_heads"):
         return (jnp.asarray([[1.0, 0.4], [-0.3, 0.8]]), jnp.asarray([[0.9, 0.2], [0.5, -0.7]]))
+    if name in ("realformer", "realformer_tiled", "lazy", "predictive"):
+        q1, k1 = jax.random.normal(key, (2, L, D))
+        return (q1, jnp.where(jnp.asarray(REAL)[:, None], k1, jnp.nan))
     if name == "average":
         w, b = A.init_average_gate(key, D, D)
         return (w, 0.1 + b)
@@ -311,6 +373,10 @@ KINDS = {
     "collaborative": (_collaborative_fn, _collaborative_ref),
     "multiscale": (_multiscale_fn, _multiscale_ref),
     "average": (_average_fn, _average_ref),
+    "realformer": (_realformer_fn, _realformer_ref),
+    "realformer_tiled": (_realformer_tiled_fn, _realformer_ref),
+    "lazy": (_lazy_fn, _lazy_ref),
+    "predictive": (_predictive_fn, _predictive_ref),
 }
 
 

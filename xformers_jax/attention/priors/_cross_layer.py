@@ -19,9 +19,8 @@ The dense functions return ``(out, scores)`` so a stack can hand the scores to t
 
 Packed rows (``segment_ids int[L]``): each layer's softmax sees the query's own document; the
 carried scores or weights of the other documents' entries are never read (Realformer and
-Lazyformer read only visible entries, Predictive attention zeroes every other entry before its
-convolution, whose taps past a document's edge then read zeros as they read the padding of the
-document alone).
+Lazyformer read only visible entries; Predictive attention's convolution reads zeros past a
+document's edges, as the zero padding of the document alone gives: ``predictive_conv``).
 """
 
 from __future__ import annotations
@@ -144,18 +143,37 @@ def predictive_conv(prev_scores, conv, *, causal=False, kv_mask=None, segment_id
     """``Conv(S_{l-1})``: ``prev_scores [H, L, L]`` convolved with ``conv [H, H, 3, 3]`` (zero
     padding). Entries no query may see (future keys when causal, padded keys or queries) are
     zeroed first, and a causal map is convolved with taps on the rows at and above the query
-    (rows ``i-2 .. i``), so row ``i`` reads no later position. With ``segment_ids`` the
-    entries between documents are zeroed too, so a document's map convolves as it would
-    alone."""
+    (rows ``i-2 .. i``), so row ``i`` reads no later position.
+
+    With packed-sequence ids ``segment_ids int[L]`` each document's map is convolved as if
+    alone: the entries between documents are zeroed, and a tap on a row of another document
+    reads zero (its entry may be visible to that document: the diagonal corner where two
+    documents meet), so every tap outside the document reads what the zero padding of the
+    document alone gives."""
     h, lq, lk = prev_scores.shape
     vis = _visible(lq, lk, causal, kv_mask, segment_ids, "predictive_conv")
     if kv_mask is not None and lq == lk:
         vis = vis & kv_mask[:, None]
     s = jnp.where(vis, prev_scores.astype(jnp.float32), 0.0)
-    pad = ((2, 0), (1, 1)) if causal else ((1, 1), (1, 1))
-    out = jax.lax.conv_general_dilated(s[None], conv.astype(jnp.float32), (1, 1), pad,
-                                       dimension_numbers=("NCHW", "OIHW", "NCHW"))
-    return out[0]
+    conv = conv.astype(jnp.float32)
+    top = 2 if causal else 1
+    if segment_ids is None:
+        out = jax.lax.conv_general_dilated(s[None], conv, (1, 1), ((top, 2 - top), (1, 1)),
+                                           dimension_numbers=("NCHW", "OIHW", "NCHW"))
+        return out[0]
+    # One row offset of the taps at a time: rows of another document out, then the 1 x 3
+    # taps along the keys.
+    seg = C.check_segment_ids("predictive_conv", segment_ids, lq, lk)[0]
+    rows = jnp.arange(lq)
+    out = jnp.zeros((h, lq, lk), jnp.float32)
+    for a in range(3):
+        src = rows + a - top
+        same = (src >= 0) & (src < lq) & (seg[jnp.clip(src, 0, lq - 1)] == seg)
+        shifted = jnp.where(same[None, :, None], s[:, jnp.clip(src, 0, lq - 1)], 0.0)
+        out = out + jax.lax.conv_general_dilated(
+            shifted[None], conv[:, :, a:a + 1], (1, 1), ((0, 0), (1, 1)),
+            dimension_numbers=("NCHW", "OIHW", "NCHW"))[0]
+    return out
 
 
 def predictive_attention(q, k, v, prev_scores, conv, alpha, *, causal=False, kv_mask=None,
@@ -187,6 +205,8 @@ def predictive_attention(q, k, v, prev_scores, conv, alpha, *, causal=False, kv_
         raise ValueError(f"{name}: prev_scores must be [H, L, L] = [{h}, {lq}, {lq}]; got "
                          f"{jnp.shape(prev_scores)}")
     kv_mask = C.check_kv_mask(name, kv_mask, lq)
+    if kv_mask is not None:  # padded keys and values out (0 * nan is NaN), as check_qkv_mask
+        k, v = (jnp.where(kv_mask[:, None, None], a, jnp.zeros((), a.dtype)) for a in (k, v))
     scale = C.resolve_scale(dk, scale)
     own = jnp.einsum("qhd,khd->hqk", q.astype(jnp.float32), k.astype(jnp.float32)) * scale
     s = own if prev_scores is None else alpha * own + (1 - alpha) * predictive_conv(
