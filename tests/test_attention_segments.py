@@ -327,6 +327,47 @@ def _predictive_ref(q, k, v, q1, k1):
                                           keep) @ v[:, c] for o, c in enumerate(halves)], -1)
 
 
+def _sparsemax_fn(q, k, v, seg, mask):
+    return A.entmax_attention(q, k, v, 2.0, causal=True, kv_mask=mask, segment_ids=seg)
+
+
+def _sparsemax_ref(q, k, v):
+    # Correia et al., 2019 at alpha = 2 (sparsemax, Martins & Astudillo, 2016): the Euclidean
+    # projection of each row's visible scores onto the simplex, tau from the sorted scores.
+    z = jnp.where(_keep(), _scores(q, k), -1e9)
+    zs = -jnp.sort(-z, axis=-1)
+    n = jnp.arange(1, L + 1)
+    support = 1 + n * zs > jnp.cumsum(zs, -1)
+    size = jnp.maximum(jnp.sum(support, -1, keepdims=True), 1)  # 1 in rows with no key
+    tau = (jnp.take_along_axis(jnp.cumsum(zs, -1), size - 1, -1) - 1) / size
+    return jnp.maximum(z - tau, 0.0) @ v
+
+
+def _topk_fn(q, k, v, seg, mask):
+    return A.topk_attention(q, k, v, top_k=3, causal=True, kv_mask=mask, segment_ids=seg)
+
+
+def _topk_ref(q, k, v):
+    # Gupta et al., 2021: softmax over each query's 3 best visible keys of its document.
+    s = jnp.where(_keep(), _scores(q, k), -jnp.inf)
+    kth = jax.lax.stop_gradient(-jnp.sort(-s, -1)[:, 2:3])
+    return _softmax_rows(s, _keep() & (s >= kth)) @ v
+
+
+def _span_fn(q, k, v, seg, mask, span):
+    return A.adaptive_span_attention(q, k, v, span, max_span=4, ramp=2, causal=True,
+                                     kv_mask=mask, segment_ids=seg, block_size=TILE)
+
+
+def _span_ref(q, k, v, span):
+    # Sukhbaatar et al., 2019, Eq. 2: weights m_z(i - j) exp(s_ij), renormalised, with
+    # m_z(x) = clamp((R + z - x) / R, 0, 1).
+    dist = (np.arange(L)[:, None] - np.arange(L)[None, :]).astype(np.float32)
+    m = jnp.clip((2.0 + span - dist) / 2.0, 0.0, 1.0)
+    e = jnp.where(_keep(), m * jnp.exp(_scores(q, k) - 4.0), 0.0)
+    return e / jnp.maximum(e.sum(-1, keepdims=True), 1e-30) @ v
+
+
 # The kinds whose extra inputs are per token (sliced per document, cleaned of padding).
 _PER_TOKEN = {"fox", "realformer", "realformer_tiled", "lazy", "predictive"}
 
@@ -350,6 +391,8 @@ def _extras(name):
     if name in ("realformer", "realformer_tiled", "lazy", "predictive"):
         q1, k1 = jax.random.normal(key, (2, L, D))
         return (q1, jnp.where(jnp.asarray(REAL)[:, None], k1, jnp.nan))
+    if name == "adaptive_span":
+        return (jnp.float32(2.5),)
     if name == "average":
         w, b = A.init_average_gate(key, D, D)
         return (w, 0.1 + b)
@@ -377,6 +420,9 @@ KINDS = {
     "realformer_tiled": (_realformer_tiled_fn, _realformer_ref),
     "lazy": (_lazy_fn, _lazy_ref),
     "predictive": (_predictive_fn, _predictive_ref),
+    "entmax": (_sparsemax_fn, _sparsemax_ref),
+    "topk": (_topk_fn, _topk_ref),
+    "adaptive_span": (_span_fn, _span_ref),
 }
 
 
