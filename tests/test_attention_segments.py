@@ -368,6 +368,20 @@ def _span_ref(q, k, v, span):
     return e / jnp.maximum(e.sum(-1, keepdims=True), 1e-30) @ v
 
 
+def _lowrank_band_fn(q, k, v, seg, mask, w_q, w_k, gate):
+    return A.lowrank_band_attention(q, k, v, w_q, w_k, gate, window=2, causal=True,
+                                    kv_mask=mask, segment_ids=seg)
+
+
+def _lowrank_band_ref(q, k, v, w_q, w_k, gate):
+    # Guo et al., 2019: (1 - g) softmax((q W_q)(k W_k)^T / sqrt(r)) v + g softmax_band(q k^T) v.
+    i, j = np.arange(L)[:, None], np.arange(L)[None, :]
+    g = jax.nn.sigmoid(gate)
+    far = _softmax_rows(_scores(q @ w_q, k @ w_k, w_q.shape[1] ** -0.5), _keep()) @ v
+    band = _softmax_rows(_scores(q, k), _keep() & (j >= i - 2)) @ v
+    return (1 - g) * far + g * band
+
+
 # The kinds whose extra inputs are per token (sliced per document, cleaned of padding).
 _PER_TOKEN = {"fox", "realformer", "realformer_tiled", "lazy", "predictive"}
 
@@ -391,6 +405,9 @@ def _extras(name):
     if name in ("realformer", "realformer_tiled", "lazy", "predictive"):
         q1, k1 = jax.random.normal(key, (2, L, D))
         return (q1, jnp.where(jnp.asarray(REAL)[:, None], k1, jnp.nan))
+    if name == "lowrank_band":
+        w_q, w_k, _ = A.init_lowrank_band(key, D, 3)
+        return (w_q, w_k, jnp.float32(0.4))
     if name == "adaptive_span":
         return (jnp.float32(2.5),)
     if name == "average":
@@ -423,6 +440,7 @@ KINDS = {
     "entmax": (_sparsemax_fn, _sparsemax_ref),
     "topk": (_topk_fn, _topk_ref),
     "adaptive_span": (_span_fn, _span_ref),
+    "lowrank_band": (_lowrank_band_fn, _lowrank_band_ref),
 }
 
 

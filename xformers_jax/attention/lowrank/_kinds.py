@@ -116,7 +116,7 @@ KINDS = (
     Kind("lowrank_band", lowrank_band_attention, "lowrank",
          Paper("Guo et al.", 2019,
                "Low-Rank and Locality Constrained Self-Attention for Sequence Modeling"),
-         time="O(L^2 r + L w D)", memory="O(L D)", causal=True,
+         time="O(L^2 r + L w D)", memory="O(L D)", causal=True, segments=True,
          test_hyperparameters={"window": 3, "rank": 4},
          hyperparameters={
              "window": (REQUIRED, "band half-width (causal: how far back)"),
