@@ -71,6 +71,10 @@ KINDS = (
     Kind("lsh", lsh_attention, "learned",
          Paper("Kitaev et al.", 2020, "Reformer: The Efficient Transformer"),
          time="O(n L (c + log L) D), n rounds, c chunk", memory="O(n L c)", causal=True,
+         segments=lambda hp: (
+             "it sorts the whole row by hash bucket and attends within chunks of the sorted "
+             "order, so which keys share a query's chunk depends on the other documents; train "
+             "it on unpacked rows (data.pack=False)"),
          test_hyperparameters={"num_buckets": 4, "chunk_size": 4},
          hyperparameters={
              "num_buckets": (4, "hash buckets per round (even)"),
@@ -81,6 +85,11 @@ KINDS = (
     Kind("sinkhorn", sinkhorn_attention, "learned",
          Paper("Tay et al.", 2020, "Sparse Sinkhorn Attention"),
          time="O(L b D + (L/b)^2), b the block", memory="O(L b + (L/b)^2)", causal=True,
+         segments=lambda hp: (
+             f"its sorting network permutes blocks of {hp['block_size']} positions of the row "
+             "(blocks straddle documents, and a block's sort logits pool its tokens), so a "
+             "document's keys depend on the other documents; train it on unpacked rows "
+             "(data.pack=False)"),
          fixed_length=True, test_hyperparameters={"block_size": 4},
          hyperparameters={
              "block_size": (REQUIRED, "tokens per sorted block b"),
@@ -134,6 +143,10 @@ KINDS = (
          Paper("Roy et al.", 2021,
                "Efficient Content-Based Sparse Attention with Routing Transformers"),
          time="O(L w D + L K D), w the cluster window", memory="O(L w)", causal=True,
+         segments=lambda hp: (
+             "it sorts the whole row by k-means cluster and attends within windows of the "
+             "sorted order, so which keys a query sees depends on the other documents; train "
+             "it on unpacked rows (data.pack=False)"),
          test_hyperparameters={"num_clusters": 2, "window": 4},
          hyperparameters={
              "num_clusters": (4, "k-means centroids K per head"),

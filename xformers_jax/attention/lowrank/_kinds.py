@@ -94,6 +94,10 @@ KINDS = (
     Kind("luna", luna_attention, "lowrank",
          Paper("Ma et al.", 2021, "Luna: Linear Unified Nested Attention"),
          time="O(L l D), l packed rows", memory="O(L l)", causal=True,
+         segments=lambda hp: (
+             "its packed sequence attends over every earlier token of the row (causal: a "
+             "running pack), so a document's outputs depend on the documents before it; train "
+             "it on unpacked rows (data.pack=False)"),
          test_hyperparameters={"length": 4, "chunk_size": 8},
          hyperparameters={
              "length": (16, "rows l of the learned packing sequence"),
@@ -131,6 +135,13 @@ KINDS = (
          Paper("Zhu et al.", 2021,
                "Long-Short Transformer: Efficient Transformers for Language and Vision"),
          time="O(L (w + r) D)", memory="O(L (w + r))", causal=True,
+         segments=lambda hp: (
+             "its dynamic projection pools keys over "
+             + ("the whole row" if hp["segment_size"] is None else
+                f"segments of {hp['segment_size']} positions of the row")
+             + ", which straddle documents, so a document's long-range keys "
+             "depend on its neighbours and on its offset; train it on unpacked rows "
+             "(data.pack=False)"),
          test_hyperparameters={"window": 3, "rank": 4, "segment_size": 4},
          hyperparameters={
              "window": (REQUIRED, "sliding window half-width (causal: width back)"),
@@ -144,6 +155,11 @@ KINDS = (
     Kind("memory_compressed", memory_compressed_attention, "lowrank",
          Paper("Liu et al.", 2018, "Generating Wikipedia by Summarizing Long Sequences"),
          time="O(L (b + L/c) D)", memory="O(L (b + L/c))", causal=True,
+         segments=lambda hp: (
+             f"its strided convolution compresses every {hp['stride']} keys of the row into "
+             f"one, and its local blocks of {hp['block_size']} are blocks of the row: both "
+             "straddle documents, so a document's keys depend on its neighbours and on its "
+             "offset; train it on unpacked rows (data.pack=False)"),
          test_hyperparameters={"block_size": 4, "stride": 2},
          hyperparameters={
              "block_size": (REQUIRED, "length of the contiguous local blocks"),
@@ -178,6 +194,11 @@ KINDS = (
          Paper("Tay et al.", 2021,
                "Synthesizer: Rethinking Self-Attention for Transformer Models"),
          time="O(L^2 D)", memory="O(L^2)", causal=True, fixed_length=True,
+         segments=lambda hp: (
+             f"its synthesized weights {tuple(hp['forms'])} are indexed by absolute positions "
+             "of the row (a token's logits over max_len positions, or a learned [max_len, "
+             "max_len] table), so a document packed at an offset gets other weights than "
+             "alone; train it on unpacked rows (data.pack=False)"),
          test_hyperparameters={"forms": ("dense", "factorized_random"), "rank": 4},
          hyperparameters={
              "forms": (("dense",), "the synthesizer forms mixed, e.g. ('dense', 'random')"),

@@ -438,6 +438,11 @@ KINDS = (
     Kind("moba", moba_attention, "modern", _MOBA_PAPER,
          time="O(L k b D + L^2 D / b), k blocks of b", memory="O(L k D)",
          causal=True, decoding="kv",
+         segments=lambda hp: (
+             f"its key blocks are blocks of {hp['block_size']} positions of the row, gated by "
+             "each block's mean-pooled key: a block straddling two documents pools both, and "
+             "the block grid moves with a document's offset, so a document's block choice "
+             "depends on its neighbours; train it on unpacked rows (data.pack=False)"),
          test_hyperparameters={"block_size": 4, "top_k": 2, "chunk": 8},
          hyperparameters={
              "block_size": (64, "keys per block"),
@@ -449,6 +454,11 @@ KINDS = (
     Kind("nsa", native_sparse_attention, "modern", _NSA_PAPER,
          time="O(L (n b + w) D + L^2 D / b), n blocks of b, window w",
          memory="O(L n D + L^2 / b)", causal=True, decoding="kv",
+         segments=lambda hp: (
+             f"its compressed and selected branches work on blocks of {hp['block_size']} "
+             "positions of the row (compressed keys pool a block that may straddle two "
+             "documents; the block grid moves with a document's offset), so a document's "
+             "outputs depend on its neighbours; train it on unpacked rows (data.pack=False)"),
          test_hyperparameters={"block_size": 4, "num_selected": 2, "window": 3, "chunk": 8},
          hyperparameters={
              "block_size": (64, "tokens per compressed and selected block"),
