@@ -139,7 +139,7 @@ KINDS = (
              "its dynamic projection pools keys over "
              + ("the whole row" if hp["segment_size"] is None else
                 f"segments of {hp['segment_size']} positions of the row")
-             + ", which straddle documents, so a document's long-range keys "
+             + ", across document boundaries, so a document's long-range keys "
              "depend on its neighbours and on its offset; train it on unpacked rows "
              "(data.pack=False)"),
          test_hyperparameters={"window": 3, "rank": 4, "segment_size": 4},
