@@ -20,6 +20,7 @@ from tests.tolerances import EXACT, EXACT_GRAD, assert_close
 from xformers_jax import attention as A
 from xformers_jax import nn
 from xformers_jax.attention.modern._differential import differential_attention
+from xformers_jax.attention.modern._dsa import deepseek_sparse_reference
 from xformers_jax.attention.modern._fox import forgetting_attention
 
 DOCS = (6, 2, 5)
@@ -382,8 +383,22 @@ def _lowrank_band_ref(q, k, v, w_q, w_k, gate):
     return (1 - g) * far + g * band
 
 
+def _dsa_fn(q, k, v, seg, mask, qi, w, ki):
+    _, _, bits = A.lightning_indexer(qi, w, ki, top_k=3, causal=True, kv_mask=mask,
+                                     segment_ids=seg, chunk=TILE, return_bits=True)
+    return A.deepseek_sparse_tiled(q, k, v, bits, causal=True, kv_mask=mask, segment_ids=seg,
+                                   **_TILES)
+
+
+def _dsa_ref(q, k, v, qi, w, ki):
+    # DeepSeek-AI, 2025, Eqs. 1-2 (the dense reference): each query's 3 best keys of its
+    # document by the indexer, one softmax over them.
+    return deepseek_sparse_reference(q, k, v, qi, w, ki, top_k=3, causal=True,
+                                     kv_mask=jnp.asarray(REAL), segment_ids=jnp.asarray(SEG))
+
+
 # The kinds whose extra inputs are per token (sliced per document, cleaned of padding).
-_PER_TOKEN = {"fox", "realformer", "realformer_tiled", "lazy", "predictive"}
+_PER_TOKEN = {"fox", "realformer", "realformer_tiled", "lazy", "predictive", "dsa"}
 
 
 def _extras(name):
@@ -408,6 +423,10 @@ def _extras(name):
     if name == "lowrank_band":
         w_q, w_k, _ = A.init_lowrank_band(key, D, 3)
         return (w_q, w_k, jnp.float32(0.4))
+    if name == "dsa":
+        k1, k2, k3 = jax.random.split(key, 3)
+        return (jax.random.normal(k1, (L, 2, 4)), jax.random.normal(k2, (L, 2)),
+                jax.random.normal(k3, (L, 4)))
     if name == "adaptive_span":
         return (jnp.float32(2.5),)
     if name == "average":
@@ -441,6 +460,7 @@ KINDS = {
     "topk": (_topk_fn, _topk_ref),
     "adaptive_span": (_span_fn, _span_ref),
     "lowrank_band": (_lowrank_band_fn, _lowrank_band_ref),
+    "dsa": (_dsa_fn, _dsa_ref),
 }
 
 
@@ -519,3 +539,26 @@ def test_per_head_patterns_of_absolute_positions_refuse_packing(hp, match):
     assert kind.segment_problem(resolved) is not None
     assert re.search(match, kind.segment_problem(resolved))
     assert kind.segment_problem(kind.resolve({"stride": 4})) is None
+
+
+def test_the_indexer_loss_of_a_packed_row_is_each_documents_own():
+    # DeepSeek sparse attention's auxiliary loss, per query: KL from the main attention to the
+    # indexer over the chosen keys of the query's own document, as the document alone.
+    q, k, _ = _inputs(1)
+    qi, w, ki = _extras("dsa")
+    seg, mask = jnp.asarray(SEG), jnp.asarray(REAL)
+
+    def run(q, k, qi, w, ki):
+        def kl(q, k, qi, w, ki, **rows):
+            bits = A.lightning_indexer(qi, w, ki, top_k=3, causal=True, chunk=TILE,
+                                       return_bits=True, **rows)[2]
+            return A.indexer_alignment_loss(q[:, None], k[:, None], qi, w, ki, bits,
+                                            causal=True, chunk=TILE, **rows)
+
+        alone = [kl(*(a[s:s + n] for a in (q, k, qi, w, ki))) for s, n in zip(STARTS, DOCS)]
+        return kl(q, k, qi, w, ki, kv_mask=mask, segment_ids=seg), alone
+
+    packed, alone = jax.tree.map(np.asarray, jit0(run)(q, k, qi, w, ki))
+    for (s, n), one in zip(zip(STARTS, DOCS), alone):
+        assert_close(packed[s:s + n], one, EXACT, jnp.float32,
+                     err_msg=f"indexer KL: document at {s}..{s + n - 1}")

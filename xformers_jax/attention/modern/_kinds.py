@@ -275,16 +275,19 @@ def _dsa_index_inputs(inputs, params, index_heads):
     return qi, inputs @ params["w_w"].astype(dt), inputs @ params["w_ki"].astype(dt)
 
 
-def _dsa_choose(qi, w, ki, kv_mask, *, top_k, causal, chunk, q_offset=0, return_bits=False):
+def _dsa_choose(qi, w, ki, kv_mask, *, top_k, causal, chunk, q_offset=0, return_bits=False,
+                segment_ids=None):
     fn = functools.partial(lightning_indexer, top_k=top_k, causal=causal, chunk=chunk,
                            q_offset=q_offset, return_bits=return_bits)
-    return jax.vmap(lambda a, b, c, m: fn(a, b, c, kv_mask=m))(
-        qi, w, ki, jnp.ones(ki.shape[:2], bool) if kv_mask is None else kv_mask)
+    rows = {"kv_mask": jnp.ones(ki.shape[:2], bool) if kv_mask is None else kv_mask}
+    if segment_ids is not None:
+        rows["segment_ids"] = segment_ids
+    return jax.vmap(lambda a, b, c, r: fn(a, b, c, **r))(qi, w, ki, rows)
 
 
 def _dsa_attend(q, k, v, params, *, causal, kv_mask, bias, key, inputs, q_mask=None,
-                return_aux=False, top_k=2048, index_heads=4, index_dim=32, chunk=256,
-                stage="sparse"):
+                segment_ids=None, return_aux=False, top_k=2048, index_heads=4, index_dim=32,
+                chunk=256, stage="sparse"):
     # The indexer reads the block input detached from the main model's graph (the paper trains
     # it by its own loss alone): no gradient reaches the input through it.
     x = jax.lax.stop_gradient(real_only(kv_mask, inputs))
@@ -292,23 +295,25 @@ def _dsa_attend(q, k, v, params, *, causal, kv_mask, bias, key, inputs, q_mask=N
     _dsa_stage(stage)
     if stage == "dense":  # the warm-up: dense attention, the indexer learning to match it
         bits = None
-        out = multihead(functools.partial(flash_attention, causal=causal))(q, k, v,
-                                                                           kv_mask=kv_mask)
+        out = multihead(functools.partial(flash_attention, causal=causal))(
+            q, k, v, kv_mask=kv_mask, segment_ids=segment_ids)
     else:
         # The choice as a bit mask on the tiled kernel (deepseek_sparse_tiled says why).
         _, _, bits = _dsa_choose(qi, w, ki, kv_mask, top_k=top_k, causal=causal,
-                                        chunk=chunk, return_bits=True)
-        out = multihead(deepseek_sparse_tiled, arg_axes=("batch",))(q, k, v, bits,
-                                                                   causal=causal,
-                                                                   kv_mask=kv_mask)
+                                 chunk=chunk, return_bits=True, segment_ids=segment_ids)
+        out = multihead(deepseek_sparse_tiled, arg_axes=("batch",))(
+            q, k, v, bits, causal=causal, kv_mask=kv_mask, segment_ids=segment_ids)
     if not return_aux:
         return out
     loss = functools.partial(indexer_alignment_loss, causal=causal, chunk=chunk)
     real = jnp.ones(ki.shape[:2], bool) if kv_mask is None else kv_mask
+    rows = {"kv_mask": real}
+    if segment_ids is not None:
+        rows["segment_ids"] = segment_ids
     if bits is None:
-        kl = jax.vmap(lambda *a: loss(*a[:5], kv_mask=a[5]))(q, k, qi, w, ki, real)
+        kl = jax.vmap(lambda *a: loss(*a[:5], **a[5]))(q, k, qi, w, ki, rows)
     else:
-        kl = jax.vmap(lambda *a: loss(*a[:6], kv_mask=a[6]))(q, k, qi, w, ki, bits, real)
+        kl = jax.vmap(lambda *a: loss(*a[:6], **a[6]))(q, k, qi, w, ki, bits, rows)
     rows = real if q_mask is None else q_mask
     # The mean over the real queries of the batch (the paper sums over tokens; the mean keeps
     # the weight independent of the batch and length).
@@ -473,7 +478,7 @@ KINDS = (
          time="O(L^2 (D + H_I d_I)): the indexer, and the chosen tokens as a mask on the tiled "
               "kernel (decoding: O(L H_I d_I + k D))",
          memory="O(L k + L^2 / 8 bytes): the choice",
-         causal=True, decoding="kv",
+         causal=True, decoding="kv", segments=True,
          test_hyperparameters={"top_k": 5, "index_heads": 2, "index_dim": 4, "chunk": 8},
          hyperparameters={
              "top_k": (2048, "tokens each query attends, chosen by the lightning indexer"),
