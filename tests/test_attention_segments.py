@@ -541,17 +541,19 @@ def test_per_head_patterns_of_absolute_positions_refuse_packing(hp, match):
     assert kind.segment_problem(kind.resolve({"stride": 4})) is None
 
 
-def test_the_indexer_loss_of_a_packed_row_is_each_documents_own():
+@pytest.mark.parametrize("stage", ["sparse", "dense"])
+def test_the_indexer_loss_of_a_packed_row_is_each_documents_own(stage):
     # DeepSeek sparse attention's auxiliary loss, per query: KL from the main attention to the
-    # indexer over the chosen keys of the query's own document, as the document alone.
+    # indexer over the chosen keys (the dense warm-up: every key) of the query's own
+    # document, as the document alone.
     q, k, _ = _inputs(1)
     qi, w, ki = _extras("dsa")
     seg, mask = jnp.asarray(SEG), jnp.asarray(REAL)
 
     def run(q, k, qi, w, ki):
         def kl(q, k, qi, w, ki, **rows):
-            bits = A.lightning_indexer(qi, w, ki, top_k=3, causal=True, chunk=TILE,
-                                       return_bits=True, **rows)[2]
+            bits = None if stage == "dense" else A.lightning_indexer(
+                qi, w, ki, top_k=3, causal=True, chunk=TILE, return_bits=True, **rows)[2]
             return A.indexer_alignment_loss(q[:, None], k[:, None], qi, w, ki, bits,
                                             causal=True, chunk=TILE, **rows)
 
@@ -561,4 +563,4 @@ def test_the_indexer_loss_of_a_packed_row_is_each_documents_own():
     packed, alone = jax.tree.map(np.asarray, jit0(run)(q, k, qi, w, ki))
     for (s, n), one in zip(zip(STARTS, DOCS), alone):
         assert_close(packed[s:s + n], one, EXACT, jnp.float32,
-                     err_msg=f"indexer KL: document at {s}..{s + n - 1}")
+                     err_msg=f"indexer KL ({stage}): document at {s}..{s + n - 1}")
