@@ -564,3 +564,22 @@ def test_the_indexer_loss_of_a_packed_row_is_each_documents_own(stage):
     for (s, n), one in zip(zip(STARTS, DOCS), alone):
         assert_close(packed[s:s + n], one, EXACT, jnp.float32,
                      err_msg=f"indexer KL ({stage}): document at {s}..{s + n - 1}")
+
+
+def test_forget_gates_restart_at_each_document():
+    # The gates' sums restart per document: after a document that forgets hard (log f = -3000
+    # per token, c near -18000, where float32 steps by 2e-3), the next document's decays
+    # c_i - c_j are its own numbers, not differences of two large row-long sums.
+    q, k, v = _inputs(2)
+    log_f = jnp.where(jnp.asarray(SEG) == 1, -3000.0, _extras("fox")[0])
+    seg, mask = jnp.asarray(SEG), jnp.asarray(REAL)
+
+    def run(q, k, v, log_f):
+        alone = [_fox_fn(*(a[s:s + n] for a in (q, k, v)), None, None, log_f[s:s + n])
+                 for s, n in zip(STARTS, DOCS)]
+        return _fox_fn(q, k, v, seg, mask, log_f), alone
+
+    packed, alone = jax.tree.map(np.asarray, jit0(run)(q, k, v, log_f))
+    for (s, n), one in zip(zip(STARTS, DOCS), alone):
+        assert_close(packed[s:s + n], one, EXACT, jnp.float32,
+                     err_msg=f"fox: document at {s}..{s + n - 1} after a hard-forgetting one")
