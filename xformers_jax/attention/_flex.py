@@ -249,10 +249,10 @@ def document_offsets(segment_ids) -> jnp.ndarray:
 
 
 def document_sum(segment_ids, x, *, reverse: bool = False) -> jnp.ndarray:
-    """``x [L, ...]`` summed along its first axis within each document of packed-sequence ids ``segment_ids int[L]``,
-    from the document's first position up to each position (``reverse``: from each position
-    to the document's last): a cumulative sum that restarts at every document, in one
-    associative scan."""
+    """``x [L, ...]`` summed along its first axis within each document of packed-sequence
+    ids ``segment_ids int[L]``, from the document's first position up to each position
+    (``reverse``: from each position to the document's last): a cumulative sum that
+    restarts at every document, in one associative scan."""
     seg, x = jnp.asarray(segment_ids), jnp.asarray(x)
     if reverse:
         return document_sum(seg[::-1], x[::-1])[::-1]
