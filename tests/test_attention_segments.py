@@ -19,6 +19,7 @@ from tests.fast_jit import jit0
 from tests.tolerances import EXACT, EXACT_GRAD, assert_close
 from xformers_jax import attention as A
 from xformers_jax import nn
+from xformers_jax.attention._flex import streaming_documents
 from xformers_jax.attention.modern._differential import differential_attention
 from xformers_jax.attention.modern._dsa import deepseek_sparse_reference
 from xformers_jax.attention.modern._fox import forgetting_attention
@@ -109,6 +110,15 @@ def _streaming_ref(q, k, v):
     i, j = np.arange(L)[:, None], np.arange(L)[None, :]
     keep = _keep() & ((j >= i - 2) | (_offsets()[None, :] < 2))
     return _softmax_rows(_scores(q, k), keep) @ v
+
+
+def _streaming_kind_fn(q, k, v, seg, mask):
+    # The kind's form: the window on the tiled kernel, each document's sinks gathered.
+    if seg is None:
+        return A.flex_attention(q, k, v, mask_mod=A.streaming_mask(2, 2), causal=True,
+                                kv_mask=mask, **_TILES)
+    return streaming_documents(q, k, v, window=2, sinks=2, segment_ids=seg, causal=True,
+                               kv_mask=mask, **_TILES)
 
 
 _LAMBDA_INIT = 0.6
@@ -441,6 +451,7 @@ KINDS = {
     "softcap": (_softcap_fn, _softcap_ref),
     "learned_sinks": (_sinks_fn, _sinks_ref),
     "streaming": (_streaming_fn, _streaming_ref),
+    "streaming_kind": (_streaming_kind_fn, _streaming_ref),
     "differential": (_differential_fn, _differential_ref),
     "fox": (_fox_fn, _fox_ref),
     "per_head_block_sparse": (_per_head_fn, _per_head_ref),

@@ -285,3 +285,41 @@ def streaming_mask(window: int, sinks: int, segment_ids=None) -> Pattern:
                 | (offsets[kv_idx] < sinks))
 
     return MaskMod(window_or_document_sink)
+
+
+def streaming_documents(q, k, v, *, window: int, sinks: int, segment_ids, causal=False,
+                        kv_mask=None, scale=None, **tiles):
+    """Flex attention with ``streaming_mask(window, sinks, segment_ids)`` (packed rows,
+    self-attention, one head: ``q, k [L, Dk]``, ``v [L, Dv]`` -> ``[L, Dv]``), in O(L (w + n)
+    D) as without segment ids: the mask function would be evaluated in every causal tile the
+    documents share (its sinks move with the data, so no static layout skips a tile), about
+    causal attention's work. Instead the window runs on the tiled kernel with the static
+    ``Local(window, 0)`` layout and the segment mask, each query gathers the first ``sinks``
+    keys of its document outside that window, and the two disjoint key sets merge into one
+    softmax by their log-sum-exps (``kernels.merge_by_lse``). ``tiles``: ``block_q``,
+    ``block_k``, ``implementation``, ``key`` (as ``flex_attention``'s)."""
+    window, sinks = int(window), int(sinks)
+    seg = jnp.asarray(segment_ids)
+    near, lse_near = flex_attention(q, k, v, mask_mod=Local(window, 0), causal=causal,
+                                    kv_mask=kv_mask, segment_ids=seg, scale=scale,
+                                    return_lse=True, **tiles)
+    length = k.shape[0]
+    i = jnp.arange(length)[:, None]
+    idx = (i[:, 0] - document_offsets(seg))[:, None] + jnp.arange(sinks)[None, :]  # [L, n]
+    at = jnp.minimum(idx, length - 1)
+    ok = (idx < length) & (seg[at] == seg[:, None]) & ((at < i - window) | (at > i))
+    if causal:
+        ok = ok & (at <= i)
+    if kv_mask is not None:
+        ok = ok & kv_mask[at]
+    # Selects, not products: a gathered padding key may hold anything (NaN included).
+    ks, vs = (jnp.where(ok[..., None], a[at], jnp.zeros((), a.dtype)).astype(C.STATS_DTYPE)
+              for a in (k, v))
+    s = jnp.einsum("ld,lnd->ln", q.astype(C.STATS_DTYPE), ks)
+    s = jnp.where(ok, s * C.resolve_scale(q.shape[-1], scale), -jnp.inf)
+    m = jax.lax.stop_gradient(kernels.safe_max(s.max(-1)))
+    p = jnp.where(ok, jnp.exp(s - m[:, None]), 0.0)
+    total = p.sum(-1)
+    far = kernels.normalise(jnp.einsum("ln,lnd->ld", p, vs), total)
+    out, _ = kernels.merge_by_lse(near, lse_near, far, kernels.log_sum_exp(m, total))
+    return out.astype(q.dtype)

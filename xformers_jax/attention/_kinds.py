@@ -14,7 +14,7 @@ from ._dense import dot_product_attention
 from ._exact import block_sparse_attention, flash_attention
 from ._halo import halo_local_attention
 from ._ring import ring_attention
-from ._flex import flex_attention, soft_cap_score, streaming_mask
+from ._flex import flex_attention, soft_cap_score, streaming_documents, streaming_mask
 from .patterns import Local
 
 _VASWANI = Paper("Vaswani et al.", 2017, "Attention Is All You Need")
@@ -57,9 +57,11 @@ def _softcap(q, k, v, *, cap=50.0, **kw):
     return flex_attention(q, k, v, score_mod=soft_cap_score(cap), **kw)
 
 
-def _streaming(q, k, v, *, window, sinks=4, **kw):
-    return flex_attention(q, k, v, mask_mod=streaming_mask(window, sinks,
-                                                           kw.get("segment_ids")), **kw)
+def _streaming(q, k, v, *, window, sinks=4, segment_ids=None, **kw):
+    if segment_ids is not None:  # sinks per document, still O(L (w + n) D)
+        return streaming_documents(q, k, v, window=window, sinks=sinks,
+                                   segment_ids=segment_ids, **kw)
+    return flex_attention(q, k, v, mask_mod=streaming_mask(window, sinks), **kw)
 
 
 def _learned_sinks(q, k, v, sink, *, window=None, **kw):
