@@ -132,6 +132,10 @@ KINDS = (
          Paper("Shi et al.", 2021,
                "SparseBERT: Rethinking the Importance Analysis in Self-attention"),
          time="O(L^2 D)", memory="O(L^2)", causal=False, fixed_length=True,
+         segments=lambda hp: (
+             "its learned mask is indexed by positions of the row (and keeps the row's "
+             "first and last rows and columns), so a document packed at an offset gets "
+             "another mask than alone; train it on unpacked rows (data.pack=False)"),
          test_hyperparameters={},
          hyperparameters={
              "temperature": (1.0, "temperature tau of the Gumbel-sigmoid gates"),

@@ -71,7 +71,12 @@ KINDS = (
     Kind("linformer", linformer_attention, "lowrank",
          Paper("Wang et al.", 2020, "Linformer: Self-Attention with Linear Complexity"),
          time="O(L k D), k the projected length", memory="O(L k)", causal=False,
-         fixed_length=True, test_hyperparameters={"proj_len": 8},
+         fixed_length=True,
+         segments=lambda hp: (
+             "its projections E and F mix the whole length axis of the row, so every "
+             "document's keys depend on the others; train it on unpacked rows "
+             "(data.pack=False)"),
+         test_hyperparameters={"proj_len": 8},
          hyperparameters={"proj_len": (32, "the projected length k of keys and values")},
          adapter=AttentionAdapter(
              lifted(linformer_attention, (None,), unpack=True),
@@ -82,6 +87,10 @@ KINDS = (
          Paper("Xiong et al.", 2021,
                "Nystromformer: A Nystrom-Based Algorithm for Approximating Self-Attention"),
          time="O(L m D), m landmarks", memory="O(L m)", causal=False,
+         segments=lambda hp: (
+             "its landmarks are means over segments of the whole row, which straddle "
+             "documents, so a document's attention depends on the others; "
+             "train it on unpacked rows (data.pack=False)"),
          test_hyperparameters={"num_landmarks": 4, "kernel_size": 3},
          hyperparameters={
              "num_landmarks": (REQUIRED, "landmarks m (segment means of queries and keys)"),
@@ -109,10 +118,17 @@ KINDS = (
              init_only={"length"})),
     Kind("clustered", clustered_attention, "lowrank", _VYAS,
          time="O(L C D), C clusters", memory="O(L C)", causal=False,
+         segments=lambda hp: (
+             "it clusters the queries of the whole row, so a query's centroid (and so "
+             "its output) depends on the other documents; "
+             "train it on unpacked rows (data.pack=False)"),
          test_hyperparameters={"num_clusters": 4}, hyperparameters=_CLUSTERS,
          adapter=AttentionAdapter(_seeded(clustered_attention))),
     Kind("improved_clustered", improved_clustered_attention, "lowrank", _VYAS,
          time="O(L (C + k) D), k top keys", memory="O(L (C + k))", causal=False,
+         segments=lambda hp: (
+             "it clusters the queries of the whole row, so a query's centroid and top "
+             "keys depend on the other documents; train it on unpacked rows (data.pack=False)"),
          test_hyperparameters={"num_clusters": 4, "topk": 4},
          hyperparameters={**_CLUSTERS,
                           "topk": (REQUIRED, "keys k each cluster attends to exactly")},
@@ -173,6 +189,10 @@ KINDS = (
          Paper("Zhang et al.", 2021,
                "Poolingformer: Long Document Modeling with Pooling Attention"),
          time="O(L (w + L/p) D)", memory="O(L (w + L/p))", causal=False,
+         segments=lambda hp: (
+             "its second level pools keys over windows of the row, which straddle "
+             "documents, so a document's pooled memory depends on its neighbours; "
+             "train it on unpacked rows (data.pack=False)"),
          test_hyperparameters={"window": 3, "pool_size": 4},
          hyperparameters={
              "window": (REQUIRED, "first-level half-width: query i sees |i - j| <= window"),
@@ -185,6 +205,10 @@ KINDS = (
                "Informer: Beyond Efficient Transformer for Long Sequence Time-Series "
                "Forecasting"),
          time="O(L log L D)", memory="O(L log L)", causal=False,
+         segments=lambda hp: (
+             "it ranks the queries of the whole row (and samples keys from it) to choose "
+             "which queries attend, so a document's outputs depend on the others; "
+             "train it on unpacked rows (data.pack=False)"),
          test_hyperparameters={"factor": 1.0},
          hyperparameters={
              "factor": (5.0, "Informer's sampling factor c (c ln L queries and keys)"),

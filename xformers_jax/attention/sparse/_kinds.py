@@ -241,6 +241,9 @@ KINDS = (
          Paper("Ainslie et al.", 2020,
                "ETC: Encoding Long and Structured Inputs in Transformers"),
          time="O(L (r + G) D)", memory="O(L D)", causal=False,
+         segments=lambda hp: (
+             "its global input is the first num_global positions of the row, not of "
+             "each document; train it on unpacked rows (data.pack=False)"),
          test_hyperparameters={"num_global": 2, "radius": 2, "block_q": 8, "block_k": 8},
          hyperparameters={
              "num_global": (REQUIRED, "the first positions that form the global input"),
