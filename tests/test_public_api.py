@@ -63,7 +63,7 @@ ATTENTION_NAMES = {
     "KINDS",
     # Flex attention and the score and mask functions of the catalogue's methods.
     "flex_attention", "alibi_score", "prefix_lm_mask", "relative_bias_score", "soft_cap_score",
-    "streaming_mask",
+    "streaming_mask", "document_offsets",
 }
 PATTERN_NAMES = {
     "BPTree", "BigBird", "BlockBERT", "BlockLayout", "BlockLocal", "Cascade", "Causal", "Dilated",

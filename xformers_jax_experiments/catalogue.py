@@ -40,7 +40,8 @@ decoding keeps per layer and sequence, in numbers (`H` heads; blank where the re
 declare it); *fixed length*: its parameters or hyperparameters fix the sequence length (or
 bound it by `max_len`); *packs*: it honours segment ids, so packed rows (several documents
 per row, `data.pack=True`) give each document its outputs alone (`some`: for some
-hyperparameters, which its record's `segments` names; `no`: packing is refused naming it);
+hyperparameters, which its record's `segments` names; `no`: packing is refused naming it,
+and saying why where the record gives a reason);
 *hyperparameters*: what a spec may give, `name=default` and its meaning, **required** when
 the spec must give it (`nn.AttentionSpec("nystrom")` is refused for want of
 `num_landmarks`); *step time, step memory*: one training step of the LRA byte-level Text
@@ -150,7 +151,12 @@ def paper_url(paper) -> str:
 
 
 def _packs(k) -> str:
-    return "some" if callable(k.segments) else _yes(k.segments)
+    # A callable names the hyperparameters that cannot pack: "some" when the kind packs at
+    # its test hyperparameters (the ones tests/test_kinds_packing.py runs), else "no" (a
+    # callable that gives a reason for every setting, so the refusal says why).
+    if callable(k.segments):
+        return "no" if k.segment_problem(k.resolve(dict(k.test_hyperparameters))) else "some"
+    return _yes(k.segments)
 
 
 def _hyperparameters(k) -> str:

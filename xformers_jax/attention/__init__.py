@@ -15,6 +15,7 @@ from ._exact import block_sparse_attention as block_sparse_attention
 from ._exact import flash_attention as flash_attention
 from ._exact import pattern_tile as pattern_tile
 from ._flex import alibi_score as alibi_score
+from ._flex import document_offsets as document_offsets
 from ._flex import flex_attention as flex_attention
 from ._flex import prefix_lm_mask as prefix_lm_mask
 from ._flex import relative_bias_score as relative_bias_score

@@ -31,6 +31,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 
+import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float
 
@@ -232,8 +233,93 @@ def prefix_lm_mask(prefix: int) -> MaskMod:
     return MaskMod(prefix_or_past, ("prefix_lm_mask", prefix))
 
 
-def streaming_mask(window: int, sinks: int) -> Pattern:
+def document_offsets(segment_ids) -> jnp.ndarray:
+    """``int32[L]``: each position's offset from the first position of its document, for
+    packed-sequence ids ``segment_ids int[L]`` (a document starts wherever the id changes; the
+    padding after the last document counts as one more). A score or mask function of packed
+    rows reads positions through it, so each document sees the positions it would see alone
+    (StreamingLLM's sinks are the first tokens of each document, not of the row)."""
+    seg = jnp.asarray(segment_ids)
+    if seg.ndim != 1 or not jnp.issubdtype(seg.dtype, jnp.integer):
+        raise ValueError(f"document_offsets: segment_ids must be int[L] (one row; lift with "
+                         f"multihead), got {seg.dtype}{tuple(seg.shape)}")
+    idx = jnp.arange(seg.shape[0], dtype=jnp.int32)
+    starts = jnp.concatenate([jnp.ones((1,), bool), seg[1:] != seg[:-1]])
+    return idx - jax.lax.cummax(jnp.where(starts, idx, 0))
+
+
+def document_sum(segment_ids, x, *, reverse: bool = False) -> jnp.ndarray:
+    """``x [L, ...]`` summed along its first axis within each document of packed-sequence
+    ids ``segment_ids int[L]``, from the document's first position up to each position
+    (``reverse``: from each position to the document's last): a cumulative sum that
+    restarts at every document, in one associative scan."""
+    seg, x = jnp.asarray(segment_ids), jnp.asarray(x)
+    if reverse:
+        return document_sum(seg[::-1], x[::-1])[::-1]
+    starts = jnp.concatenate([jnp.ones((1,), bool), seg[1:] != seg[:-1]])
+
+    def combine(a, b):
+        restart = b[0].reshape(b[0].shape + (1,) * (b[1].ndim - 1))
+        return a[0] | b[0], jnp.where(restart, b[1], a[1] + b[1])
+
+    return jax.lax.associative_scan(combine, (starts, x))[1]
+
+
+def streaming_mask(window: int, sinks: int, segment_ids=None) -> Pattern:
     """StreamingLLM's mask (Xiao et al., 2024, "Efficient Streaming Language Models with
     Attention Sinks"): the first ``sinks`` keys and a window of the ``window`` keys before each
-    query (with ``causal=True``, the query itself and ``window`` keys back)."""
-    return Local(int(window), 0) | KeyPadding(int(sinks))
+    query (with ``causal=True``, the query itself and ``window`` keys back).
+
+    With packed-sequence ids ``segment_ids int[L]`` the sinks are the first ``sinks`` keys of
+    each document (:func:`document_offsets`), so a document sees what it would see alone once
+    the kernel's segment mask (``flex_attention(segment_ids=)``) keeps it inside its document.
+    The sinks then move with the data, so this is a mask function evaluated in-tile over the
+    causal tiles the documents share, not a static layout."""
+    window, sinks = int(window), int(sinks)
+    if segment_ids is None:
+        return Local(window, 0) | KeyPadding(sinks)
+    offsets = document_offsets(segment_ids)
+
+    def window_or_document_sink(b, h, q_idx, kv_idx):
+        return (((kv_idx >= q_idx - window) & (kv_idx <= q_idx))
+                | (offsets[kv_idx] < sinks))
+
+    return MaskMod(window_or_document_sink)
+
+
+def streaming_documents(q, k, v, *, window: int, sinks: int, segment_ids, causal=False,
+                        kv_mask=None, scale=None, **tiles):
+    """Flex attention with ``streaming_mask(window, sinks, segment_ids)`` (packed rows,
+    self-attention, one head: ``q, k [L, Dk]``, ``v [L, Dv]`` -> ``[L, Dv]``), in O(L (w + n)
+    D) as without segment ids: the mask function would be evaluated in every causal tile the
+    documents share (its sinks move with the data, so no static layout skips a tile), about
+    causal attention's work. Instead the window runs on the tiled kernel with the static
+    ``Local(window, 0)`` layout and the segment mask, each query gathers the first ``sinks``
+    keys of its document outside that window, and the two disjoint key sets merge into one
+    softmax by their log-sum-exps (``kernels.merge_by_lse``). ``tiles``: ``block_q``,
+    ``block_k``, ``implementation``, ``key`` (as ``flex_attention``'s)."""
+    window, sinks = int(window), int(sinks)
+    seg = jnp.asarray(segment_ids)
+    near, lse_near = flex_attention(q, k, v, mask_mod=Local(window, 0), causal=causal,
+                                    kv_mask=kv_mask, segment_ids=seg, scale=scale,
+                                    return_lse=True, **tiles)
+    length = k.shape[0]
+    i = jnp.arange(length)[:, None]
+    idx = (i[:, 0] - document_offsets(seg))[:, None] + jnp.arange(sinks)[None, :]  # [L, n]
+    at = jnp.minimum(idx, length - 1)
+    ok = (idx < length) & (seg[at] == seg[:, None]) & ((at < i - window) | (at > i))
+    if causal:
+        ok = ok & (at <= i)
+    if kv_mask is not None:
+        ok = ok & kv_mask[at]
+    # Selects, not products: a gathered padding key may hold anything (NaN included).
+    ks, vs = (jnp.where(ok[..., None], a[at], jnp.zeros((), a.dtype)).astype(C.STATS_DTYPE)
+              for a in (k, v))
+    s = jnp.einsum("ld,lnd->ln", q.astype(C.STATS_DTYPE), ks)
+    s = jnp.where(ok, s * C.resolve_scale(q.shape[-1], scale), -jnp.inf)
+    m = jax.lax.stop_gradient(kernels.safe_max(s.max(-1)))
+    p = jnp.where(ok, jnp.exp(s - m[:, None]), 0.0)
+    total = p.sum(-1)
+    far = kernels.normalise(jnp.einsum("ln,lnd->ld", p, vs), total)
+    out, _ = kernels.merge_by_lse(near, lse_near, far, kernels.log_sum_exp(m, total))
+    return out.astype(q.dtype)

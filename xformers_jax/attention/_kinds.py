@@ -14,7 +14,7 @@ from ._dense import dot_product_attention
 from ._exact import block_sparse_attention, flash_attention
 from ._halo import halo_local_attention
 from ._ring import ring_attention
-from ._flex import flex_attention, soft_cap_score, streaming_mask
+from ._flex import flex_attention, soft_cap_score, streaming_documents, streaming_mask
 from .patterns import Local
 
 _VASWANI = Paper("Vaswani et al.", 2017, "Attention Is All You Need")
@@ -57,7 +57,10 @@ def _softcap(q, k, v, *, cap=50.0, **kw):
     return flex_attention(q, k, v, score_mod=soft_cap_score(cap), **kw)
 
 
-def _streaming(q, k, v, *, window, sinks=4, **kw):
+def _streaming(q, k, v, *, window, sinks=4, segment_ids=None, **kw):
+    if segment_ids is not None:  # sinks per document, still O(L (w + n) D)
+        return streaming_documents(q, k, v, window=window, sinks=sinks,
+                                   segment_ids=segment_ids, **kw)
     return flex_attention(q, k, v, mask_mod=streaming_mask(window, sinks), **kw)
 
 
@@ -112,14 +115,14 @@ KINDS = (
     # Flex attention's score and mask functions (attention._flex) as kinds.
     Kind("softcap", flex_attention, "exact",
          Paper("Gemma Team", 2024, "Gemma 2: Improving Open Language Models at a Practical Size"),
-         time="O(L^2 D)", memory="O(L D)", causal=True, decoding=None,
+         time="O(L^2 D)", memory="O(L D)", causal=True, decoding=None, segments=True,
          test_hyperparameters={"cap": 1.0, "block_q": 8, "block_k": 8},
          hyperparameters={"cap": (50.0, "soft cap of the scaled logits: cap * tanh(s / cap)"),
                           **TILES},
          adapter=AttentionAdapter(lifted(_softcap))),
     Kind("streaming", flex_attention, "exact",
          Paper("Xiao et al.", 2024, "Efficient Streaming Language Models with Attention Sinks"),
-         time="O(L (w + n) D)", memory="O(L D)", causal=True, decoding="kv",
+         time="O(L (w + n) D)", memory="O(L D)", causal=True, decoding="kv", segments=True,
          test_hyperparameters={"window": 3, "sinks": 2, "block_q": 8, "block_k": 8},
          hyperparameters={"window": (REQUIRED, "keys before the query inside its window"),
                           "sinks": (4, "first keys every query sees (the attention sinks)"),
@@ -130,6 +133,7 @@ KINDS = (
     Kind("learned_sinks", flex_attention, "exact",
          Paper("OpenAI", 2025, "gpt-oss-120b & gpt-oss-20b Model Card"),
          time="O(L^2 D) (O(L w D) windowed)", memory="O(L D)", causal=True, decoding=None,
+         segments=True,
          test_hyperparameters={"block_q": 8, "block_k": 8},
          hyperparameters={"window": (None, "sliding window (keys back; both sides when not "
                                            "causal); None: all keys"),

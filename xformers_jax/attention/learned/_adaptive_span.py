@@ -55,6 +55,7 @@ def adaptive_span_attention(
     ramp: int = 32,
     causal: bool = False,
     kv_mask: Bool[Array, "kv_seq"] | None = None,
+    segment_ids=None,
     scale: float | None = None,
     block_size: int | None = None,
     key=None,
@@ -74,6 +75,8 @@ def adaptive_span_attention(
       ramp: the soft ramp length R (> 0).
       causal: query i sees keys j <= i only.
       kv_mask: ``bool[Lk]``, True for real keys.
+      segment_ids: packed-sequence ids (the span is a distance ``|i - j|``, so each document
+        gets its own).
       scale: score scale, ``1/sqrt(Dk)`` by default.
       block_size: tile size of the block-sparse band (default: fits the band).
 
@@ -93,6 +96,6 @@ def adaptive_span_attention(
     block = block_size or min(512, max(16, 1 << (reach - 1).bit_length()))
     band = Local(reach, 0 if causal else reach)
     return block_sparse_attention(
-        q, k, v, band, causal=causal, kv_mask=kv_mask, scale=scale,
+        q, k, v, band, causal=causal, kv_mask=kv_mask, segment_ids=segment_ids, scale=scale,
         bias=_SpanBias(span, float(ramp), float(max_span)), block_q=block, block_k=block,
     )

@@ -206,6 +206,7 @@ def entmax_attention(
     *,
     causal: bool = False,
     kv_mask: Bool[Array, "kv_seq"] | None = None,
+    segment_ids=None,
     scale: float | None = None,
     n_iter: int = 50,
     key=None,
@@ -223,6 +224,8 @@ def entmax_attention(
       alpha: the entmax parameter (>= 1).
       causal: query i sees keys j <= i only.
       kv_mask: ``bool[Lk]``, True for real keys.
+      segment_ids: packed-sequence ids ``int[L]`` or a ``(q, kv)`` pair: a query's entmax
+        runs over its own document's keys.
       scale: score scale, ``1/sqrt(Dk)`` by default.
       n_iter: bisection steps (array or non-special alpha).
 
@@ -240,6 +243,9 @@ def entmax_attention(
         real = real & kv_mask[None, :]
     if causal:
         real = real & jnp.tril(jnp.ones(s.shape, bool))
+    segs = C.check_segment_ids(name, segment_ids, x.lq, x.lk)
+    if segs is not None:
+        real = real & (segs[0][:, None] == segs[1][None, :])
     if isinstance(alpha, (int, float)) and alpha == 1:
         p = entmax_bisect(s, 1.0, real)
     elif isinstance(alpha, (int, float)) and alpha == 1.5:

@@ -71,6 +71,10 @@ KINDS = (
     Kind("lsh", lsh_attention, "learned",
          Paper("Kitaev et al.", 2020, "Reformer: The Efficient Transformer"),
          time="O(n L (c + log L) D), n rounds, c chunk", memory="O(n L c)", causal=True,
+         segments=lambda hp: (
+             "it sorts the whole row by hash bucket and attends within chunks of the sorted "
+             "order, so which keys share a query's chunk depends on the other documents; train "
+             "it on unpacked rows (data.pack=False)"),
          test_hyperparameters={"num_buckets": 4, "chunk_size": 4},
          hyperparameters={
              "num_buckets": (4, "hash buckets per round (even)"),
@@ -81,6 +85,11 @@ KINDS = (
     Kind("sinkhorn", sinkhorn_attention, "learned",
          Paper("Tay et al.", 2020, "Sparse Sinkhorn Attention"),
          time="O(L b D + (L/b)^2), b the block", memory="O(L b + (L/b)^2)", causal=True,
+         segments=lambda hp: (
+             f"its sorting network permutes blocks of {hp['block_size']} positions of the row "
+             "(blocks straddle documents, and a block's sort logits pool its tokens), so a "
+             "document's keys depend on the other documents; train it on unpacked rows "
+             "(data.pack=False)"),
          fixed_length=True, test_hyperparameters={"block_size": 4},
          hyperparameters={
              "block_size": (REQUIRED, "tokens per sorted block b"),
@@ -94,19 +103,22 @@ KINDS = (
                  key, head_dim, -(-max_len // hp["block_size"])))),
     Kind("entmax", entmax_attention, "learned",
          Paper("Correia et al.", 2019, "Adaptively Sparse Transformers"),
-         time="O(L^2 D)", memory="O(L^2)", causal=True, test_hyperparameters={},
+         time="O(L^2 D)", memory="O(L^2)", causal=True, segments=True,
+         test_hyperparameters={},
          hyperparameters={
              "alpha": (1.5, "the entmax parameter (>= 1; 1 is softmax, 2 sparsemax)"),
              "n_iter": (50, "bisection steps (an array or non-special alpha)")},
          adapter=AttentionAdapter(lifted(entmax_attention))),
     Kind("topk", topk_attention, "learned",
          Paper("Gupta et al.", 2021, "Memory-efficient Transformers via Top-k Attention"),
-         time="O(L^2 D)", memory="O(L^2)", causal=True, test_hyperparameters={"top_k": 4},
+         time="O(L^2 D)", memory="O(L^2)", causal=True, segments=True,
+         test_hyperparameters={"top_k": 4},
          hyperparameters={"top_k": (REQUIRED, "keys kept per query")},
          adapter=AttentionAdapter(lifted(topk_attention))),
     Kind("adaptive_span", adaptive_span_attention, "learned",
          Paper("Sukhbaatar et al.", 2019, "Adaptive Attention Span in Transformers"),
          time="O(L (S + R) D), S the maximum span", memory="O(L (S + R))", causal=True,
+         segments=True,
          test_hyperparameters={"max_span": 8, "ramp": 2},
          hyperparameters={
              "max_span": (REQUIRED, "static upper bound S of the learned span (tokens)"),
@@ -120,6 +132,10 @@ KINDS = (
          Paper("Shi et al.", 2021,
                "SparseBERT: Rethinking the Importance Analysis in Self-attention"),
          time="O(L^2 D)", memory="O(L^2)", causal=False, fixed_length=True,
+         segments=lambda hp: (
+             "its learned mask is indexed by positions of the row (and keeps the row's "
+             "first and last rows and columns), so a document packed at an offset gets "
+             "another mask than alone; train it on unpacked rows (data.pack=False)"),
          test_hyperparameters={},
          hyperparameters={
              "temperature": (1.0, "temperature tau of the Gumbel-sigmoid gates"),
@@ -131,6 +147,10 @@ KINDS = (
          Paper("Roy et al.", 2021,
                "Efficient Content-Based Sparse Attention with Routing Transformers"),
          time="O(L w D + L K D), w the cluster window", memory="O(L w)", causal=True,
+         segments=lambda hp: (
+             "it sorts the whole row by k-means cluster and attends within windows of the "
+             "sorted order, so which keys a query sees depends on the other documents; train "
+             "it on unpacked rows (data.pack=False)"),
          test_hyperparameters={"num_clusters": 2, "window": 4},
          hyperparameters={
              "num_clusters": (4, "k-means centroids K per head"),

@@ -23,6 +23,7 @@ def topk_attention(
     top_k: int,
     causal: bool = False,
     kv_mask: Bool[Array, "kv_seq"] | None = None,
+    segment_ids=None,
     scale: float | None = None,
     key=None,
 ) -> Float[Array, "q_seq v_dim"]:
@@ -37,6 +38,8 @@ def topk_attention(
       top_k: keys kept per query.
       causal: query i sees keys j <= i only.
       kv_mask: ``bool[Lk]``, True for real keys.
+      segment_ids: packed-sequence ids ``int[L]`` or a ``(q, kv)`` pair: a query chooses
+        among its own document's keys only.
       scale: score scale, ``1/sqrt(Dk)`` by default.
 
     Returns:
@@ -51,6 +54,9 @@ def topk_attention(
         s = jnp.where(kv_mask[None, :], s, -jnp.inf)
     if causal:
         s = jnp.where(jnp.tril(jnp.ones(s.shape, bool)), s, -jnp.inf)
+    segs = C.check_segment_ids(name, segment_ids, x.lq, x.lk)
+    if segs is not None:
+        s = jnp.where(segs[0][:, None] == segs[1][None, :], s, -jnp.inf)
     if top_k < x.lk:
         kth = jax.lax.stop_gradient(jax.lax.top_k(s, top_k)[0][:, -1:])
         s = jnp.where(s >= kth, s, -jnp.inf)

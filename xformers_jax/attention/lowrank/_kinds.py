@@ -71,7 +71,12 @@ KINDS = (
     Kind("linformer", linformer_attention, "lowrank",
          Paper("Wang et al.", 2020, "Linformer: Self-Attention with Linear Complexity"),
          time="O(L k D), k the projected length", memory="O(L k)", causal=False,
-         fixed_length=True, test_hyperparameters={"proj_len": 8},
+         fixed_length=True,
+         segments=lambda hp: (
+             "its projections E and F mix the whole length axis of the row, so every "
+             "document's keys depend on the others; train it on unpacked rows "
+             "(data.pack=False)"),
+         test_hyperparameters={"proj_len": 8},
          hyperparameters={"proj_len": (32, "the projected length k of keys and values")},
          adapter=AttentionAdapter(
              lifted(linformer_attention, (None,), unpack=True),
@@ -82,6 +87,10 @@ KINDS = (
          Paper("Xiong et al.", 2021,
                "Nystromformer: A Nystrom-Based Algorithm for Approximating Self-Attention"),
          time="O(L m D), m landmarks", memory="O(L m)", causal=False,
+         segments=lambda hp: (
+             "its landmarks are means over segments of the whole row, which straddle "
+             "documents, so a document's attention depends on the others; "
+             "train it on unpacked rows (data.pack=False)"),
          test_hyperparameters={"num_landmarks": 4, "kernel_size": 3},
          hyperparameters={
              "num_landmarks": (REQUIRED, "landmarks m (segment means of queries and keys)"),
@@ -94,6 +103,10 @@ KINDS = (
     Kind("luna", luna_attention, "lowrank",
          Paper("Ma et al.", 2021, "Luna: Linear Unified Nested Attention"),
          time="O(L l D), l packed rows", memory="O(L l)", causal=True,
+         segments=lambda hp: (
+             "its packed sequence attends over every earlier token of the row (causal: a "
+             "running pack), so a document's outputs depend on the documents before it; train "
+             "it on unpacked rows (data.pack=False)"),
          test_hyperparameters={"length": 4, "chunk_size": 8},
          hyperparameters={
              "length": (16, "rows l of the learned packing sequence"),
@@ -105,10 +118,17 @@ KINDS = (
              init_only={"length"})),
     Kind("clustered", clustered_attention, "lowrank", _VYAS,
          time="O(L C D), C clusters", memory="O(L C)", causal=False,
+         segments=lambda hp: (
+             "it clusters the queries of the whole row, so a query's centroid (and so "
+             "its output) depends on the other documents; "
+             "train it on unpacked rows (data.pack=False)"),
          test_hyperparameters={"num_clusters": 4}, hyperparameters=_CLUSTERS,
          adapter=AttentionAdapter(_seeded(clustered_attention))),
     Kind("improved_clustered", improved_clustered_attention, "lowrank", _VYAS,
          time="O(L (C + k) D), k top keys", memory="O(L (C + k))", causal=False,
+         segments=lambda hp: (
+             "it clusters the queries of the whole row, so a query's centroid and top "
+             "keys depend on the other documents; train it on unpacked rows (data.pack=False)"),
          test_hyperparameters={"num_clusters": 4, "topk": 4},
          hyperparameters={**_CLUSTERS,
                           "topk": (REQUIRED, "keys k each cluster attends to exactly")},
@@ -116,7 +136,7 @@ KINDS = (
     Kind("lowrank_band", lowrank_band_attention, "lowrank",
          Paper("Guo et al.", 2019,
                "Low-Rank and Locality Constrained Self-Attention for Sequence Modeling"),
-         time="O(L^2 r + L w D)", memory="O(L D)", causal=True,
+         time="O(L^2 r + L w D)", memory="O(L D)", causal=True, segments=True,
          test_hyperparameters={"window": 3, "rank": 4},
          hyperparameters={
              "window": (REQUIRED, "band half-width (causal: how far back)"),
@@ -131,6 +151,13 @@ KINDS = (
          Paper("Zhu et al.", 2021,
                "Long-Short Transformer: Efficient Transformers for Language and Vision"),
          time="O(L (w + r) D)", memory="O(L (w + r))", causal=True,
+         segments=lambda hp: (
+             "its dynamic projection pools keys over "
+             + ("the whole row" if hp["segment_size"] is None else
+                f"segments of {hp['segment_size']} positions of the row")
+             + ", across document boundaries, so a document's long-range keys "
+             "depend on its neighbours and on its offset; train it on unpacked rows "
+             "(data.pack=False)"),
          test_hyperparameters={"window": 3, "rank": 4, "segment_size": 4},
          hyperparameters={
              "window": (REQUIRED, "sliding window half-width (causal: width back)"),
@@ -144,6 +171,11 @@ KINDS = (
     Kind("memory_compressed", memory_compressed_attention, "lowrank",
          Paper("Liu et al.", 2018, "Generating Wikipedia by Summarizing Long Sequences"),
          time="O(L (b + L/c) D)", memory="O(L (b + L/c))", causal=True,
+         segments=lambda hp: (
+             f"its strided convolution compresses every {hp['stride']} keys of the row into "
+             f"one, and its local blocks of {hp['block_size']} are blocks of the row: both "
+             "straddle documents, so a document's keys depend on its neighbours and on its "
+             "offset; train it on unpacked rows (data.pack=False)"),
          test_hyperparameters={"block_size": 4, "stride": 2},
          hyperparameters={
              "block_size": (REQUIRED, "length of the contiguous local blocks"),
@@ -157,6 +189,10 @@ KINDS = (
          Paper("Zhang et al.", 2021,
                "Poolingformer: Long Document Modeling with Pooling Attention"),
          time="O(L (w + L/p) D)", memory="O(L (w + L/p))", causal=False,
+         segments=lambda hp: (
+             "its second level pools keys over windows of the row, which straddle "
+             "documents, so a document's pooled memory depends on its neighbours; "
+             "train it on unpacked rows (data.pack=False)"),
          test_hyperparameters={"window": 3, "pool_size": 4},
          hyperparameters={
              "window": (REQUIRED, "first-level half-width: query i sees |i - j| <= window"),
@@ -169,6 +205,10 @@ KINDS = (
                "Informer: Beyond Efficient Transformer for Long Sequence Time-Series "
                "Forecasting"),
          time="O(L log L D)", memory="O(L log L)", causal=False,
+         segments=lambda hp: (
+             "it ranks the queries of the whole row (and samples keys from it) to choose "
+             "which queries attend, so a document's outputs depend on the others; "
+             "train it on unpacked rows (data.pack=False)"),
          test_hyperparameters={"factor": 1.0},
          hyperparameters={
              "factor": (5.0, "Informer's sampling factor c (c ln L queries and keys)"),
@@ -178,6 +218,11 @@ KINDS = (
          Paper("Tay et al.", 2021,
                "Synthesizer: Rethinking Self-Attention for Transformer Models"),
          time="O(L^2 D)", memory="O(L^2)", causal=True, fixed_length=True,
+         segments=lambda hp: (
+             f"its synthesized weights {tuple(hp['forms'])} are indexed by absolute positions "
+             "of the row (a token's logits over max_len positions, or a learned [max_len, "
+             "max_len] table), so a document packed at an offset gets other weights than "
+             "alone; train it on unpacked rows (data.pack=False)"),
          test_hyperparameters={"forms": ("dense", "factorized_random"), "rank": 4},
          hyperparameters={
              "forms": (("dense",), "the synthesizer forms mixed, e.g. ('dense', 'random')"),

@@ -48,6 +48,7 @@ def lowrank_band_attention(
     window: int,
     causal: bool = False,
     kv_mask: Bool[Array, "kv_seq"] | None = None,
+    segment_ids=None,
     scale: float | None = None,
     lowrank_scale: float | None = None,
     key=None,
@@ -68,6 +69,9 @@ def lowrank_band_attention(
       window: band half-width (causal: how far back), a non-negative integer.
       causal: query i sees keys ``j <= i`` only, in both branches.
       kv_mask: ``bool[Lk]``, True for real keys.
+      segment_ids: packed-sequence ids (as ``flash_attention``'s): both branches stay inside
+        each document (the projections act per token and the band on ``i - j``, so each
+        document gets its own result).
       scale: band score scale, ``1/sqrt(Dk)`` by default.
       lowrank_scale: low-rank score scale, ``1/sqrt(r)`` by default.
 
@@ -91,10 +95,10 @@ def lowrank_band_attention(
         "ld,dr->lr", a, w, preferred_element_type=C.STATS_DTYPE).astype(x.q.dtype)
     far, lse_far = flash_attention(
         project(x.q, w_q), project(x.k, w_k), x.v, causal=causal, kv_mask=kv_mask,
-        scale=C.resolve_scale(rank, lowrank_scale), return_lse=True)
+        segment_ids=segment_ids, scale=C.resolve_scale(rank, lowrank_scale), return_lse=True)
     band, lse_band = flash_attention(
         x.q, x.k, x.v, pattern=Local(window, 0 if causal else window), causal=causal,
-        kv_mask=kv_mask, scale=scale, return_lse=True)
+        kv_mask=kv_mask, segment_ids=segment_ids, scale=scale, return_lse=True)
     g = jax.nn.sigmoid(gate.astype(C.STATS_DTYPE))
     # A branch that saw no key returned zeros; its weight moves to the other branch.
     w_far = jnp.where(jnp.isneginf(lse_far), 0.0, 1.0 - g)

@@ -75,6 +75,7 @@ def differential_attention(
     lambda_init: float = 0.8,
     causal: bool = False,
     kv_mask: Bool[Array, "kv_seq"] | None = None,
+    segment_ids=None,
     scale: float | None = None,
     key=None,
     block_q: int | None = None,
@@ -89,7 +90,9 @@ def differential_attention(
       lam: the scalar ``lambda`` (:func:`differential_lambda` of the learned vectors).
       lambda_init: the ``lambda_init`` of this layer (:func:`lambda_init_for`); the output is
         scaled by ``1 - lambda_init``.
-      causal, kv_mask, key: the contract's. scale: ``1/sqrt(d)`` by default (the half width).
+      causal, kv_mask, key: the contract's. segment_ids: packed-sequence ids (``int[L]`` or a
+        ``(q, kv)`` pair, as ``flash_attention``'s): both maps stay inside each document.
+      scale: ``1/sqrt(d)`` by default (the half width).
       block_q, block_k, implementation: the tiled kernel's (``flash_attention``).
 
     Returns:
@@ -100,7 +103,8 @@ def differential_attention(
     x, kv_mask = C.check_qkv_mask(name, q, k, v, kv_mask)
     (q1, k1), (q2, k2), d = _halves(name, x.q, x.k)
     scale = C.resolve_scale(d, scale)
-    kw = {"causal": causal, "kv_mask": kv_mask, "scale": scale, "block_q": block_q,
+    kw = {"causal": causal, "kv_mask": kv_mask, "segment_ids": segment_ids, "scale": scale,
+          "block_q": block_q,
           "block_k": block_k, "implementation": implementation}
     a1 = flash_attention(q1, k1, x.v, **kw)
     a2 = flash_attention(q2, k2, x.v, **kw)
@@ -108,17 +112,18 @@ def differential_attention(
 
 
 def differential_attention_reference(q, k, v, lam, *, lambda_init: float = 0.8,
-                                     causal: bool = False, kv_mask=None, scale=None):
+                                     causal: bool = False, kv_mask=None, segment_ids=None,
+                                     scale=None):
     """:func:`differential_attention` as the paper writes it: the two ``[Lq, Lk]`` softmax
     maps formed densely, subtracted, then applied to ``V`` (for tests)."""
     name = "differential_attention_reference"
     x, kv_mask = C.check_qkv_mask(name, q, k, v, kv_mask)
     (q1, k1), (q2, k2), d = _halves(name, x.q, x.k)
     scale = C.resolve_scale(d, scale)
-    _, p1 = dot_product_attention(q1, k1, x.v, causal=causal, kv_mask=kv_mask, scale=scale,
-                                  return_weights=True)
-    _, p2 = dot_product_attention(q2, k2, x.v, causal=causal, kv_mask=kv_mask, scale=scale,
-                                  return_weights=True)
+    kw = {"causal": causal, "kv_mask": kv_mask, "segment_ids": segment_ids, "scale": scale,
+          "return_weights": True}
+    _, p1 = dot_product_attention(q1, k1, x.v, **kw)
+    _, p2 = dot_product_attention(q2, k2, x.v, **kw)
     o = (p1.astype(STATS_DTYPE) - lam * p2.astype(STATS_DTYPE)) @ x.v.astype(STATS_DTYPE)
     o = o * jax.lax.rsqrt(jnp.mean(o * o, axis=-1, keepdims=True) + _EPS)
     return ((1.0 - lambda_init) * o).astype(q.dtype)

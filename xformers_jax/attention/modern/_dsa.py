@@ -46,6 +46,7 @@ def lightning_indexer(
     top_k: int,
     causal: bool = False,
     kv_mask: Bool[Array, "kv_seq"] | None = None,
+    segment_ids=None,
     q_offset=0,
     chunk: int = 256,
     return_bits: bool = False,
@@ -57,6 +58,9 @@ def lightning_indexer(
         weights ``w``. k_index: ``[Lk, d_I]`` indexer keys.
       top_k: tokens per query. causal: only keys at or before the query's position
         (``q_offset + i``; ``q_offset`` may be traced). kv_mask: ``bool[Lk]``, real keys.
+      segment_ids: packed-sequence ids ``int[L]`` or a ``(q, kv)`` pair: a query chooses
+        among its own document's keys only (the scores are per pair of tokens, so each
+        document's choice is the one it makes alone).
       chunk: queries scored at a time.
       return_bits: also return the choice as a bit mask (for
         :func:`deepseek_sparse_tiled`).
@@ -77,6 +81,7 @@ def lightning_indexer(
                          f"weights{tuple(weights.shape)}, k_index{tuple(k_index.shape)}")
     n = min(C.check_positive_int("lightning_indexer", "top_k", top_k), lk)
     real = jnp.ones((lk,), bool) if kv_mask is None else kv_mask
+    segs = C.check_segment_ids("lightning_indexer", segment_ids, lq, lk)
     kf = jnp.where(real[:, None], k_index, 0).astype(STATS_DTYPE)
     cq = min(chunk, lq)
     nc = cdiv(lq, cq)
@@ -86,12 +91,14 @@ def lightning_indexer(
     k_pos = jnp.arange(lk)
 
     def one(args, width):
-        qc, wc, pc = args
+        qc, wc, pc = args[:3]
         kw, kp = kf[:width], k_pos[:width]
         score = jnp.einsum("qh,qhk->qk", wc, jax.nn.relu(jnp.einsum("qhd,kd->qhk", qc, kw)))
         ok = jnp.broadcast_to(real[:width], score.shape)
         if causal:
             ok = ok & (kp[None, :] <= pc[:, None])
+        if segs is not None:
+            ok = ok & (args[3][:, None] == segs[1][None, :width])
         val, idx = jax.lax.top_k(jnp.where(ok, score, -jnp.inf), min(n, width))
         val = pad_to(val, n, axis=1, value=-jnp.inf)
         idx = pad_to(idx.astype(jnp.int32), n, axis=1)
@@ -111,6 +118,8 @@ def lightning_indexer(
 
     nw = cdiv(lk, 32)
     xs = (jax.lax.stop_gradient(qs), jax.lax.stop_gradient(ws), pos)
+    if segs is not None:
+        xs += (pad_to(segs[0], nc * cq).reshape(nc, cq),)
     if causal and isinstance(q_offset, int):
         # The queries of later chunks see more keys: the chunks run in a few segments, each
         # scoring only the keys its last query sees (causal self-attention: about half the
@@ -146,6 +155,7 @@ def deepseek_sparse_tiled(
     *,
     causal: bool = False,
     kv_mask: Bool[Array, "kv_seq"] | None = None,
+    segment_ids=None,
     scale: float | None = None,
     key=None,
     block_q: int | None = None,
@@ -167,8 +177,10 @@ def deepseek_sparse_tiled(
     Args:
       q: ``[Lq, D]``. k: ``[Lk, D]``. v: ``[Lk, Dv]``. bits: ``uint32[Lq, ceil(Lk / 32)]``.
       causal: skip the tiles above the diagonal (the choice holds no later key).
-      kv_mask, key: the contract's. scale: ``1/sqrt(D)`` by default. block_q, block_k,
-        implementation: the tiled kernel's.
+      kv_mask, key: the contract's. segment_ids: packed-sequence ids (a choice made with
+        them holds no other document's key; here they let the kernel skip the tiles between
+        documents). scale: ``1/sqrt(D)`` by default. block_q, block_k, implementation: the
+        tiled kernel's.
 
     Returns:
       ``[Lq, Dv]`` in q's dtype; a query with no chosen key gives zeros.
@@ -178,8 +190,8 @@ def deepseek_sparse_tiled(
         raise ValueError(f"deepseek_sparse_tiled: bits must be uint32[Lq, ceil(Lk / 32)] = "
                          f"[{lq}, {cdiv(lk, 32)}]; got {bits.dtype}{tuple(bits.shape)}")
     return flex_attention(q, k, v, mask_mod=_chosen_bit(bits), causal=causal, kv_mask=kv_mask,
-                          scale=scale, block_q=block_q, block_k=block_k,
-                          implementation=implementation)
+                          segment_ids=segment_ids, scale=scale, block_q=block_q,
+                          block_k=block_k, implementation=implementation)
 
 
 def deepseek_sparse_attention(
@@ -220,10 +232,12 @@ def deepseek_sparse_attention(
 
 
 def deepseek_sparse_reference(q, k, v, q_index, weights, k_index, *, top_k: int,
-                              causal: bool = False, kv_mask=None, scale=None, q_offset=0):
+                              causal: bool = False, kv_mask=None, segment_ids=None, scale=None,
+                              q_offset=0):
     """DeepSeek sparse attention from the equations, densely (float32): the ``[Lq, Lk]``
-    indexer scores, their top ``top_k`` keys as a mask, one masked softmax (for tests and one
-    decoding step; queries at ``q_offset + arange(Lq)``)."""
+    indexer scores, their top ``top_k`` keys (of the query's document, with
+    ``segment_ids``) as a mask, one masked softmax (for tests and one decoding step; queries
+    at ``q_offset + arange(Lq)``)."""
     x, kv_mask = C.check_qkv_mask("deepseek_sparse_reference", q, k, v, kv_mask)
     scale = C.resolve_scale(x.dk, scale)
 
@@ -238,6 +252,9 @@ def deepseek_sparse_reference(q, k, v, q_index, weights, k_index, *, top_k: int,
     ok = jnp.broadcast_to(real, score.shape)
     if causal:
         ok = ok & (k_pos[None, :] <= q_pos[:, None])
+    segs = C.check_segment_ids("deepseek_sparse_reference", segment_ids, x.lq, x.lk)
+    if segs is not None:
+        ok = ok & (segs[0][:, None] == segs[1][None, :])
     val, idx = jax.lax.top_k(jnp.where(ok, score, -jnp.inf), min(top_k, x.lk))
     keep = jnp.zeros((x.lq, x.lk), bool).at[jnp.arange(x.lq)[:, None], idx].max(
         jnp.isfinite(val))
@@ -277,6 +294,7 @@ def indexer_alignment_loss(
     *,
     causal: bool = False,
     kv_mask: Bool[Array, "kv_seq"] | None = None,
+    segment_ids=None,
     scale: float | None = None,
     q_offset=0,
     chunk: int = 256,
@@ -309,7 +327,8 @@ def indexer_alignment_loss(
         ``[Lk, d_I]``.
       bits: the sparse stage's selection ``uint32[Lq, ceil(Lk / 32)]``, or None (dense).
       causal, kv_mask, q_offset: which keys may be seen (queries at ``q_offset +
-        arange(Lq)``). scale: the main attention's, ``1/sqrt(D)`` by default.
+        arange(Lq)``). segment_ids: packed-sequence ids: each query's distributions over its
+        own document's keys. scale: the main attention's, ``1/sqrt(D)`` by default.
       chunk: queries at a time.
 
     Returns:
@@ -333,6 +352,7 @@ def indexer_alignment_loss(
     scale = C.resolve_scale(d, scale)
     g = h // hkv
     real = jnp.ones((lk,), bool) if kv_mask is None else kv_mask
+    segs = C.check_segment_ids(name, segment_ids, lq, lk)
     qf = jax.lax.stop_gradient(q).astype(STATS_DTYPE).reshape(lq, hkv, g, d)
     kf = jax.lax.stop_gradient(k).astype(STATS_DTYPE)
     kif = jnp.where(real[:, None], k_index.astype(STATS_DTYPE), 0.0)
@@ -344,6 +364,8 @@ def indexer_alignment_loss(
           "pos": (q_offset + jnp.arange(nc * cq)).reshape(nc, cq)}
     if bits is not None:
         xs["bits"] = pad_to(bits, nc * cq).reshape(nc, cq, nw)
+    if segs is not None:
+        xs["seg"] = pad_to(segs[0], nc * cq).reshape(nc, cq)
 
     def one(c, kif, width):
         s = jnp.einsum("qhgd,khd->qhgk", c["q"], kf[:width])
@@ -353,6 +375,8 @@ def indexer_alignment_loss(
         keep = jnp.broadcast_to(real[:width], (cq, width))
         if causal:
             keep = keep & (k_pos[None, :] <= c["pos"][:, None])
+        if segs is not None:
+            keep = keep & (c["seg"][:, None] == segs[1][None, :width])
         if bits is not None:
             word = jnp.take(c["bits"], k_pos >> 5, axis=1)
             keep = keep & ((jnp.right_shift(word, (k_pos & 31).astype(jnp.uint32)) & 1) == 1)

@@ -25,7 +25,7 @@ from jaxtyping import Array, Bool, Float
 
 from ...kernels import STATS_DTYPE
 from .. import _contract as C
-from .._flex import flex_attention
+from .._flex import document_sum, flex_attention
 
 
 def _check_gates(name: str, log_f, length: int, k):
@@ -36,13 +36,18 @@ def _check_gates(name: str, log_f, length: int, k):
 
 
 def cumulative_log_gates(log_f: Float[Array, "seq"],
-                         kv_mask: Bool[Array, "seq"] | None = None) -> Float[Array, "seq"]:
+                         kv_mask: Bool[Array, "seq"] | None = None,
+                         segment_ids=None) -> Float[Array, "seq"]:
     """``c_t = sum_{l <= t} log f_l`` in float32, padded tokens (``kv_mask`` False)
-    contributing 0: ``D_ij = c_i - c_j`` is the log-decay from key ``j`` to query ``i``."""
+    contributing 0: ``D_ij = c_i - c_j`` is the log-decay from key ``j`` to query ``i``.
+
+    With packed-sequence ids ``segment_ids int[L]`` the sum restarts at each document's first
+    token, so ``c`` within a document is that document's own (the same numbers as the
+    document alone, not a difference of large row-long sums)."""
     log_f = log_f.astype(STATS_DTYPE)
     if kv_mask is not None:
         log_f = jnp.where(kv_mask, log_f, 0.0)
-    return jnp.cumsum(log_f)
+    return jnp.cumsum(log_f) if segment_ids is None else document_sum(segment_ids, log_f)
 
 
 def _decay(c, q_idx, kv_idx, causal: bool):
@@ -58,6 +63,7 @@ def forgetting_attention(
     *,
     causal: bool = True,
     kv_mask: Bool[Array, "seq"] | None = None,
+    segment_ids=None,
     scale: float | None = None,
     key=None,
     block_q: int | None = None,
@@ -73,6 +79,8 @@ def forgetting_attention(
       causal: query ``i`` sees keys ``j <= i`` with ``D_ij = c_i - c_j`` (the paper's); False:
         every key, ``D_ij = -|c_i - c_j|``.
       kv_mask: the contract's key padding; a padded token's gate is taken as ``f = 1``.
+      segment_ids: packed-sequence ids ``int[L]``: a query sees the keys of its own document
+        only, and the gates' sums restart at each document (:func:`cumulative_log_gates`).
       scale: ``1/sqrt(Dk)`` by default. key: unused (no dropout).
       block_q, block_k, implementation: the tiled kernel's (``flex_attention``).
 
@@ -86,20 +94,26 @@ def forgetting_attention(
                         "(Lq == Lk)")
     _check_gates(name, log_f, x.lk, k)
     kv_mask = C.check_kv_mask(name, kv_mask, x.lk)
-    c = cumulative_log_gates(log_f, kv_mask)
+    if isinstance(segment_ids, (tuple, list)):
+        raise ValueError(f"{name}: segment_ids must be one int[L] array (the gates are per "
+                         "token of this self-attention), got a (q, kv) pair")
+    C.check_segment_ids(name, segment_ids, x.lq, x.lk)
+    c = cumulative_log_gates(log_f, kv_mask, segment_ids)
 
     def forget(score, b, h, q_idx, kv_idx):
         return score + _decay(c, q_idx, kv_idx, causal)
 
-    return flex_attention(q, k, v, score_mod=forget, causal=causal, kv_mask=kv_mask, scale=scale,
-                          block_q=block_q, block_k=block_k, implementation=implementation)
+    return flex_attention(q, k, v, score_mod=forget, causal=causal, kv_mask=kv_mask,
+                          segment_ids=segment_ids, scale=scale, block_q=block_q,
+                          block_k=block_k, implementation=implementation)
 
 
 def forgetting_attention_reference(q, k, v, log_f, *, causal: bool = True, kv_mask=None,
-                                   scale=None):
+                                   segment_ids=None, scale=None):
     """:func:`forgetting_attention` as the paper writes it (for tests): the ``[L, L]`` matrix
     ``D_ij = sum_{l=j+1}^{i} log f_l`` summed term by term (no cumulative differences), added
-    to the dense scores, masked, softmax, times ``v``; float32 throughout."""
+    to the dense scores, masked (and to each document, with ``segment_ids int[L]``), softmax,
+    times ``v``; float32 throughout."""
     name = "forgetting_attention_reference"
     x, kv_mask = C.check_qkv_mask(name, q, k, v, kv_mask)
     _check_gates(name, log_f, x.lk, k)
@@ -115,6 +129,9 @@ def forgetting_attention_reference(q, k, v, log_f, *, causal: bool = True, kv_ma
     keep = jnp.ones((n, n), bool) if kv_mask is None else jnp.broadcast_to(kv_mask, (n, n))
     if causal:
         keep = keep & (j[..., 0] <= i[..., 0])
+    if segment_ids is not None:
+        seg = jnp.asarray(segment_ids)
+        keep = keep & (seg[:, None] == seg[None, :])
     s = jnp.where(keep, s, -jnp.inf)
     p = jnp.where(keep, jax.nn.softmax(jnp.where(keep, s, -1e30), axis=-1), 0.0)
     return (p @ x.v.astype(STATS_DTYPE)).astype(q.dtype)

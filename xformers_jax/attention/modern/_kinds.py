@@ -26,6 +26,7 @@ from ...kinds import AttentionAdapter, Kind, KVDecoding, Paper
 from .._adapters import IMPLEMENTATION, TILES, lifted, real_only
 from .._dense import dot_product_attention
 from .._exact import flash_attention
+from .._flex import document_offsets
 from .._multihead import multihead
 from ._differential import differential_attention, differential_lambda, lambda_init_for
 from ._dsa import (deepseek_sparse_attention, deepseek_sparse_tiled, indexer_alignment_loss,
@@ -65,14 +66,15 @@ def _diff_init(key, hp, *, num_heads, head_dim, max_len):
             for n, k in zip(("lq1", "lk1", "lq2", "lk2"), keys)}
 
 
-def _diff_attend(q, k, v, params, *, causal, kv_mask, bias, key, q_mask=None, layer_index=1,
-                 block_q=None, block_k=None, implementation=None):
+def _diff_attend(q, k, v, params, *, causal, kv_mask, bias, key, q_mask=None, segment_ids=None,
+                 layer_index=1, block_q=None, block_k=None, implementation=None):
     lambda_init = lambda_init_for(layer_index)
     lam = differential_lambda(params["lq1"], params["lk1"], params["lq2"], params["lk2"],
                               lambda_init)
     fn = functools.partial(differential_attention, lambda_init=lambda_init, block_q=block_q,
                            block_k=block_k, implementation=implementation)
-    return multihead(fn, arg_axes=(None,))(q, k, v, lam, causal=causal, kv_mask=kv_mask)
+    return multihead(fn, arg_axes=(None,))(q, k, v, lam, causal=causal, kv_mask=kv_mask,
+                                           segment_ids=segment_ids)
 
 
 def _diff_decode(q, k, v, params, *, valid, index, **hp):
@@ -94,12 +96,12 @@ def _fox_log_gates(inputs, params):
 
 
 def _fox_attend(q, k, v, params, *, causal, kv_mask, bias, key, inputs, q_mask=None,
-                block_q=None, block_k=None, implementation=None):
+                segment_ids=None, block_q=None, block_k=None, implementation=None):
     log_f = jnp.moveaxis(_fox_log_gates(real_only(kv_mask, inputs), params), -1, 1)
     fn = functools.partial(forgetting_attention, block_q=block_q, block_k=block_k,
                            implementation=implementation)
     return multihead(fn, arg_axes=("batch_heads",))(q, k, v, log_f, causal=causal,
-                                                    kv_mask=kv_mask)
+                                                    kv_mask=kv_mask, segment_ids=segment_ids)
 
 
 def _fox_entry(inputs, k, v, params, *, position, block_q=None, block_k=None,
@@ -162,7 +164,7 @@ def _mla_query(inputs, q, params, positions, rope_base):
         dt = inputs.dtype
         q = ((inputs @ params["w_dq"].astype(dt)) @ params["w_uq"].astype(dt)).reshape(q.shape)
     d_r = params["w_kr"].shape[1]
-    return jnp.concatenate([q[..., :-d_r], rotary(q[..., -d_r:], positions[:, None],
+    return jnp.concatenate([q[..., :-d_r], rotary(q[..., -d_r:], positions[..., None],
                                                   rope_base)], -1)
 
 
@@ -174,24 +176,28 @@ def _mla_latent(inputs, params, positions, rope_base):
     return c[:, :, None], kr[:, :, None]
 
 
-def _mla_heads(q, c, kr, params, *, kv_mask, causal, absorb, block_q, block_k, implementation):
+def _mla_heads(q, c, kr, params, *, kv_mask, causal, absorb, block_q, block_k, implementation,
+               segment_ids=None):
     fn = functools.partial(multi_head_latent_attention, absorb=absorb, block_q=block_q,
                            block_k=block_k, implementation=implementation)
     return multihead(fn, arg_axes=("heads", "heads"))(
         q, c.astype(q.dtype), kr.astype(q.dtype), params["w_uk"], params["w_uv"],
-        causal=causal, kv_mask=kv_mask)
+        causal=causal, kv_mask=kv_mask, segment_ids=segment_ids)
 
 
 def _mla_attend(q, k, v, params, *, causal, kv_mask, bias, key, inputs, q_mask=None,
-                latent_dim=None, rope_dim=None, q_latent_dim=None, decode_absorbed=True,
-                rope_base=10000.0, block_q=None, block_k=None, implementation=None):
+                segment_ids=None, latent_dim=None, rope_dim=None, q_latent_dim=None,
+                decode_absorbed=True, rope_base=10000.0, block_q=None, block_k=None,
+                implementation=None):
     # The layer's k and v projections are not MLA's: its keys and values come from the latent.
     x = real_only(kv_mask, inputs)
-    pos = jnp.arange(x.shape[1])
+    # The decoupled rotary part restarts at each document of a packed row.
+    pos = (jnp.arange(x.shape[1]) if segment_ids is None
+           else jax.vmap(document_offsets)(segment_ids))
     c, kr = _mla_latent(x, params, pos, rope_base)
     return _mla_heads(_mla_query(x, q, params, pos, rope_base), c, kr, params, kv_mask=kv_mask,
                       causal=causal, absorb=False, block_q=block_q, block_k=block_k,
-                      implementation=implementation)
+                      implementation=implementation, segment_ids=segment_ids)
 
 
 def _mla_entry(inputs, k, v, params, *, position, rope_base=10000.0, **hp):
@@ -269,16 +275,19 @@ def _dsa_index_inputs(inputs, params, index_heads):
     return qi, inputs @ params["w_w"].astype(dt), inputs @ params["w_ki"].astype(dt)
 
 
-def _dsa_choose(qi, w, ki, kv_mask, *, top_k, causal, chunk, q_offset=0, return_bits=False):
+def _dsa_choose(qi, w, ki, kv_mask, *, top_k, causal, chunk, q_offset=0, return_bits=False,
+                segment_ids=None):
     fn = functools.partial(lightning_indexer, top_k=top_k, causal=causal, chunk=chunk,
                            q_offset=q_offset, return_bits=return_bits)
-    return jax.vmap(lambda a, b, c, m: fn(a, b, c, kv_mask=m))(
-        qi, w, ki, jnp.ones(ki.shape[:2], bool) if kv_mask is None else kv_mask)
+    rows = {"kv_mask": jnp.ones(ki.shape[:2], bool) if kv_mask is None else kv_mask}
+    if segment_ids is not None:
+        rows["segment_ids"] = segment_ids
+    return jax.vmap(lambda a, b, c, r: fn(a, b, c, **r))(qi, w, ki, rows)
 
 
 def _dsa_attend(q, k, v, params, *, causal, kv_mask, bias, key, inputs, q_mask=None,
-                return_aux=False, top_k=2048, index_heads=4, index_dim=32, chunk=256,
-                stage="sparse"):
+                segment_ids=None, return_aux=False, top_k=2048, index_heads=4, index_dim=32,
+                chunk=256, stage="sparse"):
     # The indexer reads the block input detached from the main model's graph (the paper trains
     # it by its own loss alone): no gradient reaches the input through it.
     x = jax.lax.stop_gradient(real_only(kv_mask, inputs))
@@ -286,23 +295,25 @@ def _dsa_attend(q, k, v, params, *, causal, kv_mask, bias, key, inputs, q_mask=N
     _dsa_stage(stage)
     if stage == "dense":  # the warm-up: dense attention, the indexer learning to match it
         bits = None
-        out = multihead(functools.partial(flash_attention, causal=causal))(q, k, v,
-                                                                           kv_mask=kv_mask)
+        out = multihead(functools.partial(flash_attention, causal=causal))(
+            q, k, v, kv_mask=kv_mask, segment_ids=segment_ids)
     else:
         # The choice as a bit mask on the tiled kernel (deepseek_sparse_tiled says why).
         _, _, bits = _dsa_choose(qi, w, ki, kv_mask, top_k=top_k, causal=causal,
-                                        chunk=chunk, return_bits=True)
-        out = multihead(deepseek_sparse_tiled, arg_axes=("batch",))(q, k, v, bits,
-                                                                   causal=causal,
-                                                                   kv_mask=kv_mask)
+                                 chunk=chunk, return_bits=True, segment_ids=segment_ids)
+        out = multihead(deepseek_sparse_tiled, arg_axes=("batch",))(
+            q, k, v, bits, causal=causal, kv_mask=kv_mask, segment_ids=segment_ids)
     if not return_aux:
         return out
     loss = functools.partial(indexer_alignment_loss, causal=causal, chunk=chunk)
     real = jnp.ones(ki.shape[:2], bool) if kv_mask is None else kv_mask
+    rows = {"kv_mask": real}
+    if segment_ids is not None:
+        rows["segment_ids"] = segment_ids
     if bits is None:
-        kl = jax.vmap(lambda *a: loss(*a[:5], kv_mask=a[5]))(q, k, qi, w, ki, real)
+        kl = jax.vmap(lambda *a: loss(*a[:5], **a[5]))(q, k, qi, w, ki, rows)
     else:
-        kl = jax.vmap(lambda *a: loss(*a[:6], kv_mask=a[6]))(q, k, qi, w, ki, bits, real)
+        kl = jax.vmap(lambda *a: loss(*a[:6], **a[6]))(q, k, qi, w, ki, bits, rows)
     rows = real if q_mask is None else q_mask
     # The mean over the real queries of the batch (the paper sums over tokens; the mean keeps
     # the weight independent of the batch and length).
@@ -392,7 +403,7 @@ def _path_update(k, params, *, inputs, valid, index, block_size=64, group=8):
 
 KINDS = (
     Kind("differential", differential_attention, "modern", _DIFF_PAPER,
-         time="O(L^2 D), two maps", memory="O(L D)", causal=True, decoding="kv",
+         time="O(L^2 D), two maps", memory="O(L D)", causal=True, decoding="kv", segments=True,
          test_hyperparameters={"block_q": 8, "block_k": 8, "layer_index": 2},
          hyperparameters={
              "layer_index": (1, ("the layer's 1-based depth l: lambda_init = 0.8 - 0.6 "
@@ -401,7 +412,7 @@ KINDS = (
          adapter=AttentionAdapter(_diff_attend, init=_diff_init,
                                   decoding=KVDecoding(attend=_diff_decode))),
     Kind("fox", forgetting_attention, "modern", _FOX_PAPER,
-         time="O(L^2 D)", memory="O(L D)", causal=True, decoding="kv",
+         time="O(L^2 D)", memory="O(L D)", causal=True, decoding="kv", segments=True,
          state_size="H_kv (D_k + D_v) + H per token (keys, values, a log gate per head)",
          test_hyperparameters={"block_q": 8, "block_k": 8},
          hyperparameters={
@@ -413,7 +424,7 @@ KINDS = (
              decoding=KVDecoding(attend=_fox_decode, entry=_fox_entry, widths=_fox_widths))),
     Kind("mla", multi_head_latent_attention, "modern", _MLA_PAPER,
          time="O(L^2 D)", memory="O(L D); cache (d_c + d_R) per token",
-         causal=True, decoding="kv",
+         causal=True, decoding="kv", segments=True,
          test_hyperparameters={"latent_dim": 12, "rope_dim": 4, "block_q": 8, "block_k": 8},
          hyperparameters={
              "latent_dim": (None, ("d_c, the joint key/value latent per token (None: 4 * "
@@ -432,6 +443,11 @@ KINDS = (
     Kind("moba", moba_attention, "modern", _MOBA_PAPER,
          time="O(L k b D + L^2 D / b), k blocks of b", memory="O(L k D)",
          causal=True, decoding="kv",
+         segments=lambda hp: (
+             f"its key blocks are blocks of {hp['block_size']} positions of the row, gated by "
+             "each block's mean-pooled key: a block straddling two documents pools both, and "
+             "the block grid moves with a document's offset, so a document's block choice "
+             "depends on its neighbours; train it on unpacked rows (data.pack=False)"),
          test_hyperparameters={"block_size": 4, "top_k": 2, "chunk": 8},
          hyperparameters={
              "block_size": (64, "keys per block"),
@@ -443,6 +459,11 @@ KINDS = (
     Kind("nsa", native_sparse_attention, "modern", _NSA_PAPER,
          time="O(L (n b + w) D + L^2 D / b), n blocks of b, window w",
          memory="O(L n D + L^2 / b)", causal=True, decoding="kv",
+         segments=lambda hp: (
+             f"its compressed and selected branches work on blocks of {hp['block_size']} "
+             "positions of the row (compressed keys pool a block that may straddle two "
+             "documents; the block grid moves with a document's offset), so a document's "
+             "outputs depend on its neighbours; train it on unpacked rows (data.pack=False)"),
          test_hyperparameters={"block_size": 4, "num_selected": 2, "window": 3, "chunk": 8},
          hyperparameters={
              "block_size": (64, "tokens per compressed and selected block"),
@@ -457,7 +478,7 @@ KINDS = (
          time="O(L^2 (D + H_I d_I)): the indexer, and the chosen tokens as a mask on the tiled "
               "kernel (decoding: O(L H_I d_I + k D))",
          memory="O(L k + L^2 / 8 bytes): the choice",
-         causal=True, decoding="kv",
+         causal=True, decoding="kv", segments=True,
          test_hyperparameters={"top_k": 5, "index_heads": 2, "index_dim": 4, "chunk": 8},
          hyperparameters={
              "top_k": (2048, "tokens each query attends, chosen by the lightning indexer"),

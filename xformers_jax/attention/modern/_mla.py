@@ -59,6 +59,7 @@ def multi_head_latent_attention(
     absorb: bool = False,
     causal: bool = False,
     kv_mask: Bool[Array, "kv_seq"] | None = None,
+    segment_ids=None,
     scale: float | None = None,
     key=None,
     block_q: int | None = None,
@@ -76,7 +77,9 @@ def multi_head_latent_attention(
       absorb: False: materialise this head's keys and values (training); True: absorb
         ``w_uk`` into the query and ``w_uv`` into the output, attending over the latent itself
         (decoding). Both are the same function, up to rounding.
-      causal, kv_mask, key: the contract's. scale: ``1/sqrt(d_nope + d_R)`` by default.
+      causal, kv_mask, key: the contract's. segment_ids: packed-sequence ids (as
+        ``flash_attention``'s; the caller rotates with positions that restart per document).
+      scale: ``1/sqrt(d_nope + d_R)`` by default.
       block_q, block_k, implementation: the tiled kernel's.
 
     Returns:
@@ -94,8 +97,8 @@ def multi_head_latent_attention(
             f"k_rope{tuple(k_rope.shape)}, w_uk{tuple(w_uk.shape)}, w_uv{tuple(w_uv.shape)}")
     scale = C.resolve_scale(q.shape[1], scale)
     d_nope = w_uk.shape[1]
-    kw = {"causal": causal, "kv_mask": kv_mask, "scale": scale, "block_q": block_q,
-          "block_k": block_k, "implementation": implementation}
+    kw = {"causal": causal, "kv_mask": kv_mask, "segment_ids": segment_ids, "scale": scale,
+          "block_q": block_q, "block_k": block_k, "implementation": implementation}
     dt = q.dtype
     if absorb:
         q_lat = (q[:, :d_nope].astype(STATS_DTYPE) @ w_uk.astype(STATS_DTYPE).T).astype(dt)
@@ -109,10 +112,10 @@ def multi_head_latent_attention(
 
 
 def multi_head_latent_attention_reference(q, c_kv, k_rope, w_uk, w_uv, *, causal=False,
-                                          kv_mask=None, scale=None):
+                                          kv_mask=None, segment_ids=None, scale=None):
     """:func:`multi_head_latent_attention` from the paper's equations, densely in float32:
-    ``softmax(q [c_KV W_UK; k_R]^T * scale) c_KV W_UV`` with masked keys removed (for
-    tests)."""
+    ``softmax(q [c_KV W_UK; k_R]^T * scale) c_KV W_UV`` with masked keys removed, and keys
+    of other documents with ``segment_ids int[L]`` (for tests)."""
     q, c_kv, k_rope, w_uk, w_uv = (jnp.asarray(a, STATS_DTYPE)
                                    for a in (q, c_kv, k_rope, w_uk, w_uv))
     lq, lk = q.shape[0], c_kv.shape[0]
@@ -121,6 +124,9 @@ def multi_head_latent_attention_reference(q, c_kv, k_rope, w_uk, w_uv, *, causal
     k_rope = jnp.where(keep[0][:, None], k_rope, 0.0)
     if causal:
         keep = keep & (jnp.arange(lk)[None, :] <= jnp.arange(lq)[:, None])
+    if segment_ids is not None:
+        seg = jnp.asarray(segment_ids)
+        keep = keep & (seg[:, None] == seg[None, :])
     scale = C.resolve_scale(q.shape[1], scale)
     s = q @ jnp.concatenate([c_kv @ w_uk, k_rope], -1).T * scale
     s = jnp.where(keep, s, -jnp.inf)

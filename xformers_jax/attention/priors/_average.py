@@ -22,6 +22,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float
 
 from .. import _contract as C
+from .._flex import document_sum
 
 
 class AverageGate(NamedTuple):
@@ -61,6 +62,7 @@ def average_attention(
     *,
     causal=False,
     kv_mask: Bool[Array, "kv_seq"] | None = None,
+    segment_ids=None,
     scale=None,
     key=None,
 ) -> Float[Array, "q_seq v_dim"]:
@@ -76,6 +78,8 @@ def average_attention(
         every position averages all real values.
       kv_mask: ``bool[L]``; padded values are left out of the averages (a position with no
         real value before it gets ``g = 0``).
+      segment_ids: packed-sequence ids ``int[L]``: the averages are each document's own (the
+        sums and counts restart at every document).
 
     Returns:
       ``[L, Dv]`` in ``v``'s dtype (accumulated in float32).
@@ -86,8 +90,18 @@ def average_attention(
                         "position's own value with its average")
     vf = x.v.astype(jnp.float32)
     m = jnp.ones((x.lk,), jnp.float32) if kv_mask is None else kv_mask.astype(jnp.float32)
-    mv = vf * m[:, None]
-    if causal:
+    # A select, not a product: padded values may hold anything, NaN included.
+    mv = jnp.where(m[:, None] > 0, vf, 0.0)
+    if isinstance(segment_ids, (tuple, list)):
+        raise ValueError(f"{name}: segment_ids must be one int[L] array (self-attention), got "
+                         "a (q, kv) pair")
+    C.check_segment_ids(name, segment_ids, x.lq, x.lk)
+    if segment_ids is not None:
+        total, count = document_sum(segment_ids, mv), document_sum(segment_ids, m)[:, None]
+        if not causal:  # the whole document: the sums up to and from each position
+            total = total + document_sum(segment_ids, mv, reverse=True) - mv
+            count = count + document_sum(segment_ids, m, reverse=True)[:, None] - m[:, None]
+    elif causal:
         total, count = jnp.cumsum(mv, axis=0), jnp.cumsum(m)[:, None]
     else:
         total, count = jnp.sum(mv, axis=0, keepdims=True), jnp.sum(m)[None, None]

@@ -26,14 +26,15 @@ def collaborative_mixing_from_heads(num_heads: int, head_dim: int, dtype=jnp.flo
     return jnp.asarray(np.kron(np.eye(num_heads), np.ones((1, head_dim))), dtype)
 
 
-def collaborative_attention(q, k, v, mixing, *, causal=False, kv_mask=None, scale=None,
-                            key=None, block_q=None, block_k=None):
+def collaborative_attention(q, k, v, mixing, *, causal=False, kv_mask=None, segment_ids=None,
+                            scale=None, key=None, block_q=None, block_k=None):
     """Collaborative heads over one sequence.
 
     Args:
       q: ``[Lq, Dq]`` and k: ``[Lk, Dq]``, the shared projections. v: ``[Lk, H, Dv]``.
       mixing: ``m [H, Dq]``, one mixing vector per head.
-      causal, kv_mask (``bool[Lk]``), key: the contract. scale: ``1/sqrt(Dq / H)`` by default
+      causal, kv_mask (``bool[Lk]``), key: the contract. segment_ids: packed-sequence ids
+        (as ``flash_attention``'s). scale: ``1/sqrt(Dq / H)`` by default
         (vanilla's ``1/sqrt(Dh)`` for a converted layer).
       block_q, block_k: tiles (each head runs on the tiled kernel).
 
@@ -54,6 +55,7 @@ def collaborative_attention(q, k, v, mixing, *, causal=False, kv_mask=None, scal
 
     def one(m, vh):
         return flash_attention(x.q * m.astype(x.q.dtype), x.k, vh, causal=causal,
-                               kv_mask=kv_mask, scale=scale, block_q=block_q, block_k=block_k)
+                               kv_mask=kv_mask, segment_ids=segment_ids, scale=scale,
+                               block_q=block_q, block_k=block_k)
 
     return jax.vmap(one, in_axes=(0, 1), out_axes=1)(mixing, v)

@@ -24,6 +24,7 @@ from jaxtyping import Array, Bool, Float
 
 from .. import _contract as C
 from .._exact import flash_attention
+from .._flex import document_offsets, document_sum
 
 
 def init_gaussian_window(key, dk: int, dtype=jnp.float32):
@@ -67,8 +68,16 @@ def _real_length(kv_mask, lk, lq, causal):
     return seen[jnp.minimum(jnp.arange(lq), lk - 1)]
 
 
+def _document_length(kv_mask, segment_ids, causal):
+    """:func:`_real_length` within each query's document of packed rows (``[L]``)."""
+    real = (jnp.ones(jnp.shape(segment_ids), jnp.float32) if kv_mask is None
+            else kv_mask.astype(jnp.float32))
+    seen = document_sum(segment_ids, real)
+    return seen if causal else seen + document_sum(segment_ids, real, reverse=True) - real
+
+
 def _with_prior(name, q, k, v, kv_mask, prior, *, causal, scale, block_q, block_k,
-                scores=True):
+                segment_ids=None, scores=True):
     """The three kinds' one path: the contract's checks, then flash with the per-tile bias
     ``prior(x, kv_mask)`` (a function of query and key positions) returns. ``scores=False``
     (hard-coded Gaussian) runs on zero-width queries and keys, so the scores are the prior
@@ -78,7 +87,8 @@ def _with_prior(name, q, k, v, kv_mask, prior, *, causal, scale, block_q, block_
     qq, kk = (x.q, x.k) if scores else (jnp.zeros((x.lq, 1), x.v.dtype),
                                         jnp.zeros((x.lk, 1), x.v.dtype))
     return flash_attention(qq, kk, x.v, causal=causal, kv_mask=kv_mask, bias=bias,
-                           scale=scale if scores else 1.0, block_q=block_q, block_k=block_k)
+                           segment_ids=segment_ids, scale=scale if scores else 1.0,
+                           block_q=block_q, block_k=block_k)
 
 
 def gaussian_prior_attention(
@@ -91,6 +101,7 @@ def gaussian_prior_attention(
     sigma=None,
     causal=False,
     kv_mask: Bool[Array, "kv_seq"] | None = None,
+    segment_ids=None,
     scale=None,
     key=None,
     block_q=None,
@@ -107,6 +118,9 @@ def gaussian_prior_attention(
         which in a causal model would count the tokens that follow). Or pass
         ``center [Lq]`` and ``sigma [Lq]`` directly (then ``params`` is None).
       causal, kv_mask, scale, key, block_q, block_k: the contract and the tiles.
+      segment_ids: packed-sequence ids ``int[L]`` (self-attention): a query sees its own
+        document, whose positions start at 0 (the centres are positions in the document, and
+        ``I`` counts the document's real keys).
 
     Returns:
       ``[Lq, Dv]``.
@@ -118,11 +132,16 @@ def gaussian_prior_attention(
                          f"center={None if center is None else jnp.shape(center)}, "
                          f"sigma={None if sigma is None else jnp.shape(sigma)}")
 
+    if isinstance(segment_ids, (tuple, list)):
+        raise ValueError(f"{name}: segment_ids must be one int[L] array (the prior's positions "
+                         "are those of this self-attention's documents), got a (q, kv) pair")
+
     def prior(x, kv_mask):
         c, sg = center, sigma
         if params is not None:
-            c, sg = predict_gaussian_window(x.q, params,
-                                            _real_length(kv_mask, x.lk, x.lq, causal))
+            length = (_real_length(kv_mask, x.lk, x.lq, causal) if segment_ids is None
+                      else _document_length(kv_mask, segment_ids, causal))
+            c, sg = predict_gaussian_window(x.q, params, length)
         c, sg = jnp.asarray(c, jnp.float32), jnp.asarray(sg, jnp.float32)
         if c.shape != (x.lq,) or sg.shape != (x.lq,):
             raise ValueError(f"{name}: center and sigma must have shape (Lq,) = ({x.lq},) but "
@@ -131,13 +150,16 @@ def gaussian_prior_attention(
         # centre).
         inv = 1.0 / (2.0 * jnp.maximum(sg, 1e-3) ** 2)
 
+        pos = None if segment_ids is None else document_offsets(segment_ids)
+
         def bias(qp, kp):
+            kp = kp if pos is None else pos[kp]
             return -((kp - c[qp[:, 0]][:, None]) ** 2) * inv[qp[:, 0]][:, None]
 
         return bias
 
     return _with_prior(name, q, k, v, kv_mask, prior, causal=causal, scale=scale,
-                       block_q=block_q, block_k=block_k)
+                       block_q=block_q, block_k=block_k, segment_ids=segment_ids)
 
 
 def distance_prior_attention(
@@ -149,6 +171,7 @@ def distance_prior_attention(
     *,
     causal=False,
     kv_mask: Bool[Array, "kv_seq"] | None = None,
+    segment_ids=None,
     scale=None,
     key=None,
     block_q=None,
@@ -163,6 +186,8 @@ def distance_prior_attention(
         query's own position). ``w = b = 0`` is vanilla attention. Modules keep them signed by
         construction (``softplus`` and ``-softplus`` of free parameters).
       causal, kv_mask, scale, key, block_q, block_k: the contract and the tiles.
+      segment_ids: packed-sequence ids (the penalty reads ``i - j`` only, so each document
+        gets its own).
 
     Returns:
       ``[Lq, Dv]``.
@@ -177,7 +202,7 @@ def distance_prior_attention(
         return -jnp.abs(w * d * d + b)
 
     return _with_prior(name, q, k, v, kv_mask, lambda x, m: bias, causal=causal, scale=scale,
-                       block_q=block_q, block_k=block_k)
+                       block_q=block_q, block_k=block_k, segment_ids=segment_ids)
 
 
 def hardcoded_gaussian_attention(
@@ -189,6 +214,7 @@ def hardcoded_gaussian_attention(
     std: float = 1.0,
     causal=False,
     kv_mask: Bool[Array, "kv_seq"] | None = None,
+    segment_ids=None,
     scale=None,
     key=None,
     block_q=None,
@@ -203,6 +229,8 @@ def hardcoded_gaussian_attention(
       offset: the centre relative to the query's position (the paper's decoder uses -1, the
         previous word; the encoder 0 and +-1 heads). std: the Gaussian's standard deviation.
       causal, kv_mask, scale, key, block_q, block_k: the contract (``scale`` is unused).
+      segment_ids: packed-sequence ids (the weights read ``j - i`` only, renormalised over
+        the query's document).
 
     Returns:
       ``[Lq, Dv]``.
@@ -217,4 +245,4 @@ def hardcoded_gaussian_attention(
         return -d * d * inv
 
     return _with_prior(name, q, k, v, kv_mask, lambda x, m: bias, causal=causal, scale=scale,
-                       block_q=block_q, block_k=block_k, scores=False)
+                       block_q=block_q, block_k=block_k, segment_ids=segment_ids, scores=False)

@@ -39,11 +39,15 @@ from ._talking import talking_heads_attention
 
 _DENSE_SCORES = ("dense", "'dense' only: the kind reads the previous layer's attention map")
 
-def _per_batch(fn, q, k, v, kv_mask, *args):
-    """``fn(q [L, H, D], k, v, *args, kv_mask=)`` mapped over the batch."""
-    if kv_mask is None:
-        return jax.vmap(lambda a, b, c: fn(a, b, c, *args, kv_mask=None))(q, k, v)
-    return jax.vmap(lambda a, b, c, m: fn(a, b, c, *args, kv_mask=m))(q, k, v, kv_mask)
+def _per_batch(fn, q, k, v, kv_mask, *args, segment_ids=None, per_row=()):
+    """``fn(q [L, H, D], k, v, *per_row, *args, kv_mask=, segment_ids=)`` mapped over the
+    batch: ``per_row`` arrays and the masks split by row, ``args`` shared; a mask not given
+    is passed as None."""
+    rows = {"kv_mask": kv_mask, "segment_ids": segment_ids}
+    given = {n: a for n, a in rows.items() if a is not None}
+    fixed = {n: None for n, a in rows.items() if a is None}
+    return jax.vmap(lambda a, b, c, p, r: fn(a, b, c, *p, *args, **r, **fixed))(
+        q, k, v, tuple(per_row), given)
 
 
 def _all_heads(q, k, v):
@@ -97,16 +101,16 @@ def _talking_init(key, hp, *, num_heads, head_dim, max_len):
     return (eye, eye)
 
 
-def _talking(q, k, v, params, *, causal, kv_mask, bias, key, q_mask=None,
+def _talking(q, k, v, params, *, causal, kv_mask, bias, key, q_mask=None, segment_ids=None,
              implementation="tiled", block_q=None, block_k=None):
     k, v = _all_heads(q, k, v)
 
-    def one(a, b, c, lm, wm, kv_mask):
-        return talking_heads_attention(a, b, c, lm, wm, causal=causal, kv_mask=kv_mask,
+    def one(a, b, c, lm, wm, **rows):
+        return talking_heads_attention(a, b, c, lm, wm, causal=causal,
                                        implementation=implementation, block_q=block_q,
-                                       block_k=block_k)
+                                       block_k=block_k, **rows)
 
-    return _per_batch(one, q, k, v, kv_mask, *params)
+    return _per_batch(one, q, k, v, kv_mask, *params, segment_ids=segment_ids)
 
 
 # --- collaborative heads (L 4.6.1) ------------------------------------------------------------
@@ -115,51 +119,53 @@ def _collaborative_init(key, hp, *, num_heads, head_dim, max_len):
     return collaborative_mixing_from_heads(num_heads, head_dim)
 
 
-def _collaborative(q, k, v, mixing, *, causal, kv_mask, bias, key, q_mask=None, block_q=None,
-                   block_k=None):
+def _collaborative(q, k, v, mixing, *, causal, kv_mask, bias, key, q_mask=None,
+                   segment_ids=None, block_q=None, block_k=None):
     # The module's concatenated per-head projections are the shared W^Q, W^K (width H Dh).
     k, v = _all_heads(q, k, v)
     b, lq, h, d = q.shape
     qs, ks = q.reshape(b, lq, h * d), k.reshape(b, k.shape[1], h * d)
 
-    def one(a, c, vv, kv_mask):
-        return collaborative_attention(a, c, vv, mixing, causal=causal, kv_mask=kv_mask,
+    def one(a, c, vv, **rows):
+        return collaborative_attention(a, c, vv, mixing, causal=causal,
                                        scale=float(d) ** -0.5, block_q=block_q,
-                                       block_k=block_k)
+                                       block_k=block_k, **rows)
 
-    return _per_batch(one, qs, ks, v, kv_mask)
+    return _per_batch(one, qs, ks, v, kv_mask, segment_ids=segment_ids)
 
 
 # --- multi-scale heads (L 4.6.2) --------------------------------------------------------------
 
 def _multiscale(q, k, v, params, *, causal, kv_mask, bias, key, q_mask=None, spans,
-                block_q=None, block_k=None):
+                segment_ids=None, block_q=None, block_k=None):
     k, v = _all_heads(q, k, v)
     if len(spans) != q.shape[2]:
         raise ValueError(f"attention kind 'multiscale': spans {spans} must give one span per "
                          f"head, but the layer has {q.shape[2]} heads (q{tuple(q.shape)})")
 
-    def one(a, b, c, kv_mask):
-        return multiscale_attention(a, b, c, spans=spans, causal=causal, kv_mask=kv_mask,
-                                    block_q=block_q, block_k=block_k)
+    def one(a, b, c, **rows):
+        return multiscale_attention(a, b, c, spans=spans, causal=causal, block_q=block_q,
+                                    block_k=block_k, **rows)
 
-    return _per_batch(one, q, k, v, kv_mask)
+    return _per_batch(one, q, k, v, kv_mask, segment_ids=segment_ids)
 
 
 # --- scores passed between layers (L 4.5.2): Realformer, Predictive attention, Lazyformer ------
 # The stack threads each kind's carry from layer to layer (AttentionAdapter.layer_carry).
 
-def _heads_map(fn, q, k, v, kv_mask, *per_head, out_axes=(1, 0)):
-    """``fn(q [L, D], k, v, *per_head, m)`` over heads (axis 2 of q/k/v, axis 1 of the
-    per-head arrays; outputs per ``out_axes``) and the batch; ``m`` is ``kv_mask[b]`` or
-    None."""
-    def batch(q, k, v, *rest):
-        *per, m = rest if kv_mask is not None else (*rest, None)
-        return jax.vmap(lambda a, b, c, *p: fn(a, b, c, *p, m), in_axes=(1, 1, 1) +
+def _heads_map(fn, q, k, v, kv_mask, *per_head, segment_ids=None, out_axes=(1, 0)):
+    """``fn(q [L, D], k, v, *per_head, kv_mask=, segment_ids=)`` over heads (axis 2 of
+    q/k/v, axis 1 of the per-head arrays; outputs per ``out_axes``) and the batch; the masks
+    are ``kv_mask[b]`` and ``segment_ids[b]``, or None."""
+    rows = {n: a for n, a in (("kv_mask", kv_mask), ("segment_ids", segment_ids))
+            if a is not None}
+    fixed = {n: None for n in ("kv_mask", "segment_ids") if n not in rows}
+
+    def batch(q, k, v, per, r):
+        return jax.vmap(lambda a, b, c, *p: fn(a, b, c, *p, **r, **fixed), in_axes=(1, 1, 1) +
                         (0,) * len(per), out_axes=out_axes)(q, k, v, *per)
 
-    args = (q, k, v, *per_head) + (() if kv_mask is None else (kv_mask,))
-    return jax.vmap(batch)(*args)
+    return jax.vmap(batch)(q, k, v, per_head, rows)
 
 
 def _realformer_carry(batch, lq, lk, hp, *, num_heads, head_dim, num_layers):
@@ -172,11 +178,12 @@ def _realformer_carry(batch, lq, lk, hp, *, num_heads, head_dim, num_layers):
 
 
 def _realformer(q, k, v, params, *, causal, kv_mask, bias, key, carry, q_mask=None,
-                implementation="dense", block_q=None, block_k=None):
+                segment_ids=None, implementation="dense", block_q=None, block_k=None):
     k, v = _all_heads(q, k, v)
     if implementation == "dense":
-        return _heads_map(lambda a, b, c, prev, m: realformer_attention(
-            a, b, c, prev, causal=causal, kv_mask=m), q, k, v, kv_mask, carry)
+        return _heads_map(lambda a, b, c, prev, **rows: realformer_attention(
+            a, b, c, prev, causal=causal, **rows), q, k, v, kv_mask, carry,
+            segment_ids=segment_ids)
     if implementation != "tiled":
         raise ValueError(f"attention kind 'realformer': implementation must be 'dense' or "
                          f"'tiled', got {implementation!r}")
@@ -184,16 +191,16 @@ def _realformer(q, k, v, params, *, causal, kv_mask, bias, key, carry, q_mask=No
     qs = jax.lax.dynamic_update_index_in_dim(qs, q.astype(qs.dtype), t, 0)
     ks = jax.lax.dynamic_update_index_in_dim(ks, k.astype(ks.dtype), t, 0)
 
-    def one(qn, kn, c, m):  # qn [n, Lq, D], kn [n, Lk, D], c [Lk, Dv]
+    rows = {n: a for n, a in (("kv_mask", kv_mask), ("segment_ids", segment_ids))
+            if a is not None}
+
+    def one(qn, kn, c, r):  # qn [n, Lq, D], kn [n, Lk, D], c [Lk, Dv]
         return realformer_flash_attention(qn.astype(c.dtype), kn.astype(c.dtype), c,
-                                          causal=causal, kv_mask=m, block_q=block_q,
-                                          block_k=block_k)
+                                          causal=causal, block_q=block_q, block_k=block_k,
+                                          **r)
 
     heads = jax.vmap(one, in_axes=(2, 2, 1, None), out_axes=1)
-    if kv_mask is None:
-        out = jax.vmap(lambda a, b, c: heads(a, b, c, None), in_axes=(1, 1, 0))(qs, ks, v)
-    else:
-        out = jax.vmap(heads, in_axes=(1, 1, 0, 0))(qs, ks, v, kv_mask)
+    out = jax.vmap(heads, in_axes=(1, 1, 0, 0))(qs, ks, v, rows)
     return out, (qs, ks, t + 1)
 
 
@@ -213,33 +220,31 @@ def _scores_and_count(batch, lq, lk, hp, *, num_heads, head_dim, num_layers):
     return jnp.zeros((batch, num_heads, lq, lk), jnp.float32), jnp.zeros((), jnp.int32)
 
 
-def _predictive(q, k, v, conv, *, causal, kv_mask, bias, key, carry, q_mask=None, alpha=0.5,
-                implementation="dense"):
+def _predictive(q, k, v, conv, *, causal, kv_mask, bias, key, carry, q_mask=None,
+                segment_ids=None, alpha=0.5, implementation="dense"):
     k, v = real_only(kv_mask, *_all_heads(q, k, v))
     prev, t = carry
     # The first layer has no map below it: vanilla attention (alpha = 1).
     a = jnp.where(t == 0, 1.0, alpha)
 
-    def one(q, k, v, prev, m):
-        return predictive_attention(q, k, v, prev, conv, a, causal=causal, kv_mask=m)
+    def one(q, k, v, prev, **rows):
+        return predictive_attention(q, k, v, prev, conv, a, causal=causal, **rows)
 
-    if kv_mask is None:
-        out, s = jax.vmap(lambda *x: one(*x, None))(q, k, v, prev)
-    else:
-        out, s = jax.vmap(one)(q, k, v, prev, kv_mask)
+    out, s = _per_batch(one, q, k, v, kv_mask, segment_ids=segment_ids, per_row=(prev,))
     return out, (s, t + 1)
 
 
-def _lazy(q, k, v, params, *, causal, kv_mask, bias, key, carry, q_mask=None, every=2,
-          implementation="dense"):
+def _lazy(q, k, v, params, *, causal, kv_mask, bias, key, carry, q_mask=None,
+          segment_ids=None, every=2, implementation="dense"):
     if not (isinstance(every, int) and every >= 1):
         raise ValueError(f"attention kind 'lazy': every must be a positive int, got {every!r}")
     k, v = real_only(kv_mask, *_all_heads(q, k, v))
     prev, t = carry
 
     def weights():
-        return _heads_map(lambda a, b, c, m: attention_weights(
-            a, b, causal=causal, kv_mask=m)[0], q, k, v, kv_mask, out_axes=0)
+        return _heads_map(lambda a, b, c, **rows: attention_weights(
+            a, b, causal=causal, **rows)[0], q, k, v, kv_mask, segment_ids=segment_ids,
+            out_axes=0)
 
     # Layers between recomputations skip the score computation (lax.cond), not mask it.
     w = jax.lax.cond(t % every == 0, weights, lambda: prev)
@@ -249,20 +254,20 @@ def _lazy(q, k, v, params, *, causal, kv_mask, bias, key, carry, q_mask=None, ev
 KINDS = (
     Kind("gaussian_prior", gaussian_prior_attention, "priors",
          Paper("Yang et al.", 2018, "Modeling Localness for Self-Attention Networks"),
-         time="O(L^2 D)", memory="O(L)", causal=True, test_hyperparameters={},
-         hyperparameters=TILES,
+         time="O(L^2 D)", memory="O(L)", causal=True, segments=True,
+         test_hyperparameters={}, hyperparameters=TILES,
          adapter=AttentionAdapter(lifted(gaussian_prior_attention, ("heads",)),
                                   init=_gaussian_init)),
     Kind("distance_prior", distance_prior_attention, "priors",
          Paper("Guo et al.", 2019,
                "Gaussian Transformer: a Lightweight Approach for Natural Language Inference"),
-         time="O(L^2 D)", memory="O(L)", causal=True, test_hyperparameters={},
-         hyperparameters=TILES,
+         time="O(L^2 D)", memory="O(L)", causal=True, segments=True,
+         test_hyperparameters={}, hyperparameters=TILES,
          adapter=AttentionAdapter(lifted(_distance, ("heads",)), init=_distance_init)),
     Kind("hardcoded_gaussian", hardcoded_gaussian_attention, "priors",
          Paper("You et al.", 2020, "Hard-Coded Gaussian Attention for Neural Machine "
                "Translation"),
-         time="O(L^2 D)", memory="O(L)", causal=True,
+         time="O(L^2 D)", memory="O(L)", causal=True, segments=True,
          test_hyperparameters={"offset": 0.0, "std": 1.0},
          hyperparameters={
              "offset": (0.0, "the Gaussian's centre relative to the query position"),
@@ -272,7 +277,7 @@ KINDS = (
     Kind("average", average_attention, "priors",
          Paper("Zhang et al.", 2018, "Accelerating Neural Transformer via an Average Attention "
                "Network"),
-         time="O(L D^2)", memory="O(L D)", causal=True, decoding="recurrent",
+         time="O(L D^2)", memory="O(L D)", causal=True, decoding="recurrent", segments=True,
          test_hyperparameters={},
          adapter=AttentionAdapter(
              lifted(average_attention, ("heads",)), init=_average_init,
@@ -280,7 +285,8 @@ KINDS = (
     Kind("talking_heads", talking_heads_attention, "priors",
          Paper("Shazeer et al.", 2020, "Talking-Heads Attention"),
          time="O(L^2 H^2 D) tiled, O(L^2 H (D + H)) dense", memory="O(L H^2 D) tiled, "
-         "O(H L^2) dense", causal=True, test_hyperparameters={"implementation": "tiled"},
+         "O(H L^2) dense", causal=True, segments=True,
+         test_hyperparameters={"implementation": "tiled"},
          hyperparameters={
              "implementation": ("tiled", "'tiled' (online softmax over mixed heads) or "
                                          "'dense'"),
@@ -289,12 +295,13 @@ KINDS = (
     Kind("collaborative", collaborative_attention, "priors",
          Paper("Cordonnier et al.", 2020, "Multi-Head Attention: Collaborate Instead of "
                "Concatenate"),
-         time="O(L^2 H Dq)", memory="O(L)", causal=True, test_hyperparameters={},
+         time="O(L^2 H Dq)", memory="O(L)", causal=True, segments=True,
+         test_hyperparameters={},
          hyperparameters=TILES,
          adapter=AttentionAdapter(_collaborative, init=_collaborative_init)),
     Kind("multiscale", multiscale_attention, "priors",
          Paper("Guo et al.", 2020, "Multi-Scale Self-Attention for Text Classification"),
-         time="O(L sum_h w_h D)", memory="O(L max_h w_h)", causal=True,
+         time="O(L sum_h w_h D)", memory="O(L max_h w_h)", causal=True, segments=True,
          test_hyperparameters={"spans": (2, None)},
          hyperparameters={
              "spans": (REQUIRED, "one window half-width per head (None: the whole sequence)"),
@@ -303,7 +310,7 @@ KINDS = (
     Kind("realformer", realformer_attention, "priors",
          Paper("He et al.", 2021, "RealFormer: Transformer Likes Residual Attention"),
          time="O(L^2 D) dense, O(L^2 n D) tiled at layer n", memory="O(H L^2) dense, "
-         "O(n L D) tiled", causal=True, test_hyperparameters={},
+         "O(n L D) tiled", causal=True, segments=True, test_hyperparameters={},
          hyperparameters={
              "implementation": ("dense", "'dense' (the previous scores carried) or 'tiled' "
                                          "(every layer's queries and keys carried)"),
@@ -312,7 +319,7 @@ KINDS = (
     Kind("predictive", predictive_attention, "priors",
          Paper("Wang et al.", 2021, "Predictive Attention Transformer: Improving Transformer "
                "with Attention Map Prediction"),
-         time="O(L^2 (D + 9 H))", memory="O(H L^2) (dense scores)", causal=True,
+         time="O(L^2 (D + 9 H))", memory="O(H L^2) (dense scores)", causal=True, segments=True,
          test_hyperparameters={"alpha": 0.5},
          hyperparameters={
              "alpha": (0.5, "weight of this layer's scores against the convolved previous map"),
@@ -322,7 +329,7 @@ KINDS = (
     Kind("lazy", lazy_attention, "priors",
          Paper("Ying et al.", 2021, "LazyFormer: Self Attention with Lazy Update"),
          time="O(L^2 D), the map every k layers", memory="O(H L^2) (dense scores)",
-         causal=True, test_hyperparameters={"every": 2},
+         causal=True, segments=True, test_hyperparameters={"every": 2},
          hyperparameters={
              "every": (2, "layers k per recomputed attention map (the others reuse it)"),
              "implementation": _DENSE_SCORES},

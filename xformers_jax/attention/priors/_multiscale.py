@@ -28,8 +28,8 @@ def multiscale_patterns(spans, causal: bool) -> P.PerHead:
     return P.PerHead(tuple(out))
 
 
-def multiscale_attention(q, k, v, *, spans, causal=False, kv_mask=None, scale=None, key=None,
-                         block_q=None, block_k=None):
+def multiscale_attention(q, k, v, *, spans, causal=False, kv_mask=None, segment_ids=None,
+                         scale=None, key=None, block_q=None, block_k=None):
     """Softmax attention with a span per head.
 
     Args:
@@ -37,6 +37,8 @@ def multiscale_attention(q, k, v, *, spans, causal=False, kv_mask=None, scale=No
       spans: ``H`` entries, each a positive int ``w`` (keys within ``w`` positions) or None
         (all keys).
       causal, kv_mask (``bool[L]``), scale, key, block_q, block_k: the contract and the tiles.
+      segment_ids: packed-sequence ids ``int[L]``: the spans are offsets ``i - j``, so inside
+        its document each query sees what it sees alone.
 
     Returns:
       ``[L, H, Dv]``.
@@ -48,5 +50,6 @@ def multiscale_attention(q, k, v, *, spans, causal=False, kv_mask=None, scale=No
         raise ValueError(f"{name}: one span per head: got {len(spans)} spans {spans} for q of "
                          f"shape {q.shape} ([L, H, Dk])")
     return per_head_block_sparse_attention(q, k, v, multiscale_patterns(spans, causal),
-                                           causal=causal, kv_mask=kv_mask, scale=scale,
+                                           causal=causal, kv_mask=kv_mask,
+                                           segment_ids=segment_ids, scale=scale,
                                            block_q=block_q, block_k=block_k)

@@ -54,7 +54,8 @@ def _check(name, q, k, v, logits_mix, weights_mix, kv_mask, implementation):
 
 
 def talking_heads_attention(q, k, v, logits_mix, weights_mix, *, causal=False, kv_mask=None,
-                            scale=None, key=None, implementation: str = "tiled",
+                            segment_ids=None, scale=None, key=None,
+                            implementation: str = "tiled",
                             block_q=None, block_k=None):
     """Talking-heads attention over one sequence (all heads at once: heads talk).
 
@@ -63,6 +64,9 @@ def talking_heads_attention(q, k, v, logits_mix, weights_mix, *, causal=False, k
       logits_mix: ``P_l [Hk, H]``; weights_mix: ``P_w [H, Hv]``. Identity matrices give
         vanilla multi-head attention.
       causal, kv_mask (``bool[Lk]``), scale (``1/sqrt(Dk)``), key: the contract.
+      segment_ids: packed-sequence ids ``int[L]`` (self-attention): every head's map stays
+        inside the query's document (the heads mix per query and key pair, never across
+        pairs, so each document gets its own result).
       implementation: ``"tiled"`` (flash, O(L) memory) or ``"dense"`` (the maps).
       block_q, block_k: tiles of the tiled form.
 
@@ -76,6 +80,10 @@ def talking_heads_attention(q, k, v, logits_mix, weights_mix, *, causal=False, k
     scale = C.resolve_scale(dk, scale)
     if implementation == "dense":
         f32 = jnp.float32
+        if kv_mask is not None:
+            # Padded keys and values out by a select: a zero weight times NaN padding would
+            # still be NaN in the output and in the gradients.
+            k, v = (jnp.where(kv_mask[:, None, None], a, jnp.zeros((), a.dtype)) for a in (k, v))
         logits = jnp.einsum("qhd,khd->hqk", q.astype(f32), k.astype(f32)) * scale
         mixed = jnp.einsum("hqk,hg->gqk", logits, lm.astype(f32))
         visible = jnp.ones((lq, lk), bool)
@@ -83,6 +91,9 @@ def talking_heads_attention(q, k, v, logits_mix, weights_mix, *, causal=False, k
             visible = jnp.arange(lk)[None, :] <= jnp.arange(lq)[:, None]
         if kv_mask is not None:
             visible = visible & kv_mask[None, :]
+        if segment_ids is not None:
+            q_ids, kv_ids = C.check_segment_ids(name, segment_ids, lq, lk)
+            visible = visible & (q_ids[:, None] == kv_ids[None, :])
         mixed = jnp.where(visible, mixed, -jnp.inf)
         peak = jnp.max(mixed, axis=-1, keepdims=True)
         e = jnp.where(visible, jnp.exp(mixed - jnp.where(jnp.isfinite(peak), peak, 0.0)), 0.0)
@@ -94,8 +105,9 @@ def talking_heads_attention(q, k, v, logits_mix, weights_mix, *, causal=False, k
     kc, vc = k.reshape(lk, hk * dk), v.reshape(lk, hv * dv)
 
     def one(qh):
-        return flash_attention(qh, kc, vc, causal=causal, kv_mask=kv_mask, scale=scale,
-                               block_q=block_q, block_k=block_k)
+        return flash_attention(qh, kc, vc, causal=causal, kv_mask=kv_mask,
+                               segment_ids=segment_ids, scale=scale, block_q=block_q,
+                               block_k=block_k)
 
     o = jax.vmap(one)(qm).reshape(lm.shape[1], lq, hv, dv)         # W[h] v[:, hv]
     return jnp.einsum("hqvd,hv->qvd", o, wm.astype(o.dtype))

@@ -39,7 +39,7 @@ from ...kinds import REQUIRED, AttentionAdapter, Kind, Paper
 from .._adapters import IMPLEMENTATION, TILES, real_only
 from .._exact import block_sparse_attention
 from .._multihead import multihead
-from ..patterns import PerHead
+from ..patterns import Local, PerHead, Strided
 from ._axial import axial_attention
 from ._global_tokens import etc_attention, longformer_attention
 from ._per_head import per_head_block_sparse_attention
@@ -89,6 +89,27 @@ def _heads(hp, num_heads):
             f"the module has {num_heads} heads"
         )
     return heads
+
+
+def _per_head_segments(hp):
+    """Packed rows: the heads' patterns must see the same keys at every offset of the row
+    (``Local``, ``Strided``: a mask of ``i - j`` only), so that a document placed anywhere in
+    a row sees, inside the segment mask, the pattern it sees alone."""
+    if hp["heads"] is None:
+        if hp["kind"] == "strided":
+            return None
+        return ("the 'fixed' Sparse Transformer heads read absolute positions (blocks and their "
+                "summary columns start at multiples of the stride from the row's start, not the "
+                "document's), so a packed document would not see its own pattern; use "
+                "kind='strided' (offsets i - j only) or unpacked rows (data.pack=False)")
+    absolute = sorted({type(p).__name__ for p in hp["heads"].patterns
+                       if not isinstance(p, (Local, Strided))})
+    if absolute:
+        return (f"its heads' patterns {absolute} may depend on absolute positions of the row, "
+                "so a packed document would not see its own pattern; heads of Local and "
+                "Strided patterns (offsets i - j only) pack, or use unpacked rows "
+                "(data.pack=False)")
+    return None
 
 
 def _per_head_init(key, hp, *, num_heads, head_dim, max_len):
@@ -176,6 +197,7 @@ KINDS = (
     Kind("per_head_block_sparse", per_head_block_sparse_attention, "sparse",
          Paper("Child et al.", 2019, "Generating Long Sequences with Sparse Transformers"),
          time="O(L sqrt(L) D) (strided heads)", memory="O(L D)", causal=True,
+         segments=_per_head_segments,
          test_hyperparameters={"stride": 4, "block_q": 8, "block_k": 8},
          hyperparameters={
              "heads": (None, "one pattern per head (a patterns.PerHead); None: Sparse "
@@ -189,6 +211,10 @@ KINDS = (
          Paper("Ho et al.", 2019, "Axial Attention in Multidimensional Transformers"),
          time="O(L s D), s the attended axis' size", memory="O(L D)", causal=True,
          fixed_length=True, test_hyperparameters={"shape": (4, 4)},
+         segments=lambda hp: (
+             "its axes are those of a fixed grid laid over the whole row (a position's row "
+             "and column are absolute), so a document packed at an offset would attend along "
+             "other axes than alone; train it on unpacked rows (data.pack=False)"),
          hyperparameters={
              "shape": (REQUIRED, "the input's shape, e.g. (height, width), flattened in raster "
                                  "order (its product is the length)"),
@@ -199,6 +225,10 @@ KINDS = (
     Kind("longformer", longformer_attention, "sparse",
          Paper("Beltagy et al.", 2020, "Longformer: The Long-Document Transformer"),
          time="O(L (w + G) D)", memory="O(L D)", causal=True,
+         segments=lambda hp: (
+             f"its global tokens {tuple(hp['global_tokens'])} are positions of the row, not of "
+             "each document (a packed document would have no global token of its own, or one "
+             "in its middle); train it on unpacked rows (data.pack=False)"),
          test_hyperparameters={"window": 2, "global_tokens": (0,), "block_q": 8, "block_k": 8},
          hyperparameters={
              "window": (REQUIRED, "keys on each side of the query in its sliding window"),
@@ -211,6 +241,9 @@ KINDS = (
          Paper("Ainslie et al.", 2020,
                "ETC: Encoding Long and Structured Inputs in Transformers"),
          time="O(L (r + G) D)", memory="O(L D)", causal=False,
+         segments=lambda hp: (
+             "its global input is the first num_global positions of the row, not of "
+             "each document; train it on unpacked rows (data.pack=False)"),
          test_hyperparameters={"num_global": 2, "radius": 2, "block_q": 8, "block_k": 8},
          hyperparameters={
              "num_global": (REQUIRED, "the first positions that form the global input"),

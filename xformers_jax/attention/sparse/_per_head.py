@@ -13,7 +13,7 @@ from ..patterns import PerHead
 
 
 def per_head_block_sparse_attention(q, k, v, heads: PerHead, *, causal: bool = False,
-                                    kv_mask=None, scale: float | None = None,
+                                    kv_mask=None, segment_ids=None, scale: float | None = None,
                                     block_q: int | None = None, block_k: int | None = None,
                                     implementation: str | None = None, key=None):
     """Block-sparse attention with one pattern per head, for one sequence.
@@ -24,8 +24,10 @@ def per_head_block_sparse_attention(q, k, v, heads: PerHead, *, causal: bool = F
     Args:
       q: ``[Lq, H, Dk]``. k: ``[Lk, H, Dk]``. v: ``[Lk, H, Dv]``.
       heads: a :class:`~xformers_jax.attention.patterns.PerHead` with ``H`` patterns.
-      causal, kv_mask (``bool[Lk]``), scale, block_q, block_k, implementation: as in
-        :func:`block_sparse_attention`.
+      causal, kv_mask (``bool[Lk]``), segment_ids (packed rows), scale, block_q, block_k,
+        implementation: as in :func:`block_sparse_attention`. With segment ids a pattern of
+        offsets ``i - j`` only (``Local``, ``Strided``) gives each document its own pattern;
+        one of absolute positions stays one over the row.
 
     Returns:
       ``[Lq, H, Dv]``.
@@ -47,7 +49,8 @@ def per_head_block_sparse_attention(q, k, v, heads: PerHead, *, causal: bool = F
     for pattern, idx in heads.groups():
         def one(qh, kh, vh, pattern=pattern):
             return block_sparse_attention(
-                qh, kh, vh, pattern, causal=causal, kv_mask=kv_mask, scale=scale,
+                qh, kh, vh, pattern, causal=causal, kv_mask=kv_mask, segment_ids=segment_ids,
+                scale=scale,
                 block_q=block_q, block_k=block_k, implementation=implementation,
             )
 
