@@ -29,6 +29,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from ..kernels import pad_to
+from ._document_conv import document_convolve
 
 SSM_FORMS = ("fft", "recurrent")
 # Positions per block of the S4D kernel's Vandermonde product (see s4d_kernel): about sqrt(L)
@@ -86,15 +87,22 @@ def s4d_kernel(dt, a, b, c, length: int):
     return k.reshape(a.shape[0], n * block)[:, :length]
 
 
-def causal_convolve(u, kernel):
+def causal_convolve(u, kernel, segment_ids=None):
     """``y[t, h] = sum_{s <= t} kernel[h, t - s] u[s, h]`` by FFT (zero-padded to ``2L``, so
     the convolution is linear, not circular), in float32. u: ``[L, H]``; kernel: ``[H, L]``;
     or u ``[L, *C]`` with a kernel ``[*K, L]`` whose leading axes broadcast against ``C`` (H3's
-    per-head kernel ``[H, 1, 1, L]`` over its ``[L, H, P, P]`` outer products)."""
+    per-head kernel ``[H, 1, 1, L]`` over its ``[L, H, P, P]`` outer products).
+
+    With ``segment_ids int[L]`` (packed documents, each a contiguous run of one id, 0 for
+    padding) the sum runs over ``s`` in ``t``'s document only, exactly (a divide and conquer
+    over blocks, ``O(L log^2 L)``: ``_document_conv.document_convolve``); padding's inputs
+    are dropped and its outputs are zero."""
     length = u.shape[0]
     if kernel.shape[-1] != length:
         raise ValueError(f"causal_convolve: the kernel's last axis must have the sequence "
                          f"length {length}, got kernel {kernel.shape} for u {u.shape}")
+    if segment_ids is not None:
+        return document_convolve(u, kernel, segment_ids)
     n = 2 * length
     uf = jnp.fft.rfft(u.astype(jnp.float32), n=n, axis=0)
     kf = jnp.fft.rfft(jnp.moveaxis(kernel.astype(jnp.float32), -1, 0), n=n, axis=0)
