@@ -80,3 +80,25 @@ def document_convolve(u, kernel, segment_ids, *, leaf: int = DOCUMENT_LEAF):
         y = y + z.reshape(total, *z.shape[2:])
         m *= 2
     return y[:length]
+
+
+def gathered_documents(name, segment_ids, kv_mask, order):
+    """The segment ids of a sequence whose real positions were gathered to the front by
+    ``order`` (``kv_mask``'s stable argsort, or None): padded positions join the padding
+    document 0 behind every real one, so the documents stay contiguous. None passes through."""
+    if segment_ids is None:
+        return None
+    length = segment_ids.shape[0] if kv_mask is None else kv_mask.shape[0]
+    if segment_ids.shape != (length,) or not jnp.issubdtype(segment_ids.dtype, jnp.integer):
+        raise ValueError(f"{name}: segment_ids must be int[L] = [{length}], got "
+                         f"{segment_ids.dtype}{list(segment_ids.shape)}")
+    seg = segment_ids if kv_mask is None else jnp.where(kv_mask, segment_ids, 0)
+    return seg if order is None else seg[order]
+
+
+def document_starts(segment_ids, length):
+    """``bool[L]``: where a document starts (a recurrence restarts): every position whose id
+    differs from the one before; all False without segment ids."""
+    if segment_ids is None:
+        return jnp.zeros((length,), bool)
+    return jnp.concatenate([jnp.zeros((1,), bool), segment_ids[1:] != segment_ids[:-1]])

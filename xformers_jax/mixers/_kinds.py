@@ -143,6 +143,7 @@ KINDS = (
          Paper("Gu, Gupta, Goel and Re", 2022, "On the Parameterization and Initialization of "
                "Diagonal State Space Models"),
          time="O(H N L + H L log L)", memory="O(H N L)", causal=True, decoding="recurrent",
+         segments=True,
          test_hyperparameters={"state_size": 8},
          hyperparameters=_ssm(64, "fft", "'fft' (convolution kernel) or 'recurrent'")),
     Kind("s5", s5, "mixers",
@@ -155,6 +156,7 @@ KINDS = (
          Paper("Fu et al.", 2023, "Hungry Hungry Hippos: Towards Language Modeling with State "
                "Space Models"),
          time="O(D P L log L + H N L)", memory="O(L D P + H N L)", causal=True,
+         segments=True,
          decoding="recurrent", state_size="(S - 1) D + D P N",
          test_hyperparameters={"state_size": 4, "shift_size": 3, "head_dim": 2},
          hyperparameters={
@@ -169,6 +171,7 @@ KINDS = (
          Paper("Poli et al.", 2023, "Hyena Hierarchy: Towards Larger Convolutional Language "
                "Models"),
          time="O(N D L log L + L F (F + N D))", memory="O(N D L + L F)", causal=True,
+         segments=True,
          decoding="kv", state_size="N D per token + (W - 1)(N + 1) D",
          test_hyperparameters={"filter_width": 8, "emb_dim": 5},
          hyperparameters={
