@@ -6,6 +6,7 @@ record's adapter) is the ``xformers_jax.nn`` module that declares it with ``nn.i
 
 from __future__ import annotations
 
+from ..attention import KINDS as ATTENTION_KINDS
 from ..kinds import Kind, Paper
 from ._conv import lightweight_conv
 from ._mixing import (fourier_mixing, lambda_mixing, pool_mixing, spatial_gating,
@@ -38,6 +39,19 @@ _SELECTIVE = {
     "expand": (2, "inner width expand * dim"),
     "conv_width": (4, "taps of the short causal convolution"),
 }
+
+def _lsra_segments(hp):
+    """LSRA packs exactly when its attention branch's kind does (its convolution's taps stay
+    inside a document)."""
+    spec = hp["spec"]
+    # A kind's name (configs), or an nn.AttentionSpec (its kind and hyperparameters).
+    name, params = (spec, {}) if isinstance(spec, str) else (spec.kind, dict(spec.params))
+    kind = next((k for k in ATTENTION_KINDS if k.name == name), None)
+    if kind is None:
+        return f"its attention branch names no registered attention kind ({name!r})"
+    problem = kind.segment_problem(kind.resolve(params))
+    return None if problem is None else f"its attention branch: {problem}"
+
 
 KINDS = (
     Kind("retnet", retention, "mixers",
@@ -218,7 +232,7 @@ KINDS = (
     Kind("lsra", lightweight_conv, "mixers",
          Paper("Wu et al.", 2020, "Lite Transformer with Long-Short Range Attention"),
          time="O(L^2 D / 2 + L K D / 2)", memory="O(L D) with flash, O(L^2) dense",
-         causal=True, test_hyperparameters={"kernel_size": 3},
+         causal=True, segments=_lsra_segments, test_hyperparameters={"kernel_size": 3},
          hyperparameters={
              "kernel_size": (3, "taps K of the lightweight convolution branch"),
              "spec": ("dot_product", "the attention branch's kind: a name or an "
