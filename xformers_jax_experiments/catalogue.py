@@ -150,6 +150,8 @@ def paper_url(paper) -> str:
 
 
 def _packs(k) -> str:
+    if isinstance(k.segments, str):  # refused, with the reason
+        return "no"
     return "some" if callable(k.segments) else _yes(k.segments)
 
 
