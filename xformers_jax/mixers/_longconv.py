@@ -98,7 +98,8 @@ def h3(q, k, v, shift, dt, a, b, c, d, *, kv_mask=None, segment_ids=None,
     seg = gathered_documents(name, segment_ids, kv_mask, order)
     if order is not None:
         q, k, v = q[order], k[order], v[order]
-    k, v = _zero_where_padded(k, real), _zero_where_padded(v, real)
+    # Queries too: a padded query's output is dropped, but its content must reach no gradient.
+    q, k, v = (_zero_where_padded(x, real) for x in (q, k, v))
     if implementation == "recurrent":
         init = h3_init_state(shift, a)
 
