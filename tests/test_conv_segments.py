@@ -48,14 +48,14 @@ def _dense_convolve(u, kernel, seg):
     return jnp.einsum("cts,sc->tc", toeplitz, jnp.where((seg != 0)[:, None], u, 0))
 
 
-# (length, documents, leaf): a row of L = 37 (not a power of two) over leaves of 4 (a tree of
-# 4 levels; documents crossing many block edges, one starting exactly on the edge at 8), the
-# packing test's row, and L = 80 on the default leaves (32): a boundary on the block edge 64.
-ROWS = [(37, (3, 5, 20, 1, 6), 4), (16, (5, 7, 3), 4), (80, (20, 44, 9), 32)]
+# (length, documents): a row of L = 37 (not a power of two: the tree pads it to 64; documents
+# crossing many block edges, one starting exactly on the edge at 8, one of a single position),
+# the packing test's row, and L = 80 with a boundary on the block edge 64.
+ROWS = [(37, (3, 5, 20, 1, 6)), (16, (5, 7, 3)), (80, (20, 44, 9))]
 
 
-@pytest.mark.parametrize("length,docs,leaf", ROWS)
-def test_the_document_convolution_is_the_masked_toeplitz_product(length, docs, leaf):
+@pytest.mark.parametrize("length,docs", ROWS)
+def test_the_document_convolution_is_the_masked_toeplitz_product(length, docs):
     seg = _segments(docs, length)
     k = jax.random.split(jax.random.PRNGKey(length), 3)
     u = _nan_padded(jax.random.normal(k[0], (length, 3)), seg)
@@ -63,7 +63,7 @@ def test_the_document_convolution_is_the_masked_toeplitz_product(length, docs, l
     w = jax.random.normal(k[2], (length, 3))  # a loss's cotangent, zero at no position
 
     def run(u, kernel):
-        fast = functools.partial(document_convolve, segment_ids=seg, leaf=leaf)
+        fast = functools.partial(document_convolve, segment_ids=seg)
         dense = functools.partial(_dense_convolve, seg=seg)
         loss = lambda f: lambda u, h: jnp.sum(w * f(u, h))  # noqa: E731
         return ((fast(u, kernel), jax.grad(loss(fast), (0, 1))(u, kernel)),
@@ -71,7 +71,7 @@ def test_the_document_convolution_is_the_masked_toeplitz_product(length, docs, l
 
     (y, grads), (y_ref, grads_ref) = jit0(run)(u, kernel)
     assert np.isfinite(np.asarray(y)).all() and np.isfinite(np.asarray(grads[1])).all()
-    assert_close(y, y_ref, err_msg=f"outputs, L={length}, documents {docs}, leaf {leaf}")
+    assert_close(y, y_ref, err_msg=f"outputs, L={length}, documents {docs}")
     # The input's gradient at padding is zero in both (its NaN never reaches an output).
     assert_close(grads, grads_ref, EXACT_GRAD, err_msg="gradients w.r.t. u and the kernel")
 
@@ -90,10 +90,19 @@ def test_broadcast_kernels_and_bad_segment_ids():
     seg = _segments((5, 7, 3), 16)
     k = jax.random.split(jax.random.PRNGKey(4), 2)
     u, kernel = jax.random.normal(k[0], (16, 2, 3, 3)), jax.random.normal(k[1], (2, 1, 1, 16))
-    conv = jit0(functools.partial(document_convolve, segment_ids=seg, leaf=4))
-    y = conv(u, kernel)
-    per_channel = conv(u.reshape(16, -1), jnp.repeat(kernel.reshape(2, 16), 9, 0))
-    assert_close(y.reshape(16, -1), per_channel)
+    conv = functools.partial(document_convolve, segment_ids=seg)
+    w = jax.random.normal(jax.random.PRNGKey(5), (16, 2, 3, 3))
+
+    def run(u, kernel):
+        # The same operator per channel: 9 copies of each head's kernel, summed in the gradient.
+        wide = lambda u, h: conv(u.reshape(16, -1), jnp.repeat(h.reshape(2, 16), 9, 0))  # noqa: E731
+        loss = lambda f: lambda u, h: jnp.sum(w.reshape(16, -1) * f(u, h).reshape(16, -1))  # noqa: E731
+        return ((conv(u, kernel).reshape(16, -1), jax.grad(loss(conv), (0, 1))(u, kernel)),
+                (wide(u, kernel), jax.grad(loss(wide), (0, 1))(u, kernel)))
+
+    (y, grads), (y_wide, grads_wide) = jit0(run)(u, kernel)
+    assert_close(y, y_wide)
+    assert_close(grads, grads_wide, EXACT_GRAD, err_msg="gradients w.r.t. u and the kernel")
     with pytest.raises(ValueError, match=r"segment_ids must be int\[L\] = \[16\]"):
         mixers.causal_convolve(u, kernel, seg[:8])
 
