@@ -13,10 +13,11 @@ reshape. The tree goes down to blocks of 2 (pairs at distance 1); distance 0 is 
 On CPU, small FFT levels cost less than taking pairs inside leaves of 8-32 positions directly
 (masked taps or a masked Toeplitz product per leaf), forward and backward.
 
-The gradient is written out (``jax.custom_vjp``), because differentiating the levels
-took about four times their forward time: the operator is linear, its adjoint in the input is
-the same convolution run from the end (``flip(conv(flip(g)))``), and the kernel's gradient is
-the matching cross-correlation of the masked halves, level by level.
+The gradient is written out (``jax.custom_vjp``), because differentiating the levels took
+about four times their forward time: the operator is linear, and per level both adjoints (in
+the input and in the kernel) are cross-correlations that share the transform of the output
+gradient's masked right halves; the kernel's is summed over the blocks before its inverse
+transform.
 """
 
 from __future__ import annotations
@@ -81,24 +82,26 @@ def _tree_fwd(x, h, seg):
 def _tree_bwd(res, g):
     x, h, seg = res
     total = x.shape[-1]
-    # The adjoint in x: y_t = sum_s h_{t-s} x_s over one document is, read from the end, the
-    # same causal convolution of g.
-    dx = jnp.flip(_convolve(jnp.flip(g, -1), h, jnp.flip(seg)), -1)
-    # The kernel: dh_k = sum over pairs at distance k in one document of g_t x_s, per level the
-    # cross-correlation of the masked right half of g with the masked left half of x.
-    dh = jnp.pad(jnp.sum(g * x, -1, keepdims=True),
-                 [(0, 0)] * (g.ndim - 1) + [(0, total - 1)])
+    # Distance 0, then per level the adjoints of z_r = sum_l h_{m + r - l} left_l (right half
+    # r, left half l, both masked to the crossing document): in the input, dleft_l = sum_r
+    # h_{m + r - l} g_r, the cross-correlation of the right half of g with h; in the kernel,
+    # dh_k = sum over blocks and pairs with m + r - l = k of g_r left_l, the cross-correlation
+    # of g's right half with x's left half, summed over the blocks in frequency. The right
+    # half sits at m..2m - 1 of each frame of 2m: a shift by m, (-1)^k in frequency.
+    dx = g * h[..., :1]
+    dh = jnp.pad(jnp.sum(g * x, -1, keepdims=True), [(0, 0)] * (g.ndim - 1) + [(0, total - 1)])
     for m in _levels(total):
         crossing = _halves(seg, m)
         left = _where(crossing[:, :m], x.reshape(*x.shape[:-1], -1, 2 * m)[..., :m])
         right = _where(crossing[:, m:], g.reshape(*g.shape[:-1], -1, 2 * m)[..., m:])
-        # The right half sits at m..2m - 1 of the frame: a shift by m, (-1)^k in frequency.
-        shift = 1 - 2 * (np.arange(m + 1) % 2)
-        # Summed over the blocks in frequency (the transform is linear): one inverse FFT.
-        spectrum = jnp.sum(jnp.fft.rfft(right, n=2 * m) * jnp.conj(jnp.fft.rfft(left, n=2 * m)),
-                           -2)
-        corr = jnp.fft.irfft(spectrum * shift, n=2 * m)
-        dh = dh + jnp.pad(corr, [(0, 0)] * (g.ndim - 1) + [(0, total - 2 * m)])
+        gf = jnp.fft.rfft(right, n=2 * m) * (1 - 2 * (np.arange(m + 1) % 2))
+        hf = jnp.fft.rfft(h[..., :2 * m])[..., None, :]
+        dleft = jnp.fft.irfft(gf * jnp.conj(hf), n=2 * m)[..., :m]
+        dleft = jnp.pad(_where(crossing[:, :m], dleft), [(0, 0)] * (dleft.ndim - 1) + [(0, m)])
+        dx = dx + dleft.reshape(*dleft.shape[:-2], total)
+        spectrum = jnp.sum(gf * jnp.conj(jnp.fft.rfft(left, n=2 * m)), -2)
+        dh = dh + jnp.pad(jnp.fft.irfft(spectrum, n=2 * m),
+                          [(0, 0)] * (g.ndim - 1) + [(0, total - 2 * m)])
     zero_seg = np.zeros(seg.shape, jax.dtypes.float0)
     return _sum_to(dx, x.shape), _sum_to(dh, h.shape), zero_seg
 
