@@ -152,9 +152,7 @@ def gathered_documents(name, segment_ids, kv_mask, order):
     return seg if order is None else seg[order]
 
 
-def document_starts(segment_ids, length):
+def document_starts(segment_ids):
     """``bool[L]``: where a document starts (a recurrence restarts): every position whose id
-    differs from the one before; all False without segment ids."""
-    if segment_ids is None:
-        return jnp.zeros((length,), bool)
+    differs from the one before."""
     return jnp.concatenate([jnp.zeros((1,), bool), segment_ids[1:] != segment_ids[:-1]])

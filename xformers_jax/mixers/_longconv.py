@@ -109,7 +109,7 @@ def h3(q, k, v, shift, dt, a, b, c, d, *, kv_mask=None, segment_ids=None,
                 state = jax.tree.map(lambda s, s0: jnp.where(start, s0, s), state, init)
             return h3_step(state, *qkv, shift, dt, a, b, c, d)[::-1]
 
-        starts = None if seg is None else document_starts(seg, length)
+        starts = None if seg is None else document_starts(seg)
         y = lax.scan(step, init, (q, k, v, starts))[1]
     else:
         kbar = causal_convolve(k, _length_kernel(shift, length), seg)

@@ -96,7 +96,9 @@ def causal_convolve(u, kernel, segment_ids=None):
     With ``segment_ids int[L]`` (packed documents, each a contiguous run of one id, 0 for
     padding) the sum runs over ``s`` in ``t``'s document only, exactly (a divide and conquer
     over blocks, ``O(L log^2 L)``: ``_document_conv.document_convolve``); padding's inputs
-    are dropped and its outputs are zero."""
+    are dropped and its outputs are zero. It costs about ``log2(L) / 2`` row convolutions:
+    on a 2-core CPU, 128 channels, 8 documents, 4-7x this function's time without ids
+    forward and 5-10x forward and backward at L = 2K to 8K."""
     length = u.shape[0]
     if kernel.shape[-1] != length:
         raise ValueError(f"causal_convolve: the kernel's last axis must have the sequence "
@@ -149,7 +151,7 @@ def s4d(u, dt, a, b, c, d, *, c_reverse=None, kv_mask=None, segment_ids=None,
         if implementation == "fft":
             return causal_convolve(u, s4d_kernel(dt, a, b, c, u.shape[0]), seg)
         da, db = zoh(dt[:, None], a, b)
-        start = None if seg is None else document_starts(seg, u.shape[0])
+        start = None if seg is None else document_starts(seg)
 
         def step(x, inputs):
             u_t, start_t = inputs
