@@ -260,3 +260,33 @@ def test_log_linear_levels_move_with_the_document_offset():
     # The first token reads only itself (level 0) either way; later ones differ.
     assert_close(shifted[0], alone[0])
     assert np.abs(np.asarray(shifted[1:] - alone[1:])).max() > 1e-2
+
+
+def test_bidirectional_layers_pack():
+    # The encoder forms run each operator a second time from the end: the segment ids are
+    # flipped with the inputs, so each document is still alone in both directions.
+    docs, length, dim = (5, 7, 3), 16, 8
+    seg = _segments(docs, length)
+    x = jax.random.normal(jax.random.PRNGKey(12), (1, length, dim))
+
+    def make(name, key):
+        hp = dict(nn.get_kind("mixer", name).test_hyperparameters)
+        return nn.MixerSpec(name, hp).build(dim, 2, causal=False, max_len=length, key=key)
+
+    def run(key):
+        out = {}
+        for name in ("s4d", "h3", "hyena", "lsra"):
+            layer = make(name, key)
+            packed = layer(x, kv_mask=seg[None] > 0, segment_ids=seg[None])[0]
+            out[name] = packed, _alone(lambda x: layer(x[None])[0], (x[0],), docs)
+        return out
+
+    for name, (packed, alone) in jit0(run)(jax.random.PRNGKey(13)).items():
+        _assert_documents(packed, alone, f"bidirectional {name}", docs)
+
+
+def test_lsra_packs_as_its_attention_branch_does():
+    lsra = nn.get_kind("mixer", "lsra")
+    assert lsra.segment_problem(lsra.resolve({"spec": "flash"})) is None
+    assert "its attention branch: attention kind 'performer' does not honour segment ids" in \
+        lsra.segment_problem(lsra.resolve({"spec": nn.AttentionSpec("performer")}))
