@@ -145,11 +145,11 @@ def test_packing_is_refused_naming_the_kind(slot, name, hp):
 
 
 def test_a_packed_call_of_a_refusing_kind_raises_at_trace_time():
-    block = {"spec": nn.AttentionSpec("performer", dict(
-        nn.get_kind("attention", "performer").test_hyperparameters))}
+    block = {"spec": nn.AttentionSpec("luna", dict(
+        nn.get_kind("attention", "luna").test_hyperparameters))}
     model = eqx.filter_eval_shape(lambda: models.CausalLM(
         VOCAB, DIM, 1, HEADS, HIDDEN, max_len=L, block=block, key=jax.random.PRNGKey(0)))
-    with pytest.raises(ValueError, match="attention kind 'performer' does not honour segment"):
+    with pytest.raises(ValueError, match="attention kind 'luna' does not honour segment"):
         jax.eval_shape(lambda m: m(jnp.asarray(_PACKED)[None],
                                    segment_ids=jnp.asarray(_SEGMENTS)[None]), model)
 

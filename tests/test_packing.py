@@ -195,9 +195,9 @@ def test_data_pack_gives_packed_batches_to_the_model():
 def test_the_trainer_refuses_packing_by_name(monkeypatch):
     c = _lm_config(pack=True)
     task = dataclasses.replace(_packed_task(), seq_len=32)
-    c.model.attention = ml_collections.ConfigDict(dict(kind="performer"))
-    with pytest.raises(ValueError, match="attention kind 'performer' does not honour segment "
-                                         "ids"):
+    c.model.attention = ml_collections.ConfigDict(dict(kind="luna"))
+    with pytest.raises(ValueError, match="attention kind 'luna' does not honour "
+                                         "segment ids"):
         jax.eval_shape(lambda: _tasks.build_model(c.model, task, jax.random.PRNGKey(0)))
     # A language model kind that does not declare packs=True (registered for this test only).
     unpacked = dataclasses.replace(models.get_model("causal_lm"), name="unpacked_lm",
@@ -226,5 +226,5 @@ def test_the_packed_lm_config_builds_and_scores_a_packed_batch():
     loss, _ = eqx.filter_eval_shape(train.make_loss_fn(task), model, batch,
                                     jax.random.PRNGKey(1))
     assert loss.shape == () and loss.dtype == jnp.float32
-    with pytest.raises(ValueError, match="honours segment ids.*got 'performer'"):
-        stdlib_bytes.get_config("performer,packed")
+    with pytest.raises(ValueError, match="honours segment ids.*got 'reformer'"):
+        stdlib_bytes.get_config("reformer,packed")

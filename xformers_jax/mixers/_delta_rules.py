@@ -19,7 +19,10 @@
 
 ``implementation``: ``"chunked"`` (the training form), ``"recurrent"`` (a scan over positions
 of the paper's step, the reference) or ``"parallel"`` (the chunked form with one chunk).
-``kv_mask`` makes padded positions write nothing and decay nothing.
+``kv_mask`` makes padded positions write nothing and decay nothing. ``segment_ids`` (``int[L]``,
+packed documents with contiguous ids) restarts the state from zero at each document's first
+token, so each document's outputs and gradients are those of the document alone (in the
+chunked forms by masks on each chunk's own matrices, see ``attention.linear``'s delta rules).
 """
 
 from __future__ import annotations
@@ -48,8 +51,16 @@ DPLR_CHUNK = 8
 DELTA_PRODUCT_CHUNK = 16
 
 
-def _dplr(name, q, k, v, a, b, ld, kv_mask, implementation, chunk_size):
+def _check_segments(name, segment_ids, length):
+    if segment_ids is not None and (segment_ids.shape != (length,)
+                                    or not jnp.issubdtype(segment_ids.dtype, jnp.integer)):
+        raise ValueError(f"{name}: segment_ids must be int[{length}] (one document id per "
+                         f"position), got {segment_ids.dtype}{list(segment_ids.shape)}")
+
+
+def _dplr(name, q, k, v, a, b, ld, kv_mask, implementation, chunk_size, segment_ids):
     length = q.shape[0]
+    _check_segments(name, segment_ids, length)
     if kv_mask is not None:
         if kv_mask.shape != (length,):
             raise ValueError(f"{name}: kv_mask must be bool[{length}], got shape "
@@ -58,9 +69,9 @@ def _dplr(name, q, k, v, a, b, ld, kv_mask, implementation, chunk_size):
         k, v, b, ld = (jnp.where(m, x, 0) for x in (k, v, b, ld))
         a = None if a is None else jnp.where(m, a, 0)
     if implementation == "recurrent":
-        return dplr_recurrent(q, k, v, a, b, ld)
+        return dplr_recurrent(q, k, v, a, b, ld, segment_ids=segment_ids)
     chunk = length if implementation == "parallel" else chunk_size
-    return dplr_chunked(q, k, v, a, b, ld, chunk_size=chunk)
+    return dplr_chunked(q, k, v, a, b, ld, chunk_size=chunk, segment_ids=segment_ids)
 
 
 def _check_gates(name, shapes, **gates):
@@ -70,7 +81,7 @@ def _check_gates(name, shapes, **gates):
 
 
 def kda(q, k, v, beta, log_alpha, *, kv_mask=None, implementation: str = "chunked",
-        chunk_size: int = DPLR_CHUNK):
+        chunk_size: int = DPLR_CHUNK, segment_ids=None):
     """Kimi Delta Attention of one head: ``S_t = (I - beta_t k_t k_t^T) diag(alpha_t) S_{t-1}
     + beta_t k_t v_t^T``, ``o_t = q_t^T S_t``.
 
@@ -78,7 +89,7 @@ def kda(q, k, v, beta, log_alpha, *, kv_mask=None, implementation: str = "chunke
       q, k: ``[L, Dk]`` (the paper L2-normalises them). v: ``[L, Dv]``.
       beta: ``[L]`` write strengths in ``[0, 1]``.
       log_alpha: ``[L, Dk]`` per-channel log-decays ``<= 0``.
-      kv_mask, implementation, chunk_size: see the module docstring.
+      kv_mask, implementation, chunk_size, segment_ids: see the module docstring.
 
     Returns:
       ``[L, Dv]`` float32.
@@ -89,10 +100,12 @@ def kda(q, k, v, beta, log_alpha, *, kv_mask=None, implementation: str = "chunke
     _check_gates(name, {"beta": (length,), "log_alpha": k.shape}, beta=beta, log_alpha=log_alpha)
     q, k, v, beta, ld = _f32(q, k, v, beta, log_alpha)
     if kv_mask is not None:
+        # Selected before the products below, so padding's content reaches no gradient.
+        k, v, ld = (jnp.where(kv_mask[:, None], x, 0) for x in (k, v, ld))
         beta = jnp.where(kv_mask, beta, 0)
     # a = -beta k: what is written along beta k is first removed along it (dplr's a = None).
     return _dplr(name, q, beta[:, None] * k, v, None, k * jnp.exp(ld), ld, kv_mask,
-                 implementation, chunk_size)
+                 implementation, chunk_size, segment_ids)
 
 
 def kda_step(s, q_t, k_t, v_t, beta_t, ld_t):
@@ -102,7 +115,7 @@ def kda_step(s, q_t, k_t, v_t, beta_t, ld_t):
 
 
 def rwkv7(r, k, v, log_w, kappa, a, u, *, kv_mask=None, implementation: str = "chunked",
-          chunk_size: int = DPLR_CHUNK):
+          chunk_size: int = DPLR_CHUNK, segment_ids=None):
     """RWKV-7's time mixing of one head: ``S_t = (diag(w_t) - (a_t * kappa_t) kappa_t^T)
     S_{t-1} + k_t v_t^T``, ``o_t = r_t^T S_t + (r_t . (u * k_t)) v_t``.
 
@@ -112,7 +125,8 @@ def rwkv7(r, k, v, log_w, kappa, a, u, *, kv_mask=None, implementation: str = "c
       kappa: ``[L, Dk]`` removal keys (the paper normalises them to unit length).
       a: ``[L, Dk]`` in-context learning rates in ``[0, 1]``.
       u: ``[Dk]`` the head's bonus for the current token.
-      kv_mask, implementation, chunk_size: see the module docstring.
+      kv_mask, implementation, chunk_size, segment_ids: see the module docstring (the bonus
+        term reads only the current token).
 
     Returns:
       ``[L, Dv]`` float32.
@@ -124,8 +138,10 @@ def rwkv7(r, k, v, log_w, kappa, a, u, *, kv_mask=None, implementation: str = "c
                         "r": k.shape}, log_w=log_w, kappa=kappa, a=a, u=u, r=r)
     r, k, v, ld, kappa, a, u = _f32(r, k, v, log_w, kappa, a, u)
     if kv_mask is not None:
-        k, v = (jnp.where(kv_mask[:, None], x, 0) for x in (k, v))
-    out = _dplr(name, r, k, v, -(a * kappa), kappa, ld, kv_mask, implementation, chunk_size)
+        # Selected before the products below, so padding's content reaches no gradient.
+        k, v, ld, kappa, a = (jnp.where(kv_mask[:, None], x, 0) for x in (k, v, ld, kappa, a))
+    out = _dplr(name, r, k, v, -(a * kappa), kappa, ld, kv_mask, implementation, chunk_size,
+                segment_ids)
     return out + jnp.sum(r * u * k, -1, keepdims=True) * v
 
 
@@ -146,7 +162,7 @@ def _expand(q, k, v, beta, ld):
 
 
 def delta_product(q, k, v, beta, ld, *, kv_mask=None, implementation: str = "chunked",
-                  chunk_size: int = DELTA_PRODUCT_CHUNK):
+                  chunk_size: int = DELTA_PRODUCT_CHUNK, segment_ids=None):
     """Gated DeltaProduct of one head: per token, ``S_{t,0} = a_t S_{t-1}`` then ``n_h`` delta
     steps ``S_{t,i} = (I - beta_{t,i} k_{t,i} k_{t,i}^T) S_{t,i-1} + beta_{t,i} k_{t,i}
     v_{t,i}^T``; ``o_t = q_t^T S_{t,n_h}``.
@@ -156,6 +172,8 @@ def delta_product(q, k, v, beta, ld, *, kv_mask=None, implementation: str = "chu
       beta: ``[L, n_h]`` in ``[0, 2]`` (2 allows negative eigenvalues, the paper's choice).
       ld: ``[L]`` log-decays ``log a_t <= 0`` (zeros: DeltaProduct without gates).
       chunk_size: sub-steps per chunk (default ``DELTA_PRODUCT_CHUNK``, 16).
+      segment_ids: ``int[L]`` or None: see the module docstring (a token's ``n_h`` sub-steps
+        share its document, so the state restarts before a document's first sub-step).
 
     Returns:
       ``[L, Dv]`` float32.
@@ -176,13 +194,16 @@ def delta_product(q, k, v, beta, ld, *, kv_mask=None, implementation: str = "chu
         m = kv_mask[:, None]
         beta, ld = jnp.where(m, beta, 0), jnp.where(kv_mask, ld, 0)
         k, v = jnp.where(m[..., None], k, 0), jnp.where(m[..., None], v, 0)
+    _check_segments(name, segment_ids, length)
     fq, fk, fv, fb, fld = _expand(q, k, v, beta, ld)
+    seg = None if segment_ids is None else jnp.repeat(segment_ids, nh)
     if implementation == "recurrent":
-        out = gated_delta_recurrent(fq, fk, fv, fb, fld)
+        out = gated_delta_recurrent(fq, fk, fv, fb, fld, segment_ids=seg)
         return out[nh - 1::nh]
     # Whole tokens per chunk, so the state is read once per token, after its last sub-step.
     chunk = length * nh if implementation == "parallel" else max(chunk_size // nh, 1) * nh
-    return gated_delta_chunked(fq, fk, fv, fb, fld, chunk_size=chunk, query_stride=nh)
+    return gated_delta_chunked(fq, fk, fv, fb, fld, chunk_size=chunk, query_stride=nh,
+                               segment_ids=seg)
 
 
 def delta_product_step(s, q_t, k_t, v_t, beta_t, ld_t):

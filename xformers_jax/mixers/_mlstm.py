@@ -22,6 +22,10 @@ whatever ``m`` is.
   with log-decays ``log f'_t <= 0`` and keys ``i'_t k_t`` (the normaliser is the same scan
   over a column of ones appended to ``v``). ``m`` is held constant in the backward pass: the
   output does not depend on it.
+
+Packed rows (``segment_ids``): the memory, the normaliser and the stabiliser all restart at
+each document's first token (``m`` from 0, as for a sequence alone): the max-plus scan is
+segmented, and the scan's state restarts there.
 """
 
 from __future__ import annotations
@@ -68,19 +72,38 @@ def mlstm_step(state, q_t, k_t, v_t, i_t, f_t, forget_gate: str = "sigmoid"):
     return h, (c, n, m_new)
 
 
-def stabiliser(log_f, i_logits):
+def _starts(name, segment_ids, length):
+    """``bool[L]``: position t starts a document (``id_t != id_{t-1}``; True at 0)."""
+    seg = jnp.asarray(segment_ids)
+    if seg.shape != (length,) or not jnp.issubdtype(seg.dtype, jnp.integer):
+        raise ValueError(f"{name}: segment_ids must be int[{length}], got "
+                         f"{seg.dtype}{list(seg.shape)}")
+    return jnp.concatenate([jnp.ones((1,), bool), seg[1:] != seg[:-1]])
+
+
+def stabiliser(log_f, i_logits, starts=None):
     """``m_t = max(log f_t + m_{t-1}, i~_t)`` with ``m_0 = 0`` for every ``t`` by an associative
-    scan (see the module docstring): ``[L]``."""
+    scan (see the module docstring): ``[L]``. With ``starts: bool[L]`` (documents' first
+    tokens) the recurrence restarts from ``m = 0`` there (a segmented scan)."""
 
-    def combine(x, y):
-        return x[0] + y[0], jnp.maximum(x[1] + y[0], y[1])
+    if starts is None:
+        def combine(x, y):
+            return x[0] + y[0], jnp.maximum(x[1] + y[0], y[1])
 
-    total, best = lax.associative_scan(combine, (log_f, i_logits))
+        total, best = lax.associative_scan(combine, (log_f, i_logits))
+        return jnp.maximum(total, best)
+
+    def combine_segments(x, y):
+        # y begins a document: what lies before it is forgotten.
+        return (x[0] | y[0], jnp.where(y[0], y[1], x[1] + y[1]),
+                jnp.where(y[0], y[2], jnp.maximum(x[2] + y[1], y[2])))
+
+    _, total, best = lax.associative_scan(combine_segments, (starts, log_f, i_logits))
     return jnp.maximum(total, best)
 
 
 def mlstm(q, k, v, i_logits, f_logits, *, forget_gate: str = "sigmoid", kv_mask=None,
-          implementation: str = "chunked", chunk_size: int = 64):
+          implementation: str = "chunked", chunk_size: int = 64, segment_ids=None):
     """The mLSTM memory of one head: ``h_t = C_t^T q_t / max(|n_t^T q_t|, 1)``.
 
     Args:
@@ -91,6 +114,8 @@ def mlstm(q, k, v, i_logits, f_logits, *, forget_gate: str = "sigmoid", kv_mask=
       kv_mask: ``bool[L]``: padded positions neither write nor forget.
       implementation: ``"chunked"``, ``"parallel"`` or ``"recurrent"`` (the paper's step).
       chunk_size: positions per chunk.
+      segment_ids: ``int[L]`` or None: packed documents (contiguous runs of equal ids); the
+        memory, normaliser and stabiliser restart at each document's first token.
 
     Returns:
       ``[L, Dv]`` float32 (the hidden state before the output gate).
@@ -101,6 +126,7 @@ def mlstm(q, k, v, i_logits, f_logits, *, forget_gate: str = "sigmoid", kv_mask=
     for arg, x in (("i_logits", i_logits), ("f_logits", f_logits)):
         if x.shape != (length,):
             raise ValueError(f"{name}: {arg} must be [{length}], got shape {x.shape}")
+    starts = None if segment_ids is None else _starts(name, segment_ids, length)
     q, k, v, i_logits, f_logits = _f32(q, k, v, i_logits, f_logits)
     log_f = _log_forget(name, f_logits, forget_gate)
     if kv_mask is not None:
@@ -111,15 +137,20 @@ def mlstm(q, k, v, i_logits, f_logits, *, forget_gate: str = "sigmoid", kv_mask=
         i_logits = jnp.where(kv_mask, i_logits, -jnp.inf)
         k, v = (jnp.where(kv_mask[:, None], x, 0.0) for x in (k, v))
     if implementation == "recurrent":
-        def step(s, x):
-            return mlstm_step(s, *x, forget_gate="exp")[::-1]  # log f is already taken
-
         init = mlstm_init_state(k.shape[1], v.shape[1])
-        return lax.scan(step, init, (q, k, v, i_logits, log_f))[1]
-    m = stabiliser(lax.stop_gradient(log_f), lax.stop_gradient(i_logits))
+
+        def step(s, x):
+            if starts is not None:
+                s = jax.tree.map(lambda a, b: jnp.where(x[-1], a, b), init, s)
+            return mlstm_step(s, *x[:5], forget_gate="exp")[::-1]  # log f is already taken
+
+        xs = (q, k, v, i_logits, log_f) + (() if starts is None else (starts,))
+        return lax.scan(step, init, xs)[1]
+    m = stabiliser(lax.stop_gradient(log_f), lax.stop_gradient(i_logits), starts)
     m_prev = jnp.concatenate([jnp.zeros((1,), m.dtype), m[:-1]])
     fk = k * jnp.exp(i_logits - m)[:, None]
     ones = jnp.ones((length, 1), v.dtype)
     out = linear_recurrence(q, fk, jnp.concatenate([v, ones], -1), log_f + m_prev - m,
-                            implementation=implementation, chunk_size=chunk_size)
+                            implementation=implementation, chunk_size=chunk_size,
+                            segment_ids=segment_ids)
     return out[:, :-1] / jnp.maximum(jnp.abs(out[:, -1:]), jnp.exp(-m)[:, None])

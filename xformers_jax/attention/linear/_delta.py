@@ -21,6 +21,14 @@ exp(b_t - b_j) k_j u_j^T`` where ``(I + tril(diag(beta) (Gamma * K K^T), -1)) U 
 diag(beta) V - diag(beta gamma) K S_0`` and ``Gamma_tj = exp(b_t - b_j)``; ``ld = 0`` is the
 plain delta rule. :func:`gated_delta_recurrent` and :func:`gated_delta_chunked` are the two
 forms (both used by ``delta_rule_attention`` and by the Gated DeltaNet mixer).
+
+Packed documents (``segment_ids``): the state restarts from zero at each document's first
+token, i.e. ``a_t = 0`` there. In the chunked form that is a mask, never a ``-inf``
+log-decay (whose cumulative sums would give ``inf - inf``): with ``d_t`` the number of
+document starts in the chunk up to ``t``, every pair ``(t, j)`` with ``d_t != d_j`` drops out
+of ``Gamma`` (the system, the scores), the carried-in state reaches only the positions with
+``d_t = 0`` (the document of the chunk's previous token), and the state written out comes
+from the chunk's last document alone (:func:`document_masks`).
 """
 
 from __future__ import annotations
@@ -62,23 +70,50 @@ def gated_delta_step(s, fq_t, fk_t, v_t, beta_t, ld_t=0.0):
     return fq_t @ s, s
 
 
-def gated_delta_recurrent(fq, fk, v, beta, ld=None):
+def document_starts(segment_ids):
+    """``bool[L]``: True at each document's first position of packed ``segment_ids int[L]``
+    (where the id differs from the previous position's; position 0 is False, as a scan
+    starts from an empty state anyway)."""
+    seg = jnp.asarray(segment_ids)
+    return jnp.concatenate([jnp.zeros((1,), bool), seg[1:] != seg[:-1]])
+
+
+def document_masks(starts):
+    """The masks of a chunk's documents from ``starts bool[n, c]`` (True at a document's first
+    position, including position 0 of a chunk whose previous token is in another document):
+    ``(same [n, c, c]`` (positions t, j in one document), ``carried [n, c]`` (t in the
+    document of the chunk's previous token: it reads the carried-in state), ``last [n, c]``
+    (j in the chunk's last document: it reaches the state written out))``."""
+    doc = jnp.cumsum(starts.astype(jnp.int32), axis=1)
+    return doc[:, :, None] == doc[:, None, :], doc == 0, doc == doc[:, -1:]
+
+
+def gated_delta_recurrent(fq, fk, v, beta, ld=None, segment_ids=None):
     """The (gated) delta rule by a per-step scan.
 
     Args:
       fq, fk: ``[L, M]``. v: ``[L, E]``. beta: ``[L]`` write strengths in ``[0, 1]``.
       ld: ``[L]`` log-decays ``<= 0`` (None: no decay, the delta rule).
+      segment_ids: ``int[L]`` packed documents (contiguous ids), or None: the state restarts
+        from zero at each document's first position.
 
     Returns:
       ``[L, E]``.
     """
     ld = jnp.zeros_like(beta) if ld is None else ld
-
-    def step(s, x):
-        return gated_delta_step(s, *x)[::-1]
-
     init = jnp.zeros((fk.shape[1], v.shape[1]), jnp.result_type(fk, v))
-    return lax.scan(step, init, (fq, fk, v, beta, ld))[1]
+    if segment_ids is None:
+        def step(s, x):
+            return gated_delta_step(s, *x)[::-1]
+
+        return lax.scan(step, init, (fq, fk, v, beta, ld))[1]
+
+    def reset_step(s, x):
+        start, *x = x
+        return gated_delta_step(jnp.where(start, jnp.zeros_like(s), s), *x)[::-1]
+
+    xs = (document_starts(segment_ids), fq, fk, v, beta, ld)
+    return lax.scan(reset_step, init, xs)[1]
 
 
 def _diagonal_blocks(x, size):
@@ -117,11 +152,22 @@ def unit_lower_inverse(strict):
     return inv[..., 0, :c, :c]
 
 
-def _delta_chunks(fq, fk, v, beta, ld, s0, query_stride=1):
+def _kept(x, keep):
+    """``x`` where ``keep`` (zero elsewhere), or ``x`` itself when ``keep`` is None."""
+    return x if keep is None else jnp.where(keep, x, jnp.zeros((), x.dtype))
+
+
+def _every(x, r):
+    """Positions ``r - 1, 2 r - 1, ...`` of ``x [n, c]`` (None stays None)."""
+    return None if x is None else x[:, r - 1::r]
+
+
+def _delta_chunks(fq, fk, v, beta, ld, s0, query_stride=1, starts=None):
     """The chunkwise (gated) delta rule over ``n`` chunks (``[n, c, ...]`` arrays) starting
     from the state ``s0``: (out ``[n, c / r, E]``, final state), read at every ``r``-th
     position (``r = query_stride``: positions ``r - 1, 2 r - 1, ...`` of each chunk; the rows
-    of ``fq`` between them are not read)."""
+    of ``fq`` between them are not read). ``starts bool[n, c]``: document starts (packed
+    documents, see the module docstring), or None."""
     r = query_stride
     fq = fq[:, r - 1::r]
     dv = v.shape[-1]
@@ -129,16 +175,21 @@ def _delta_chunks(fq, fk, v, beta, ld, s0, query_stride=1):
     beta = beta[..., None]
     b = jnp.cumsum(ld, axis=1)  # within-chunk cumulative log-decays, <= 0
     causal = jnp.tril(jnp.ones((c, c), bool))
+    carried = last = None
+    if starts is not None:
+        same, carried, last = document_masks(starts)
+        causal = causal & same
     # exp(b_t - b_j) for j <= t only: the inner where keeps exp off the positive differences.
     diff = b[:, :, None] - b[:, None, :]
     gamma = jnp.where(causal, jnp.exp(jnp.where(causal, diff, 0.0)), 0.0)
     inverse = unit_lower_inverse(jnp.tril(beta * gamma * jnp.einsum("ncm,ndm->ncd", fk, fk), -1))
-    uw = inverse @ jnp.concatenate([beta * v, beta * jnp.exp(b)[..., None] * fk], -1)
+    uw = inverse @ jnp.concatenate([beta * v, beta * _kept(jnp.exp(b), carried)[..., None] * fk],
+                                   -1)
     u, w = uw[..., :dv], uw[..., dv:]
     scores = gamma[:, r - 1::r] * jnp.einsum("ncm,ndm->ncd", fq, fk)
-    qg = fq * jnp.exp(b[:, r - 1::r])[..., None]
-    kg = fk * jnp.exp(b[:, -1:] - b)[..., None]
-    total = jnp.exp(b[:, -1])
+    qg = fq * _kept(jnp.exp(b[:, r - 1::r]), _every(carried, r))[..., None]
+    kg = fk * _kept(jnp.exp(b[:, -1:] - b), last)[..., None]
+    total = _kept(jnp.exp(b[:, -1]), None if carried is None else carried[:, -1])
 
     @functools.partial(jax.checkpoint, prevent_cse=False)
     def chunk(s, x):
@@ -151,7 +202,8 @@ def _delta_chunks(fq, fk, v, beta, ld, s0, query_stride=1):
 
 
 def gated_delta_chunked(fq, fk, v, beta, ld=None, chunk_size: int = 64,
-                        group_positions: int = GROUP_POSITIONS, *, query_stride: int = 1):
+                        group_positions: int = GROUP_POSITIONS, *, query_stride: int = 1,
+                        segment_ids=None):
     """The same recurrence as :func:`gated_delta_recurrent`, chunkwise: a unit lower-triangular
     solve per chunk (the WY form, see the module docstring) and a scan over chunks.
 
@@ -165,7 +217,9 @@ def gated_delta_chunked(fq, fk, v, beta, ld=None, chunk_size: int = 64,
     read the state only after every ``r``-th position (positions ``r - 1, 2 r - 1, ...``; the
     other rows of ``fq`` are not read), as DeltaProduct reads once per token after its ``r``
     delta steps: the output scores and reads of the other rows are never computed. ``r``
-    must divide ``L`` and ``chunk_size``.
+    must divide ``L`` and ``chunk_size``; segment_ids: ``int[L]`` packed documents, or None
+    (the state restarts at each document's first position: masks on the chunks' own
+    matrices, see the module docstring).
 
     Returns ``[L / r, E]``.
     """
@@ -176,8 +230,17 @@ def gated_delta_chunked(fq, fk, v, beta, ld=None, chunk_size: int = 64,
                          f"L = {length} and chunk_size = {chunk_size}, got {query_stride!r}")
     ld = jnp.zeros_like(beta) if ld is None else ld
     s0 = jnp.zeros((fk.shape[-1], v.shape[-1]), jnp.result_type(fk, v))
-    fn = functools.partial(_delta_chunks, query_stride=query_stride)
-    return chunk_groups(fn, (fq, fk, v, beta, ld), s0, chunk_size, group_positions)
+    if segment_ids is None:
+        fn = functools.partial(_delta_chunks, query_stride=query_stride)
+        return chunk_groups(fn, (fq, fk, v, beta, ld), s0, chunk_size, group_positions)
+
+    def fn(fq, fk, v, beta, ld, starts, s):
+        return _delta_chunks(fq, fk, v, beta, ld, s, query_stride, starts)
+
+    # Each position's start flag travels with it through the chunking (the padding's zeros
+    # start nothing, and write nothing).
+    arrays = (fq, fk, v, beta, ld, document_starts(segment_ids))
+    return chunk_groups(fn, arrays, s0, chunk_size, group_positions)
 
 
 def delta_rule_attention(
@@ -193,6 +256,7 @@ def delta_rule_attention(
     implementation: str = "chunked",
     chunk_size: int = 64,
     eps: float = 1e-6,
+    segment_ids=None,
     key=None,
 ) -> Float[Array, "q_seq v_dim"]:
     """Causal linear attention with the delta-rule (write-and-remove) memory update.
@@ -212,6 +276,9 @@ def delta_rule_attention(
       implementation: ``"chunked"`` (triangular solve per chunk, scan over chunks) or
         ``"recurrent"`` (per-step scan).
       chunk_size: positions per chunk.
+      segment_ids: ``int[L]`` packed documents (contiguous ids, 0 for padding), or None: the
+        memory restarts empty at each document's first position, so each document's outputs
+        and gradients are those of the document alone.
 
     Returns:
       ``[L, Dv]`` in q's dtype.
@@ -226,8 +293,17 @@ def delta_rule_attention(
     x = C.check_qkv(name, q, k, v)
     C.check_same_length(name, x, "needs Lq == Lk")
     kv_mask = C.check_kv_mask(name, kv_mask, x.lk)
+    if isinstance(segment_ids, (tuple, list)):
+        raise ValueError(f"{name}: the delta rule is a recurrence over one sequence; pass one "
+                         f"segment_ids array [L], not a pair of {len(segment_ids)}")
+    segs = C.check_segment_ids(name, segment_ids, x.lq, x.lk)
+    segment_ids = None if segs is None else segs[1]
     fm = resolve_feature_map(name, feature_map, feature_arrays)
-    beta = jax.nn.sigmoid(check_per_position(name, "beta_logits", beta_logits, x.lk))
+    beta_logits = check_per_position(name, "beta_logits", beta_logits, x.lk)
+    if kv_mask is not None:
+        # Selected before the sigmoid too, so a padded NaN logit gets a zero gradient.
+        beta_logits = jnp.where(kv_mask, beta_logits, 0.0)
+    beta = jax.nn.sigmoid(beta_logits)
     root_scale = math.sqrt(C.resolve_scale(x.dk, scale))
     fq = _features(fm, x.q, feature_arrays, root_scale, eps)
     k_in = x.k if kv_mask is None else jnp.where(kv_mask[:, None], x.k, 0)
@@ -238,9 +314,10 @@ def delta_rule_attention(
         fk = jnp.where(kv_mask[:, None], fk, 0.0)
         vf = jnp.where(kv_mask[:, None], vf, 0.0)
     if implementation == "chunked":
-        out = gated_delta_chunked(fq, fk, vf, beta, chunk_size=chunk_size)
+        out = gated_delta_chunked(fq, fk, vf, beta, chunk_size=chunk_size,
+                                  segment_ids=segment_ids)
     else:
-        out = gated_delta_recurrent(fq, fk, vf, beta)
+        out = gated_delta_recurrent(fq, fk, vf, beta, segment_ids=segment_ids)
     return out.astype(x.q.dtype)
 
 

@@ -25,6 +25,11 @@ state is ``exp(g_c) S_0 + (a * exp(g_c - g))^T U + (k * exp(g_c - g))^T V``. Eve
 is a within-chunk decay difference ``<= 0``, so nothing overflows however strong the decay.
 The systems are inverted by :func:`._delta.unit_lower_inverse` and the chunks run on the
 chunked scan's :func:`._scan.chunk_groups`.
+
+Packed documents (``segment_ids``): the state restarts from zero at each document's first
+token. In the chunked form every score pairing two documents is masked out, the carried-in
+``S_0`` reaches only the chunk's positions in the document of its previous token, and the
+state written out comes from the chunk's last document alone (as in :mod:`._delta`).
 """
 
 from __future__ import annotations
@@ -37,7 +42,7 @@ import jax.numpy as jnp
 from jax import lax
 from jaxtyping import Array, Float
 
-from ._delta import unit_lower_inverse
+from ._delta import _kept, document_masks, document_starts, unit_lower_inverse
 from ._scan import GROUP_POSITIONS, chunk_groups
 
 
@@ -62,23 +67,32 @@ def dplr_recurrent(
     a: Float[Array, "seq m"] | None,
     b: Float[Array, "seq m"],
     ld: Float[Array, "seq m"],
+    segment_ids=None,
 ) -> Float[Array, "seq e"]:
     """The generalised delta rule by a per-step scan (the reference form).
 
     Args:
       q, k, b: ``[L, M]``. a: ``[L, M]``, or None for ``a = -k``. v: ``[L, E]``.
       ld: ``[L, M]`` log-decays ``<= 0``.
+      segment_ids: ``int[L]`` packed documents (contiguous ids), or None: the state restarts
+        from zero at each document's first position.
 
     Returns:
       ``[L, E]``.
     """
     a = -k if a is None else a
-
-    def step(s, x):
-        return dplr_step(s, *x)[::-1]
-
     init = jnp.zeros((k.shape[1], v.shape[1]), jnp.result_type(k, v))
-    return lax.scan(step, init, (q, k, v, a, b, ld))[1]
+    if segment_ids is None:
+        def step(s, x):
+            return dplr_step(s, *x)[::-1]
+
+        return lax.scan(step, init, (q, k, v, a, b, ld))[1]
+
+    def reset_step(s, x):
+        start, *x = x
+        return dplr_step(jnp.where(start, jnp.zeros_like(s), s), *x)[::-1]
+
+    return lax.scan(reset_step, init, (document_starts(segment_ids), q, k, v, a, b, ld))[1]
 
 
 class _Scores:
@@ -116,16 +130,26 @@ class _Scores:
         return (across + inner.reshape(across.shape)).reshape(n, ns * sub, ns * sub)
 
 
-def _dplr_chunks(q, k, v, a, b, ld, s0, sub_chunk=2):
+def _dplr_chunks(q, k, v, a, b, ld, s0, sub_chunk=2, starts=None):
     """The chunkwise generalised delta rule over ``n`` chunks (``[n, c, ...]`` arrays) from the
     state ``s0``: (out ``[n, c, E]``, final state). See the module docstring. ``a = None`` is
-    the delta rule's ``a = -k``, whose score matrices are those of ``k`` negated."""
+    the delta rule's ``a = -k``, whose score matrices are those of ``k`` negated. ``starts
+    bool[n, c]``: document starts (packed documents), or None."""
     c = v.shape[1]
     sub = math.gcd(c, sub_chunk)
     g = jnp.cumsum(ld, axis=1)
     p = g - ld
     ref = p[:, ::sub]  # each sub-chunk's decay before its first position
     reads = _Scores(p, g, ref, sub)
+    carried = last = ends = None
+    if starts is not None:
+        # Packed documents: masks on the chunk's own matrices (no -inf decays).
+        same, carried, last = document_masks(starts)
+        carried, last, ends, unmasked = carried[..., None], last[..., None], carried[:, -1:], reads
+
+        def reads(x, y):
+            return jnp.where(same, unmasked(x, y), 0.0)
+
     # The outputs' scores exp(g_t - g_j) are the reads' exp(p_t - g_j) scaled by exp(ld_t) <= 1
     # for j < t, and 1 for j = t: one set of decays serves both.
     qd = q * jnp.exp(ld)
@@ -134,41 +158,42 @@ def _dplr_chunks(q, k, v, a, b, ld, s0, sub_chunk=2):
         return reads(qd, y) + jnp.sum(q * y, -1)[..., None] * jnp.eye(c, dtype=q.dtype)
 
     p_bk, q_k = reads(b, k), outs(k)
-    qg = q * jnp.exp(g)
+    qg = q * _kept(jnp.exp(g), carried)
     total = g[:, -1]
-    kg = k * jnp.exp(total[:, None] - g)
+    kg = k * _kept(jnp.exp(total[:, None] - g), last)
     if a is None:
         # a = -k: the reads are taken back along k, so the chunk writes k^T (v - u) and reads
         # out Q_qk (v - u) (the gated delta rule's pseudo-values), one product each.
         # U = x + w S_0 with [x, w] = (I + P_bk)^-1 [P_bk V, b * exp(p)]: one product.
-        xw = unit_lower_inverse(p_bk) @ jnp.concatenate([p_bk @ v, b * jnp.exp(p)], -1)
+        xw = unit_lower_inverse(p_bk) @ jnp.concatenate([p_bk @ v,
+                                                         b * _kept(jnp.exp(p), carried)], -1)
         pseudo, w = v - xw[..., :v.shape[-1]], xw[..., v.shape[-1]:]    # v - U = pseudo - w S_0
 
         @functools.partial(jax.checkpoint, prevent_cse=False)
         def delta_chunk(s, xs):
-            pseudo_n, w_n, qg_n, qk_n, t_n, kg_n = xs
+            pseudo_n, w_n, qg_n, qk_n, t_n, e_n, kg_n = xs
             pseudo_n = pseudo_n - w_n @ s
             out = qg_n @ s + qk_n @ pseudo_n
-            return jnp.exp(t_n)[:, None] * s + kg_n.T @ pseudo_n, out
+            return _kept(jnp.exp(t_n), e_n)[:, None] * s + kg_n.T @ pseudo_n, out
 
-        s_end, out = lax.scan(delta_chunk, s0, (pseudo, w, qg, q_k, total, kg))
+        s_end, out = lax.scan(delta_chunk, s0, (pseudo, w, qg, q_k, total, ends, kg))
         return out, s_end
     p_ba, q_a = reads(b, a), outs(a)
     inverse = unit_lower_inverse(-p_ba)
-    w = inverse @ (b * jnp.exp(p))                                   # U = x + w S_0
+    w = inverse @ (b * _kept(jnp.exp(p), carried))                   # U = x + w S_0
     x = inverse @ (p_bk @ v)
     inter = q_k @ v
-    ag = a * jnp.exp(total[:, None] - g)
+    ag = a * _kept(jnp.exp(total[:, None] - g), last)
     kv = jnp.einsum("ncm,nce->nme", kg, v)
 
     @functools.partial(jax.checkpoint, prevent_cse=False)
     def chunk(s, xs):
-        x_n, w_n, qg_n, qa_n, in_n, t_n, ag_n, kv_n = xs
+        x_n, w_n, qg_n, qa_n, in_n, t_n, e_n, ag_n, kv_n = xs
         u = x_n + w_n @ s
         out = qg_n @ s + qa_n @ u + in_n
-        return jnp.exp(t_n)[:, None] * s + ag_n.T @ u + kv_n, out
+        return _kept(jnp.exp(t_n), e_n)[:, None] * s + ag_n.T @ u + kv_n, out
 
-    s_end, out = lax.scan(chunk, s0, (x, w, qg, q_a, inter, total, ag, kv))
+    s_end, out = lax.scan(chunk, s0, (x, w, qg, q_a, inter, total, ends, ag, kv))
     return out, s_end
 
 
@@ -182,6 +207,7 @@ def dplr_chunked(
     chunk_size: int = 8,
     sub_chunk: int = 2,
     group_positions: int = GROUP_POSITIONS,
+    segment_ids=None,
 ) -> Float[Array, "seq e"]:
     """The same recurrence as :func:`dplr_recurrent`, chunkwise (see the module docstring):
     per chunk, four ``[c, c]`` score matrices over the ``M`` channels (two when ``a`` is None),
@@ -193,17 +219,22 @@ def dplr_chunked(
     Args: as :func:`dplr_recurrent`, where ``a = None`` means ``a = -k`` (the delta rule:
     what is written along ``k`` is first removed along it); chunk_size: positions per chunk
     (padding writes nothing and does not decay); sub_chunk: positions per sub-chunk (the
-    largest divisor of the chunk not above it); group_positions: positions per group.
+    largest divisor of the chunk not above it); group_positions: positions per group;
+    segment_ids: ``int[L]`` packed documents, or None (the state restarts at each document's
+    first position: masks on the chunks' own matrices, see the module docstring).
     Returns ``[L, E]``.
     """
     s0 = jnp.zeros((k.shape[-1], v.shape[-1]), jnp.result_type(k, v))
-    if a is None:
-        def chunks(q, k, v, b, ld, s):
-            return _dplr_chunks(q, k, v, None, b, ld, s, sub_chunk)
+    arrays = (q, k, v, b, ld) if a is None else (q, k, v, a, b, ld)
+    if segment_ids is not None:
+        # Each position's start flag travels with it through the chunking.
+        arrays = (*arrays, document_starts(segment_ids))
 
-        return chunk_groups(chunks, (q, k, v, b, ld), s0, chunk_size, group_positions)
+    def chunks(*xs):
+        *xs, s = xs
+        starts = xs.pop() if segment_ids is not None else None
+        if a is None:  # a = -k, the delta rule (see _dplr_chunks)
+            xs.insert(3, None)
+        return _dplr_chunks(*xs, s, sub_chunk, starts)
 
-    def chunks(q, k, v, a, b, ld, s):
-        return _dplr_chunks(q, k, v, a, b, ld, s, sub_chunk)
-
-    return chunk_groups(chunks, (q, k, v, a, b, ld), s0, chunk_size, group_positions)
+    return chunk_groups(chunks, arrays, s0, chunk_size, group_positions)

@@ -12,6 +12,10 @@ layers of its stack (the ``local`` kind with ``causal=True``), not inside this k
 b_h)`` per head, a learned projection of the head's key (the paper projects the block input;
 the key is a linear map of it, so decoding needs no extra input). A recurrence: in an encoder
 it reads left to right.
+
+Packed rows: ``linear``, ``performer`` and ``based`` honour segment ids (the scan's state and
+the exponential maps' key stabiliser restart at each document's first token; feature maps and
+Based's shared projection are per token).
 """
 
 from __future__ import annotations
@@ -151,12 +155,13 @@ def _beta_logits(k, params):
 
 
 def _delta(q, k, v, params, *, causal, kv_mask, bias, key, feature_map="dpfp", q_mask=None,
-           **kw):
+           segment_ids=None, **kw):
     k, v = real_only(kv_mask, k, v)
     beta = jnp.moveaxis(_beta_logits(k, params), 1, 2)  # [B, H, L]
     f = multihead(functools.partial(delta_rule_attention, feature_map=feature_map, **kw),
                   arg_axes=("batch_heads",))
-    return f(q, k, v, beta, causal=True, kv_mask=kv_mask)
+    seg = {} if segment_ids is None else {"segment_ids": segment_ids}  # split over the batch
+    return f(q, k, v, beta, causal=True, kv_mask=kv_mask, **seg)
 
 
 def _delta_init_state(batch, heads, dk, dv, params, *, feature_map="dpfp", **hp):
@@ -174,7 +179,7 @@ KINDS = (
          Paper("Katharopoulos et al.", 2020,
                "Transformers are RNNs: Fast Autoregressive Transformers with Linear Attention"),
          time="O(L D^2)", memory="O(L D + (L/c) D^2)", causal=True, decoding="recurrent",
-         test_hyperparameters={"chunk_size": 8},
+         segments=True, test_hyperparameters={"chunk_size": 8},
          hyperparameters={"feature_map": ("elu", "the feature map phi: 'elu', 'relu', 'dpfp', "
                                                  "... or a callable"),
                           **_SCAN},
@@ -186,7 +191,8 @@ KINDS = (
     Kind("performer", performer_attention, "linear",
          Paper("Choromanski et al.", 2021, "Rethinking Attention with Performers"),
          time="O(L m D), m random features", memory="O(L m + (L/c) m D)", causal=True,
-         decoding="recurrent", test_hyperparameters={"num_features": 16, "chunk_size": 8},
+         decoding="recurrent", segments=True,
+         test_hyperparameters={"num_features": 16, "chunk_size": 8},
          hyperparameters={
              "num_features": (None, "random features m (None: twice the head width)"),
              "kernel": ("softmax", "the approximated kernel: 'softmax' (FAVOR+) or 'relu'"),
@@ -201,7 +207,7 @@ KINDS = (
          Paper("Arora et al.", 2024, "Simple linear attention language models balance the "
                "recall-throughput tradeoff"),
          time="O(L F^2 D), F = feature_dim", memory="O(L F^2 + (L/c) F^2 D)", causal=True,
-         decoding="recurrent", state_size="H ((1 + F + F^2)(D + 1) + 1)",
+         decoding="recurrent", state_size="H ((1 + F + F^2)(D + 1) + 1)", segments=True,
          test_hyperparameters={"feature_dim": 4, "chunk_size": 8},
          hyperparameters={"feature_dim": (16, "width F of the projected queries and keys (the "
                                               "Taylor map has 1 + F + F^2 features)"),
@@ -212,7 +218,7 @@ KINDS = (
     Kind("delta_rule", delta_rule_attention, "linear",
          Paper("Schlag et al.", 2021, "Linear Transformers Are Secretly Fast Weight Programmers"),
          time="O(L M D), M features", memory="O(L M + (L/c) M D)", causal=True,
-         decoding="recurrent", test_hyperparameters={"chunk_size": 8},
+         decoding="recurrent", segments=True, test_hyperparameters={"chunk_size": 8},
          hyperparameters={"feature_map": ("dpfp", "the feature map phi: 'dpfp', 'elu', ... or a "
                                                   "callable"),
                           **_SCAN},

@@ -14,6 +14,13 @@ over all keys, used non-causally, would make position i depend on later keys und
 ``m_t = max_{j<=t} max_f log phi(k_j)_f``: the state is kept scaled by ``exp(-m_t)``, and
 raising ``m`` is a decay ``exp(m_{t-1} - m_t) <= 1`` of the state, the same online rescaling as
 flash attention's softmax. It uses only positions ``<= t``, and every exponent is ``<= 0``.
+
+Packed rows (``segment_ids``, several documents in one sequence): the causal state restarts at
+each document's first token (the one scan's document reset, ``_scan``), and so does the running
+maximum of the key stabiliser, so a document's keys are never scaled by an earlier document's
+(which could underflow them); each document's outputs are those of the document alone.
+Without ``causal``, each position reads the sum over its own document: the causal sums run
+forwards and backwards, the diagonal counted once.
 """
 
 from __future__ import annotations
@@ -25,11 +32,11 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jaxtyping import Array, Bool, Float
+from jaxtyping import Array, Bool, Float, Int
 
 from .. import _contract as C
 from ._feature_maps import FeatureMap, resolve_feature_map
-from ._scan import causal_chunked, causal_recurrent
+from ._scan import causal_chunked, causal_recurrent, documents
 
 IMPLEMENTATIONS = ("chunked", "recurrent")
 
@@ -86,7 +93,16 @@ def _guard(den, positive: bool, eps: float):
     return jnp.where(den >= 0, jnp.maximum(den, eps), jnp.minimum(den, -eps))
 
 
-def _prepare(name, q, k, v, arrays, feature_map, causal, kv_mask, scale, gate_logits, log_decay):
+def _segmented_cummax(x, doc):
+    """``max_{s <= t, doc_s = doc_t} x_s``: the running maximum restarting at each document."""
+    def combine(a, b):
+        return b[0], jnp.where(a[0] == b[0], jnp.maximum(a[1], b[1]), b[1])
+
+    return lax.associative_scan(combine, (doc, x))[1]
+
+
+def _prepare(name, q, k, v, arrays, feature_map, causal, kv_mask, scale, gate_logits, log_decay,
+             doc=None):
     x, kv_mask = C.check_qkv_mask(name, q, k, v, kv_mask)
     fm = resolve_feature_map(name, feature_map, arrays)
     if causal:
@@ -111,7 +127,18 @@ def _prepare(name, q, k, v, arrays, feature_map, causal, kv_mask, scale, gate_lo
         if kv_mask is not None:
             phi_k = jnp.where(kv_mask[:, None], phi_k, -jnp.inf)
         row_max = lax.stop_gradient(jnp.max(phi_k, axis=-1))
-        if causal:
+        if doc is not None:
+            # One shift per document (a running maximum restarting at each document): the
+            # scaling cancels within a document, and no document is scaled by another's keys.
+            m = _segmented_cummax(row_max, doc)
+            if not causal:
+                m = jnp.flip(_segmented_cummax(jnp.flip(m), jnp.flip(doc)))  # the doc's max
+            m = jnp.where(jnp.isneginf(m), 0.0, m)
+            if causal:
+                m_prev = jnp.concatenate([m[:1], m[:-1]])
+                ld = ld + jnp.minimum(m_prev - m, 0.0)
+            fk = jnp.exp(phi_k - m[:, None])
+        elif causal:
             m = lax.cummax(row_max)
             m = jnp.where(jnp.isneginf(m), 0.0, m)  # before the first real key: state is 0
             m_prev = jnp.concatenate([m[:1], m[:-1]])
@@ -145,6 +172,7 @@ def linear_attention(
     implementation: str = "chunked",
     chunk_size: int = 64,
     eps: float = 1e-6,
+    segment_ids: Int[Array, "seq"] | None = None,
     key=None,
 ) -> Float[Array, "q_seq v_dim"]:
     """Kernelized attention ``phi(Q) (phi(K)^T V)``, normalised, in time linear in length.
@@ -174,21 +202,39 @@ def linear_attention(
         (per-step scan with a two-scan custom VJP). Both compute the same function.
       chunk_size: positions per chunk for ``"chunked"``.
       eps: smallest denominator magnitude for feature maps that can be negative.
+      segment_ids: ``int[L]`` (self attention, ``Lq == Lk``): packed documents, each a
+        contiguous run of equal ids; each position sees only keys of its own document, and
+        the causal state (and the exponential maps' key stabiliser) restarts at each
+        document's first token.
 
     Returns:
       ``[Lq, Dv]`` in q's dtype (computed in float32).
     """
     name = "linear_attention"
     check_implementation(name, implementation, chunk_size)
+    doc = None
+    if segment_ids is not None:
+        if isinstance(segment_ids, (tuple, list)):
+            raise ValueError(f"{name}: segment_ids must be one int[L] array (self attention); "
+                             "a (q_ids, kv_ids) pair is not supported")
+        doc = documents(C.check_segment_ids(name, segment_ids, q.shape[0], k.shape[0])[0])
     x, fm, fq, fk, v_aug, ld = _prepare(
-        name, q, k, v, feature_arrays, feature_map, causal, kv_mask, scale, gate_logits, log_decay
+        name, q, k, v, feature_arrays, feature_map, causal, kv_mask, scale, gate_logits, log_decay,
+        doc,
     )
-    if not causal:
+    if not causal and doc is not None:
+        # Each position's own document, both ways: forwards and backwards causal sums
+        # restarting at the boundaries, the position itself counted once.
+        fwd = causal_chunked(fq, fk, v_aug, ld, chunk_size, segment_ids=doc)
+        bwd = causal_chunked(fq[::-1], fk[::-1], v_aug[::-1], ld[::-1], chunk_size,
+                             segment_ids=doc[::-1])[::-1]
+        out = fwd + bwd - jnp.sum(fq * fk, -1, keepdims=True) * v_aug
+    elif not causal:
         out = fq @ (fk.T @ v_aug)
     elif implementation == "chunked":
-        out = causal_chunked(fq, fk, v_aug, ld, chunk_size)
+        out = causal_chunked(fq, fk, v_aug, ld, chunk_size, segment_ids=doc)
     else:
-        out = causal_recurrent(fq, fk, v_aug, ld)
+        out = causal_recurrent(fq, fk, v_aug, ld, segment_ids=doc)
     return (out[:, : x.dv] / _guard(out[:, x.dv], fm.positive, eps)[:, None]).astype(x.q.dtype)
 
 
@@ -204,6 +250,7 @@ def performer_attention(
     scale: float | None = None,
     implementation: str = "chunked",
     chunk_size: int = 64,
+    segment_ids: Int[Array, "seq"] | None = None,
     key=None,
 ) -> Float[Array, "q_seq v_dim"]:
     """Performer attention with FAVOR+ (Choromanski et al. 2021).
@@ -219,7 +266,8 @@ def performer_attention(
       projection: ``[M, Dk]`` from :func:`init_random_projection` (redraw it with a new key
         when you want fresh features).
       kernel: ``"softmax"`` or ``"relu"``.
-      causal, kv_mask, scale, implementation, chunk_size: as in :func:`linear_attention`.
+      causal, kv_mask, scale, implementation, chunk_size, segment_ids: as in
+        :func:`linear_attention`.
 
     Returns:
       ``[Lq, Dv]`` in q's dtype.
@@ -230,6 +278,7 @@ def performer_attention(
     return linear_attention(
         q, k, v, projection, feature_map=kernels[kernel], causal=causal, kv_mask=kv_mask,
         scale=scale, implementation=implementation, chunk_size=chunk_size,
+        segment_ids=segment_ids,
     )
 
 

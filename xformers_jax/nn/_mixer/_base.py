@@ -91,14 +91,19 @@ def check_mask(name, x, kv_mask):
     return zero_padded(x, kv_mask)
 
 
-def both_ways(fn, arrays, kv_mask, causal):
+def both_ways(fn, arrays, kv_mask, causal, segment_ids=None):
     """``fn(*arrays, kv_mask)`` over one sequence, plus the same run from the last position
-    when not causal (bidirectional forms: the backward pass's outputs flipped back)."""
-    out = fn(*arrays, kv_mask)
+    when not causal (bidirectional forms: the backward pass's outputs flipped back). With
+    ``segment_ids int[L]`` (packed documents) ``fn`` also gets ``segment_ids=`` (flipped with
+    the arrays in the backward run)."""
+    def run(arrays, m, seg):
+        return fn(*arrays, m) if seg is None else fn(*arrays, m, segment_ids=seg)
+
+    out = run(arrays, kv_mask, segment_ids)
     if causal:
         return out
     flip = lambda a: None if a is None else a[::-1]  # noqa: E731
-    return out + flip(fn(*(flip(a) for a in arrays), flip(kv_mask)))
+    return out + flip(run(tuple(flip(a) for a in arrays), flip(kv_mask), flip(segment_ids)))
 
 
 def recurrent_cache(state):

@@ -35,19 +35,21 @@ def _heads(x, num_heads):
     return x.reshape(b, length, num_heads, -1)
 
 
-def _per_head(fn, causal, arrays, shared=(), kv_mask=None):
+def _per_head(fn, causal, arrays, shared=(), kv_mask=None, segment_ids=None):
     """``fn(*one_head_arrays, *shared_arrays, kv_mask)`` vmapped over batch (axis 0) and heads
     (axis 2 of the ``[B, L, H, ...]`` ``arrays``; the ``[B, L, ...]`` ``shared`` arrays are
-    the same for every head)."""
-    def one(*a_and_m):
-        *a, m = a_and_m
-        return both_ways(fn, a, m, causal)
+    the same for every head); with ``segment_ids int[B, L]`` (packed rows) ``fn`` also takes
+    ``segment_ids=`` (one sequence's)."""
+    def one(*a_m_s):
+        *a, m, seg = a_m_s
+        return both_ways(fn, a, m, causal, seg)
 
     n, k = len(arrays), len(shared)
-    head_axes = (1,) * n + (None,) * (k + 1)
-    batch_axes = (0,) * (n + k) + (None if kv_mask is None else 0,)
+    head_axes = (1,) * n + (None,) * (k + 2)
+    batch_axes = ((0,) * (n + k) + (None if kv_mask is None else 0,)
+                  + (None if segment_ids is None else 0,))
     f = jax.vmap(jax.vmap(one, in_axes=head_axes, out_axes=1), in_axes=batch_axes)
-    return f(*arrays, *shared, kv_mask)
+    return f(*arrays, *shared, kv_mask, segment_ids)
 
 
 def _head_norm(o, eps=1e-5):
@@ -70,7 +72,8 @@ class _HeadRecurrence(MixerModule):
     A kind defines ``_inputs(x, kv_mask) -> (per_head, shared, ctx)`` (``[B, L, H, ...]``
     arrays, ``[B, L, ...]`` arrays every head reads, anything ``_out`` needs), ``_core(*arrays,
     kv_mask)`` (one head of one sequence, a function of :mod:`xformers_jax.mixers`) and
-    ``_out(x, o, ctx)``."""
+    ``_out(x, o, ctx)``. A kind whose record claims segment ids (``Kind.segments``) takes
+    ``_core(*arrays, kv_mask, segment_ids=int[L])`` for packed rows."""
 
     num_heads: int = eqx.field(static=True)
     causal: bool = eqx.field(static=True)
@@ -84,10 +87,16 @@ class _HeadRecurrence(MixerModule):
     def _form(self):
         return dict(implementation=self.implementation, chunk_size=self.chunk_size)
 
-    def __call__(self, x, *, kv_mask=None, positions=None, key=None):
+    def __call__(self, x, *, kv_mask=None, positions=None, key=None, segment_ids=None):
+        # Packed rows (segment_ids [B, L]) reach only the kinds whose records claim them
+        # (Kind.segments; the block checks), whose _inputs and _core take segment_ids.
         x = check_mask(type(self).__name__, x, kv_mask)
-        per_head, shared, ctx = self._inputs(x, kv_mask)
-        o = _per_head(self._core, self.causal, per_head, shared, kv_mask=kv_mask)
+        if segment_ids is None:
+            per_head, shared, ctx = self._inputs(x, kv_mask)
+        else:
+            per_head, shared, ctx = self._inputs(x, kv_mask, segment_ids=segment_ids)
+        o = _per_head(self._core, self.causal, per_head, shared, kv_mask=kv_mask,
+                      segment_ids=segment_ids)
         return zero_padded(self._out(x, o, ctx), kv_mask)
 
 
@@ -110,7 +119,7 @@ class _QKVRecurrence(_HeadRecurrence):
         dt, h = x.dtype, self.num_heads
         return tuple(_heads(x @ w.astype(dt), h) for w in (self.wq, self.wk, self.wv))
 
-    def _inputs(self, x, kv_mask):
+    def _inputs(self, x, kv_mask, segment_ids=None):
         return self._project(x), (), None
 
     def _out(self, x, o, ctx=None):
@@ -156,8 +165,8 @@ class RetNet(_QKVRecurrence):
         lg = jnp.broadcast_to(self.log_gamma, q.shape[:3])
         return q, k / math.sqrt(q.shape[-1]), v, lg
 
-    def _core(self, q, k, v, lg, m):
-        return M.retention(q, k, v, lg, kv_mask=m, **self._form())
+    def _core(self, q, k, v, lg, m, segment_ids=None):
+        return M.retention(q, k, v, lg, kv_mask=m, segment_ids=segment_ids, **self._form())
 
     _step = staticmethod(causal_step)
     _norm = staticmethod(_head_norm)
@@ -202,8 +211,8 @@ class GLA(_QKVRecurrence):
         ld = jax.nn.log_sigmoid(logits.astype(jnp.float32)) / self.TEMPERATURE
         return q, k / math.sqrt(k.shape[-1]), v, _heads(ld, self.num_heads)
 
-    def _core(self, q, k, v, ld, m):
-        return M.gla(q, k, v, ld, kv_mask=m, **self._form())
+    def _core(self, q, k, v, ld, m, segment_ids=None):
+        return M.gla(q, k, v, ld, kv_mask=m, segment_ids=segment_ids, **self._form())
 
     _step = staticmethod(causal_step)
     _norm = staticmethod(_rms)
@@ -251,8 +260,9 @@ class GatedDeltaNet(_QKVRecurrence):
             (x @ self.w_a.astype(dt)).astype(jnp.float32) + self.dt_bias)
         return q, k, v, beta, ld
 
-    def _core(self, q, k, v, beta, ld, m):
-        return M.gated_delta(q, k, v, beta, ld, kv_mask=m, **self._form())
+    def _core(self, q, k, v, beta, ld, m, segment_ids=None):
+        return M.gated_delta(q, k, v, beta, ld, kv_mask=m, segment_ids=segment_ids,
+                             **self._form())
 
     _step = staticmethod(gated_delta_step)
     _norm = staticmethod(_rms)
@@ -328,17 +338,19 @@ class Mamba2(_HeadRecurrence):
         y = y.reshape(*x.shape[:-1], -1) * jax.nn.silu(z.astype(jnp.float32))
         return (_rms(y, self.norm_scale)).astype(x.dtype) @ self.w_out.astype(x.dtype)
 
-    def _inputs(self, x, kv_mask):
+    def _inputs(self, x, kv_mask, segment_ids=None):
         z, xbc, dt_raw = self._split(x)
         if kv_mask is not None:  # padded inputs reach no real position through the conv
             xbc = jnp.where(kv_mask[..., None], xbc, 0)
-        xs, b, c, dt = self._heads_of(_causal_conv(xbc, self.conv_w, self.conv_b), dt_raw)
+        # Packed rows: no tap of the short convolution reads another document.
+        xs, b, c, dt = self._heads_of(
+            _causal_conv(xbc, self.conv_w, self.conv_b, segment_ids), dt_raw)
         a = jnp.broadcast_to(-jnp.exp(self.a_log), dt.shape)
         return (xs, dt, a), (b, c), (xs, z)
 
-    def _core(self, xs, dt, a, b, c, m):
+    def _core(self, xs, dt, a, b, c, m, segment_ids=None):
         # a: the head's decay rate repeated along the sequence ([L], so flipping keeps it).
-        return M.ssd(xs, dt, a[0], b, c, kv_mask=m, **self._form())
+        return M.ssd(xs, dt, a[0], b, c, kv_mask=m, segment_ids=segment_ids, **self._form())
 
     def init_cache(self, batch, max_len, dtype=jnp.float32):
         inner = self.norm_scale.shape[0]

@@ -69,8 +69,8 @@ class MLSTM(_QKVRecurrence):
         h = self.num_heads
         return q, k / math.sqrt(k.shape[-1]), v, gates[..., :h], gates[..., h:]
 
-    def _core(self, q, k, v, i, f, m):
-        return M.mlstm(q, k, v, i, f, kv_mask=m, **self._form())
+    def _core(self, q, k, v, i, f, m, segment_ids=None):
+        return M.mlstm(q, k, v, i, f, kv_mask=m, segment_ids=segment_ids, **self._form())
 
     def _step(self, state, q, k, v, i, f):
         return M.mlstm_step(state, q, k, v, i, f)
@@ -125,8 +125,8 @@ class HGRN2(_QKVRecurrence):
             log_f = jnp.logaddexp(math.log(lb), math.log1p(-lb) + log_f)
         return q, -jnp.expm1(log_f), v, log_f
 
-    def _core(self, q, fk, v, log_f, m):
-        return M.hgrn2(q, v, log_f, kv_mask=m, **self._form())
+    def _core(self, q, fk, v, log_f, m, segment_ids=None):
+        return M.hgrn2(q, v, log_f, kv_mask=m, segment_ids=segment_ids, **self._form())
 
     _step = staticmethod(causal_step)
     _norm = staticmethod(_rms)
@@ -183,8 +183,8 @@ class KimiDeltaAttention(_QKVRecurrence):
         ld = _heads(jax.nn.softplus(z + self.dt_bias), self.num_heads)
         return q, k, v, beta, -jnp.exp(self.a_log)[:, None] * ld
 
-    def _core(self, q, k, v, beta, ld, m):
-        return M.kda(q, k, v, beta, ld, kv_mask=m, **self._form())
+    def _core(self, q, k, v, beta, ld, m, segment_ids=None):
+        return M.kda(q, k, v, beta, ld, kv_mask=m, segment_ids=segment_ids, **self._form())
 
     _step = staticmethod(M.kda_step)
     _norm = staticmethod(_rms)
@@ -245,8 +245,9 @@ class RWKV7(_QKVRecurrence):
         u = jnp.broadcast_to(per_head(self.bonus), k.shape)
         return r, k, v, _heads(log_w, h), kappa, a, u
 
-    def _core(self, r, k, v, log_w, kappa, a, u, m):
-        return M.rwkv7(r, k, v, log_w, kappa, a, u[0], kv_mask=m, **self._form())
+    def _core(self, r, k, v, log_w, kappa, a, u, m, segment_ids=None):
+        return M.rwkv7(r, k, v, log_w, kappa, a, u[0], kv_mask=m, segment_ids=segment_ids,
+                       **self._form())
 
     _step = staticmethod(M.rwkv7_step)
     _norm = staticmethod(_head_norm)
@@ -307,8 +308,9 @@ class GatedDeltaProduct(_QKVRecurrence):
             (x @ self.w_a.astype(dt)).astype(jnp.float32) + self.dt_bias)
         return q, k, v, beta, ld
 
-    def _core(self, q, k, v, beta, ld, m):
-        return M.delta_product(q, k, v, beta, ld, kv_mask=m, **self._form())
+    def _core(self, q, k, v, beta, ld, m, segment_ids=None):
+        return M.delta_product(q, k, v, beta, ld, kv_mask=m, segment_ids=segment_ids,
+                               **self._form())
 
     _step = staticmethod(M.delta_product_step)
     _norm = staticmethod(_rms)

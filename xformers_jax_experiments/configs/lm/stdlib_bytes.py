@@ -19,7 +19,7 @@ learning rate 2.5e-4 cosine. ``runlocal``: 128-byte windows, a dim-64 2-layer mo
 (or pieces of long ones, ``xformers_jax.data.PackedDocuments``) instead of windows of the
 concatenated files, so no byte is predicted from another file; positions restart at each
 file, and the loss is the mean over the real bytes. VARIANT must honour segment ids:
-``transformer``, ``flash`` or ``local``.
+``transformer``, ``flash``, ``local``, ``performer`` or ``linear``.
 """
 
 from xformers_jax import train
@@ -27,7 +27,7 @@ from xformers_jax_experiments.configs.lra import _common
 
 CAUSAL_VARIANTS = ("transformer", "flash", "local", "performer", "linear", "reformer")
 # The variants whose attention kind honours segment ids (packed rows).
-PACKED_VARIANTS = ("transformer", "flash", "local")
+PACKED_VARIANTS = ("transformer", "flash", "local", "performer", "linear")
 
 
 def get_config(arg=None):
