@@ -101,13 +101,13 @@ class H3(MixerModule):
         q, k, v = self._qkv(x)
         system = self.system()
 
-        def run(q, k, v, seg, m):
-            return M.h3(q, k, v, *system, kv_mask=m, segment_ids=seg,
+        def run(q, k, v, m, segment_ids=None):
+            return M.h3(q, k, v, *system, kv_mask=m, segment_ids=segment_ids,
                         implementation=self.implementation)
 
-        y = jax.vmap(lambda q, k, v, seg, m: both_ways(run, (q, k, v, seg), m, self.causal),
-                     in_axes=(0, 0, 0, _axis(segment_ids), _axis(kv_mask)))(
-            q, k, v, segment_ids, kv_mask)
+        y = jax.vmap(lambda q, k, v, m, seg: both_ways(run, (q, k, v), m, self.causal, seg),
+                     in_axes=(0, 0, 0, _axis(kv_mask), _axis(segment_ids)))(
+            q, k, v, kv_mask, segment_ids)
         out = y.reshape(x.shape).astype(x.dtype) @ self.w_out.astype(x.dtype)
         return zero_padded(out, kv_mask)
 
@@ -203,12 +203,12 @@ class Hyena(MixerModule):
         u = x @ self.w_in.astype(x.dtype)
         filters = self.filters(x.shape[1])
 
-        def run(u, seg, m):
+        def run(u, m, segment_ids=None):
             return M.hyena(u, self.short_w, self.short_b, filters, self.bias, kv_mask=m,
-                           segment_ids=seg)
+                           segment_ids=segment_ids)
 
-        y = jax.vmap(lambda u, seg, m: both_ways(run, (u, seg), m, self.causal),
-                     in_axes=(0, _axis(segment_ids), _axis(kv_mask)))(u, segment_ids, kv_mask)
+        y = jax.vmap(lambda u, m, seg: both_ways(run, (u,), m, self.causal, seg),
+                     in_axes=(0, _axis(kv_mask), _axis(segment_ids)))(u, kv_mask, segment_ids)
         return zero_padded(y.astype(x.dtype) @ self.w_out.astype(x.dtype), kv_mask)
 
     def init_cache(self, batch, max_len, dtype=jnp.float32):
