@@ -286,9 +286,10 @@ class Kind:
         outputs equal to that document run alone: no attention across documents (attention
         kinds: the adapter's ``attend`` then takes ``segment_ids``), no recurrence or
         convolution across a boundary (mixers), nothing shared between tokens (FFN kinds).
-        ``True``, ``False`` (the default: packing is refused naming the kind), or a callable
-        ``hp -> None | reason`` for kinds that honour them for some hyperparameters only
-        (capacity dispatch shares expert slots between the documents of a row). See
+        ``True``, ``False`` (the default: packing is refused naming the kind), a string (packing
+        is refused with this reason: why the method cannot keep documents apart exactly), or a
+        callable ``hp -> None | reason`` for kinds that honour them for some hyperparameters
+        only (capacity dispatch shares expert slots between the documents of a row). See
         :meth:`segment_problem`.
       state_size: what decoding keeps, in numbers per layer and sequence: for a recurrence its
         fixed state (``"H D_k D_v"``: a ``[D_k, D_v]`` matrix per head), for a cache what
@@ -317,7 +318,7 @@ class Kind:
     bias: bool = False
     mixes_rows: bool = False
     fixed_length: bool = False
-    segments: bool | Callable[[Mapping], str | None] = False
+    segments: bool | str | Callable[[Mapping], str | None] = False
     state_size: str = ""
     test_hyperparameters: Any = ()
     hyperparameters: Mapping[str, Hyperparameter] = dataclasses.field(default_factory=dict)
@@ -407,6 +408,9 @@ class Kind:
             return (f"{NOUNS[self.slot]} {self.name!r} does not honour segment ids (packed "
                     "documents would see each other through it); train it on unpacked rows "
                     "(data.pack=False)")
+        if isinstance(self.segments, str):
+            return (f"{NOUNS[self.slot]} {self.name!r} does not honour segment ids: "
+                    f"{self.segments}; train it on unpacked rows (data.pack=False)")
         reason = self.segments(hp)
         return None if reason is None else f"{NOUNS[self.slot]} {self.name!r}: {reason}"
 

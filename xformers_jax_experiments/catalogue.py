@@ -151,9 +151,11 @@ def paper_url(paper) -> str:
 
 
 def _packs(k) -> str:
-    # A callable names the hyperparameters that cannot pack: "some" when the kind packs at
-    # its test hyperparameters (the ones tests/test_kinds_packing.py runs), else "no" (a
-    # callable that gives a reason for every setting, so the refusal says why).
+    # A string is a refusal with its reason. A callable names the hyperparameters that cannot
+    # pack: "some" when the kind packs at its test hyperparameters (the ones
+    # tests/test_kinds_packing.py runs), else "no" (it gives a reason for every setting).
+    if isinstance(k.segments, str):
+        return "no"
     if callable(k.segments):
         return "no" if k.segment_problem(k.resolve(dict(k.test_hyperparameters))) else "some"
     return _yes(k.segments)

@@ -10,10 +10,12 @@ import jax
 import jax.numpy as jnp
 
 
-def lightweight_conv(x, kernel, *, causal: bool, mask=None):
+def lightweight_conv(x, kernel, *, causal: bool, mask=None, segment_ids=None):
     """``x [B, L, C]``, ``kernel [H, K]`` (softmax over K taken here; channel ``c`` uses head
     ``c // (C / H)``) -> ``[B, L, C]``. Padded positions (``mask`` False) are zeroed first so
-    they reach no real output."""
+    they reach no real output. With ``segment_ids int[B, L]`` (packed documents) a tap reads
+    only its own document, as the zero padding past a document's ends would alone (the
+    softmax is over the kernel's taps, not over data)."""
     b, length, c = x.shape
     h, k = kernel.shape
     if c % h:
@@ -25,7 +27,15 @@ def lightweight_conv(x, kernel, *, causal: bool, mask=None):
     w = jnp.repeat(w, c // h, axis=0)                                # [C, K]
     left = k - 1 if causal else (k - 1) // 2
     xp = jnp.pad(x.astype(jnp.float32), ((0, 0), (left, k - 1 - left), (0, 0)))
-    out = sum(xp[:, j:j + length] * w[:, j] for j in range(k))
+    taps = [xp[:, j:j + length] for j in range(k)]
+    if segment_ids is not None:
+        if segment_ids.shape != x.shape[:2]:
+            raise ValueError(f"lightweight_conv: segment_ids must be int[B, L] = "
+                             f"{list(x.shape[:2])}, got {list(segment_ids.shape)}")
+        sp = jnp.pad(segment_ids, ((0, 0), (left, k - 1 - left)), constant_values=-1)
+        taps = [jnp.where((sp[:, j:j + length] == segment_ids)[..., None], t, 0)
+                for j, t in enumerate(taps)]
+    out = sum(t * w[:, j] for j, t in enumerate(taps))
     return out.astype(x.dtype)
 
 

@@ -6,6 +6,7 @@ record's adapter) is the ``xformers_jax.nn`` module that declares it with ``nn.i
 
 from __future__ import annotations
 
+from ..attention import KINDS as ATTENTION_KINDS
 from ..kinds import Kind, Paper
 from ._conv import lightweight_conv
 from ._mixing import (fourier_mixing, lambda_mixing, pool_mixing, spatial_gating,
@@ -39,6 +40,40 @@ _SELECTIVE = {
     "conv_width": (4, "taps of the short causal convolution"),
 }
 
+# Why these mixers do not pack (Kind.segments as a reason: each document's outputs would differ
+# from the document alone).
+_LOGLINEAR_ABSOLUTE = (
+    "its Fenwick-tree buckets (and so the level weight lambda each key gets) are by absolute "
+    "position in the row, so a document at an offset is split into other buckets than alone")
+_GATING_ABSOLUTE = (
+    "the spatial gating unit's weights W[i, j] are per absolute position pair of the row, so a "
+    "document at an offset meets other weights than alone")
+_MIXER_ABSOLUTE = (
+    "the token-mixing MLP's weights are per absolute position of the row (and mix every "
+    "position of it, other documents included)")
+_FOURIER_ROW = ("the Fourier transform over positions mixes every position of the row, "
+                "other documents included")
+_LAMBDA_ROW = (
+    "the content lambda normalises the keys of every position of the row (a softmax over "
+    "positions, other documents included) and the global position lambdas reach across it")
+_POOL_UNTESTED = (
+    "its centred pool averages across a document's edges (a pool kept inside documents is not "
+    "written: packing is tested in causal language models, and it has no causal form)")
+
+
+def _lsra_segments(hp):
+    """LSRA packs exactly when its attention branch's kind does (its convolution's taps stay
+    inside a document)."""
+    spec = hp["spec"]
+    # A kind's name (configs), or an nn.AttentionSpec (its kind and hyperparameters).
+    name, params = (spec, {}) if isinstance(spec, str) else (spec.kind, dict(spec.params))
+    kind = next((k for k in ATTENTION_KINDS if k.name == name), None)
+    if kind is None:
+        return f"its attention branch names no registered attention kind ({name!r})"
+    problem = kind.segment_problem(kind.resolve(params))
+    return None if problem is None else f"its attention branch: {problem}"
+
+
 KINDS = (
     Kind("retnet", retention, "mixers",
          Paper("Sun et al.", 2023, "Retentive Network: A Successor to Transformer for Large "
@@ -68,6 +103,7 @@ KINDS = (
          Paper("Guo et al.", 2025, "Log-Linear Attention"),
          time="O(L c N + L N P log(L/c))", memory="O(L D + (L/c) N D log(L/c))", causal=True,
          decoding="recurrent", fixed_length=True,
+         segments=_LOGLINEAR_ABSOLUTE,
          state_size="O(log L) H N P: bit_length(L) H N P + (W - 1)(E + 2 N)",
          test_hyperparameters={**_CHUNK, "state_size": 8},
          hyperparameters={**_ssm(64, "chunked", "'chunked', 'parallel' or 'recurrent'"),
@@ -78,6 +114,7 @@ KINDS = (
          Paper("Guo et al.", 2025, "Log-Linear Attention"),
          time="O(L c D + L D^2 log(L/c) / H)", memory="O(L D + (L/c) D^2 log(L/c) / H)",
          causal=True, decoding="recurrent", fixed_length=True,
+         segments=_LOGLINEAR_ABSOLUTE,
          state_size="O(log L) H D_k D_v: bit_length(L) H D_k D_v",
          test_hyperparameters=_CHUNK,
          hyperparameters=_scan(LOGLINEAR_CHUNK, "'chunked', 'parallel' or 'recurrent' "
@@ -145,6 +182,7 @@ KINDS = (
          Paper("Gu, Gupta, Goel and Re", 2022, "On the Parameterization and Initialization of "
                "Diagonal State Space Models"),
          time="O(H N L + H L log L)", memory="O(H N L)", causal=True, decoding="recurrent",
+         segments=True,
          test_hyperparameters={"state_size": 8},
          hyperparameters=_ssm(64, "fft", "'fft' (convolution kernel) or 'recurrent'")),
     Kind("s5", s5, "mixers",
@@ -157,6 +195,7 @@ KINDS = (
          Paper("Fu et al.", 2023, "Hungry Hungry Hippos: Towards Language Modeling with State "
                "Space Models"),
          time="O(D P L log L + H N L)", memory="O(L D P + H N L)", causal=True,
+         segments=True,
          decoding="recurrent", state_size="(S - 1) D + D P N",
          test_hyperparameters={"state_size": 4, "shift_size": 3, "head_dim": 2},
          hyperparameters={
@@ -171,6 +210,7 @@ KINDS = (
          Paper("Poli et al.", 2023, "Hyena Hierarchy: Towards Larger Convolutional Language "
                "Models"),
          time="O(N D L log L + L F (F + N D))", memory="O(N D L + L F)", causal=True,
+         segments=True,
          decoding="kv", state_size="N D per token + (W - 1)(N + 1) D",
          test_hyperparameters={"filter_width": 8, "emb_dim": 5},
          hyperparameters={
@@ -183,33 +223,39 @@ KINDS = (
     Kind("mlp_mixer", token_mixing_mlp, "mixers",
          Paper("Tolstikhin et al.", 2021, "MLP-Mixer: An all-MLP Architecture for Vision"),
          time="O(L T D)", memory="O(L D + T L)", causal=False, fixed_length=True,
+         segments=_MIXER_ABSOLUTE,
          test_hyperparameters={"token_hidden": 8},
          hyperparameters={"token_hidden": (256, "hidden units T of the token-mixing MLP")}),
     Kind("gmlp", spatial_gating, "mixers",
          Paper("Liu, Dai, So and Le", 2021, "Pay Attention to MLPs"),
          time="O(L^2 E)", memory="O(L^2 + L E)", causal=True, fixed_length=True,
-         decoding="kv", test_hyperparameters={"expansion": 2},
+         decoding="kv",
+         segments=_GATING_ABSOLUTE, test_hyperparameters={"expansion": 2},
          hyperparameters={"expansion": (6, "d_ffn = expansion * dim")}),
     Kind("amlp", spatial_gating, "mixers",
          Paper("Liu, Dai, So and Le", 2021, "Pay Attention to MLPs (aMLP: gMLP with a tiny "
                "single-head attention)"),
          time="O(L^2 (E + d_attn))", memory="O(L^2 + L E)", causal=True, fixed_length=True,
-         decoding="kv", test_hyperparameters={"expansion": 2, "attention_dim": 8},
+         decoding="kv",
+         segments=_GATING_ABSOLUTE, test_hyperparameters={"expansion": 2, "attention_dim": 8},
          hyperparameters={"expansion": (6, "d_ffn = expansion * dim"),
                           "attention_dim": (64, "width of the tiny single-head attention")}),
     Kind("fnet", fourier_mixing, "mixers",
          Paper("Lee-Thorp, Ainslie, Eckstein and Ontanon", 2022, "FNet: Mixing Tokens with "
                "Fourier Transforms"),
-         time="O(L D log(L D))", memory="O(L D)", causal=False, fixed_length=True),
+         time="O(L D log(L D))", memory="O(L D)", causal=False, fixed_length=True,
+         segments=_FOURIER_ROW),
     Kind("poolformer", pool_mixing, "mixers",
          Paper("Yu et al.", 2022, "MetaFormer Is Actually What You Need for Vision"),
          time="O(L D p)", memory="O(L D)", causal=False,
+         segments=_POOL_UNTESTED,
          test_hyperparameters={"pool_size": 3},
          hyperparameters={"pool_size": (3, "positions p per average pool")}),
     Kind("lambda", lambda_mixing, "mixers",
          Paper("Bello", 2021, "LambdaNetworks: Modeling Long-Range Interactions Without "
                "Attention"),
          time="O(L^2 K V) global, O(L r K V) local", memory="O(L^2 K) global", causal=False,
+         segments=_LAMBDA_ROW,
          fixed_length=True, test_hyperparameters={"key_dim": 4},
          hyperparameters={
              "key_dim": (16, "query and key width K"),
@@ -217,7 +263,7 @@ KINDS = (
     Kind("lsra", lightweight_conv, "mixers",
          Paper("Wu et al.", 2020, "Lite Transformer with Long-Short Range Attention"),
          time="O(L^2 D / 2 + L K D / 2)", memory="O(L D) with flash, O(L^2) dense",
-         causal=True, test_hyperparameters={"kernel_size": 3},
+         causal=True, segments=_lsra_segments, test_hyperparameters={"kernel_size": 3},
          hyperparameters={
              "kernel_size": (3, "taps K of the lightweight convolution branch"),
              "spec": ("dot_product", "the attention branch's kind: a name or an "

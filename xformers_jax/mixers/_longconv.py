@@ -21,14 +21,21 @@
 Padding (``kv_mask``): the real positions are gathered to the front in order before the
 convolutions (distances between real tokens do not change with holes or padding amount), the
 padded ones follow them with zero inputs to every convolution, and outputs are scattered back.
+
+Packed documents (``segment_ids``): every convolution, short and long, runs within documents
+(``causal_convolve`` with segment ids, ``causal_depthwise_conv`` with segment ids) and the
+gates are per token, so each document's outputs are those of the document alone; H3's
+recurrent form restarts both SSMs' states at each document's first position.
 """
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 
 from ._conv import causal_depthwise_conv, causal_depthwise_step
+from ._document_conv import document_starts, gathered_documents
 from ._ssm import SSM_FORMS, _check_form, causal_convolve, s4d_kernel, zoh
 
 
@@ -57,7 +64,8 @@ def _length_kernel(taps, length):
     return jnp.pad(taps, [(0, 0)] * (taps.ndim - 1) + [(0, length - s)])
 
 
-def h3(q, k, v, shift, dt, a, b, c, d, *, kv_mask=None, implementation: str = "fft"):
+def h3(q, k, v, shift, dt, a, b, c, d, *, kv_mask=None, segment_ids=None,
+       implementation: str = "fft"):
     """H3 over one sequence (causal).
 
     Args:
@@ -68,6 +76,8 @@ def h3(q, k, v, shift, dt, a, b, c, d, *, kv_mask=None, implementation: str = "f
         (S4D, zero-order hold), shared by the ``P^2`` channels of the head's outer products.
       d: ``[H]`` the diagonal SSM's skip.
       kv_mask: ``bool[L]`` or None: padded positions reach no real output.
+      segment_ids: ``int[L]`` or None: packed documents (contiguous, 0 for padding), each
+        run as if alone.
       implementation: ``"fft"`` (both kernels of length ``L``, FFT convolutions of size
         ``2L``) or ``"recurrent"`` (a scan over positions with :func:`h3_step`).
 
@@ -85,18 +95,27 @@ def h3(q, k, v, shift, dt, a, b, c, d, *, kv_mask=None, implementation: str = "f
                          f"{shift.shape}, dt {dt.shape}, a {a.shape}, d {d.shape}")
     q, k, v = (x.astype(jnp.float32) for x in (q, k, v))
     order, real = _front(name, kv_mask, length)
+    seg = gathered_documents(name, segment_ids, kv_mask, order)
     if order is not None:
         q, k, v = q[order], k[order], v[order]
-    k, v = _zero_where_padded(k, real), _zero_where_padded(v, real)
+    # Queries too: a padded query's output is dropped, but its content must reach no gradient.
+    q, k, v = (_zero_where_padded(x, real) for x in (q, k, v))
     if implementation == "recurrent":
-        state = h3_init_state(shift, a)
-        y = lax.scan(lambda s, qkv: h3_step(s, *qkv, shift, dt, a, b, c, d)[::-1], state,
-                     (q, k, v))[1]
+        init = h3_init_state(shift, a)
+
+        def step(state, inputs):
+            *qkv, start = inputs
+            if start is not None:  # a document's first position: both SSMs start afresh
+                state = jax.tree.map(lambda s, s0: jnp.where(start, s0, s), state, init)
+            return h3_step(state, *qkv, shift, dt, a, b, c, d)[::-1]
+
+        starts = None if seg is None else document_starts(seg)
+        y = lax.scan(step, init, (q, k, v, starts))[1]
     else:
-        kbar = causal_convolve(k, _length_kernel(shift, length))
+        kbar = causal_convolve(k, _length_kernel(shift, length), seg)
         kv = _zero_where_padded(kbar[..., :, None] * v[..., None, :], real)  # [L, H, P, P]
         kernel = s4d_kernel(dt, a, b, c, length)[:, None, None]  # [H, 1, 1, L]
-        kv = causal_convolve(kv, kernel) + d[:, None, None] * kv
+        kv = causal_convolve(kv, kernel, seg) + d[:, None, None] * kv
         y = jnp.einsum("lhi,lhij->lhj", q, kv)
     if order is not None:
         y = jnp.zeros_like(y).at[order].set(y)
@@ -126,7 +145,7 @@ def h3_step(state, q_t, k_t, v_t, shift, dt, a, b, c, d):
     return o, (window[:-1], x)
 
 
-def hyena(u, short_w, short_b, filters, bias, *, kv_mask=None):
+def hyena(u, short_w, short_b, filters, bias, *, kv_mask=None, segment_ids=None):
     """Hyena of order ``N`` over one sequence (causal).
 
     Args:
@@ -137,6 +156,8 @@ def hyena(u, short_w, short_b, filters, bias, *, kv_mask=None):
         positions back).
       bias: ``[N, D]`` each filter's skip ``b_n``.
       kv_mask: ``bool[L]`` or None: padded positions reach no real output.
+      segment_ids: ``int[L]`` or None: packed documents (contiguous, 0 for padding), each
+        run as if alone (the filters are indexed by distance, so they need no restart).
 
     Returns:
       ``[L, D]`` float32: ``z_{N+1}`` of ``z_1 = v``, ``z_{n+1} = x_n (h_n * z_n + b_n z_n)``
@@ -151,16 +172,18 @@ def hyena(u, short_w, short_b, filters, bias, *, kv_mask=None):
                          f"[N, D, L], bias [N, D]; got u {u.shape}, short_w {short_w.shape}, "
                          f"filters {filters.shape}, bias {bias.shape}")
     order, real = _front(name, kv_mask, length)
+    seg = gathered_documents(name, segment_ids, kv_mask, order)
     u = u.astype(jnp.float32)
     if order is not None:
         u = u[order]
     u = _zero_where_padded(u, real)
-    streams = causal_depthwise_conv(u[None], short_w, short_b)[0].reshape(
+    streams = causal_depthwise_conv(u[None], short_w, short_b,
+                                    None if seg is None else seg[None])[0].reshape(
         length, order_n + 1, dim)
     z = streams[:, 0]
     for n in range(order_n):
         z = _zero_where_padded(z, real)
-        z = streams[:, n + 1] * (causal_convolve(z, filters[n]) + bias[n] * z)
+        z = streams[:, n + 1] * (causal_convolve(z, filters[n], seg) + bias[n] * z)
     if order is not None:
         z = jnp.zeros_like(z).at[order].set(z)
     return z

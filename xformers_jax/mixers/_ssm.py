@@ -29,6 +29,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from ..kernels import pad_to
+from ._document_conv import document_convolve, document_starts, gathered_documents
 
 SSM_FORMS = ("fft", "recurrent")
 # Positions per block of the S4D kernel's Vandermonde product (see s4d_kernel): about sqrt(L)
@@ -86,22 +87,32 @@ def s4d_kernel(dt, a, b, c, length: int):
     return k.reshape(a.shape[0], n * block)[:, :length]
 
 
-def causal_convolve(u, kernel):
+def causal_convolve(u, kernel, segment_ids=None):
     """``y[t, h] = sum_{s <= t} kernel[h, t - s] u[s, h]`` by FFT (zero-padded to ``2L``, so
     the convolution is linear, not circular), in float32. u: ``[L, H]``; kernel: ``[H, L]``;
     or u ``[L, *C]`` with a kernel ``[*K, L]`` whose leading axes broadcast against ``C`` (H3's
-    per-head kernel ``[H, 1, 1, L]`` over its ``[L, H, P, P]`` outer products)."""
+    per-head kernel ``[H, 1, 1, L]`` over its ``[L, H, P, P]`` outer products).
+
+    With ``segment_ids int[L]`` (packed documents, each a contiguous run of one id, 0 for
+    padding) the sum runs over ``s`` in ``t``'s document only, exactly (a divide and conquer
+    over blocks, ``O(L log^2 L)``: ``_document_conv.document_convolve``); padding's inputs
+    are dropped and its outputs are zero. It costs about ``log2(L) / 2`` row convolutions:
+    on a 2-core CPU, 128 channels, 8 documents, 4-7x this function's time without ids
+    forward and 7-11x forward and backward at L = 2K to 8K."""
     length = u.shape[0]
     if kernel.shape[-1] != length:
         raise ValueError(f"causal_convolve: the kernel's last axis must have the sequence "
                          f"length {length}, got kernel {kernel.shape} for u {u.shape}")
+    if segment_ids is not None:
+        return document_convolve(u, kernel, segment_ids)
     n = 2 * length
     uf = jnp.fft.rfft(u.astype(jnp.float32), n=n, axis=0)
     kf = jnp.fft.rfft(jnp.moveaxis(kernel.astype(jnp.float32), -1, 0), n=n, axis=0)
     return jnp.fft.irfft(uf * kf, n=n, axis=0)[:length]
 
 
-def s4d(u, dt, a, b, c, d, *, c_reverse=None, kv_mask=None, implementation: str = "fft"):
+def s4d(u, dt, a, b, c, d, *, c_reverse=None, kv_mask=None, segment_ids=None,
+        implementation: str = "fft"):
     """S4D over one sequence: ``y = K * u + D u`` (plus ``flip(K' * flip(u))`` when
     ``c_reverse`` gives the backward system's output matrix: the bidirectional form).
 
@@ -112,6 +123,10 @@ def s4d(u, dt, a, b, c, d, *, c_reverse=None, kv_mask=None, implementation: str 
         kernel is indexed by distance, so the real positions are gathered to the front (in
         order) before it and the outputs scattered back: a hole in the middle then changes no
         distance between real tokens (``O(L)`` gathers beside the ``O(L log L)`` FFT).
+      segment_ids: ``int[L]`` or None: packed documents (contiguous, 0 for padding); each
+        document's outputs are its own: the FFT form convolves within documents
+        (:func:`causal_convolve` with ``segment_ids``), the recurrent form restarts its state
+        where the id changes (and, run backwards, where it changes going backwards).
       implementation: ``"fft"`` (kernel and FFT convolution) or ``"recurrent"`` (a scan over
         positions with a complex ``[H, N]`` state).
 
@@ -127,22 +142,29 @@ def s4d(u, dt, a, b, c, d, *, c_reverse=None, kv_mask=None, implementation: str 
     # The real positions first (a stable order), then the padded ones, whose zero inputs then
     # follow every real token.
     order = None if kv_mask is None else jnp.argsort(~kv_mask, stable=True)
+    if segment_ids is not None and segment_ids.shape != u.shape[:1]:
+        raise ValueError(f"s4d: segment_ids must be int[L] = [{u.shape[0]}], got "
+                         f"{segment_ids.shape} (u {u.shape})")
+    seg = gathered_documents(name, segment_ids, kv_mask, order)
 
-    def one_way(u, c):
+    def one_way(u, c, seg):
         if implementation == "fft":
-            return causal_convolve(u, s4d_kernel(dt, a, b, c, u.shape[0]))
+            return causal_convolve(u, s4d_kernel(dt, a, b, c, u.shape[0]), seg)
         da, db = zoh(dt[:, None], a, b)
+        start = None if seg is None else document_starts(seg)
 
-        def step(x, u_t):
-            x = da * x + db * u_t[:, None]
+        def step(x, inputs):
+            u_t, start_t = inputs
+            x = da * x if start_t is None else jnp.where(start_t, 0, da * x)
+            x = x + db * u_t[:, None]
             return x, 2 * jnp.sum(c * x, -1).real
 
-        return lax.scan(step, jnp.zeros(a.shape, jnp.complex64), u)[1]
+        return lax.scan(step, jnp.zeros(a.shape, jnp.complex64), (u, start))[1]
 
     uc = u if order is None else u[order]
-    y = one_way(uc, c)
+    y = one_way(uc, c, seg)
     if c_reverse is not None:
-        y = y + one_way(uc[::-1], c_reverse)[::-1]
+        y = y + one_way(uc[::-1], c_reverse, None if seg is None else seg[::-1])[::-1]
     if order is not None:
         y = jnp.zeros_like(y).at[order].set(y)
     return y + d * u

@@ -60,14 +60,18 @@ class LSRA(MixerModule):
         self.w_out = jax.random.normal(k4, (half, half)) / math.sqrt(half)
         self.causal = causal
 
-    def __call__(self, x, *, kv_mask=None, positions=None, key=None):
+    def __call__(self, x, *, kv_mask=None, positions=None, key=None, segment_ids=None):
         x = check_mask("LSRA", x, kv_mask)
         half = x.shape[-1] // 2
         a, c = x[..., :half], x[..., half:]
-        long = self.attn(a, kv_mask=kv_mask, positions=positions, key=key)
+        # Packed rows: the attention branch masks other documents (its kind must honour
+        # segment ids, Kind.segments), the convolution's taps stay inside a document.
+        seg = {} if segment_ids is None else {"segment_ids": segment_ids}
+        long = self.attn(a, kv_mask=kv_mask, positions=positions, key=key, **seg)
         g = c @ self.w_glu.astype(x.dtype)
         g = g[..., :half] * jax.nn.sigmoid(g[..., half:])
-        short = lightweight_conv(g, self.kernel, causal=self.causal, mask=kv_mask)
+        short = lightweight_conv(g, self.kernel, causal=self.causal, mask=kv_mask,
+                                 segment_ids=segment_ids)
         short = short @ self.w_out.astype(x.dtype)
         if kv_mask is not None:
             short = jnp.where(kv_mask[..., None], short, 0)

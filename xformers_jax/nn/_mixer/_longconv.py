@@ -1,7 +1,8 @@
 """Modules of the long convolutions H3 and Hyena (the one-sequence functions are
 ``mixers.h3`` and ``mixers.hyena``, trained by FFT).
 
-Both are causal language-model mixers. Without ``causal`` they run the same operator a second
+Both are causal language-model mixers; both run packed rows (``segment_ids``: every
+convolution stays inside its document). Without ``causal`` they run the same operator a second
 time from the last position (the outputs added: a bidirectional form for encoders, not in the
 papers). The diagonal SSM parameters of H3 (``log_dt``, ``log_a_re``, ``a_im``, ``b_re``,
 ``b_im``) get the optimizer's state space learning rate and no weight decay, as S4D's.
@@ -19,6 +20,11 @@ from ... import mixers as M
 from .._slots import implements
 from ._base import (MixerModule, both_ways, check_mask, dense, log_uniform, recurrent_cache,
                     s4d_lin, zero_padded)
+
+
+def _axis(x):
+    """vmap's axis for an optional per-row argument (``kv_mask``, ``segment_ids``)."""
+    return None if x is None else 0
 
 
 def _no_bidirectional_cache(name, causal):
@@ -95,11 +101,13 @@ class H3(MixerModule):
         q, k, v = self._qkv(x)
         system = self.system()
 
-        def run(q, k, v, m):
-            return M.h3(q, k, v, *system, kv_mask=m, implementation=self.implementation)
+        def run(q, k, v, m, segment_ids=None):
+            return M.h3(q, k, v, *system, kv_mask=m, segment_ids=segment_ids,
+                        implementation=self.implementation)
 
-        y = jax.vmap(lambda q, k, v, m: both_ways(run, (q, k, v), m, self.causal),
-                     in_axes=(0, 0, 0, None if kv_mask is None else 0))(q, k, v, kv_mask)
+        y = jax.vmap(lambda q, k, v, m, seg: both_ways(run, (q, k, v), m, self.causal, seg),
+                     in_axes=(0, 0, 0, _axis(kv_mask), _axis(segment_ids)))(
+            q, k, v, kv_mask, segment_ids)
         out = y.reshape(x.shape).astype(x.dtype) @ self.w_out.astype(x.dtype)
         return zero_padded(out, kv_mask)
 
@@ -195,11 +203,12 @@ class Hyena(MixerModule):
         u = x @ self.w_in.astype(x.dtype)
         filters = self.filters(x.shape[1])
 
-        def run(u, m):
-            return M.hyena(u, self.short_w, self.short_b, filters, self.bias, kv_mask=m)
+        def run(u, m, segment_ids=None):
+            return M.hyena(u, self.short_w, self.short_b, filters, self.bias, kv_mask=m,
+                           segment_ids=segment_ids)
 
-        y = jax.vmap(lambda u, m: both_ways(run, (u,), m, self.causal),
-                     in_axes=(0, None if kv_mask is None else 0))(u, kv_mask)
+        y = jax.vmap(lambda u, m, seg: both_ways(run, (u,), m, self.causal, seg),
+                     in_axes=(0, _axis(kv_mask), _axis(segment_ids)))(u, kv_mask, segment_ids)
         return zero_padded(y.astype(x.dtype) @ self.w_out.astype(x.dtype), kv_mask)
 
     def init_cache(self, batch, max_len, dtype=jnp.float32):

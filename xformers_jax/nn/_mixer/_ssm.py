@@ -71,8 +71,8 @@ class _DiagonalSSM(MixerModule):
     def __call__(self, x, *, kv_mask=None, positions=None, key=None, segment_ids=None):
         x = check_mask(type(self).__name__, x, kv_mask)
         *system, c_rev = self.system()
-        # Packed rows (segment_ids [B, L]) reach only a kind that restarts at a document
-        # (S5; the block checks Kind.segments).
+        # Packed rows (segment_ids [B, L]): S5 restarts its scan at a document, S4D convolves
+        # within documents (the block checks Kind.segments).
         seg = {} if segment_ids is None else {"segment_ids": segment_ids}
         axes = {k: 0 for k in seg}
         y = jax.vmap(lambda u, m, kw: self._run(u, *system, self.d, c_reverse=c_rev,
