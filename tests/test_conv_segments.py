@@ -289,5 +289,5 @@ def test_lsra_packs_as_its_attention_branch_does():
     lsra = nn.get_kind("mixer", "lsra")
     assert lsra.segment_problem(lsra.resolve({"spec": "flash"})) is None
     # Linformer's length projection mixes every position (other documents too).
-    assert "its attention branch: attention kind 'linformer' does not honour segment ids" in \
+    assert "its attention branch: attention kind 'linformer': its projections" in \
         lsra.segment_problem(lsra.resolve({"spec": nn.AttentionSpec("linformer")}))

@@ -149,7 +149,7 @@ def test_a_packed_call_of_a_refusing_kind_raises_at_trace_time():
         nn.get_kind("attention", "luna").test_hyperparameters))}
     model = eqx.filter_eval_shape(lambda: models.CausalLM(
         VOCAB, DIM, 1, HEADS, HIDDEN, max_len=L, block=block, key=jax.random.PRNGKey(0)))
-    with pytest.raises(ValueError, match="attention kind 'luna' does not honour segment"):
+    with pytest.raises(ValueError, match="attention kind 'luna': its packed sequence attends"):
         jax.eval_shape(lambda m: m(jnp.asarray(_PACKED)[None],
                                    segment_ids=jnp.asarray(_SEGMENTS)[None]), model)
 

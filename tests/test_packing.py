@@ -196,8 +196,8 @@ def test_the_trainer_refuses_packing_by_name(monkeypatch):
     c = _lm_config(pack=True)
     task = dataclasses.replace(_packed_task(), seq_len=32)
     c.model.attention = ml_collections.ConfigDict(dict(kind="luna"))
-    with pytest.raises(ValueError, match="attention kind 'luna' does not honour "
-                                         "segment ids"):
+    with pytest.raises(ValueError, match="attention kind 'luna': its packed sequence "
+                                         "attends over every earlier token"):
         jax.eval_shape(lambda: _tasks.build_model(c.model, task, jax.random.PRNGKey(0)))
     # A language model kind that does not declare packs=True (registered for this test only).
     unpacked = dataclasses.replace(models.get_model("causal_lm"), name="unpacked_lm",
