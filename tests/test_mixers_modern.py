@@ -6,7 +6,10 @@ per token is the gated delta rule); the mLSTM stabiliser at gates that overflow 
 the declared decoding state sizes against what the layers' caches hold."""
 
 import math
+import os
 import re
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -166,6 +169,36 @@ def test_dplr_chunked_equals_its_step_with_strong_per_channel_decays(sub_chunk, 
     for x, y in zip(g_chunk, g_step):
         assert np.all(np.isfinite(np.asarray(x)))
         assert_close(x, y, EXACT_GRAD)
+
+
+_ONE_ROW = """
+import jax, jax.numpy as jnp, numpy as np
+from xformers_jax.attention.linear import dplr_chunked
+ks = jax.random.split(jax.random.PRNGKey(0), 6)
+x = [0.3 * jax.random.normal(ks[i], (1, 4, 64, 16)) for i in range(5)]
+ld = -jax.nn.softplus(jax.random.normal(ks[5], (1, 4, 64, 16)))
+def loss(*xs):
+    f = lambda *x: dplr_chunked(*x, chunk_size=8)
+    return jnp.sum(jax.vmap(jax.vmap(f))(*xs) ** 2)
+grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4, 5)))
+one = grad(*x, ld)
+two = grad(*(jnp.concatenate([a, a]) for a in (*x, ld)))
+for g1, g2 in zip(one, two):
+    np.testing.assert_allclose(np.asarray(g1[0]), np.asarray(g2[0]), rtol=1e-5, atol=1e-6)
+print("ok")
+"""
+
+
+def test_dplr_gradient_over_one_row_compiles_and_runs():
+    """The chunked generalised delta rule's gradient vmapped over one row of four heads, at
+    XLA's default optimisation (what a batch-1 KDA or RWKV-7 layer compiles; the suite's own
+    flags lower it otherwise, so it runs in a fresh process): once a segfault of XLA:CPU
+    (jaxlib 0.10.2) in the sub-chunk product. Its gradient equals the row written twice's."""
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    done = subprocess.run([sys.executable, "-c", _ONE_ROW], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), (
+        f"exit {done.returncode}: {done.stderr[-2000:]}")
 
 
 @pytest.mark.parametrize("form", ["chunked", "recurrent"])

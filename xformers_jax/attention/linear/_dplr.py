@@ -124,7 +124,9 @@ class _Scores:
     def __call__(self, x, y):
         n, ns, sub, m = self.shape
         xb, yb = x.reshape(self.shape), y.reshape(self.shape)
-        inner = jnp.sum(xb[:, :, :, None] * yb[:, :, None] * self.decay, axis=-1)
+        # One contraction rather than a broadcast product and a sum: the latter's gradient,
+        # vmapped with a size-1 batch or head axis, segfaulted XLA:CPU (jaxlib 0.10.2).
+        inner = jnp.einsum("nism,nitm,nistm->nist", xb, yb, self.decay)
         across = jnp.einsum("nism,nijm->nisj", xb * self.x_scale, y[:, None] * self.y_scale)
         inner = jnp.einsum("nist,ij->nisjt", inner, jnp.eye(ns, dtype=inner.dtype))
         return (across + inner.reshape(across.shape)).reshape(n, ns * sub, ns * sub)
