@@ -543,13 +543,38 @@ def test_document_offsets_restart_at_every_document():
 @pytest.mark.parametrize("hp,match", [
     ({"kind": "fixed"}, "'fixed' Sparse Transformer heads read absolute positions"),
     ({"heads": A.patterns.PerHead((A.patterns.Local(2, 0), A.patterns.BlockLocal(4)))},
-     r"patterns \['BlockLocal'\] may depend on absolute positions")])
+     r"patterns \['BlockLocal'\] depend on absolute positions")])
 def test_per_head_patterns_of_absolute_positions_refuse_packing(hp, match):
     kind = nn.get_kind("attention", "per_head_block_sparse")
     resolved = kind.resolve({"stride": 4, **hp})
     assert kind.segment_problem(resolved) is not None
     assert re.search(match, kind.segment_problem(resolved))
     assert kind.segment_problem(kind.resolve({"stride": 4})) is None
+
+
+_P = A.patterns
+OFFSET_PATTERNS = [_P.Full(), _P.Causal(), _P.Local(3, 1), _P.Strided(4), _P.Strided(3, "local"),
+                   _P.Strided(3, "strided"), _P.Dilated(2, 1, 3), _P.Local(2, 0) | _P.Strided(5),
+                   _P.Local(4, 4) & _P.Causal(), _P.LogSparse(), _P.LogSparse(2)]
+ABSOLUTE_PATTERNS = [_P.BlockLocal(4), _P.Fixed(4, 1), _P.Global((0, 5)),
+                     _P.Local(2, 0) | _P.Global((0,)), _P.LogSparse(subsequence=8)]
+
+
+@pytest.mark.parametrize("pattern", OFFSET_PATTERNS + ABSOLUTE_PATTERNS, ids=repr)
+def test_a_pattern_claims_offsets_only_exactly_when_its_mask_is_one_of_offsets(pattern):
+    # mask(i, j) a function of i - j alone <=> the dense mask is constant along diagonals.
+    n = 40
+    m = np.asarray(pattern.dense(n, n))
+    toeplitz = bool(np.all(m[1:, 1:] == m[:-1, :-1]))
+    assert pattern.offsets_only == toeplitz, (pattern, toeplitz)
+
+
+@pytest.mark.parametrize("name", ["dot_product", "flash", "block_sparse"])
+def test_pattern_kinds_pack_with_patterns_of_offsets_only(name):
+    kind = nn.get_kind("attention", name)
+    assert kind.segment_problem(kind.resolve({"pattern": _P.Local(3, 0) | _P.Strided(4)})) is None
+    problem = kind.segment_problem(kind.resolve({"pattern": _P.Local(2, 0) | _P.Global((0,))}))
+    assert problem is not None and "its pattern Union depends on absolute positions" in problem
 
 
 @pytest.mark.parametrize("stage", ["sparse", "dense"])

@@ -76,10 +76,22 @@ def _init_sinks(key, hp, *, num_heads, head_dim, max_len):
 _RING = SequenceParallel(lifted(_ring), _no_pattern)
 _PATTERN_DECODING = KVDecoding(pattern=lambda hp: hp["pattern"])
 
+def _pattern_segments(hp):
+    """Packed rows need a pattern of offsets ``i - j`` only (``Pattern.offsets_only``): one of
+    absolute positions puts a document packed at an offset under another pattern than alone."""
+    pattern = hp.get("pattern")
+    if pattern is None or pattern.offsets_only:
+        return None
+    return (f"its pattern {type(pattern).__name__} depends on absolute positions of the row "
+            "(not only on offsets i - j), so a packed document would not see its own pattern; "
+            "use a pattern of offsets (Local, Strided, Dilated, Causal and their unions) or "
+            "unpacked rows (data.pack=False)")
+
+
 KINDS = (
     Kind("dot_product", dot_product_attention, "exact", _VASWANI,
          time="O(L^2 D)", memory="O(L^2)", causal=True, decoding="kv", bias=True,
-         segments=True, test_hyperparameters={},
+         segments=_pattern_segments, test_hyperparameters={},
          hyperparameters={"pattern": (None, "a static sparsity pattern (attention.patterns) "
                                             "applied to the dense scores; None: all keys")},
          adapter=AttentionAdapter(lifted(dot_product_attention), decoding=_PATTERN_DECODING,
@@ -88,7 +100,7 @@ KINDS = (
          Paper("Dao et al.", 2022,
                "FlashAttention: Fast and Memory-Efficient Exact Attention with IO-Awareness"),
          time="O(L^2 D)", memory="O(L D)", causal=True, decoding="kv", bias=True,
-         segments=True, test_hyperparameters={"block_q": 8, "block_k": 8},
+         segments=_pattern_segments, test_hyperparameters={"block_q": 8, "block_k": 8},
          hyperparameters={"pattern": (None, "a static sparsity pattern (attention.patterns) "
                                             "whose empty tiles are skipped; None: all keys"),
                           **_TILES},
@@ -96,7 +108,7 @@ KINDS = (
                                   sequence=_RING)),
     Kind("block_sparse", block_sparse_attention, "exact", _CHILD,
          time="O(L n D), n kept keys per query", memory="O(L D)", causal=True, decoding="kv",
-         bias=True, segments=True,
+         bias=True, segments=_pattern_segments,
          test_hyperparameters={"pattern": Local(4, 4), "block_q": 8, "block_k": 8},
          hyperparameters={"pattern": (REQUIRED, "the static sparsity pattern "
                                                 "(attention.patterns), e.g. Local(16, 0)"),

@@ -35,10 +35,15 @@ class Pattern:
       encoder_only: True when the pattern connects queries to later keys by construction
         (relay nodes, block permutations, span trees, random blocks), so asking for
         ``causal=True`` with it raises instead of silently dropping half of its structure.
+      offsets_only: True when ``mask(i, j)`` depends on ``i - j`` alone (bands, strides,
+        dilations): a document packed at any offset of a row then sees, inside the segment
+        mask, the pattern it sees alone; patterns of absolute positions (global tokens, blocks
+        from the row's start, random blocks) do not.
     """
 
     causal_safe: ClassVar[bool] = False
     encoder_only: ClassVar[bool] = False
+    offsets_only: ClassVar[bool] = False
 
     def mask(self, i: np.ndarray, j: np.ndarray, lq: int, lk: int) -> np.ndarray:
         """Elementwise connectivity for broadcastable int64 query positions ``i``, key ``j``.
@@ -172,6 +177,10 @@ class Union(Pattern):
     def encoder_only(self) -> bool:  # type: ignore[override]
         return any(p.encoder_only for p in self.parts)
 
+    @property
+    def offsets_only(self) -> bool:  # type: ignore[override]
+        return all(p.offsets_only for p in self.parts)
+
     def mask(self, i, j, lq, lk):
         return functools.reduce(np.logical_or, (p.mask(i, j, lq, lk) for p in self.parts))
 
@@ -205,6 +214,10 @@ class Intersection(Pattern):
         # Any encoder-only part makes it encoder only: intersecting with Causal would still cut
         # that part's connections to later keys.
         return any(p.encoder_only for p in self.parts)
+
+    @property
+    def offsets_only(self) -> bool:  # type: ignore[override]
+        return all(p.offsets_only for p in self.parts)
 
     def mask(self, i, j, lq, lk):
         return functools.reduce(np.logical_and, (p.mask(i, j, lq, lk) for p in self.parts))

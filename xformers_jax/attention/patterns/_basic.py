@@ -14,6 +14,8 @@ from ._base import FULL, Pattern, cdiv
 class Full(Pattern):
     """Every query sees every key (dense attention)."""
 
+    offsets_only = True
+
     def mask(self, i, j, lq, lk):
         return np.ones(np.broadcast_shapes(np.shape(i), np.shape(j)), bool)
 
@@ -26,6 +28,7 @@ class Causal(Pattern):
     """Query i sees keys ``j <= i`` (positions counted from the start of both sequences)."""
 
     causal_safe = True
+    offsets_only = True
 
     def mask(self, i, j, lq, lk):
         return j <= i
@@ -42,6 +45,7 @@ class Local(Pattern):
     ``Local(w, 0)`` is the causal sliding window of width ``w + 1``.
     """
 
+    offsets_only = True
     left: int
     right: int
 

@@ -76,6 +76,8 @@ class Dilated(Pattern):
     ``dilation`` times wider than a band with as many keys); ``dilation=1`` is ``Local``.
     """
 
+    offsets_only = True
+
     left: int
     right: int
     dilation: int = 1
@@ -118,6 +120,8 @@ class Strided(Pattern):
     half for the factorised form where half the heads take each (:meth:`PerHead.sparse_transformer`).
     Causal decoding (the original model) is this pattern ``& Causal()``.
     """
+
+    offsets_only = True
 
     stride: int
     part: str = "both"
@@ -297,6 +301,10 @@ class LogSparse(Pattern):
 
     local: int = 0
     subsequence: int | None = None
+
+    @property
+    def offsets_only(self) -> bool:  # type: ignore[override]
+        return self.subsequence is None  # subsequences start at multiples of s from the row
 
     def __post_init__(self):
         _check_int("LogSparse", "local", self.local, 0)

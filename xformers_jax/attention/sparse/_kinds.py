@@ -39,7 +39,7 @@ from ...kinds import REQUIRED, AttentionAdapter, Kind, Paper
 from .._adapters import IMPLEMENTATION, TILES, real_only
 from .._exact import block_sparse_attention
 from .._multihead import multihead
-from ..patterns import Local, PerHead, Strided
+from ..patterns import PerHead
 from ._axial import axial_attention
 from ._global_tokens import etc_attention, longformer_attention
 from ._per_head import per_head_block_sparse_attention
@@ -93,7 +93,7 @@ def _heads(hp, num_heads):
 
 def _per_head_segments(hp):
     """Packed rows: the heads' patterns must see the same keys at every offset of the row
-    (``Local``, ``Strided``: a mask of ``i - j`` only), so that a document placed anywhere in
+    (``Pattern.offsets_only``: a mask of ``i - j`` only), so that a document placed anywhere in
     a row sees, inside the segment mask, the pattern it sees alone."""
     if hp["heads"] is None:
         if hp["kind"] == "strided":
@@ -102,12 +102,11 @@ def _per_head_segments(hp):
                 "summary columns start at multiples of the stride from the row's start, not the "
                 "document's), so a packed document would not see its own pattern; use "
                 "kind='strided' (offsets i - j only) or unpacked rows (data.pack=False)")
-    absolute = sorted({type(p).__name__ for p in hp["heads"].patterns
-                       if not isinstance(p, (Local, Strided))})
+    absolute = sorted({type(p).__name__ for p in hp["heads"].patterns if not p.offsets_only})
     if absolute:
-        return (f"its heads' patterns {absolute} may depend on absolute positions of the row, "
-                "so a packed document would not see its own pattern; heads of Local and "
-                "Strided patterns (offsets i - j only) pack, or use unpacked rows "
+        return (f"its heads' patterns {absolute} depend on absolute positions of the row, "
+                "so a packed document would not see its own pattern; heads of patterns of "
+                "offsets i - j only (Local, Strided, Dilated, Causal) pack, or use unpacked rows "
                 "(data.pack=False)")
     return None
 
