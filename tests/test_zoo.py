@@ -14,6 +14,7 @@ import pytest
 from xformers_jax import data as D
 from xformers_jax import nn, train
 from xformers_jax_experiments.studies.zoo import config as Z
+from xformers_jax_experiments.studies.zoo import queries as Q
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -209,6 +210,34 @@ def test_tiny_sweep_end_to_end(tmp_path):
     again = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert again.returncode == 0, again.stderr[-3000:]
     assert again.stdout.count("already finished") == 2  # resumed: nothing run again
+    # The per-query analysis restores the run's tested (best) model: on the whole test split
+    # its accuracy is the run's test accuracy.
+    run_dir = tmp_path / "runs" / "mqar" / "attention-dot_product" / "L64_d64_lr0.003"
+    split = Q.per_query(str(run_dir), num=1000)
+    tested = next(r for r in rows if r["kind"] == "dot_product")["test_accuracy"]
+    assert abs(split["accuracy"] - tested) < 1e-6, (split["accuracy"], tested)
+
+
+def test_per_query_tally_splits_by_pair_order_and_gap():
+    # Hand-built rows of kv = 2 (keys 1, 2; values 7, 8; L = 12): queries of key 2 at gap 0
+    # and key 1 at gap 3, and of key 1 at gap 1 and key 2 at gap 2.
+    def row(queries):
+        inputs = np.array([1, 7, 2, 8, 0, 0, 0, 0, 0, 0, 0, 0])
+        targets, scored = np.zeros(12, int), np.zeros(12, bool)
+        for key, gap in queries:
+            inputs[4 + 2 * gap] = key
+            targets[4 + 2 * gap], scored[4 + 2 * gap] = {1: 7, 2: 8}[key], True
+        return dict(inputs=inputs, targets=targets, scored=scored)
+
+    rows = [row([(2, 0), (1, 3)]), row([(1, 1), (2, 2)])]
+    # Always the last pair's value (recency): right exactly for key 2's queries.
+    recent = [np.full(12, 8), np.full(12, 8)]
+    r = Q.tally(rows, recent, 2)
+    assert r["accuracy"] == 0.5 and r["by_pair"] == [0.0, 1.0] and r["a_value"] == 1.0
+    assert r["by_order"] == [0.5, 0.5] and r["by_gap"] == {0: 1.0, 1: 0.0, 2: 1.0, 3: 0.0}
+    # A token that is no value of the row.
+    r = Q.tally(rows, [np.full(12, 5)] * 2, 2)
+    assert r["accuracy"] == 0.0 and r["a_value"] == 0.0
 
 
 def test_logits_at_scored_positions_equal_the_full_logits():
