@@ -109,8 +109,8 @@ def realformer_flash_attention(qs, ks, v, *, causal=False, kv_mask=None, segment
     Args:
       qs: ``[n, Lq, Dk]``, this layer's and every layer below's queries (oldest first).
       ks: ``[n, Lk, Dk]``, their keys. v: ``[Lk, Dv]``, this layer's values.
-      causal, kv_mask, segment_ids, scale (``1/sqrt(Dk)``, per layer), key, block_q,
-        block_k: as :func:`~xformers_jax.attention.flash_attention`.
+      causal, kv_mask, segment_ids, scale, key, block_q, block_k: as
+        :func:`~xformers_jax.attention.flash_attention` (``scale`` ``1/sqrt(Dk)``, per layer).
 
     Returns:
       ``[Lq, Dv]``, equal to the last layer's output of a chain of

@@ -24,10 +24,10 @@ def per_head_block_sparse_attention(q, k, v, heads: PerHead, *, causal: bool = F
     Args:
       q: ``[Lq, H, Dk]``. k: ``[Lk, H, Dk]``. v: ``[Lk, H, Dv]``.
       heads: a :class:`~xformers_jax.attention.patterns.PerHead` with ``H`` patterns.
-      causal, kv_mask (``bool[Lk]``), segment_ids (packed rows), scale, block_q, block_k,
-        implementation: as in :func:`block_sparse_attention`. With segment ids a pattern of
-        offsets ``i - j`` only (``Local``, ``Strided``) gives each document its own pattern;
-        one of absolute positions stays one over the row.
+      causal, kv_mask, segment_ids, scale, block_q, block_k, implementation: as in
+        :func:`block_sparse_attention` (``kv_mask bool[Lk]``; ``segment_ids`` packed rows).
+        With segment ids a pattern of offsets ``i - j`` only (``Local``, ``Strided``) gives
+        each document its own pattern; one of absolute positions stays one over the row.
 
     Returns:
       ``[Lq, H, Dv]``.
