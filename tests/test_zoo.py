@@ -61,6 +61,15 @@ def test_mqar_fills_free_positions_from_the_whole_vocabulary():
     quiet = D.MultiQueryAR(5, seed=1, seq_len=64, num_kv_pairs=4, vocab_size=128,
                            random_non_queries=False)[0]
     assert (quiet["inputs"][8:][~quiet["scored"][8:]] == 0).all()
+    # The trainer's task passes the choice on (data.random_non_queries; Zoology's Figure 2
+    # runs: False).
+    c = Z.get_config("mqar,attention,linear,64")
+    c.unlock()
+    c.data.update(dict(num_train=4, num_eval=4, num_test=4))
+    for random in (True, False):
+        c.data.random_non_queries = random
+        row = train.make_task(c.data, 0).train[0]
+        assert (row["inputs"][8:][~row["scored"][8:]] != 0).any() == random
 
 
 def test_selective_copying_follows_mamba():

@@ -336,7 +336,7 @@ def _make_lm_stream(c, seed):
 def _make_mqar(c, seed):
     split = lambda n, s: D.MultiQueryAR(  # noqa: E731
         n, seed=s, seq_len=c.seq_len, num_kv_pairs=c.num_kv_pairs, vocab_size=c.vocab_size,
-        power_a=c.power_a)
+        power_a=c.power_a, random_non_queries=c.random_non_queries)
     return Task(*_three(split, c, seed), vocab_size=c.vocab_size, num_classes=c.vocab_size,
                 seq_len=c.seq_len, padded=False, num_scored=c.num_kv_pairs)
 
@@ -393,9 +393,12 @@ for _task in (
              _make_lm_stream, type="stream_language_model", model="memory_lm",
              batches=_stream_batches, carry=_stream_carry, evaluate=_stream_evaluate),
     # Synthetic recall and copying (data._synthetic), scored at their answer positions only.
-    # MQAR's defaults are Zoology's smallest setting (L=64, 4 pairs; 100k / 3k examples).
+    # MQAR's defaults are Zoology's smallest setting (L=64, 4 pairs; 100k / 3k examples) and
+    # its generator's default filler (random tokens between the queries; Zoology's Figure 2
+    # runs set random_non_queries=False: zeros).
     TaskSpec("mqar", dict(seq_len=64, num_kv_pairs=4, vocab_size=8192, power_a=0.01,
-                          num_train=100_000, num_eval=3_000, num_test=3_000),
+                          random_non_queries=True, num_train=100_000, num_eval=3_000,
+                          num_test=3_000),
              _make_mqar, type="language_model", model="causal_lm"),
     TaskSpec("selective_copy", dict(seq_len=256, num_tokens=16, vocab=16, num_train=100_000,
                                     num_eval=3_000, num_test=3_000),

@@ -11,7 +11,7 @@ attention slot (``SLOT=attention``) or token-mixer slot (``SLOT=mixer``) holds `
 :func:`zoo_hyperparameters`, on ``TASK`` (``mqar``, ``selective_copy``, ``induction``) at
 length ``L``. MQAR's pairs follow Zoology's grid: ``kv = L / 16`` ((64, 4), (128, 8),
 (256, 16)). The width is ``model.dim`` (one head per 32 channels, MLP 4x). ``GRID`` picks the
-schedule: ``cpu`` (the default: at most ``CPU_STEPS`` = 3000 steps of batch 64, each on
+schedule: ``cpu`` (the default: at most ``CPU_STEPS`` = 10000 steps of batch 64, each on
 examples no earlier step read, an evaluation every 200) or ``full`` (Zoology's: 100k
 examples, 64 epochs of batch 64). The study's runner (``run.py``) sweeps kinds, settings,
 widths and learning rates through ``xformers_jax_experiments.sweep``.
@@ -37,10 +37,12 @@ LENGTHS = {"selective_copy": {"cpu": (256,), "full": (4096,)},
            "induction": {"cpu": (256,), "full": (256,)}}
 INDUCTION_TEST_LENGTHS = {"cpu": (256, 1024), "full": (256, 4096, 65536)}
 # The CPU grid's schedule: long enough that the cosine schedule still has most of its
-# learning rate at MQAR's phase transition (softmax attention at L=64, d=64 learns the lookup
-# between steps 800 and 1400 here, not under a 1000-step schedule), each step on fresh
-# examples (get_config): a fixed set of 20k examples at V=8192 is memorised instead.
-CPU_STEPS = 3000
+# learning rate at MQAR's phase transition (softmax attention at L=64, d=64, V=8192 binds keys
+# to values between steps 1400 and 2800 under a 10000-step schedule and stops early at 0.99
+# by step 5000; under a 3000-step one it had only learnt the last pair when the rate ran
+# out: 0.47), each step on fresh examples (get_config): a fixed set of 20k examples at
+# V=8192 is memorised instead.
+CPU_STEPS = 10000
 
 
 def zoo_hyperparameters(slot: str, kind: str, seq_len: int) -> dict:
