@@ -55,12 +55,14 @@ def per_query(run_dir: str, num: int = 500) -> dict:
     import ml_collections
 
     from xformers_jax import train
-    from xformers_jax.train._tasks import make_task
+    from xformers_jax.train._tasks import get_task, make_task
 
     with open(os.path.join(run_dir, "config.json")) as f:
         c = ml_collections.ConfigDict(json.load(f))
     if c.data.task != "mqar":
         raise ValueError(f"{run_dir}: a run of task {c.data.task!r}, not 'mqar'")
+    # A run recorded before a task setting existed ran at that setting's default.
+    c.data = ml_collections.ConfigDict({**get_task("mqar").data, **c.data.to_dict()})
     task = make_task(c.data, c.seed)
     model = train.restore_model(run_dir, c.model, task, jax.random.PRNGKey(c.seed))
     num = min(num, len(task.test))
