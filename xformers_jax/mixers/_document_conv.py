@@ -26,6 +26,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ..attention.linear._scan import document_starts as document_starts
+
 
 def _where(keep, x):
     """``x [..., n]`` zeroed where ``keep`` (broadcast against the trailing axes) is False."""
@@ -150,9 +152,3 @@ def gathered_documents(name, segment_ids, kv_mask, order):
                          f"{segment_ids.dtype}{list(segment_ids.shape)}")
     seg = segment_ids if kv_mask is None else jnp.where(kv_mask, segment_ids, 0)
     return seg if order is None else seg[order]
-
-
-def document_starts(segment_ids):
-    """``bool[L]``: where a document starts (a recurrence restarts): every position whose id
-    differs from the one before."""
-    return jnp.concatenate([jnp.zeros((1,), bool), segment_ids[1:] != segment_ids[:-1]])

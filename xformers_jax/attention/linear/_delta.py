@@ -44,7 +44,7 @@ from jaxtyping import Array, Bool, Float
 from .. import _contract as C
 from ._feature_maps import resolve_feature_map
 from ._linear import _guard, check_implementation, check_per_position
-from ._scan import GROUP_POSITIONS, chunk_groups
+from ._scan import GROUP_POSITIONS, chunk_groups, document_starts
 
 
 def _features(fm, x, arrays, root_scale, eps):
@@ -68,14 +68,6 @@ def gated_delta_step(s, fq_t, fk_t, v_t, beta_t, ld_t=0.0):
     s = jnp.exp(ld_t) * s
     s = s + (beta_t * fk_t)[:, None] * (v_t - fk_t @ s)[None, :]
     return fq_t @ s, s
-
-
-def document_starts(segment_ids):
-    """``bool[L]``: True at each document's first position of packed ``segment_ids int[L]``
-    (where the id differs from the previous position's; position 0 is False, as a scan
-    starts from an empty state anyway)."""
-    seg = jnp.asarray(segment_ids)
-    return jnp.concatenate([jnp.zeros((1,), bool), seg[1:] != seg[:-1]])
 
 
 def document_masks(starts):

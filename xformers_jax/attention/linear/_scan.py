@@ -54,6 +54,14 @@ def _decay(ld_t):
     return d if d.ndim == 0 else d[:, None]
 
 
+def document_starts(segment_ids):
+    """``bool[L]``: True at each document's first position of packed ``segment_ids int[L]``
+    (where the id differs from the previous position's; position 0 is False, as a scan
+    starts from an empty state anyway)."""
+    seg = jnp.asarray(segment_ids)
+    return jnp.concatenate([jnp.zeros((1,), bool), seg[1:] != seg[:-1]])
+
+
 def documents(segment_ids):
     """``int[L]`` document index of each position: the number of boundaries (``id_t !=
     id_{t-1}``) up to t. Positions s <= t lie in one document exactly when ``doc_s == doc_t``,
@@ -61,8 +69,7 @@ def documents(segment_ids):
     seg = jnp.asarray(segment_ids)
     if seg.ndim != 1 or not jnp.issubdtype(seg.dtype, jnp.integer):
         raise ValueError(f"segment_ids must be int[L], got {seg.dtype}{list(seg.shape)}")
-    starts = jnp.concatenate([jnp.zeros((1,), bool), seg[1:] != seg[:-1]])
-    return jnp.cumsum(starts, dtype=jnp.int32)
+    return jnp.cumsum(document_starts(seg), dtype=jnp.int32)
 
 
 def _continues(doc):
