@@ -36,10 +36,15 @@ _SPECS = {"attention": ("spec", nn.AttentionSpec), "mixer": ("mixer", nn.MixerSp
           "ffn": ("ffn", nn.FFNSpec)}
 # Beside each kind at its test hyperparameters, the configurations of shared layers that claim
 # more than the kind's defaults: capacity dispatch with token priority, which the library
-# recommends for causal MoE. A case is (slot, name, hyperparameters over the test ones).
+# recommends for causal MoE; the recurrences' short convolution on q, k and v (one case per
+# way a layer builds it: the shared projections, mLSTM's tuple state, DeltaProduct's own
+# projections). A case is (slot, name, hyperparameters over the test ones).
 CASES = [(s, n, ()) for s, n in ALL] + [
     ("ffn", "switch", (("capacity_factor", 1.0), ("mode", "capacity"))),
-    ("ffn", "st_moe", (("mode", "capacity"), ("priority", "token")))]
+    ("ffn", "st_moe", (("mode", "capacity"), ("priority", "token"))),
+    ("mixer", "gated_deltanet", (("short_conv", 4),)),
+    ("mixer", "mlstm", (("short_conv", 3),)),
+    ("mixer", "delta_product", (("short_conv", 4),))]
 CAUSAL = [c for c in CASES if nn.get_kind(*c[:2]).causal]
 DECODES = [c for c in CAUSAL if nn.get_kind(*c[:2]).decoding is not None]
 # Hard-coded Gaussian attention (You et al., 2020) fixes its weights: no query in the path.

@@ -50,7 +50,7 @@ def _attend(mha, q, k, v, x, params):
 
 
 @functools.cache
-def _padding_program(slot, name):
+def _padding_program(slot, name, hp=()):
     """``(inputs, run)``: the kind's inputs with finite junk at padded positions, and
     ``run(inputs) -> (outputs, gradients)`` compiled once: the outputs zeroed at padded
     positions (and an FFN kind's aux outputs), and the gradients of a fixed projection of the
@@ -68,7 +68,8 @@ def _padding_program(slot, name):
             q, k, v, x = inputs
             return _attend(layer, q, k, v, x, own), {}
     else:
-        spec = _SPECS[slot][1](name, nn.get_kind(slot, name).test_hyperparameters)
+        spec = _SPECS[slot][1](name, {**dict(nn.get_kind(slot, name).test_hyperparameters),
+                                      **dict(hp)})
         if slot == "mixer":
             make = lambda k: nn._mixer.make_mixer(spec, DIM, HEADS, causal=False, max_len=L,
                                                   key=k)
@@ -110,9 +111,16 @@ def _poison(slot, inputs, where, value):
             if i in names else x for i, x in enumerate(inputs)]
 
 
-@pytest.mark.parametrize("slot,name", ALL)
-def test_padding_content_changes_nothing_nan_and_inf_included(slot, name):
-    junk, run = _padding_program(slot, name)
+# Beside every kind at its test hyperparameters: a recurrence's short convolution on q, k and
+# v, whose taps would carry a padded input into the next real positions.
+PADDED = [pytest.param(s, n, (), id=f"{s}-{n}") for s, n in ALL] + [
+    pytest.param("mixer", "gated_deltanet", (("short_conv", 4),),
+                 id="mixer-gated_deltanet-short_conv=4")]
+
+
+@pytest.mark.parametrize("slot,name,hp", PADDED)
+def test_padding_content_changes_nothing_nan_and_inf_included(slot, name, hp):
+    junk, run = _padding_program(slot, name, hp)
     (ref, ref_aux), ref_grads = run(junk)
     for where, value in POISONS if slot == "attention" else POISONS[::2]:
         what = f"{slot} kind {name!r}: {value} in the padded {where}"

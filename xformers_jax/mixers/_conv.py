@@ -41,8 +41,8 @@ def lightweight_conv(x, kernel, *, causal: bool, mask=None, segment_ids=None):
 
 def causal_depthwise_conv(x, w, b, segment_ids=None):
     """The short causal convolution of Mamba, H3 and Hyena: ``y_t = sum_i w_i x_{t - W + 1 + i}
-    + b`` per channel. x ``[B, L, C]``, w ``[W, C]``, b ``[C]``. With ``segment_ids int[B,
-    L]`` (packed documents) a tap reads only its own document."""
+    + b`` per channel. x ``[B, L, C]``, w ``[W, C]``, b ``[C]`` (or None: no bias). With
+    ``segment_ids int[B, L]`` (packed documents) a tap reads only its own document."""
     width = w.shape[0]
     xp = jnp.pad(x, ((0, 0), (width - 1, 0), (0, 0)))
     length = x.shape[1]
@@ -51,7 +51,8 @@ def causal_depthwise_conv(x, w, b, segment_ids=None):
         sp = jnp.pad(segment_ids, ((0, 0), (width - 1, 0)), constant_values=-1)
         taps = [jnp.where((sp[:, i: i + length] == segment_ids)[..., None], t,
                           jnp.zeros((), t.dtype)) for i, t in enumerate(taps)]
-    return sum(t * w[i].astype(x.dtype) for i, t in enumerate(taps)) + b.astype(x.dtype)
+    y = sum(t * w[i].astype(x.dtype) for i, t in enumerate(taps))
+    return y if b is None else y + b.astype(x.dtype)
 
 
 def causal_depthwise_step(buffer, x_t, w, b):

@@ -35,6 +35,16 @@ def _ssm(state_size, implementation, forms):
     }
 
 
+def _short_conv(paper_width):
+    said = (f"the paper's layer uses {paper_width}" if paper_width
+            else "the paper's layer has none")
+    return {"short_conv": (0, f"taps W of a short causal convolution on q, k and v (0: none; "
+                              f"{said})")}
+
+
+# The decoding state a short convolution adds: the layer's last W - 1 inputs.
+_CONV_STATE = " + (W - 1) D with short_conv = W"
+
 _SELECTIVE = {
     "expand": (2, "inner width expand * dim"),
     "conv_width": (4, "taps of the short causal convolution"),
@@ -80,16 +90,18 @@ KINDS = (
                "Language Models"),
          time="O(L c D + L D^2)", memory="O(L D + (L/c) D^2)", causal=True, segments=True,
          decoding="recurrent",
-         state_size="H D_k D_v", test_hyperparameters=_CHUNK,
-         hyperparameters=_scan(64, "'chunked', 'parallel' or 'recurrent'")),
+         state_size="H D_k D_v" + _CONV_STATE, test_hyperparameters=_CHUNK,
+         hyperparameters={**_scan(64, "'chunked', 'parallel' or 'recurrent'"),
+                          **_short_conv(0)}),
     Kind("gla", gla, "mixers",
          Paper("Yang et al.", 2024, "Gated Linear Attention Transformers with "
                "Hardware-Efficient Training"),
          time="O(L c D_k + L D^2)", memory="O(L D + (L/c) D^2 + c^2 D_k)",
          causal=True, segments=True,
          decoding="recurrent",
-         state_size="H D_k D_v", test_hyperparameters=_CHUNK,
-         hyperparameters=_scan(GLA_CHUNK, "'chunked', 'parallel' or 'recurrent'")),
+         state_size="H D_k D_v" + _CONV_STATE, test_hyperparameters=_CHUNK,
+         hyperparameters={**_scan(GLA_CHUNK, "'chunked', 'parallel' or 'recurrent'"),
+                          **_short_conv(0)}),
     Kind("mamba2", ssd, "mixers",
          Paper("Dao and Gu", 2024, "Transformers are SSMs: Generalized Models and Efficient "
                "Algorithms Through Structured State Space Duality"),
@@ -132,16 +144,18 @@ KINDS = (
                "with Delta Rule"),
          time="O(L c D + L D^2)", memory="O(L D + (L/c) D^2)", causal=True,
          decoding="recurrent", segments=True,
-         state_size="H D_k D_v", test_hyperparameters=_CHUNK,
+         state_size="H D_k D_v" + _CONV_STATE, test_hyperparameters=_CHUNK,
          hyperparameters={**_scan(64, "'chunked', 'recurrent' or 'parallel'"),
                           "dt_min": (1e-3, "smallest initial decay step (log-uniform)"),
-                          "dt_max": (1e-1, "largest initial decay step")}),
+                          "dt_max": (1e-1, "largest initial decay step"),
+                          **_short_conv(4)}),
     Kind("mlstm", mlstm, "mixers",
          Paper("Beck et al.", 2024, "xLSTM: Extended Long Short-Term Memory"),
          time="O(L c D + L D^2)", memory="O(L D + (L/c) D^2)", causal=True, segments=True,
          decoding="recurrent",
-         state_size="H (D_k D_v + D_k + 1)", test_hyperparameters=_CHUNK,
-         hyperparameters=_scan(64, "'chunked', 'parallel' or 'recurrent'")),
+         state_size="H (D_k D_v + D_k + 1)" + _CONV_STATE, test_hyperparameters=_CHUNK,
+         hyperparameters={**_scan(64, "'chunked', 'parallel' or 'recurrent'"),
+                          **_short_conv(4)}),
     Kind("hgrn2", hgrn2, "mixers",
          Paper("Qin et al.", 2024, "HGRN2: Gated Linear RNNs with State Expansion"),
          time="O(L c D_k + L D^2)", memory="O(L D + (L/c) D^2 + c^2 D_k)",
@@ -155,10 +169,11 @@ KINDS = (
                "Architecture"),
          time="O(L c D_k + L D^2)", memory="O(L D + (L/c) D^2 + c^2 D_k)", causal=True,
          decoding="recurrent", segments=True,
-         state_size="H D_k D_v", test_hyperparameters=_CHUNK,
+         state_size="H D_k D_v" + _CONV_STATE, test_hyperparameters=_CHUNK,
          hyperparameters={**_scan(DPLR_CHUNK, "'chunked', 'recurrent' or 'parallel'"),
                           "dt_min": (1e-3, "smallest initial decay step (log-uniform)"),
-                          "dt_max": (1e-1, "largest initial decay step")}),
+                          "dt_max": (1e-1, "largest initial decay step"),
+                          **_short_conv(4)}),
     Kind("rwkv7", rwkv7, "mixers",
          Paper("Peng et al.", 2025, "RWKV-7 \"Goose\" with Expressive Dynamic State "
                "Evolution"),
@@ -171,13 +186,14 @@ KINDS = (
                "via Householder Products"),
          time="O(L n_h (c D + D^2))", memory="O(L n_h D + (L n_h/c) D^2)", causal=True,
          decoding="recurrent", segments=True,
-         state_size="H D_k D_v", test_hyperparameters=_CHUNK,
+         state_size="H D_k D_v" + _CONV_STATE, test_hyperparameters=_CHUNK,
          hyperparameters={"householder_steps": (2, "delta (Householder) steps n_h per token"),
                           **_scan(DELTA_PRODUCT_CHUNK, "'chunked', 'recurrent' or 'parallel' "
                                                        "(chunks count the n_h sub-steps of each "
                                                        "token)"),
                           "dt_min": (1e-3, "smallest initial decay step (log-uniform)"),
-                          "dt_max": (1e-1, "largest initial decay step")}),
+                          "dt_max": (1e-1, "largest initial decay step"),
+                          **_short_conv(4)}),
     Kind("s4d", s4d, "mixers",
          Paper("Gu, Gupta, Goel and Re", 2022, "On the Parameterization and Initialization of "
                "Diagonal State Space Models"),

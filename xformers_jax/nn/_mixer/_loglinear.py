@@ -175,7 +175,7 @@ class LogLinearLinear(_QKVRecurrence):
         _init_levels(self, ks[5], dim, num_heads, max_len)
         self._settings(num_heads, causal, chunk_size, implementation)
 
-    def _project(self, x):
+    def _project(self, x, segment_ids=None):
         q, k, v = self._qkv(x)
         return q, k / math.sqrt(q.shape[-1]), v, _level_weights(self, x)
 

@@ -104,37 +104,84 @@ class _QKVRecurrence(_HeadRecurrence):
     """A recurrence over per-head queries, keys and values (RetNet, GLA, Gated DeltaNet):
     ``wq, wk: [dim, H dk]``, ``wv: [dim, dim]``, a per-kind output gate ``_gate`` and
     per-head normalisation ``_norm``, then ``wo``; a state ``[B, H, dk, dv]`` decoded by the
-    kind's ``_step(state, q_t, k_t, v_t, *gates_t)``. A kind's ``_project(x)`` returns ``(q, k,
-    v, *gates)`` as ``[B, L, H, ...]`` arrays."""
+    kind's ``_step(state, q_t, k_t, v_t, *gates_t)``. A kind's ``_project(x, segment_ids)``
+    returns ``(q, k, v, *gates)`` as ``[B, L, H, ...]`` arrays.
+
+    ``short_conv = W > 0`` (the kinds that take it): the projected q, k and v pass through a
+    causal depthwise convolution of ``W`` taps without bias before the kind's own activations,
+    as Gated DeltaNet, Kimi Delta Attention, DeltaProduct and xLSTM's mLSTM block build them
+    (``ShortConvolution``; W = 4 in those papers). It lets the recurrence write a key formed
+    from earlier tokens beside the current value (binding a key to the token after it, as
+    associative recall needs; Arora et al. 2023, "Zoology", section 4). Decoding keeps the last
+    ``W - 1`` layer inputs beside the state and projects the window, so a step equals the
+    forward pass; packed rows restart it at every document."""
 
     wq: jax.Array
     wk: jax.Array
     wv: jax.Array
+    conv_w: jax.Array | None = None
 
     def _init_qkv(self, ks, dim, dk):
         self.wq, self.wk, self.wv = dense(ks[0], dim, dk), dense(ks[1], dim, dk), dense(
             ks[2], dim, dim)
 
-    def _qkv(self, x):
+    def _init_conv(self, key, short_conv):
+        """The short convolution's taps ``[W, channels of q, k and v]`` (none for ``W = 0``);
+        after the projections are made."""
+        if not isinstance(short_conv, int) or isinstance(short_conv, bool) or short_conv < 0:
+            raise ValueError(f"{type(self).__name__}: short_conv must be an int >= 0 (taps of "
+                             f"the short convolution; 0 for none), got {short_conv!r}")
+        width = sum(w.shape[1] for w in (self.wq, self.wk, self.wv))
+        self.conv_w = _conv_init(key, short_conv, width) if short_conv else None
+
+    def _short_conv(self, arrays, segment_ids=None):
+        """``arrays`` (``[B, L, C_i]`` projections) through the short convolution, each
+        channel its own taps; unchanged without one."""
+        if self.conv_w is None:
+            return arrays
+        sizes = [a.shape[-1] for a in arrays]
+        y = _causal_conv(jnp.concatenate(arrays, -1), self.conv_w, None, segment_ids)
+        cuts = [sum(sizes[:i + 1]) for i in range(len(sizes) - 1)]
+        return tuple(jnp.split(y, cuts, axis=-1))
+
+    def _qkv(self, x, segment_ids=None):
         dt, h = x.dtype, self.num_heads
-        return tuple(_heads(x @ w.astype(dt), h) for w in (self.wq, self.wk, self.wv))
+        qkv = self._short_conv(tuple(x @ w.astype(dt) for w in (self.wq, self.wk, self.wv)),
+                               segment_ids)
+        return tuple(_heads(a, h) for a in qkv)
 
     def _inputs(self, x, kv_mask, segment_ids=None):
-        return self._project(x), (), None
+        # x is zero at padded positions (check_mask), so no padded input reaches a real
+        # position through the short convolution's taps.
+        return self._project(x, segment_ids), (), None
 
     def _out(self, x, o, ctx=None):
         o = self._norm(o).reshape(x.shape).astype(x.dtype)
         gate = x @ self._gate_weight().astype(x.dtype)
         return (jax.nn.silu(gate) * o) @ self.wo.astype(x.dtype)
 
-    def init_cache(self, batch, max_len, dtype=jnp.float32):
+    def _init_state(self, batch):
         h = self.num_heads
         dk, dv = self.wq.shape[1] // h, self.wv.shape[1] // h
-        return recurrent_cache(jnp.zeros((batch, h, dk, dv), jnp.float32))
+        return jnp.zeros((batch, h, dk, dv), jnp.float32)
+
+    def init_cache(self, batch, max_len, dtype=jnp.float32):
+        state = self._init_state(batch)
+        if self.conv_w is None:
+            return recurrent_cache(state)
+        window = jnp.zeros((batch, self.conv_w.shape[0] - 1, self.wq.shape[0]), dtype)
+        return recurrent_cache((state, window))
 
     def decode(self, x, cache):
-        arrays = (a[:, 0].astype(jnp.float32) for a in self._project(x))
-        o, s = jax.vmap(jax.vmap(self._step))(cache.state, *arrays)
+        if self.conv_w is None:
+            state, xs = cache.state, x
+        else:  # the window of the last W inputs: its last position is the step's
+            state, window = cache.state
+            xs = jnp.concatenate([window.astype(x.dtype), x], axis=1)
+        arrays = (a[:, -1].astype(jnp.float32) for a in self._project(xs))
+        o, s = jax.vmap(jax.vmap(self._step))(state, *arrays)
+        if self.conv_w is not None:
+            s = (s, xs[:, 1:].astype(window.dtype))
         return self._out(x, o[:, None]), type(cache)(s, cache.index + 1)
 
 
@@ -148,11 +195,12 @@ class RetNet(_QKVRecurrence):
     wo: jax.Array
 
     def __init__(self, dim, num_heads, *, causal, max_len, key, chunk_size=64,
-                 implementation="chunked"):
+                 implementation="chunked", short_conv=0):
         if dim % num_heads:
             raise ValueError(f"RetNet: dim={dim} is not divisible by num_heads={num_heads}")
         ks = jax.random.split(key, 5)
         self._init_qkv(ks, dim, dim)
+        self._init_conv(jax.random.fold_in(key, 2), short_conv)
         self.wg, self.wo = dense(ks[3], dim, dim), dense(ks[4], dim, dim)
         self._settings(num_heads, causal, chunk_size, implementation)
 
@@ -160,8 +208,8 @@ class RetNet(_QKVRecurrence):
     def log_gamma(self):
         return jnp.log1p(-2.0 ** (-5.0 - jnp.arange(self.num_heads, dtype=jnp.float32)))
 
-    def _project(self, x):
-        q, k, v = self._qkv(x)
+    def _project(self, x, segment_ids=None):
+        q, k, v = self._qkv(x, segment_ids)
         lg = jnp.broadcast_to(self.log_gamma, q.shape[:3])
         return q, k / math.sqrt(q.shape[-1]), v, lg
 
@@ -192,21 +240,22 @@ class GLA(_QKVRecurrence):
     GATE_RANK = 16
 
     def __init__(self, dim, num_heads, *, causal, max_len, key, chunk_size=GLA_CHUNK,
-                 implementation="chunked"):
+                 implementation="chunked", short_conv=0):
         if dim % (2 * num_heads):
             raise ValueError(f"GLA: dim={dim} must be divisible by 2 * num_heads={num_heads}")
         ks = jax.random.split(key, 7)
         dk = dim // 2
         self._init_qkv(ks, dim, dk)
+        self._init_conv(jax.random.fold_in(key, 2), short_conv)
         self.wr, self.wo = dense(ks[3], dim, dim), dense(ks[4], dim, dim)
         self.wa1 = dense(ks[5], dim, self.GATE_RANK)
         self.wa2 = dense(ks[6], self.GATE_RANK, dk)
         self.ba = jnp.zeros((dk,))
         self._settings(num_heads, causal, chunk_size, implementation)
 
-    def _project(self, x):
+    def _project(self, x, segment_ids=None):
         dt = x.dtype
-        q, k, v = self._qkv(x)
+        q, k, v = self._qkv(x, segment_ids)
         logits = (x @ self.wa1.astype(dt)) @ self.wa2.astype(dt) + self.ba.astype(dt)
         ld = jax.nn.log_sigmoid(logits.astype(jnp.float32)) / self.TEMPERATURE
         return q, k / math.sqrt(k.shape[-1]), v, _heads(ld, self.num_heads)
@@ -237,12 +286,13 @@ class GatedDeltaNet(_QKVRecurrence):
     wo: jax.Array
 
     def __init__(self, dim, num_heads, *, causal, max_len, key, chunk_size=64,
-                 implementation="chunked", dt_min=1e-3, dt_max=1e-1):
+                 implementation="chunked", dt_min=1e-3, dt_max=1e-1, short_conv=0):
         if dim % num_heads:
             raise ValueError(f"GatedDeltaNet: dim={dim} is not divisible by "
                              f"num_heads={num_heads}")
         ks = jax.random.split(key, 8)
         self._init_qkv(ks, dim, dim)
+        self._init_conv(jax.random.fold_in(key, 2), short_conv)
         self.wg, self.wo = dense(ks[3], dim, dim), dense(ks[4], dim, dim)
         self.w_beta = dense(ks[5], dim, num_heads)
         self.w_a = dense(ks[6], dim, num_heads)
@@ -250,10 +300,10 @@ class GatedDeltaNet(_QKVRecurrence):
         self.dt_bias = _dt_bias(jax.random.fold_in(key, 1), (num_heads,), dt_min, dt_max)
         self._settings(num_heads, causal, chunk_size, implementation)
 
-    def _project(self, x):
+    def _project(self, x, segment_ids=None):
         dt = x.dtype
         l2 = lambda a: a * jax.lax.rsqrt(jnp.sum(a * a, -1, keepdims=True) + 1e-6)  # noqa: E731
-        q, k, v = self._qkv(x)
+        q, k, v = self._qkv(x, segment_ids)
         q, k = (l2(jax.nn.silu(a).astype(jnp.float32)) for a in (q, k))
         beta = jax.nn.sigmoid((x @ self.w_beta.astype(dt)).astype(jnp.float32))
         ld = -jnp.exp(self.a_log) * jax.nn.softplus(

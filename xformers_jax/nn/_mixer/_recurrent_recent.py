@@ -22,7 +22,7 @@ from ... import mixers as M
 from ...attention.linear import causal_step
 from ...mixers import DELTA_PRODUCT_CHUNK, DPLR_CHUNK, GLA_CHUNK
 from .._slots import implements
-from ._base import dense, recurrent_cache
+from ._base import dense
 from ._recurrent import _dt_bias, _head_norm, _heads, _QKVRecurrence, _rms
 
 GATE_RANK = 16
@@ -53,18 +53,19 @@ class MLSTM(_QKVRecurrence):
     wo: jax.Array
 
     def __init__(self, dim, num_heads, *, causal, max_len, key, chunk_size=64,
-                 implementation="chunked"):
+                 implementation="chunked", short_conv=0):
         _check_heads("MLSTM", dim, num_heads)
         ks = jax.random.split(key, 6)
         self._init_qkv(ks, dim, dim)
+        self._init_conv(jax.random.fold_in(key, 2), short_conv)
         self.wg, self.wo = dense(ks[3], dim, dim), dense(ks[4], dim, dim)
         self.w_if = dense(ks[5], dim, 2 * num_heads) * 0.1
         self.b_if = jnp.concatenate([jnp.zeros((num_heads,)),
                                      jnp.linspace(3.0, 6.0, num_heads)])
         self._settings(num_heads, causal, chunk_size, implementation)
 
-    def _project(self, x):
-        q, k, v = self._qkv(x)
+    def _project(self, x, segment_ids=None):
+        q, k, v = self._qkv(x, segment_ids)
         gates = (x @ self.w_if.astype(x.dtype)).astype(jnp.float32) + self.b_if
         h = self.num_heads
         return q, k / math.sqrt(k.shape[-1]), v, gates[..., :h], gates[..., h:]
@@ -85,12 +86,11 @@ class MLSTM(_QKVRecurrence):
         gate = jax.nn.sigmoid(x @ self.wg.astype(x.dtype))
         return (gate * o) @ self.wo.astype(x.dtype)
 
-    def init_cache(self, batch, max_len, dtype=jnp.float32):
+    def _init_state(self, batch):
         h = self.num_heads
         dk, dv = self.wq.shape[1] // h, self.wv.shape[1] // h
         c, n, m = M.mlstm_init_state(dk, dv)
-        return recurrent_cache(tuple(jnp.broadcast_to(a, (batch, h, *a.shape))
-                                     for a in (c, n, m)))
+        return tuple(jnp.broadcast_to(a, (batch, h, *a.shape)) for a in (c, n, m))
 
 
 @implements("hgrn2")
@@ -116,7 +116,7 @@ class HGRN2(_QKVRecurrence):
         self.lower_bound = float(lower_bound)
         self._settings(num_heads, causal, chunk_size, implementation)
 
-    def _project(self, x):
+    def _project(self, x, segment_ids=None):
         q, f, v = self._qkv(x)
         lb = self.lower_bound
         # log(lb + (1 - lb) sigmoid(z)) without leaving log space when lb = 0.
@@ -164,19 +164,20 @@ class KimiDeltaAttention(_QKVRecurrence):
     wo: jax.Array
 
     def __init__(self, dim, num_heads, *, causal, max_len, key, chunk_size=DPLR_CHUNK,
-                 implementation="chunked", dt_min=1e-3, dt_max=1e-1):
+                 implementation="chunked", dt_min=1e-3, dt_max=1e-1, short_conv=0):
         _check_heads("KimiDeltaAttention", dim, num_heads)
         ks = jax.random.split(key, 7)
         self._init_qkv(ks, dim, dim)
+        self._init_conv(jax.random.fold_in(key, 2), short_conv)
         self.wg, self.wo = dense(ks[3], dim, dim), dense(ks[4], dim, dim)
         self.w_beta = dense(ks[5], dim, num_heads)
         self.w_a1, self.w_a2, self.a_log, self.dt_bias = _LowRankDecay.make(
             ks[6], dim, num_heads, dt_min, dt_max)
         self._settings(num_heads, causal, chunk_size, implementation)
 
-    def _project(self, x):
+    def _project(self, x, segment_ids=None):
         dt = x.dtype
-        q, k, v = self._qkv(x)
+        q, k, v = self._qkv(x, segment_ids)
         q, k = (_l2(jax.nn.silu(a)) for a in (q, k))
         beta = jax.nn.sigmoid((x @ self.w_beta.astype(dt)).astype(jnp.float32))
         z = ((x @ self.w_a1.astype(dt)) @ self.w_a2.astype(dt)).astype(jnp.float32)
@@ -230,7 +231,7 @@ class RWKV7(_QKVRecurrence):
         self.bonus = jax.random.normal(ks[9], (dim,)) * 0.1
         self._settings(num_heads, causal, chunk_size, implementation)
 
-    def _project(self, x):
+    def _project(self, x, segment_ids=None):
         dt, h = x.dtype, self.num_heads
         r, k, v = self._qkv(x)
         low = lambda w1, w2, b: ((x @ w1.astype(dt)) @ w2.astype(dt)).astype(  # noqa: E731
@@ -273,7 +274,7 @@ class GatedDeltaProduct(_QKVRecurrence):
 
     def __init__(self, dim, num_heads, *, causal, max_len, key, householder_steps=2,
                  chunk_size=DELTA_PRODUCT_CHUNK, implementation="chunked", dt_min=1e-3,
-                 dt_max=1e-1):
+                 dt_max=1e-1, short_conv=0):
         _check_heads("GatedDeltaProduct", dim, num_heads)
         if not isinstance(householder_steps, int) or householder_steps < 1:
             raise ValueError(f"GatedDeltaProduct: householder_steps must be a positive int, "
@@ -287,21 +288,24 @@ class GatedDeltaProduct(_QKVRecurrence):
         self.w_a = dense(ks[6], dim, num_heads)
         self.a_log = jnp.log(jax.random.uniform(ks[7], (num_heads,), minval=1, maxval=16))
         self.dt_bias = _dt_bias(jax.random.fold_in(key, 1), (num_heads,), dt_min, dt_max)
+        self._init_conv(jax.random.fold_in(key, 2), short_conv)
         self._settings(num_heads, causal, chunk_size, implementation)
 
     def _steps(self):
         return self.wk.shape[1] // self.wq.shape[1]
 
-    def _project(self, x):
+    def _project(self, x, segment_ids=None):
         dt, h, nh = x.dtype, self.num_heads, self._steps()
         b, length, _ = x.shape
 
         def per_step(a):  # [B, L, nh * dim] -> [B, L, H, nh, dim / H]
             return jnp.moveaxis(a.reshape(b, length, nh, h, -1), 2, 3)
 
-        q = _l2(jax.nn.silu(_heads(x @ self.wq.astype(dt), h)))
-        k = _l2(jax.nn.silu(per_step(x @ self.wk.astype(dt))))
-        v = per_step(x @ self.wv.astype(dt))
+        q, k, v = self._short_conv(tuple(x @ w.astype(dt) for w in (self.wq, self.wk, self.wv)),
+                                   segment_ids)
+        q = _l2(jax.nn.silu(_heads(q, h)))
+        k = _l2(jax.nn.silu(per_step(k)))
+        v = per_step(v)
         beta = 2 * jax.nn.sigmoid((x @ self.w_beta.astype(dt)).astype(jnp.float32))
         beta = jnp.moveaxis(beta.reshape(b, length, nh, h), 2, 3)
         ld = -jnp.exp(self.a_log) * jax.nn.softplus(
@@ -318,7 +322,7 @@ class GatedDeltaProduct(_QKVRecurrence):
     def _gate_weight(self):
         return self.wg
 
-    def init_cache(self, batch, max_len, dtype=jnp.float32):
+    def _init_state(self, batch):
         h = self.num_heads
         d = self.wq.shape[1] // h
-        return recurrent_cache(jnp.zeros((batch, h, d, d), jnp.float32))
+        return jnp.zeros((batch, h, d, d), jnp.float32)

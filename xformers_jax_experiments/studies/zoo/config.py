@@ -48,8 +48,9 @@ CPU_STEPS = 10000
 def zoo_hyperparameters(slot: str, kind: str, seq_len: int) -> dict:
     """The kind's hyperparameters in the zoo: its registered defaults, with the sizes that
     shape what it can see set for sequences of ``seq_len`` (windows, blocks and spans of
-    ``seq_len / 4``, 64 random features or landmarks, 16 clusters or top-k keys; the rule is
-    the same for every kind of a family so that a kind is not tuned against the others).
+    ``seq_len / 4``, 64 random features or landmarks, 16 clusters or top-k keys, a short
+    convolution of 4 taps on q, k and v where a recurrence offers one; the rule is the same
+    for every kind of a family so that a kind is not tuned against the others).
     Required hyperparameters no rule covers take the kind's test value (named in the
     results as such)."""
     k = nn.get_kind(slot, kind)
@@ -62,6 +63,10 @@ def zoo_hyperparameters(slot: str, kind: str, seq_len: int) -> dict:
         "sinks": 4, "shape": (seq_len // side, side), "global_tokens": (0,),
         "num_global": 1, "radius": quarter // 16 or 1, "pool_size": 4, "stride": 4,
         "spans": (16, None),
+        # Every sub-quadratic layer of Zoology's grid carries a short convolution (Based's
+        # BaseConv, H3's shift, Hyena's and Mamba's convolutions); the recurrences that offer
+        # one on q, k and v take the 4 taps of Gated DeltaNet's and Kimi Linear's layers.
+        "short_conv": 4,
     }
     if k.hyperparameters.get("pattern", None) is not None and k.hyperparameters["pattern"].required:
         rules["pattern"] = P.Local(quarter, 0)  # a kind that needs a pattern: a causal window
