@@ -38,8 +38,8 @@ def _ssm(state_size, implementation, forms):
 def _short_conv(paper_width):
     said = (f"the paper's layer uses {paper_width}" if paper_width
             else "the paper's layer has none")
-    return {"short_conv": (0, f"taps W of a short causal convolution on q, k and v (0: none; "
-                              f"{said})")}
+    return {"short_conv": (0, (f"taps W of a short causal convolution on q, k and v (0: none; "
+                               f"{said})"))}
 
 
 # The decoding state a short convolution adds: the layer's last W - 1 inputs.
