@@ -39,11 +39,8 @@ def _short_conv(paper_width):
     said = (f"the paper's layer uses {paper_width}" if paper_width
             else "the paper's layer has none")
     return {"short_conv": (0, (f"taps W of a short causal convolution on q, k and v (0: none; "
-                               f"{said})"))}
-
-
-# The decoding state a short convolution adds: the layer's last W - 1 inputs.
-_CONV_STATE = " + (W - 1) D with short_conv = W"
+                               f"{said}); decoding then also keeps the last W - 1 inputs, "
+                               "(W - 1) D per sequence"))}
 
 _SELECTIVE = {
     "expand": (2, "inner width expand * dim"),
@@ -90,7 +87,7 @@ KINDS = (
                "Language Models"),
          time="O(L c D + L D^2)", memory="O(L D + (L/c) D^2)", causal=True, segments=True,
          decoding="recurrent",
-         state_size="H D_k D_v" + _CONV_STATE, test_hyperparameters=_CHUNK,
+         state_size="H D_k D_v", test_hyperparameters=_CHUNK,
          hyperparameters={**_scan(64, "'chunked', 'parallel' or 'recurrent'"),
                           **_short_conv(0)}),
     Kind("gla", gla, "mixers",
@@ -99,7 +96,7 @@ KINDS = (
          time="O(L c D_k + L D^2)", memory="O(L D + (L/c) D^2 + c^2 D_k)",
          causal=True, segments=True,
          decoding="recurrent",
-         state_size="H D_k D_v" + _CONV_STATE, test_hyperparameters=_CHUNK,
+         state_size="H D_k D_v", test_hyperparameters=_CHUNK,
          hyperparameters={**_scan(GLA_CHUNK, "'chunked', 'parallel' or 'recurrent'"),
                           **_short_conv(0)}),
     Kind("mamba2", ssd, "mixers",
@@ -144,7 +141,7 @@ KINDS = (
                "with Delta Rule"),
          time="O(L c D + L D^2)", memory="O(L D + (L/c) D^2)", causal=True,
          decoding="recurrent", segments=True,
-         state_size="H D_k D_v" + _CONV_STATE, test_hyperparameters=_CHUNK,
+         state_size="H D_k D_v", test_hyperparameters=_CHUNK,
          hyperparameters={**_scan(64, "'chunked', 'recurrent' or 'parallel'"),
                           "dt_min": (1e-3, "smallest initial decay step (log-uniform)"),
                           "dt_max": (1e-1, "largest initial decay step"),
@@ -153,7 +150,7 @@ KINDS = (
          Paper("Beck et al.", 2024, "xLSTM: Extended Long Short-Term Memory"),
          time="O(L c D + L D^2)", memory="O(L D + (L/c) D^2)", causal=True, segments=True,
          decoding="recurrent",
-         state_size="H (D_k D_v + D_k + 1)" + _CONV_STATE, test_hyperparameters=_CHUNK,
+         state_size="H (D_k D_v + D_k + 1)", test_hyperparameters=_CHUNK,
          hyperparameters={**_scan(64, "'chunked', 'parallel' or 'recurrent'"),
                           **_short_conv(4)}),
     Kind("hgrn2", hgrn2, "mixers",
@@ -169,7 +166,7 @@ KINDS = (
                "Architecture"),
          time="O(L c D_k + L D^2)", memory="O(L D + (L/c) D^2 + c^2 D_k)", causal=True,
          decoding="recurrent", segments=True,
-         state_size="H D_k D_v" + _CONV_STATE, test_hyperparameters=_CHUNK,
+         state_size="H D_k D_v", test_hyperparameters=_CHUNK,
          hyperparameters={**_scan(DPLR_CHUNK, "'chunked', 'recurrent' or 'parallel'"),
                           "dt_min": (1e-3, "smallest initial decay step (log-uniform)"),
                           "dt_max": (1e-1, "largest initial decay step"),
@@ -186,7 +183,7 @@ KINDS = (
                "via Householder Products"),
          time="O(L n_h (c D + D^2))", memory="O(L n_h D + (L n_h/c) D^2)", causal=True,
          decoding="recurrent", segments=True,
-         state_size="H D_k D_v" + _CONV_STATE, test_hyperparameters=_CHUNK,
+         state_size="H D_k D_v", test_hyperparameters=_CHUNK,
          hyperparameters={"householder_steps": (2, "delta (Householder) steps n_h per token"),
                           **_scan(DELTA_PRODUCT_CHUNK, "'chunked', 'recurrent' or 'parallel' "
                                                        "(chunks count the n_h sub-steps of each "
