@@ -28,6 +28,7 @@ from .._dense import dot_product_attention
 from .._exact import flash_attention
 from .._flex import document_offsets
 from .._multihead import multihead
+from .._short_conv import causal_depthwise_conv, causal_depthwise_step
 from ._differential import differential_attention, differential_lambda, lambda_init_for
 from ._dsa import (deepseek_sparse_attention, deepseek_sparse_tiled, indexer_alignment_loss,
                    lightning_indexer)
@@ -83,7 +84,7 @@ def _diff_decode(q, k, v, params, *, valid, index, **hp):
 
 # -- forgetting attention ------------------------------------------------------------------------
 
-def _fox_init(key, hp, *, num_heads, head_dim, max_len, dim):
+def _fox_init(key, hp, *, num_heads, head_dim, max_len, dim, num_kv_heads):
     # f_t = sigmoid(w_f^T x_t + b_f), one gate per head (the paper's Eq. 5).
     return {"w_f": _normal(key, (dim, num_heads), dim),
             "b_f": jnp.full((num_heads,), hp["gate_bias_init"], jnp.float32)}
@@ -143,7 +144,7 @@ def _normal(key, shape, fan_in):
     return jax.random.normal(key, shape) / jnp.sqrt(fan_in)
 
 
-def _mla_init(key, hp, *, num_heads, head_dim, max_len, dim):
+def _mla_init(key, hp, *, num_heads, head_dim, max_len, dim, num_kv_heads):
     d_c, d_r = _mla_sizes("mla", head_dim, hp["latent_dim"], hp["rope_dim"])
     ks = jax.random.split(key, 6)
     params = {"w_dkv": _normal(ks[0], (dim, d_c), dim),
@@ -228,7 +229,7 @@ def _moba_decode(q, k, v, params, *, valid, index, block_size=64, top_k=3, chunk
 
 # -- native sparse attention ------------------------------------------------------------------
 
-def _nsa_init(key, hp, *, num_heads, head_dim, max_len, dim):
+def _nsa_init(key, hp, *, num_heads, head_dim, max_len, dim, num_kv_heads):
     # The gates' projection: sigmoid(x W_g + b_g), three gates per head (the paper's MLP, one
     # layer here).
     return {"w_g": _normal(key, (dim, num_heads, 3), dim), "b_g": jnp.zeros((num_heads, 3))}
@@ -260,7 +261,7 @@ def _nsa_decode(q, k, v, params, *, valid, index, inputs, block_size=64, num_sel
 
 # -- DeepSeek sparse attention ------------------------------------------------------------------
 
-def _dsa_init(key, hp, *, num_heads, head_dim, max_len, dim):
+def _dsa_init(key, hp, *, num_heads, head_dim, max_len, dim, num_kv_heads):
     h, d = hp["index_heads"], hp["index_dim"]
     ks = jax.random.split(key, 3)
     return {"w_qi": _normal(ks[0], (dim, h * d), dim), "w_ki": _normal(ks[1], (dim, d), dim),
@@ -354,51 +355,129 @@ def _dsa_decode(q, k, v_ki, params, *, valid, index, inputs, top_k=2048, index_h
 
 # -- PaTH attention ----------------------------------------------------------------------------
 
-def _path_init(key, hp, *, num_heads, head_dim, max_len, dim):
-    # Each head's Householder direction and strength from the token (the paper adds a short
-    # convolution before the normalisation, and a low-rank projection; a full linear map here,
-    # so a decoding step needs the token alone).
-    kw, kb = jax.random.split(key)
-    return {"w_w": _normal(kw, (dim, num_heads, head_dim), dim),
-            "w_beta": _normal(kb, (dim, num_heads), dim), "b_beta": jnp.zeros((num_heads,))}
+def _path_sizes(rank, width):
+    if rank is not None and (not isinstance(rank, int) or rank <= 0):
+        raise ValueError(f"attention kind 'path': w_rank must be a positive int (the low-rank "
+                         f"projection's width) or None (a full linear map), got {rank!r}")
+    if not isinstance(width, int) or width < 0:
+        raise ValueError(f"attention kind 'path': conv_width must be an int >= 0 (the short "
+                         f"convolution's taps; 0: none), got {width!r}")
 
 
-def _path_transforms(inputs, params):
-    """``(w [B, L, H, D], beta [B, L, H])`` in float32 from the block input: ``w_t`` unit-norm,
-    ``beta_t = 2 sigmoid(.)`` in ``(0, 2)`` (the paper's range, reflections included)."""
-    x = inputs.astype(jnp.float32)
-    w = jnp.einsum("bld,dhe->blhe", x, params["w_w"].astype(jnp.float32))
+def _path_init(key, hp, *, num_heads, head_dim, max_len, dim, num_kv_heads):
+    # One Householder transform per key/value head (its query group shares it with the keys):
+    # the direction through a rank-r projection and the short convolution, the strength
+    # through a linear map with a bias (the paper's parameterisation).
+    rank, width = hp["w_rank"], hp["conv_width"]
+    _path_sizes(rank, width)
+    ks = jax.random.split(key, 4)
+    channels = num_kv_heads * head_dim
+    if rank is None:
+        params = {"w_w": _normal(ks[0], (dim, channels), dim)}
+    else:
+        params = {"w_down": _normal(ks[0], (dim, rank), dim),
+                  "w_up": _normal(ks[1], (rank, channels), rank)}
+    if width:
+        # PyTorch's Conv1d initialisation (uniform, bound 1/sqrt(fan_in)), as Mamba's.
+        params["w_conv"] = jax.random.uniform(ks[2], (width, channels), minval=-1.0,
+                                              maxval=1.0) / jnp.sqrt(width)
+    return {**params, "w_beta": _normal(ks[3], (dim, num_kv_heads), dim),
+            "b_beta": jnp.zeros((num_kv_heads,))}
+
+
+def _path_directions_in(x, params):
+    """The directions before the convolution, ``[B, L, Hkv * D]`` float32, from the block input
+    ``x [B, L, dim]``: ``x W_down W_up`` (or ``x W`` without the low rank)."""
+    x = x.astype(jnp.float32)
+    if "w_w" in params:
+        return x @ params["w_w"].astype(jnp.float32)
+    return (x @ params["w_down"].astype(jnp.float32)) @ params["w_up"].astype(jnp.float32)
+
+
+def _path_finish(u, x, params):
+    """``(w [B, L, Hkv, D], beta [B, L, Hkv])`` float32 from the convolved directions ``u [B,
+    L, Hkv * D]`` and the block input: each head's ``w_t`` L2-normalised, ``beta_t = 2
+    sigmoid(.)`` in ``(0, 2)`` (the paper's range, reflections included)."""
+    hkv = params["b_beta"].shape[0]
+    w = u.reshape(*u.shape[:2], hkv, -1)
     w = w * jax.lax.rsqrt(jnp.sum(w * w, -1, keepdims=True) + 1e-6)
-    logits = jnp.einsum("bld,dh->blh", x, params["w_beta"].astype(jnp.float32))
-    return w, 2.0 * jax.nn.sigmoid(logits + params["b_beta"])
+    logits = x.astype(jnp.float32) @ params["w_beta"].astype(jnp.float32)
+    return w, 2.0 * jax.nn.sigmoid(logits + params["b_beta"].astype(jnp.float32))
 
 
-def _path_heads(q_heads, k_heads):
-    if q_heads != k_heads:
-        raise ValueError(f"attention kind 'path': its transforms are per head and rewrite the "
-                         f"keys, so every query head needs its own key head; got "
-                         f"num_heads={q_heads}, num_kv_heads={k_heads} (give num_kv_heads = "
-                         "num_heads)")
+def _path_transforms(x, params, segment_ids=None):
+    """PaTH's transforms from the block input ``x [B, L, dim]`` (padding already zeroed):
+    ``w_t = normalise(SiLU(conv(x W_down W_up)_t))`` per key/value head, the convolution short
+    and causal (``causal_depthwise_conv``: with ``segment_ids``, no tap reads another
+    document), and ``beta_t`` (:func:`_path_finish`). The SiLU after the convolution is the
+    authors' (flash-linear-attention's short convolution, which the paper's layer uses)."""
+    u = _path_directions_in(x, params)
+    if "w_conv" in params:
+        zero = jnp.zeros((u.shape[-1],), jnp.float32)
+        u = jax.nn.silu(causal_depthwise_conv(u, params["w_conv"].astype(jnp.float32), zero,
+                                              segment_ids))
+    return _path_finish(u, x, params)
 
 
 def _path_attend(q, k, v, params, *, causal, kv_mask, bias, key, inputs, q_mask=None,
-                 segment_ids=None, block_size=64, group=8):
-    _path_heads(q.shape[2], k.shape[2])
-    w, beta = _path_transforms(real_only(kv_mask, inputs), params)
+                 segment_ids=None, block_size=64, group=8, conv_width=3):
+    w, beta = _path_transforms(real_only(kv_mask, inputs), params, segment_ids)
     fn = functools.partial(path_attention, block_size=block_size, group=group)
     # PaTH exists causally only (a key's transforms are those of the later tokens up to the
-    # query): a layer runs it causally in any model, as the delta rule's recurrence.
-    return multihead(fn, arg_axes=("batch_heads", "batch_heads"))(
+    # query): a layer runs it causally in any model, as the delta rule's recurrence. The
+    # transforms are per key/value head, shared by its query group as the keys are
+    # (grouped-query attention): the keys' side of the blockwise form is computed once a group.
+    return multihead(fn, arg_axes=("batch_kv_heads", "batch_kv_heads"))(
         q, k, v, jnp.moveaxis(w, 2, 1), jnp.moveaxis(beta, 2, 1), causal=True,
         kv_mask=kv_mask, segment_ids=segment_ids)
 
 
-def _path_update(k, params, *, inputs, valid, index, block_size=64, group=8):
-    # The paper's inference form: the new token's H_t rewrites every cached key, O(C D).
-    _path_heads(params["w_w"].shape[1], k.shape[2])
-    w, beta = _path_transforms(inputs, params)
+def _path_keeps_directions(conv_width):
+    """Whether the cache keeps each token's direction before the convolution (the next
+    ``conv_width - 1`` steps read it)."""
+    return conv_width > 1
+
+
+def _path_widths(hp, *, num_heads, num_kv_heads, head_dim):
+    # Beside its key, a token keeps its direction before the convolution.
+    extra = head_dim if _path_keeps_directions(hp["conv_width"]) else 0
+    return num_kv_heads, head_dim + extra, head_dim
+
+
+def _path_entry(inputs, k, v, params, *, position, conv_width=3, **hp):
+    if not _path_keeps_directions(conv_width):
+        return k, v
+    u = _path_directions_in(inputs, params).reshape(k.shape)
+    return jnp.concatenate([k, u.astype(k.dtype)], -1), v
+
+
+def _path_update(k, params, *, inputs, valid, index, block_size=64, group=8, conv_width=3):
+    # The paper's inference form: the new token's H_t rewrites every cached key, O(C D); its
+    # direction convolves the cached directions of the last conv_width - 1 tokens with its own.
+    b, _, hkv, width = k.shape
+    d = width // 2 if _path_keeps_directions(conv_width) else width
+    u = _path_directions_in(inputs, params)  # [B, 1, Hkv * D]
+    if conv_width:
+        history = conv_width - 1
+        past = jnp.reshape(k[..., d:], (b, -1, hkv * (width - d))).astype(jnp.float32)
+        # Slots index - history .. index - 1 (zeros before the first token, as the forward
+        # pass's convolution pads).
+        past = jax.lax.dynamic_slice_in_dim(
+            jnp.pad(past, ((0, 0), (history, 0), (0, 0))), index, history, axis=1)
+        zero = jnp.zeros((u.shape[-1],), jnp.float32)
+        u, _ = causal_depthwise_step(past, u[:, 0], params["w_conv"].astype(jnp.float32), zero)
+        u = jax.nn.silu(u)[:, None]
+    w, beta = _path_finish(u, inputs, params)
     per_head = jax.vmap(path_update_keys, in_axes=(1, 0, 0), out_axes=1)
-    return jax.vmap(per_head)(k, w[:, 0], beta[:, 0])
+    keys = jax.vmap(per_head)(k[..., :d], w[:, 0], beta[:, 0])
+    return jnp.concatenate([keys, k[..., d:]], -1)
+
+
+def _path_decode(q, k, v, params, *, valid, index, inputs, block_size=64, group=8,
+                 conv_width=3):
+    # The step's query over the rewritten keys by plain softmax (the directions kept beside
+    # the keys are no part of them).
+    return multihead(dot_product_attention)(q, k[..., :q.shape[-1]], v, kv_mask=valid)
 
 
 KINDS = (
@@ -495,12 +574,18 @@ KINDS = (
          time="O(L^2 D + L c^2), blocks of c",
          memory="O(g L (D + c)), g query blocks at a time", causal=True, decoding="kv",
          segments=True,
-         state_size="2 H D per token (keys and values; each step rewrites every cached key, "
-                    "O(L H D))",
-         test_hyperparameters={"block_size": 4, "group": 2},
+         state_size="H_kv (2 D + D) per token (keys, their Householder directions before the "
+                    "convolution, values; each step rewrites every cached key, O(L H_kv D))",
+         test_hyperparameters={"block_size": 4, "group": 2, "w_rank": 4},
          hyperparameters={
              "block_size": (64, "positions per block (the UT form of its Householders)"),
-             "group": (8, "query blocks computed together per step")},
-         adapter=AttentionAdapter(_path_attend, init=_path_init, takes_input=True,
-                                  decoding=KVDecoding(update=_path_update))),
+             "group": (8, "query blocks computed together per step"),
+             "w_rank": (32, ("r, the rank of the directions' projection x W_down W_up (None: "
+                             "a full linear map)")),
+             "conv_width": (3, ("taps of the short causal convolution over the directions "
+                                "(0: none, w_t from the token alone)"))},
+         adapter=AttentionAdapter(
+             _path_attend, init=_path_init, takes_input=True, init_only={"w_rank"},
+             decoding=KVDecoding(attend=_path_decode, entry=_path_entry, widths=_path_widths,
+                                 update=_path_update))),
 )
