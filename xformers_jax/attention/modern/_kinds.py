@@ -33,6 +33,7 @@ from ._differential import differential_attention, differential_lambda, lambda_i
 from ._dsa import (deepseek_sparse_attention, deepseek_sparse_tiled, indexer_alignment_loss,
                    lightning_indexer)
 from ._fox import forgetting_attention, forgetting_decode_step
+from ._fox_pro import head_rms_norm, token_shift
 from ._mla import multi_head_latent_attention, rotary
 from ._moba import moba_attention, moba_reference
 from ._nsa import native_sparse_attention, native_sparse_reference
@@ -126,6 +127,104 @@ def _fox_decode(q, k, v_g, params, *, valid, index, inputs, block_q=None, block_
     return multihead(forgetting_decode_step, arg_axes=("batch_heads",),
                      kwarg_axes={"valid": "batch"})(q, k, v, jnp.moveaxis(log_f, -1, 1),
                                                     valid=valid)
+
+
+# -- forgetting attention with the Pro block's components ----------------------------------------
+
+_FOX_PRO_PARTS = ("kv_shift", "qk_norm", "output_norm", "output_gate")
+
+
+def _fox_pro_init(key, hp, *, num_heads, head_dim, max_len, dim, num_kv_heads):
+    kf, ks, kg = jax.random.split(key, 3)
+    params = _fox_init(kf, hp, num_heads=num_heads, head_dim=head_dim, max_len=max_len,
+                       dim=dim, num_kv_heads=num_kv_heads)
+    if hp["kv_shift"]:  # alpha_t = sigmoid(w^T x_t) per key/value head, keys' and values'
+        params["w_shift"] = _normal(ks, (dim, num_kv_heads, 2), dim)
+    if hp["qk_norm"]:
+        params["q_scale"] = jnp.ones((num_heads, head_dim))
+        params["k_scale"] = jnp.ones((num_kv_heads, head_dim))
+    if hp["output_norm"]:
+        params["o_scale"] = jnp.ones((num_heads, head_dim))
+    if hp["output_gate"]:
+        params["w_gate"] = _normal(kg, (dim, num_heads, head_dim), dim)
+    return params
+
+
+def _fox_pro_shifts(inputs, params):
+    """``alpha [B, L, Hkv, 2]`` float32: the token shift's weights of keys and values."""
+    a = jnp.einsum("bld,dhs->blhs", inputs, params["w_shift"].astype(inputs.dtype))
+    return jax.nn.sigmoid(a.astype(jnp.float32))
+
+
+def _fox_pro_heads(q, k, v, alpha, params, *, segment_ids=None, kv_shift, qk_norm):
+    """The queries, keys and values forgetting attention takes: keys and values token-shifted
+    (``alpha [B, L, Hkv, 2]``), then queries and keys RMS-normalised per head; in q's dtype."""
+    dt = q.dtype
+    if kv_shift:
+        k = token_shift(k, alpha[..., 0], segment_ids)
+        v = token_shift(v, alpha[..., 1], segment_ids)
+    if qk_norm:
+        q, k = head_rms_norm(q, params["q_scale"]), head_rms_norm(k, params["k_scale"])
+    return q.astype(dt), k.astype(dt), v.astype(dt)
+
+
+def _fox_pro_output(o, inputs, params, *, output_norm, output_gate):
+    """Each head's output RMS-normalised, then gated by ``sigmoid(W_g x_t)``."""
+    dt = o.dtype
+    if output_norm:
+        o = head_rms_norm(o, params["o_scale"])
+    if output_gate:
+        g = jnp.einsum("bld,dhe->blhe", inputs, params["w_gate"].astype(inputs.dtype))
+        o = o * jax.nn.sigmoid(g.astype(jnp.float32))
+    return o.astype(dt)
+
+
+def _fox_pro_attend(q, k, v, params, *, causal, kv_mask, bias, key, inputs, q_mask=None,
+                    segment_ids=None, kv_shift=True, qk_norm=True, output_norm=True,
+                    output_gate=True, block_q=None, block_k=None, implementation=None):
+    x = real_only(kv_mask, inputs)
+    # Self-attention: a padded token is out of the shift, the norms and the gates alike.
+    q, k, v = real_only(kv_mask, q, k, v)
+    alpha = _fox_pro_shifts(x, params) if kv_shift else None
+    q, k, v = _fox_pro_heads(q, k, v, alpha, params, segment_ids=segment_ids,
+                             kv_shift=kv_shift, qk_norm=qk_norm)
+    o = _fox_attend(q, k, v, params, causal=causal, kv_mask=kv_mask, bias=bias, key=key,
+                    inputs=inputs, segment_ids=segment_ids, block_q=block_q, block_k=block_k,
+                    implementation=implementation)
+    return _fox_pro_output(o, x, params, output_norm=output_norm, output_gate=output_gate)
+
+
+def _fox_pro_widths(hp, *, num_heads, num_kv_heads, head_dim):
+    # The cache holds the projected keys and values before the shift and the norm (each step
+    # shifts and normalises them again: no cached entry changes), and beside each value its
+    # token's two shift weights and the log gate of every query head of its group.
+    shift = 2 if hp["kv_shift"] else 0
+    return num_kv_heads, head_dim, head_dim + shift + num_heads // num_kv_heads
+
+
+def _fox_pro_entry(inputs, k, v, params, *, position, kv_shift=True, **hp):
+    k, v_g = _fox_entry(inputs, k, v, params, position=position)
+    if not kv_shift:
+        return k, v_g
+    d = v.shape[-1]
+    alpha = _fox_pro_shifts(inputs, params).astype(v.dtype)
+    return k, jnp.concatenate([v_g[..., :d], alpha, v_g[..., d:]], -1)
+
+
+def _fox_pro_decode(q, k, v_x, params, *, valid, index, inputs, kv_shift=True, qk_norm=True,
+                    output_norm=True, output_gate=True, block_q=None, block_k=None,
+                    implementation=None):
+    # Slot s holds position s: the shift over the slots is the forward pass's (slot 0 mixes in
+    # zeros), recomputed each step from the cached projections, O(C D) as the attention is.
+    d = q.shape[-1]
+    shift = 2 if kv_shift else 0
+    v, alpha, log_f = v_x[..., :d], v_x[..., d:d + shift], v_x[..., d + shift:]
+    q, k, v = _fox_pro_heads(q, k, v, alpha.astype(jnp.float32), params, kv_shift=kv_shift,
+                             qk_norm=qk_norm)
+    o = _fox_decode(q, k, jnp.concatenate([v, log_f.astype(v.dtype)], -1), params,
+                    valid=valid, index=index, inputs=inputs)
+    return _fox_pro_output(o, inputs, params, output_norm=output_norm,
+                           output_gate=output_gate)
 
 
 # -- multi-head latent attention -----------------------------------------------------------------
@@ -501,6 +600,26 @@ KINDS = (
          adapter=AttentionAdapter(
              _fox_attend, init=_fox_init, takes_input=True, init_only={"gate_bias_init"},
              decoding=KVDecoding(attend=_fox_decode, entry=_fox_entry, widths=_fox_widths))),
+    Kind("fox_pro", forgetting_attention, "modern", _FOX_PAPER,
+         time="O(L^2 D)", memory="O(L D)", causal=True, decoding="kv", segments=True,
+         state_size=("H_kv (D_k + D_v + 2) + H per token (the keys and values before the shift "
+                     "and the norm, two shift weights and a log gate per head; each step "
+                     "shifts and normalises the cache again, O(L H_kv D))"),
+         test_hyperparameters={"block_q": 8, "block_k": 8},
+         hyperparameters={
+             "gate_bias_init": (0.0, ("b_f's initial value: f = sigmoid(b_f) before training "
+                                      "(0: f = 1/2; larger: longer memory)")),
+             "kv_shift": (True, ("the data-dependent token shift of keys and values, "
+                                 "alpha_t k_{t-1} + (1 - alpha_t) k_t")),
+             "qk_norm": (True, "RMSNorm of each head's queries and keys (learned scales)"),
+             "output_norm": (True, "RMSNorm of each head's output (learned scales)"),
+             "output_gate": (True, "the output gate sigmoid(W_g x_t), after the output norm"),
+             **_TILES},
+         adapter=AttentionAdapter(
+             _fox_pro_attend, init=_fox_pro_init, takes_input=True,
+             init_only={"gate_bias_init"},
+             decoding=KVDecoding(attend=_fox_pro_decode, entry=_fox_pro_entry,
+                                 widths=_fox_pro_widths))),
     Kind("mla", multi_head_latent_attention, "modern", _MLA_PAPER,
          time="O(L^2 D)", memory="O(L D); cache (d_c + d_R) per token",
          causal=True, decoding="kv", segments=True,
