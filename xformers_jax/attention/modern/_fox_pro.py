@@ -1,7 +1,7 @@
-"""The "Pro" block's attention components of the Forgetting Transformer (Lin, Nikishin, He and
-Courville, 2025, "Forgetting Transformer: Softmax Attention with a Forget Gate", Section 3.2
-and Appendix: components common in recurrent sequence models, added around forgetting
-attention; the layer is the ``fox_pro`` kind):
+"""The attention components of the Forgetting Transformer's "Pro" block (Lin, Nikishin, He
+and Courville, 2025, "Forgetting Transformer: Softmax Attention with a Forget Gate"):
+components common in recurrent sequence models, added around forgetting attention (the layer
+is the ``fox_pro`` kind; the block's other changes, e.g. its SwiGLU MLP, are the model's):
 
 - the data-dependent token shift of keys and values (KV-shift): with ``k_t = W_k x_t``, each
   key/value head mixes the previous token's key into its own,

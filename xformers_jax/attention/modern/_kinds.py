@@ -1,20 +1,25 @@
 """The softmax kinds published since the surveys as :class:`~xformers_jax.kinds.Kind` records,
-with their adapters: differential attention, forgetting attention, multi-head latent
+with their adapters: differential attention, forgetting attention (``fox``, and ``fox_pro``
+with the Pro block's token shift, QK-norm, output norm and output gate), multi-head latent
 attention, MoBA, native sparse attention, DeepSeek sparse attention and PaTH attention.
 
 Each decodes over a growing cache (``KVDecoding``) with its own attention over it (its
 ``attend`` hook): two softmax maps (differential), the latent with ``W_UK`` and ``W_UV``
 absorbed (MLA, whose cache holds the latent and the rotary key, not per-head keys and
 values), the forget-gate decay (forgetting attention, whose cache also holds each token's log
-forget gate per query head), the blocks or tokens one query chooses (MoBA, NSA, DSA: the
-forward pass's choice at that position, computed over the cache; DSA's cache also holds each
-token's indexer key). PaTH decodes over plain softmax, its cached keys rewritten by each new
-token's Householder transform (``update``).
+forget gate per query head; FoX Pro's holds the keys and values before the shift, with each
+token's shift weights, and shifts and normalises them again at each step), the blocks or
+tokens one query chooses (MoBA, NSA, DSA: the forward pass's choice at that position,
+computed over the cache; DSA's cache also holds each token's indexer key). PaTH decodes over
+plain softmax, its cached keys rewritten by each new token's Householder transform
+(``update``), its cache holding beside each key the token's direction before the short
+convolution (the next steps' convolutions read it).
 
-Forgetting attention's gates, NSA's gates, DSA's indexer and PaTH's transforms are computed
-from the block input (``takes_input``), so these run in self-attention only.
+Forgetting attention's gates (and FoX Pro's shifts and output gates), NSA's gates, DSA's
+indexer and PaTH's transforms are computed from the block input (``takes_input``), so these
+run in self-attention only. PaTH's transforms, like FoX Pro's shifts, are per key/value head:
+with grouped-query attention a group's query heads share them with the keys.
 """
-
 from __future__ import annotations
 
 import functools
