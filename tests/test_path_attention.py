@@ -6,6 +6,7 @@ registry-wide tests (``test_kinds*.py -k path``) run the kind in models."""
 
 import functools
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -15,7 +16,6 @@ from tests.fast_jit import jit0
 from tests.tolerances import EXACT_GRAD, assert_close
 from xformers_jax import attention as A
 from xformers_jax import nn
-from xformers_jax.attention.modern import _kinds as K
 from xformers_jax.attention.modern import _path as P
 
 L, DK, DV = 37, 16, 8  # a length that is no multiple of any block
@@ -212,8 +212,6 @@ def _layer_by_the_equations(layer, x):
 def test_the_layer_is_the_papers_parameterisation_with_shared_transforms():
     # Outputs and the gradients of every parameter of the layer (the projection, the
     # convolution, the strengths, the attention's own), against the equations written out.
-    import equinox as eqx
-
     layer = _layer(0)
     x = jax.random.normal(jax.random.PRNGKey(1), (2, LAYER_L, DIM))
     proj = jax.random.normal(jax.random.PRNGKey(2), (2, LAYER_L, DIM))
@@ -236,7 +234,7 @@ def test_the_layer_is_the_papers_parameterisation_with_shared_transforms():
     assert float(jnp.abs(grads.variant_params["w_conv"]).max()) > 1e-4
 
 
-@pytest.mark.parametrize("conv_width", [3, 0])
+@pytest.mark.parametrize("conv_width", [3, 1, 0])
 def test_grouped_query_decoding_with_the_convolutions_cache_equals_the_forward_pass(conv_width):
     # Each step convolves the cached directions of the last conv_width - 1 tokens with its own,
     # rewrites every cached key, and attends: the forward pass's outputs position by position.
@@ -255,7 +253,7 @@ def test_grouped_query_decoding_with_the_convolutions_cache_equals_the_forward_p
     decoded, forward = run(layer)
     assert_close(decoded, forward)
     width = layer.init_cache(1, 4).k.shape[-1]
-    assert width == (2 * DIM // HEADS if conv_width else DIM // HEADS)
+    assert width == (2 * DIM // HEADS if conv_width > 1 else DIM // HEADS)
 
 
 def test_the_short_convolution_stays_in_its_document():

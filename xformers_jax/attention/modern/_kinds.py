@@ -558,17 +558,20 @@ def _path_entry(inputs, k, v, params, *, position, conv_width=3, **hp):
 def _path_update(k, params, *, inputs, valid, index, block_size=64, group=8, conv_width=3):
     # The paper's inference form: the new token's H_t rewrites every cached key, O(C D); its
     # direction convolves the cached directions of the last conv_width - 1 tokens with its own.
-    b, _, hkv, width = k.shape
+    b, _, _, width = k.shape
     d = width // 2 if _path_keeps_directions(conv_width) else width
     u = _path_directions_in(inputs, params)  # [B, 1, Hkv * D]
     if conv_width:
-        history = conv_width - 1
-        past = jnp.reshape(k[..., d:], (b, -1, hkv * (width - d))).astype(jnp.float32)
-        # Slots index - history .. index - 1 (zeros before the first token, as the forward
-        # pass's convolution pads).
-        past = jax.lax.dynamic_slice_in_dim(
-            jnp.pad(past, ((0, 0), (history, 0), (0, 0))), index, history, axis=1)
-        zero = jnp.zeros((u.shape[-1],), jnp.float32)
+        history, channels = conv_width - 1, u.shape[-1]
+        if history:
+            past = jnp.reshape(k[..., d:], (b, k.shape[1], channels)).astype(jnp.float32)
+            # Slots index - history .. index - 1 (zeros before the first token, as the
+            # forward pass's convolution pads).
+            past = jax.lax.dynamic_slice_in_dim(
+                jnp.pad(past, ((0, 0), (history, 0), (0, 0))), index, history, axis=1)
+        else:  # one tap: the token's own direction, scaled
+            past = jnp.zeros((b, 0, channels), jnp.float32)
+        zero = jnp.zeros((channels,), jnp.float32)
         u, _ = causal_depthwise_step(past, u[:, 0], params["w_conv"].astype(jnp.float32), zero)
         u = jax.nn.silu(u)[:, None]
     w, beta = _path_finish(u, inputs, params)
