@@ -70,8 +70,8 @@ def _by_the_equations(layer, x):
 
 def test_the_layer_is_the_papers_pro_attention():
     layer = _layer(0)
-    x = jax.random.normal(jax.random.PRNGKey(1), (2, L, DIM))
-    proj = jax.random.normal(jax.random.PRNGKey(2), (2, L, DIM))
+    x = jax.random.normal(jax.random.PRNGKey(1), (1, L, DIM))
+    proj = jax.random.normal(jax.random.PRNGKey(2), (1, L, DIM))
 
     @jit0
     def run(layer):
@@ -96,17 +96,19 @@ def test_every_component_off_is_the_plain_forgetting_layer():
     pro = eqx.tree_at(lambda m: (m.wq, m.wk, m.wv, m.wo), pro, (fox.wq, fox.wk, fox.wv, fox.wo))
     x = jax.random.normal(jax.random.PRNGKey(4), (2, L, DIM))
     mask = jnp.arange(L)[None] < jnp.asarray([[L], [9]])
-    out, want = jit0(lambda a, b: (a(x, kv_mask=mask), b(x, kv_mask=mask)))(pro, fox)
-    assert_close(out, want)
     # And each component on its own moves the outputs.
+    ones = []
     for part in PARTS:
         one = _layer(3, **{p: p == part for p in PARTS})
         one = eqx.tree_at(lambda m: (m.wq, m.wk, m.wv, m.wo), one,
                           (fox.wq, fox.wk, fox.wv, fox.wo))
         params = {**one.variant_params, "w_f": fox.params["w_f"], "b_f": fox.params["b_f"]}
-        one = eqx.tree_at(lambda m: m.variant_params, one, params)
-        moved = jit0(lambda m: m(x, kv_mask=mask))(one)
-        assert not np.allclose(moved[0], want[0], atol=1e-3), part
+        ones.append(eqx.tree_at(lambda m: m.variant_params, one, params))
+    out, want, *moved = jit0(lambda layers: [m(x, kv_mask=mask) for m in layers])(
+        [pro, fox, *ones])
+    assert_close(out, want)
+    for part, one in zip(PARTS, moved):
+        assert not np.allclose(one[0], want[0], atol=1e-3), part
 
 
 def test_decoding_with_grouped_query_heads_equals_the_forward_pass():

@@ -213,8 +213,8 @@ def test_the_layer_is_the_papers_parameterisation_with_shared_transforms():
     # Outputs and the gradients of every parameter of the layer (the projection, the
     # convolution, the strengths, the attention's own), against the equations written out.
     layer = _layer(0)
-    x = jax.random.normal(jax.random.PRNGKey(1), (2, LAYER_L, DIM))
-    proj = jax.random.normal(jax.random.PRNGKey(2), (2, LAYER_L, DIM))
+    x = jax.random.normal(jax.random.PRNGKey(1), (1, LAYER_L, DIM))
+    proj = jax.random.normal(jax.random.PRNGKey(2), (1, LAYER_L, DIM))
 
     @jit0
     def run(layer):
