@@ -13,7 +13,9 @@ is the ``fox_pro`` kind; the block's other changes, e.g. its SwiGLU MLP, are the
 - the output gate: ``o_t <- o_t * sigmoid(W_g x_t)``, after the normalisation.
 
 Packed rows: the shift reads no token of another document (a document's first token mixes in
-zeros, as the row's first token does). Like FoX, the Pro layer needs no position scheme (the
+zeros, as the row's first token does). A padded token's key and value are zeros to the shift:
+padding at the end of a row changes nothing, but a token just after padding in the middle of
+a row mixes in zeros, not the last real token. Like FoX, the Pro layer needs no position scheme (the
 paper's uses none); given a rotary one, the layer rotates queries and keys before the shift
 and the norm.
 """

@@ -513,7 +513,8 @@ def _path_transforms(x, params, segment_ids=None):
     """PaTH's transforms from the block input ``x [B, L, dim]`` (padding already zeroed):
     ``w_t = normalise(SiLU(conv(x W_down W_up)_t))`` per key/value head, the convolution short
     and causal (``causal_depthwise_conv``: with ``segment_ids``, no tap reads another
-    document), and ``beta_t`` (:func:`_path_finish`). The SiLU after the convolution is the
+    document; a padded token's input is zero, so a token just after padding in the middle of
+    a row reads zeros there), and ``beta_t`` (:func:`_path_finish`). The SiLU after the convolution is the
     authors' (flash-linear-attention's short convolution, which the paper's layer uses)."""
     u = _path_directions_in(x, params)
     if "w_conv" in params:
