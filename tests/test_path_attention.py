@@ -6,6 +6,7 @@ registry-wide tests (``test_kinds*.py -k path``) run the kind in models."""
 
 import functools
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -157,11 +158,9 @@ def test_errors_name_the_problem():
         P.path_attention(q, k, v, w[:, :15], beta)
     with pytest.raises(ValueError, match="block_size must be a positive integer"):
         P.path_attention(q, k, v, w, beta, block_size=0)
-    layer = jit0(lambda key: nn.MultiHeadAttention(
-        16, 2, num_kv_heads=1, spec=nn.AttentionSpec("path"), causal=True, key=key))(
-        jax.random.PRNGKey(0))
-    with pytest.raises(ValueError, match="num_heads=2, num_kv_heads=1"):
-        jax.eval_shape(layer, jnp.ones((1, 8, 16)))
+    with pytest.raises(ValueError, match="conv_width must be an int >= 0.*got -1"):
+        nn.MultiHeadAttention(16, 2, spec=nn.AttentionSpec("path", {"conv_width": -1}),
+                              causal=True, key=jax.random.PRNGKey(0))
 
 
 def test_a_paged_cache_is_refused():
@@ -173,3 +172,100 @@ def test_a_paged_cache_is_refused():
     cache = nn.PagedKVCache(pages, pages, jnp.zeros((2,), jnp.int32), jnp.asarray(0), new, new)
     with pytest.raises(NotImplementedError, match=r"KVDecoding.attend or .update"):
         jax.eval_shape(layer.decode, jnp.ones((1, 1, 16)), cache)
+
+
+# -- the layer: the transforms from the token, grouped-query attention --------------------------
+
+DIM, HEADS, KV_HEADS, LAYER_L = 16, 4, 2, 13
+LAYER_HP = {"block_size": 4, "group": 2, "w_rank": 3}
+
+
+def _layer(seed, **hp):
+    return jit0(lambda key: nn.MultiHeadAttention(
+        DIM, HEADS, num_kv_heads=KV_HEADS, spec=nn.AttentionSpec("path", {**LAYER_HP, **hp}),
+        causal=True, key=key))(jax.random.PRNGKey(seed))
+
+
+def _layer_by_the_equations(layer, x):
+    """The paper's layer written out (float32, one position and one head at a time): ``u_t =
+    x_t W_down W_up``, ``c_t = SiLU(sum_i W_conv[W-1-i] u_{t-i})`` (zeros before the first
+    token), ``w_t = c_t / |c_t|`` and ``beta_t = 2 sigmoid(x_t w_beta + b_beta)`` per key/value
+    head; query head ``h`` attends with key/value head ``h // (H / H_kv)``'s keys, values and
+    transforms, by the reference (the definition with explicit products)."""
+    p = layer.params
+    q, k, v = layer.project(x)
+    u = x @ p["w_down"] @ p["w_up"]  # [B, L, Hkv * D]
+    width = p["w_conv"].shape[0]
+    conv = jnp.stack([sum(p["w_conv"][width - 1 - i] * u[:, t - i]
+                          for i in range(width) if t - i >= 0)
+                      for t in range(x.shape[1])], 1)
+    w = jax.nn.silu(conv).reshape(*x.shape[:2], KV_HEADS, -1)
+    w = w / jnp.sqrt(jnp.sum(w * w, -1, keepdims=True) + 1e-6)
+    beta = 2 * jax.nn.sigmoid(x @ p["w_beta"] + p["b_beta"])
+    group = HEADS // KV_HEADS
+    heads = [[P.path_attention_reference(q[b, :, h], k[b, :, h // group], v[b, :, h // group],
+                                         w[b, :, h // group], beta[b, :, h // group])
+              for h in range(HEADS)] for b in range(x.shape[0])]
+    return layer.output(jnp.stack([jnp.stack(row, 1) for row in heads]))
+
+
+def test_the_layer_is_the_papers_parameterisation_with_shared_transforms():
+    # Outputs and the gradients of every parameter of the layer (the projection, the
+    # convolution, the strengths, the attention's own), against the equations written out.
+    layer = _layer(0)
+    x = jax.random.normal(jax.random.PRNGKey(1), (1, LAYER_L, DIM))
+    proj = jax.random.normal(jax.random.PRNGKey(2), (1, LAYER_L, DIM))
+
+    @jit0
+    def run(layer):
+        def out_and_grad(f):
+            return f(layer), eqx.filter_grad(lambda m: jnp.sum(f(m) * proj))(layer)
+
+        return (out_and_grad(lambda m: m(x)),
+                out_and_grad(lambda m: _layer_by_the_equations(m, x)))
+
+    (out, grads), (ref, ref_grads) = run(layer)
+    assert_close(out, ref)
+    assert_close(grads.variant_params, ref_grads.variant_params, table=EXACT_GRAD)
+    assert_close((grads.wq, grads.wk, grads.wv), (ref_grads.wq, ref_grads.wk, ref_grads.wv),
+                 table=EXACT_GRAD)
+    # One transform per key/value head, and the convolution reaches the outputs.
+    assert layer.params["w_beta"].shape == (DIM, KV_HEADS)
+    assert float(jnp.abs(grads.variant_params["w_conv"]).max()) > 1e-4
+
+
+@pytest.mark.parametrize("conv_width", [3, 1, 0])
+def test_grouped_query_decoding_with_the_convolutions_cache_equals_the_forward_pass(conv_width):
+    # Each step convolves the cached directions of the last conv_width - 1 tokens with its own,
+    # rewrites every cached key, and attends: the forward pass's outputs position by position.
+    layer = _layer(3, conv_width=conv_width)
+    x = jax.random.normal(jax.random.PRNGKey(4), (2, LAYER_L, DIM))
+
+    @jit0
+    def run(layer):
+        def step(cache, x_t):
+            out, cache = layer.decode(x_t[:, None], cache)
+            return cache, out[:, 0]
+
+        _, outs = jax.lax.scan(step, layer.init_cache(2, LAYER_L), jnp.swapaxes(x, 0, 1))
+        return jnp.swapaxes(outs, 0, 1), layer(x)
+
+    decoded, forward = run(layer)
+    assert_close(decoded, forward)
+    width = layer.init_cache(1, 4).k.shape[-1]
+    assert width == (2 * DIM // HEADS if conv_width > 1 else DIM // HEADS)
+
+
+def test_the_short_convolution_stays_in_its_document():
+    # A packed row of two documents: the second's outputs are its own alone (the
+    # convolution's first taps read no token of the first document).
+    layer = _layer(5)
+    x = jax.random.normal(jax.random.PRNGKey(6), (1, LAYER_L, DIM))
+    ids = jnp.asarray([[1] * 5 + [2] * 8])
+
+    @jit0
+    def run(layer):
+        return layer(x, segment_ids=ids), layer(x[:, 5:])
+
+    packed, alone = run(layer)
+    assert_close(packed[:, 5:], alone)

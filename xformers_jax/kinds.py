@@ -198,7 +198,8 @@ class AttentionAdapter:
       init_only: the hyperparameters that only shape the parameters (Linformer's
         ``proj_len``): ``init`` reads them, ``attend`` and decoding never see them.
       takes_input: ``attend`` also receives ``inputs`` (the block input ``[B, L, dim]``) and
-        ``init`` receives ``dim`` (e.g. Longformer's global projections).
+        ``init`` receives ``dim`` and ``num_kv_heads`` (e.g. Longformer's global projections;
+        PaTH's transforms, one per key/value head).
       state: ``state(key, hp, *, num_heads, head_dim) -> pytree`` or None: the initial value of
         the kind's non-gradient state (an ``eqx.nn.StateIndex`` of the module). ``attend``
         then also receives ``state`` (the current value) and ``inference`` and returns

@@ -14,7 +14,9 @@ import numpy as np
 #   "batch"        leading axis indexes the batch
 #   "heads"        leading axis indexes the (query) heads
 #   "batch_heads"  leading axes are [batch, heads]
-_AXES = (None, "batch", "heads", "batch_heads")
+#   "batch_kv_heads"  leading axes are [batch, kv heads]: shared by the query heads of a group
+#                  (what a kind computes per key/value head, e.g. PaTH's transforms of the keys)
+_AXES = (None, "batch", "heads", "batch_heads", "batch_kv_heads")
 
 # Keyword arguments of the contract whose layout is known.
 # ``batch_index``/``head_index``: the ``b`` and ``h`` of flex attention's score and mask
@@ -73,7 +75,10 @@ def multihead(
     Args:
       fn: an attention function obeying the contract of :mod:`xformers_jax.attention`.
       arg_axes: layout of each extra positional argument: ``None`` (shared), ``"batch"``,
-        ``"heads"`` or ``"batch_heads"`` (leading axes of the argument).
+        ``"heads"``, ``"batch_heads"`` (leading axes of the argument) or ``"batch_kv_heads"``
+        (leading axes ``[B, Hkv]``: one per key/value head, shared by its query group as
+        ``k`` and ``v`` are; what ``fn`` computes from such arguments alone is computed once
+        per group).
       kwarg_axes: the same for keyword arguments; merged over the defaults
         ``{"kv_mask": "batch", "q_mask": "batch", "segment_ids": "batch", "batch_index":
         "batch", "head_index": "heads"}`` (the last two: flex attention's ``b`` and ``h``).
@@ -131,7 +136,8 @@ def multihead(
             x = jax.tree_util.tree_map(
                 lambda leaf: jnp.asarray(leaf) if isinstance(leaf, np.ndarray) else leaf, x)
             leaves = jax.tree_util.tree_leaves(x)
-            lead = {"batch": (b,), "heads": (h,), "batch_heads": (b, h)}[axes]
+            lead = {"batch": (b,), "heads": (h,), "batch_heads": (b, h),
+                    "batch_kv_heads": (b, hkv)}[axes]
             for leaf in leaves:
                 if tuple(jnp.shape(leaf)[: len(lead)]) != lead:
                     raise ValueError(
@@ -140,6 +146,8 @@ def multihead(
                     )
             if axes == "batch":
                 return x, (0, None, None)
+            if axes == "batch_kv_heads":
+                return x, (0, 0, None)
 
             def to_groups(leaf):
                 shape = jnp.shape(leaf)

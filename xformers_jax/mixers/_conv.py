@@ -9,6 +9,11 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+# The short causal convolution lives beside attention (PaTH's Householder directions use it,
+# and attention may not import this package); re-exported here for the mixers.
+from ..attention._short_conv import causal_depthwise_conv as causal_depthwise_conv
+from ..attention._short_conv import causal_depthwise_step as causal_depthwise_step
+
 
 def lightweight_conv(x, kernel, *, causal: bool, mask=None, segment_ids=None):
     """``x [B, L, C]``, ``kernel [H, K]`` (softmax over K taken here; channel ``c`` uses head
@@ -37,27 +42,3 @@ def lightweight_conv(x, kernel, *, causal: bool, mask=None, segment_ids=None):
                 for j, t in enumerate(taps)]
     out = sum(t * w[:, j] for j, t in enumerate(taps))
     return out.astype(x.dtype)
-
-
-def causal_depthwise_conv(x, w, b, segment_ids=None):
-    """The short causal convolution of Mamba, H3 and Hyena: ``y_t = sum_i w_i x_{t - W + 1 + i}
-    + b`` per channel. x ``[B, L, C]``, w ``[W, C]``, b ``[C]`` (or None: no bias). With
-    ``segment_ids int[B, L]`` (packed documents) a tap reads only its own document."""
-    width = w.shape[0]
-    xp = jnp.pad(x, ((0, 0), (width - 1, 0), (0, 0)))
-    length = x.shape[1]
-    taps = [xp[:, i: i + length] for i in range(width)]
-    if segment_ids is not None:
-        sp = jnp.pad(segment_ids, ((0, 0), (width - 1, 0)), constant_values=-1)
-        taps = [jnp.where((sp[:, i: i + length] == segment_ids)[..., None], t,
-                          jnp.zeros((), t.dtype)) for i, t in enumerate(taps)]
-    y = sum(t * w[i].astype(x.dtype) for i, t in enumerate(taps))
-    return y if b is None else y + b.astype(x.dtype)
-
-
-def causal_depthwise_step(buffer, x_t, w, b):
-    """One decoding step of :func:`causal_depthwise_conv`: ``buffer [B, W-1, C]`` holds the
-    last ``W - 1`` inputs (oldest first), ``x_t [B, C]`` -> ``(y_t [B, C], buffer)``."""
-    window = jnp.concatenate([buffer, x_t[:, None].astype(buffer.dtype)], axis=1)
-    y = jnp.einsum("bwc,wc->bc", window, w.astype(buffer.dtype)) + b.astype(buffer.dtype)
-    return y, window[:, 1:]

@@ -116,7 +116,7 @@ class MultiHeadAttention(eqx.Module):
         self.wo = _dense_init(ko, num_heads * head_dim, dim)
         self.variant_params = adapter.init(
             kp, hp, num_heads=num_heads, head_dim=head_dim, max_len=max_len,
-            **({"dim": dim} if adapter.takes_input else {}),
+            **({"dim": dim, "num_kv_heads": num_kv_heads} if adapter.takes_input else {}),
         )
         # Non-gradient state of the kind (routing centroids), kept in eqx.nn.State.
         self.state_index = None if adapter.state is None else eqx.nn.StateIndex(adapter.state(

@@ -11,7 +11,11 @@ layouts. DSA runs as its kind does, the choice as a bit mask on the tiled kernel
 the form that gathers each query's chosen keys and values, ``deepseek_sparse_attention``.
 PaTH (H=4, blocks of 64) computes every key (its transforms change every score): its time
 against flash's is the cost of the data-dependent position encoding (gradients also through
-its Householder directions and strengths).
+its Householder directions and strengths). ``path_layer`` is the kind as a layer runs it, its
+transforms computed from the block input (width 256: the rank-32 projection, the width-3
+short convolution, the normalisation and the strengths, gradients to every parameter);
+``path_layer_noconv`` the same without the convolution (``conv_width=0``): their ratio is the
+convolution's cost.
 
 MLA: the cache per token at equal width (H=16 heads of 64, width 1024; d_c = 4 * 64, d_R =
 64 / 2, DeepSeek-V2's ratios) against multi-head attention's keys and values, computed by
@@ -33,6 +37,7 @@ from xformers_jax.attention import (deepseek_sparse_attention, deepseek_sparse_t
                                     mla_cache_bytes_per_token, moba_attention,
                                     multi_head_latent_attention, multihead,
                                     native_sparse_attention, path_attention)
+from xformers_jax.nn import AttentionSpec
 from xformers_jax_experiments.bench_lib import Case, Results, Workload, ratio_check, value_check
 from xformers_jax_experiments.suites.attention import attention_flops, qkv
 
@@ -47,7 +52,8 @@ def _normal(seed, shape):
     return jax.random.normal(jax.random.PRNGKey(seed), shape)
 
 
-def build(variant: str, L: int, H: int = 4, D: int = 64, kv_heads: int | None = None):
+def build(variant: str, L: int, H: int = 4, D: int = 64, kv_heads: int | None = None,
+          conv_width: int = 3):
     kv_heads = H if kv_heads is None else kv_heads
     q, k, v = qkv(L, 1, H, D)
     k, v = k[:, :, :kv_heads], v[:, :, :kv_heads]
@@ -88,6 +94,20 @@ def build(variant: str, L: int, H: int = 4, D: int = 64, kv_heads: int | None = 
         beta = 2 * jax.nn.sigmoid(_normal(13, (1, H, L)))
         f = multihead(path_attention, arg_axes=("batch_heads", "batch_heads"))
         return Workload(f, (q, k, v, w, beta))
+    if variant == "path_layer":
+        record = AttentionSpec("path").record
+        hp = record.resolve({"conv_width": conv_width})
+        adapter = record.adapter
+        params = adapter.init(jax.random.PRNGKey(14), hp, num_heads=H, head_dim=D, max_len=L,
+                              dim=H * D, num_kv_heads=kv_heads)
+        x = _normal(15, (1, L, H * D))
+        call = adapter.call_hyperparameters(hp)
+
+        def f(q, k, v, x, params):
+            return adapter.attend(q, k, v, params, causal=True, kv_mask=None, bias=None,
+                                  key=None, inputs=x, **call)
+
+        return Workload(f, (q, k, v, x, params), grad_argnums=(0, 1, 2, 3, 4))
     raise ValueError(f"unknown variant {variant!r}")
 
 
@@ -114,7 +134,10 @@ def cases(quick: bool) -> list[Case]:
            Case("dsa_mqa", _BUILD, dict(variant="dsa", L=L, kv_heads=1), modes=fb),
            Case("dsa_gather_mqa", _BUILD, dict(variant="dsa_gather", L=L, kv_heads=1),
                 modes=fb),
-           Case("path", _BUILD, dict(variant="path", L=L), modes=fb)]
+           Case("path", _BUILD, dict(variant="path", L=L), modes=fb),
+           Case("path_layer", _BUILD, dict(variant="path_layer", L=L), modes=fb),
+           Case("path_layer_noconv", _BUILD, dict(variant="path_layer", L=L, conv_width=0),
+                modes=fb)]
     step = "xformers_jax_experiments.suites.modern_attention:build_mla_step"
     out += [Case(f"mla_step_{name}", step, dict(absorb=absorb, context=L), modes=("fwd",))
             for name, absorb in (("naive", False), ("absorbed", True))]

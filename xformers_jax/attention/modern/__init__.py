@@ -1,5 +1,6 @@
 """Softmax attention as changed since the surveys: differential attention, forgetting attention
-(FoX's forget gates as a score function), multi-head latent attention, MoBA, native sparse
+(FoX's forget gates as a score function; FoX Pro's token shift, QK-norm, output norm and
+gate around it in the ``fox_pro`` kind), multi-head latent attention, MoBA, native sparse
 attention, DeepSeek sparse attention (its lightning indexer), PaTH attention.
 
 Every public name here is also exported by ``xformers_jax.attention``.

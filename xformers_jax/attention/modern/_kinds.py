@@ -1,20 +1,25 @@
 """The softmax kinds published since the surveys as :class:`~xformers_jax.kinds.Kind` records,
-with their adapters: differential attention, forgetting attention, multi-head latent
+with their adapters: differential attention, forgetting attention (``fox``, and ``fox_pro``
+with the Pro block's token shift, QK-norm, output norm and output gate), multi-head latent
 attention, MoBA, native sparse attention, DeepSeek sparse attention and PaTH attention.
 
 Each decodes over a growing cache (``KVDecoding``) with its own attention over it (its
 ``attend`` hook): two softmax maps (differential), the latent with ``W_UK`` and ``W_UV``
 absorbed (MLA, whose cache holds the latent and the rotary key, not per-head keys and
 values), the forget-gate decay (forgetting attention, whose cache also holds each token's log
-forget gate per query head), the blocks or tokens one query chooses (MoBA, NSA, DSA: the
-forward pass's choice at that position, computed over the cache; DSA's cache also holds each
-token's indexer key). PaTH decodes over plain softmax, its cached keys rewritten by each new
-token's Householder transform (``update``).
+forget gate per query head; FoX Pro's holds the keys and values before the shift, with each
+token's shift weights, and shifts and normalises them again at each step), the blocks or
+tokens one query chooses (MoBA, NSA, DSA: the forward pass's choice at that position,
+computed over the cache; DSA's cache also holds each token's indexer key). PaTH decodes over
+plain softmax, its cached keys rewritten by each new token's Householder transform
+(``update``), its cache holding beside each key the token's direction before the short
+convolution (the next steps' convolutions read it).
 
-Forgetting attention's gates, NSA's gates, DSA's indexer and PaTH's transforms are computed
-from the block input (``takes_input``), so these run in self-attention only.
+Forgetting attention's gates (and FoX Pro's shifts and output gates), NSA's gates, DSA's
+indexer and PaTH's transforms are computed from the block input (``takes_input``), so these
+run in self-attention only. PaTH's transforms, like FoX Pro's shifts, are per key/value head:
+with grouped-query attention a group's query heads share them with the keys.
 """
-
 from __future__ import annotations
 
 import functools
@@ -28,10 +33,12 @@ from .._dense import dot_product_attention
 from .._exact import flash_attention
 from .._flex import document_offsets
 from .._multihead import multihead
+from .._short_conv import causal_depthwise_conv, causal_depthwise_step
 from ._differential import differential_attention, differential_lambda, lambda_init_for
 from ._dsa import (deepseek_sparse_attention, deepseek_sparse_tiled, indexer_alignment_loss,
                    lightning_indexer)
 from ._fox import forgetting_attention, forgetting_decode_step
+from ._fox_pro import head_rms_norm, token_shift
 from ._mla import multi_head_latent_attention, rotary
 from ._moba import moba_attention, moba_reference
 from ._nsa import native_sparse_attention, native_sparse_reference
@@ -83,7 +90,7 @@ def _diff_decode(q, k, v, params, *, valid, index, **hp):
 
 # -- forgetting attention ------------------------------------------------------------------------
 
-def _fox_init(key, hp, *, num_heads, head_dim, max_len, dim):
+def _fox_init(key, hp, *, num_heads, head_dim, max_len, dim, num_kv_heads):
     # f_t = sigmoid(w_f^T x_t + b_f), one gate per head (the paper's Eq. 5).
     return {"w_f": _normal(key, (dim, num_heads), dim),
             "b_f": jnp.full((num_heads,), hp["gate_bias_init"], jnp.float32)}
@@ -127,6 +134,104 @@ def _fox_decode(q, k, v_g, params, *, valid, index, inputs, block_q=None, block_
                                                     valid=valid)
 
 
+# -- forgetting attention with the Pro block's components ----------------------------------------
+
+_FOX_PRO_PARTS = ("kv_shift", "qk_norm", "output_norm", "output_gate")
+
+
+def _fox_pro_init(key, hp, *, num_heads, head_dim, max_len, dim, num_kv_heads):
+    kf, ks, kg = jax.random.split(key, 3)
+    params = _fox_init(kf, hp, num_heads=num_heads, head_dim=head_dim, max_len=max_len,
+                       dim=dim, num_kv_heads=num_kv_heads)
+    if hp["kv_shift"]:  # alpha_t = sigmoid(w^T x_t) per key/value head, keys' and values'
+        params["w_shift"] = _normal(ks, (dim, num_kv_heads, 2), dim)
+    if hp["qk_norm"]:
+        params["q_scale"] = jnp.ones((num_heads, head_dim))
+        params["k_scale"] = jnp.ones((num_kv_heads, head_dim))
+    if hp["output_norm"]:
+        params["o_scale"] = jnp.ones((num_heads, head_dim))
+    if hp["output_gate"]:
+        params["w_gate"] = _normal(kg, (dim, num_heads, head_dim), dim)
+    return params
+
+
+def _fox_pro_shifts(inputs, params):
+    """``alpha [B, L, Hkv, 2]`` float32: the token shift's weights of keys and values."""
+    a = jnp.einsum("bld,dhs->blhs", inputs, params["w_shift"].astype(inputs.dtype))
+    return jax.nn.sigmoid(a.astype(jnp.float32))
+
+
+def _fox_pro_heads(q, k, v, alpha, params, *, segment_ids=None, kv_shift, qk_norm):
+    """The queries, keys and values forgetting attention takes: keys and values token-shifted
+    (``alpha [B, L, Hkv, 2]``), then queries and keys RMS-normalised per head; in q's dtype."""
+    dt = q.dtype
+    if kv_shift:
+        k = token_shift(k, alpha[..., 0], segment_ids)
+        v = token_shift(v, alpha[..., 1], segment_ids)
+    if qk_norm:
+        q, k = head_rms_norm(q, params["q_scale"]), head_rms_norm(k, params["k_scale"])
+    return q.astype(dt), k.astype(dt), v.astype(dt)
+
+
+def _fox_pro_output(o, inputs, params, *, output_norm, output_gate):
+    """Each head's output RMS-normalised, then gated by ``sigmoid(W_g x_t)``."""
+    dt = o.dtype
+    if output_norm:
+        o = head_rms_norm(o, params["o_scale"])
+    if output_gate:
+        g = jnp.einsum("bld,dhe->blhe", inputs, params["w_gate"].astype(inputs.dtype))
+        o = o * jax.nn.sigmoid(g.astype(jnp.float32))
+    return o.astype(dt)
+
+
+def _fox_pro_attend(q, k, v, params, *, causal, kv_mask, bias, key, inputs, q_mask=None,
+                    segment_ids=None, kv_shift=True, qk_norm=True, output_norm=True,
+                    output_gate=True, block_q=None, block_k=None, implementation=None):
+    x = real_only(kv_mask, inputs)
+    # Self-attention: a padded token is out of the shift, the norms and the gates alike.
+    q, k, v = real_only(kv_mask, q, k, v)
+    alpha = _fox_pro_shifts(x, params) if kv_shift else None
+    q, k, v = _fox_pro_heads(q, k, v, alpha, params, segment_ids=segment_ids,
+                             kv_shift=kv_shift, qk_norm=qk_norm)
+    o = _fox_attend(q, k, v, params, causal=causal, kv_mask=kv_mask, bias=bias, key=key,
+                    inputs=inputs, segment_ids=segment_ids, block_q=block_q, block_k=block_k,
+                    implementation=implementation)
+    return _fox_pro_output(o, x, params, output_norm=output_norm, output_gate=output_gate)
+
+
+def _fox_pro_widths(hp, *, num_heads, num_kv_heads, head_dim):
+    # The cache holds the projected keys and values before the shift and the norm (each step
+    # shifts and normalises them again: no cached entry changes), and beside each value its
+    # token's two shift weights and the log gate of every query head of its group.
+    shift = 2 if hp["kv_shift"] else 0
+    return num_kv_heads, head_dim, head_dim + shift + num_heads // num_kv_heads
+
+
+def _fox_pro_entry(inputs, k, v, params, *, position, kv_shift=True, **hp):
+    k, v_g = _fox_entry(inputs, k, v, params, position=position)
+    if not kv_shift:
+        return k, v_g
+    d = v.shape[-1]
+    alpha = _fox_pro_shifts(inputs, params).astype(v.dtype)
+    return k, jnp.concatenate([v_g[..., :d], alpha, v_g[..., d:]], -1)
+
+
+def _fox_pro_decode(q, k, v_x, params, *, valid, index, inputs, kv_shift=True, qk_norm=True,
+                    output_norm=True, output_gate=True, block_q=None, block_k=None,
+                    implementation=None):
+    # Slot s holds position s: the shift over the slots is the forward pass's (slot 0 mixes in
+    # zeros), recomputed each step from the cached projections, O(C D) as the attention is.
+    d = q.shape[-1]
+    shift = 2 if kv_shift else 0
+    v, alpha, log_f = v_x[..., :d], v_x[..., d:d + shift], v_x[..., d + shift:]
+    q, k, v = _fox_pro_heads(q, k, v, alpha.astype(jnp.float32), params, kv_shift=kv_shift,
+                             qk_norm=qk_norm)
+    o = _fox_decode(q, k, jnp.concatenate([v, log_f.astype(v.dtype)], -1), params,
+                    valid=valid, index=index, inputs=inputs)
+    return _fox_pro_output(o, inputs, params, output_norm=output_norm,
+                           output_gate=output_gate)
+
+
 # -- multi-head latent attention -----------------------------------------------------------------
 
 def _mla_sizes(name, head_dim, latent_dim, rope_dim):
@@ -143,7 +248,7 @@ def _normal(key, shape, fan_in):
     return jax.random.normal(key, shape) / jnp.sqrt(fan_in)
 
 
-def _mla_init(key, hp, *, num_heads, head_dim, max_len, dim):
+def _mla_init(key, hp, *, num_heads, head_dim, max_len, dim, num_kv_heads):
     d_c, d_r = _mla_sizes("mla", head_dim, hp["latent_dim"], hp["rope_dim"])
     ks = jax.random.split(key, 6)
     params = {"w_dkv": _normal(ks[0], (dim, d_c), dim),
@@ -228,7 +333,7 @@ def _moba_decode(q, k, v, params, *, valid, index, block_size=64, top_k=3, chunk
 
 # -- native sparse attention ------------------------------------------------------------------
 
-def _nsa_init(key, hp, *, num_heads, head_dim, max_len, dim):
+def _nsa_init(key, hp, *, num_heads, head_dim, max_len, dim, num_kv_heads):
     # The gates' projection: sigmoid(x W_g + b_g), three gates per head (the paper's MLP, one
     # layer here).
     return {"w_g": _normal(key, (dim, num_heads, 3), dim), "b_g": jnp.zeros((num_heads, 3))}
@@ -260,7 +365,7 @@ def _nsa_decode(q, k, v, params, *, valid, index, inputs, block_size=64, num_sel
 
 # -- DeepSeek sparse attention ------------------------------------------------------------------
 
-def _dsa_init(key, hp, *, num_heads, head_dim, max_len, dim):
+def _dsa_init(key, hp, *, num_heads, head_dim, max_len, dim, num_kv_heads):
     h, d = hp["index_heads"], hp["index_dim"]
     ks = jax.random.split(key, 3)
     return {"w_qi": _normal(ks[0], (dim, h * d), dim), "w_ki": _normal(ks[1], (dim, d), dim),
@@ -354,51 +459,133 @@ def _dsa_decode(q, k, v_ki, params, *, valid, index, inputs, top_k=2048, index_h
 
 # -- PaTH attention ----------------------------------------------------------------------------
 
-def _path_init(key, hp, *, num_heads, head_dim, max_len, dim):
-    # Each head's Householder direction and strength from the token (the paper adds a short
-    # convolution before the normalisation, and a low-rank projection; a full linear map here,
-    # so a decoding step needs the token alone).
-    kw, kb = jax.random.split(key)
-    return {"w_w": _normal(kw, (dim, num_heads, head_dim), dim),
-            "w_beta": _normal(kb, (dim, num_heads), dim), "b_beta": jnp.zeros((num_heads,))}
+def _path_sizes(rank, width):
+    if rank is not None and (not isinstance(rank, int) or rank <= 0):
+        raise ValueError(f"attention kind 'path': w_rank must be a positive int (the low-rank "
+                         f"projection's width) or None (a full linear map), got {rank!r}")
+    if not isinstance(width, int) or width < 0:
+        raise ValueError(f"attention kind 'path': conv_width must be an int >= 0 (the short "
+                         f"convolution's taps; 0: none), got {width!r}")
 
 
-def _path_transforms(inputs, params):
-    """``(w [B, L, H, D], beta [B, L, H])`` in float32 from the block input: ``w_t`` unit-norm,
-    ``beta_t = 2 sigmoid(.)`` in ``(0, 2)`` (the paper's range, reflections included)."""
-    x = inputs.astype(jnp.float32)
-    w = jnp.einsum("bld,dhe->blhe", x, params["w_w"].astype(jnp.float32))
+def _path_init(key, hp, *, num_heads, head_dim, max_len, dim, num_kv_heads):
+    # One Householder transform per key/value head (its query group shares it with the keys):
+    # the direction through a rank-r projection and the short convolution, the strength
+    # through a linear map with a bias (the paper's parameterisation).
+    rank, width = hp["w_rank"], hp["conv_width"]
+    _path_sizes(rank, width)
+    ks = jax.random.split(key, 4)
+    channels = num_kv_heads * head_dim
+    if rank is None:
+        params = {"w_w": _normal(ks[0], (dim, channels), dim)}
+    else:
+        params = {"w_down": _normal(ks[0], (dim, rank), dim),
+                  "w_up": _normal(ks[1], (rank, channels), rank)}
+    if width:
+        # PyTorch's Conv1d initialisation (uniform, bound 1/sqrt(fan_in)), as Mamba's.
+        params["w_conv"] = jax.random.uniform(ks[2], (width, channels), minval=-1.0,
+                                              maxval=1.0) / jnp.sqrt(width)
+    return {**params, "w_beta": _normal(ks[3], (dim, num_kv_heads), dim),
+            "b_beta": jnp.zeros((num_kv_heads,))}
+
+
+def _path_directions_in(x, params):
+    """The directions before the convolution, ``[B, L, Hkv * D]`` float32, from the block input
+    ``x [B, L, dim]``: ``x W_down W_up`` (or ``x W`` without the low rank)."""
+    x = x.astype(jnp.float32)
+    if "w_w" in params:
+        return x @ params["w_w"].astype(jnp.float32)
+    return (x @ params["w_down"].astype(jnp.float32)) @ params["w_up"].astype(jnp.float32)
+
+
+def _path_finish(u, x, params):
+    """``(w [B, L, Hkv, D], beta [B, L, Hkv])`` float32 from the convolved directions ``u [B,
+    L, Hkv * D]`` and the block input: each head's ``w_t`` L2-normalised, ``beta_t = 2
+    sigmoid(.)`` in ``(0, 2)`` (the paper's range, reflections included)."""
+    hkv = params["b_beta"].shape[0]
+    w = u.reshape(*u.shape[:2], hkv, -1)
     w = w * jax.lax.rsqrt(jnp.sum(w * w, -1, keepdims=True) + 1e-6)
-    logits = jnp.einsum("bld,dh->blh", x, params["w_beta"].astype(jnp.float32))
-    return w, 2.0 * jax.nn.sigmoid(logits + params["b_beta"])
+    logits = x.astype(jnp.float32) @ params["w_beta"].astype(jnp.float32)
+    return w, 2.0 * jax.nn.sigmoid(logits + params["b_beta"].astype(jnp.float32))
 
 
-def _path_heads(q_heads, k_heads):
-    if q_heads != k_heads:
-        raise ValueError(f"attention kind 'path': its transforms are per head and rewrite the "
-                         f"keys, so every query head needs its own key head; got "
-                         f"num_heads={q_heads}, num_kv_heads={k_heads} (give num_kv_heads = "
-                         "num_heads)")
+def _path_transforms(x, params, segment_ids=None):
+    """PaTH's transforms from the block input ``x [B, L, dim]`` (padding already zeroed):
+    ``w_t = normalise(SiLU(conv(x W_down W_up)_t))`` per key/value head, the convolution short
+    and causal (``causal_depthwise_conv``: with ``segment_ids``, no tap reads another
+    document; a padded token's input is zero, so a token just after padding in the middle of
+    a row reads zeros there), and ``beta_t`` (:func:`_path_finish`). The SiLU after the convolution is the
+    authors' (flash-linear-attention's short convolution, which the paper's layer uses)."""
+    u = _path_directions_in(x, params)
+    if "w_conv" in params:
+        zero = jnp.zeros((u.shape[-1],), jnp.float32)
+        u = jax.nn.silu(causal_depthwise_conv(u, params["w_conv"].astype(jnp.float32), zero,
+                                              segment_ids))
+    return _path_finish(u, x, params)
 
 
 def _path_attend(q, k, v, params, *, causal, kv_mask, bias, key, inputs, q_mask=None,
-                 segment_ids=None, block_size=64, group=8):
-    _path_heads(q.shape[2], k.shape[2])
-    w, beta = _path_transforms(real_only(kv_mask, inputs), params)
+                 segment_ids=None, block_size=64, group=8, conv_width=3):
+    w, beta = _path_transforms(real_only(kv_mask, inputs), params, segment_ids)
     fn = functools.partial(path_attention, block_size=block_size, group=group)
     # PaTH exists causally only (a key's transforms are those of the later tokens up to the
-    # query): a layer runs it causally in any model, as the delta rule's recurrence.
-    return multihead(fn, arg_axes=("batch_heads", "batch_heads"))(
+    # query): a layer runs it causally in any model, as the delta rule's recurrence. The
+    # transforms are per key/value head, shared by its query group as the keys are
+    # (grouped-query attention): the keys' side of the blockwise form is computed once a group.
+    return multihead(fn, arg_axes=("batch_kv_heads", "batch_kv_heads"))(
         q, k, v, jnp.moveaxis(w, 2, 1), jnp.moveaxis(beta, 2, 1), causal=True,
         kv_mask=kv_mask, segment_ids=segment_ids)
 
 
-def _path_update(k, params, *, inputs, valid, index, block_size=64, group=8):
-    # The paper's inference form: the new token's H_t rewrites every cached key, O(C D).
-    _path_heads(params["w_w"].shape[1], k.shape[2])
-    w, beta = _path_transforms(inputs, params)
+def _path_keeps_directions(conv_width):
+    """Whether the cache keeps each token's direction before the convolution (the next
+    ``conv_width - 1`` steps read it)."""
+    return conv_width > 1
+
+
+def _path_widths(hp, *, num_heads, num_kv_heads, head_dim):
+    # Beside its key, a token keeps its direction before the convolution.
+    extra = head_dim if _path_keeps_directions(hp["conv_width"]) else 0
+    return num_kv_heads, head_dim + extra, head_dim
+
+
+def _path_entry(inputs, k, v, params, *, position, conv_width=3, **hp):
+    if not _path_keeps_directions(conv_width):
+        return k, v
+    u = _path_directions_in(inputs, params).reshape(k.shape)
+    return jnp.concatenate([k, u.astype(k.dtype)], -1), v
+
+
+def _path_update(k, params, *, inputs, valid, index, block_size=64, group=8, conv_width=3):
+    # The paper's inference form: the new token's H_t rewrites every cached key, O(C D); its
+    # direction convolves the cached directions of the last conv_width - 1 tokens with its own.
+    b, _, _, width = k.shape
+    d = width // 2 if _path_keeps_directions(conv_width) else width
+    u = _path_directions_in(inputs, params)  # [B, 1, Hkv * D]
+    if conv_width:
+        history, channels = conv_width - 1, u.shape[-1]
+        if history:
+            past = jnp.reshape(k[..., d:], (b, k.shape[1], channels)).astype(jnp.float32)
+            # Slots index - history .. index - 1 (zeros before the first token, as the
+            # forward pass's convolution pads).
+            past = jax.lax.dynamic_slice_in_dim(
+                jnp.pad(past, ((0, 0), (history, 0), (0, 0))), index, history, axis=1)
+        else:  # one tap: the token's own direction, scaled
+            past = jnp.zeros((b, 0, channels), jnp.float32)
+        zero = jnp.zeros((channels,), jnp.float32)
+        u, _ = causal_depthwise_step(past, u[:, 0], params["w_conv"].astype(jnp.float32), zero)
+        u = jax.nn.silu(u)[:, None]
+    w, beta = _path_finish(u, inputs, params)
     per_head = jax.vmap(path_update_keys, in_axes=(1, 0, 0), out_axes=1)
-    return jax.vmap(per_head)(k, w[:, 0], beta[:, 0])
+    keys = jax.vmap(per_head)(k[..., :d], w[:, 0], beta[:, 0])
+    return jnp.concatenate([keys, k[..., d:]], -1)
+
+
+def _path_decode(q, k, v, params, *, valid, index, inputs, block_size=64, group=8,
+                 conv_width=3):
+    # The step's query over the rewritten keys by plain softmax (the directions kept beside
+    # the keys are no part of them).
+    return multihead(dot_product_attention)(q, k[..., :q.shape[-1]], v, kv_mask=valid)
 
 
 KINDS = (
@@ -422,6 +609,26 @@ KINDS = (
          adapter=AttentionAdapter(
              _fox_attend, init=_fox_init, takes_input=True, init_only={"gate_bias_init"},
              decoding=KVDecoding(attend=_fox_decode, entry=_fox_entry, widths=_fox_widths))),
+    Kind("fox_pro", forgetting_attention, "modern", _FOX_PAPER,
+         time="O(L^2 D)", memory="O(L D)", causal=True, decoding="kv", segments=True,
+         state_size=("H_kv (D_k + D_v + 2) + H per token (the keys and values before the shift "
+                     "and the norm, two shift weights and a log gate per head; each step "
+                     "shifts and normalises the cache again, O(L H_kv D))"),
+         test_hyperparameters={"block_q": 8, "block_k": 8},
+         hyperparameters={
+             "gate_bias_init": (0.0, ("b_f's initial value: f = sigmoid(b_f) before training "
+                                      "(0: f = 1/2; larger: longer memory)")),
+             "kv_shift": (True, ("the data-dependent token shift of keys and values, "
+                                 "alpha_t k_{t-1} + (1 - alpha_t) k_t")),
+             "qk_norm": (True, "RMSNorm of each head's queries and keys (learned scales)"),
+             "output_norm": (True, "RMSNorm of each head's output (learned scales)"),
+             "output_gate": (True, "the output gate sigmoid(W_g x_t), after the output norm"),
+             **_TILES},
+         adapter=AttentionAdapter(
+             _fox_pro_attend, init=_fox_pro_init, takes_input=True,
+             init_only={"gate_bias_init"},
+             decoding=KVDecoding(attend=_fox_pro_decode, entry=_fox_pro_entry,
+                                 widths=_fox_pro_widths))),
     Kind("mla", multi_head_latent_attention, "modern", _MLA_PAPER,
          time="O(L^2 D)", memory="O(L D); cache (d_c + d_R) per token",
          causal=True, decoding="kv", segments=True,
@@ -495,12 +702,18 @@ KINDS = (
          time="O(L^2 D + L c^2), blocks of c",
          memory="O(g L (D + c)), g query blocks at a time", causal=True, decoding="kv",
          segments=True,
-         state_size="2 H D per token (keys and values; each step rewrites every cached key, "
-                    "O(L H D))",
-         test_hyperparameters={"block_size": 4, "group": 2},
+         state_size="H_kv (2 D + D) per token (keys, their Householder directions before the "
+                    "convolution, values; each step rewrites every cached key, O(L H_kv D))",
+         test_hyperparameters={"block_size": 4, "group": 2, "w_rank": 4},
          hyperparameters={
              "block_size": (64, "positions per block (the UT form of its Householders)"),
-             "group": (8, "query blocks computed together per step")},
-         adapter=AttentionAdapter(_path_attend, init=_path_init, takes_input=True,
-                                  decoding=KVDecoding(update=_path_update))),
+             "group": (8, "query blocks computed together per step"),
+             "w_rank": (32, ("r, the rank of the directions' projection x W_down W_up (None: "
+                             "a full linear map)")),
+             "conv_width": (3, ("taps of the short causal convolution over the directions "
+                                "(0: none, w_t from the token alone)"))},
+         adapter=AttentionAdapter(
+             _path_attend, init=_path_init, takes_input=True, init_only={"w_rank"},
+             decoding=KVDecoding(attend=_path_decode, entry=_path_entry, widths=_path_widths,
+                                 update=_path_update))),
 )

@@ -7,8 +7,11 @@ data-dependent transforms of every position after ``j`` up to ``i``::
     s_ij = q_i^T H_i H_{i-1} ... H_{j+1} k_j          (the empty product, j = i, is I)
     H_t = I - beta_t w_t w_t^T
 
-with ``w_t`` unit-norm and ``beta_t`` in ``(0, 2)`` (both functions of the token ``x_t``; the
-layer computes them). A key is transformed by each later token in turn (``k_j <- H_t k_j`` at
+with ``w_t`` unit-norm and ``beta_t`` in ``(0, 2)``, both functions of the tokens. The layer
+(the ``path`` kind) computes them as the paper does: ``w_t`` from ``x_t`` through a rank-r
+projection, a short causal convolution over the last few tokens (width 3, SiLU after it) and
+an L2 normalisation, ``beta_t = 2 sigmoid(w_beta^T x_t + b)``, one transform per key/value
+head. A key is transformed by each later token in turn (``k_j <- H_t k_j`` at
 step ``t``), which is how the paper decodes. ``beta = 0`` makes every ``H_t = I``: plain causal
 softmax attention. A padded token (``kv_mask`` False) is absent: no key, and its ``H`` is
 ``I``. Packed rows (``segment_ids``, each document one contiguous run of positions): a query

@@ -153,7 +153,7 @@ def _axial(q, k, v, params, *, causal, kv_mask, bias, key, shape, axis=None, q_m
 
 # --- Longformer and ETC global projections (T1 3.2.6-3.2.7) ----------------------------------
 
-def _global_projections(key, hp, *, num_heads, head_dim, max_len, dim):
+def _global_projections(key, hp, *, num_heads, head_dim, max_len, dim, num_kv_heads):
     keys = jax.random.split(key, 3)
     return tuple(jax.random.normal(k, (dim, num_heads * head_dim)) / math.sqrt(dim)
                  for k in keys)
