@@ -254,7 +254,8 @@ def _selected_backward(static, q, k, v, extra, dyn, out, lse, d_out, d_lse):
     # leading axis of both, which XLA:CPU runs through its slow generic dot.
     kbt = jnp.swapaxes(kb, 1, 2)  # [nb, D, block_size]
 
-    def one(args):
+    def one(carry, args):
+        dk, dv = carry
         b, qi = args
         qg = qe[qi]  # [group, tile, D]
         kg = kb[b]
@@ -265,22 +266,23 @@ def _selected_backward(static, q, k, v, extra, dyn, out, lse, d_out, d_lse):
         if masked:
             pt = jnp.where(mb[b][:, :, None], pt, 0.0)
         dog = d_out_e[qi]
-        dv = jnp.einsum("gbc,gcd->gbd", pt, dog)
+        dv = dv.at[b].add(jnp.einsum("gbc,gcd->gbd", pt, dog))
         dpt = jnp.einsum("gbd,gcd->gbc", vb[b].astype(STATS_DTYPE), dog)
         dst = pt * (dpt - delta_e[qi][:, None, :])
         dqt = jnp.einsum("gdb,gbc->gdc", kbt[b].astype(STATS_DTYPE), dst)
-        dk = jnp.einsum("gbc,gcd->gbd", dst, qg.astype(STATS_DTYPE))
-        return dqt, dk, dv
+        dk = dk.at[b].add(jnp.einsum("gbc,gcd->gbd", dst, qg.astype(STATS_DTYPE)))
+        return (dk, dv), dqt
 
-    dqt, dk, dv = jax.lax.map(one, (tbc.reshape(g, group), query.reshape(g, group, tile)))
+    # Each key block's gradient is added in place as its tiles come (a few whole-block rows
+    # per step), not kept per tile: the per-tile buffers were 2 T tile D numbers more memory.
+    zeros = (jnp.zeros(kb.shape, STATS_DTYPE), jnp.zeros(vb.shape, STATS_DTYPE))
+    (dk, dv), dqt = jax.lax.scan(one, zeros, (tbc.reshape(g, group),
+                                              query.reshape(g, group, tile)))
     dq = jnp.swapaxes(dqt.reshape(-1, *dqt.shape[2:]), 1, 2)  # [T, tile, D]
     flat = picked.reshape(-1)
     dq = jnp.where(flat[:, None], dq.reshape(-1, dq.shape[-1])[slot], 0.0)
     dq = dq.reshape(lq, n, -1).sum(1) * scale
-    # The tiles come sorted by block: a sorted segment sum adds each block's tiles. (dk's
-    # scale is in the scaled queries when float32.)
-    dk = jax.ops.segment_sum(dk.reshape(-1, *dk.shape[2:]), tbc, nb, indices_are_sorted=True)
-    dv = jax.ops.segment_sum(dv.reshape(-1, *dv.shape[2:]), tbc, nb, indices_are_sorted=True)
+    # (dk's scale is in the scaled queries when float32.)
     dk = dk.reshape(nb * block_size, -1)[:lk] * (1.0 if q.dtype == jnp.float32 else scale)
     dv = dv.reshape(nb * block_size, -1)[:lk]
     return dq, dk, dv, ()
@@ -311,8 +313,9 @@ def selected_blocks_attention(q, k, v, index, chosen, *, block_size: int, kv_mas
     backward, Dao et al. 2022): the forward saves only ``out`` and ``lse``, the backward
     recomputes each tile's probabilities as ``exp(s - lse)`` from the query's final
     log-sum-exp. Every move of a pair's row is a gather (the sort is a permutation, and its
-    inverse ``slot`` is kept), and each key block's gradient is a sorted segment sum of its
-    tiles: no scatter-add of per-pair rows, which XLA:CPU runs serially.
+    inverse ``slot`` is kept); each key block's gradient is added in place, whole block rows
+    at a time, as its tiles come: no scatter-add of per-pair rows, which XLA:CPU runs
+    serially.
     """
     lk = k.shape[0]
     nb = cdiv(lk, block_size)
