@@ -182,7 +182,7 @@ def _blocks(static, q, k, v, mb):
     nb = mb.shape[0]
     kb = pad_to(k, nb * block_size).reshape(nb, block_size, -1)
     vb = pad_to(v, nb * block_size).reshape(nb, block_size, -1)
-    if q.dtype == jnp.float32:  # the scale applied once (exact in float32: rounded once)
+    if q.dtype == jnp.float32:  # the scale applied to q once, as the tiled kernel does
         q = q * scale
     return jnp.concatenate([q, jnp.zeros((1, q.shape[1]), q.dtype)]), kb, vb
 
