@@ -152,6 +152,22 @@ def test_moba_computes_the_reference_selection(causal, top_k):
                  jit0(functools.partial(_grads, ref))((q, k, v)), table=EXACT_GRAD)
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_moba_whole_blocks_without_a_mask_match_the_reference(causal):
+    # No kv_mask and a length that is a multiple of the block: the tiles carry no mask, so a
+    # tile's unused rows must read the appended zero query (zero cotangent); were they to read
+    # a real query, dk and dv would gain its terms.
+    n = 40
+    q, k, v = _arrays(14, (n, DK), (n, DK), (n, DV))
+    kw = dict(block_size=4, top_k=3, causal=causal)
+    fast = functools.partial(MB.moba_attention, chunk=8, **kw)
+    ref = functools.partial(MB.moba_reference, **kw)
+    args = (3 * q, k, v)
+    assert_close(jit0(fast)(*args), jit0(ref)(*args))
+    assert_close(jit0(functools.partial(_grads, fast))(args),
+                 jit0(functools.partial(_grads, ref))(args), table=EXACT_GRAD)
+
+
 def test_moba_reductions():
     q, k, v = _arrays(5, (L, DK), (L, DK), (L, DV))
     # Every block chosen: full attention; causal with top_k = 1: the own block alone.

@@ -14,7 +14,14 @@ key block by key block (:func:`selected_blocks_attention`: the (query, block) pa
 block, each block's queries in tiles, one ``[tile, D] x [D, block_size]`` matmul per tile,
 never an ``L x L`` map); the two parts merge by their log-sum-exps (``kernels.merge_by_lse``).
 Time ``O(L top_k block_size D)`` plus the gate's ``O(L (L / block_size) D)``; memory
-``O(L top_k D)`` for the per-pair partial outputs.
+``O(L top_k D)`` for the per-pair partial outputs. The backward pass recomputes the tiles from
+each query's log-sum-exp (the tiled kernel's custom VJP), so it stores no probabilities.
+
+Speed on a CPU: the selected part does ``top_k / (L / 2)`` of causal attention's scores, but
+in tiles of ``block_size`` keys; XLA:CPU computes a 128-key tile at about twice the cost per
+score of the 512 x 512 tiles causal flash attention uses, which caps the speed-up of 1/8 of the
+keys in blocks of 128 near 2x rather than 4x (the ``modern_attention`` suite's (why) rows
+measure it); blocks of 512 come closer.
 """
 
 from __future__ import annotations
@@ -23,7 +30,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float
 
-from ...kernels import STATS_DTYPE, cdiv, merge_by_lse, pad_to, safe_max
+from ...kernels import STATS_DTYPE, cdiv, lse_vjp, merge_by_lse, pad_to, safe_max
 from .. import _contract as C
 from .._exact import flash_attention
 from ..patterns import BlockLocal
@@ -132,31 +139,21 @@ def gathered_block_attention(q, k, v, index, chosen, *, block_size: int, kv_mask
     return out.reshape(nc * cq, -1)[:lq], lse.reshape(-1)[:lq]
 
 
-def selected_blocks_attention(q, k, v, index, chosen, *, block_size: int, kv_mask=None,
-                              scale: float, tile: int = 128, group: int = 8):
-    """Softmax attention of each query over only the key blocks it chose, key block by key
-    block: ``q [Lq, D]``, ``index int32[Lq, n]`` blocks of ``k [Lk, D]``, ``v [Lk, Dv]``
-    (``chosen [Lq, n]`` marks the real choices). Returns ``(out f32[Lq, Dv], lse f32[Lq])``;
-    a query with no choice gives zeros and ``-inf``.
-
-    The ``Lq n`` (query, block) pairs are sorted by block; each block's queries are cut into
-    tiles of ``tile`` rows, so one tile is a ``[tile, D] x [D, block_size]`` matmul against one
-    contiguous block of keys (MoBA's own kernel groups its queries by block the same way).
-    Gathering queries (``D`` numbers per pair) rather than each query's blocks (``block_size
-    D``) keeps the memory traffic ``block_size`` times lower. There are at most ``Lq n / tile +
-    nb`` tiles (a static bound); ``group`` tiles run per step of a ``lax.map`` under
-    ``jax.checkpoint``. The per-pair softmax statistics merge per query by their log-sum-exps.
-    """
+def _block_schedule(index, chosen, nb: int, tile: int, group: int):
+    """The (query, block) pairs sorted by block and cut into tiles of ``tile`` queries of one
+    key block: ``(block int32[T], query int32[T, tile], slot int32[Lq n])`` with ``T`` a static
+    bound (``Lq n / tile + nb`` rounded up to ``group``). A tile's unused rows name query
+    ``Lq`` (a zero row the kernels append); ``slot`` is each pair's row among the ``T tile``
+    tile rows (a permutation, so both directions are gathers)."""
     lq, n = index.shape
-    lk = k.shape[0]
-    nb = cdiv(lk, block_size)
-    kb = pad_to(k, nb * block_size).reshape(nb, block_size, -1)
-    vb = pad_to(v, nb * block_size).reshape(nb, block_size, -1)
-    real = jnp.ones((lk,), bool) if kv_mask is None else kv_mask
-    mb = pad_to(real, nb * block_size, value=False).reshape(nb, block_size)
     pairs = lq * n
     blk = jnp.where(chosen, index, nb).reshape(pairs)  # not chosen: a block past the last
-    order = jnp.argsort(blk, stable=True)  # sorted position -> pair
+    # Sorted position -> pair: one sort of the distinct packed keys (block, pair) when they
+    # fit in int32, rather than a stable sort carrying a second operand.
+    if pairs * (nb + 1) < 2 ** 31:
+        order = jax.lax.sort(blk * pairs + jnp.arange(pairs, dtype=blk.dtype)) % pairs
+    else:
+        order = jnp.argsort(blk, stable=True)
     counts = jnp.zeros((nb + 1,), jnp.int32).at[blk].add(1)[:nb]
     starts = jnp.cumsum(counts) - counts
     tiles_of = (counts + tile - 1) // tile
@@ -170,37 +167,167 @@ def selected_blocks_attention(q, k, v, index, chosen, *, block_size: int, kv_mas
     rows = (starts[tbc] + local * tile)[:, None] + jnp.arange(tile)
     valid = jnp.arange(tile)[None, :] < count[:, None]
     pair = order[jnp.clip(rows, 0, pairs - 1)]  # [T, tile]
-    query = pair // n
-    g = num_tiles // group
+    flat = jnp.where(valid, pair, pairs).reshape(-1)
+    slot = jnp.zeros((pairs,), jnp.int32).at[flat].set(jnp.arange(num_tiles * tile,
+                                                                  dtype=jnp.int32),
+                                                       mode="drop")
+    query = jnp.where(valid, pair // n, lq).astype(jnp.int32)
+    return tbc.astype(jnp.int32), query, slot
 
-    @jax.checkpoint
+
+def _blocks(static, q, k, v, mb):
+    """Keys and values as ``[nb, block_size, D]`` blocks, and the queries with the zero row
+    ``Lq`` appended (that tiles' unused rows read), scaled when float32."""
+    scale, block_size = static[:2]
+    nb = mb.shape[0]
+    kb = pad_to(k, nb * block_size).reshape(nb, block_size, -1)
+    vb = pad_to(v, nb * block_size).reshape(nb, block_size, -1)
+    if q.dtype == jnp.float32:  # the scale applied to q once, as the tiled kernel does
+        q = q * scale
+    return jnp.concatenate([q, jnp.zeros((1, q.shape[1]), q.dtype)]), kb, vb
+
+
+def _tile_scores(static, q, kb, b, qi):
+    """One step's ``group`` tiles: the gathered queries ``[group, tile, D]`` and their scaled
+    scores against their key block ``[group, tile, block_size]``."""
+    qg = q[qi]
+    s = jnp.einsum("gcd,gbd->gcb", qg, kb[b], preferred_element_type=STATS_DTYPE)
+    return qg, (s if q.dtype == jnp.float32 else s * static[0])
+
+
+def _selected_forward(static, q, k, v, extra, dyn):
+    _, _, group, masked = static
+    lq = q.shape[0]
+    mb, tbc, query, slot, picked = dyn
+    n = picked.shape[1]
+    qe, kb, vb = _blocks(static, q, k, v, mb)
+    g = tbc.shape[0] // group
+
     def one(args):
-        b, qi, ok = args  # [group], [group, tile], [group, tile]
-        s = jnp.einsum("gcd,gbd->gcb", q[qi], kb[b], preferred_element_type=STATS_DTYPE)
-        keep = ok[..., None] & mb[b][:, None, :]
-        s = jnp.where(keep, s * scale, -jnp.inf)
-        m = jax.lax.stop_gradient(safe_max(s.max(-1, keepdims=True)))
-        p = jnp.where(keep, jnp.exp(s - m), 0.0)
+        b, qi = args  # [group], [group, tile]
+        _, s = _tile_scores(static, qe, kb, b, qi)
+        if masked:  # padded or masked keys (a full block needs no mask, as in flash)
+            keep = mb[b][:, None, :]
+            s = jnp.where(keep, s, -jnp.inf)
+        m = safe_max(s.max(-1, keepdims=True))
+        p = jnp.exp(s - m)
+        if masked:
+            p = jnp.where(keep, p, 0.0)
         acc = jnp.einsum("gcb,gbd->gcd", p.astype(v.dtype), vb[b],
                          preferred_element_type=STATS_DTYPE)
         return m[..., 0], p.sum(-1), acc
 
-    m, l, acc = jax.lax.map(one, (tbc.reshape(g, group), query.reshape(g, group, tile),
-                                  valid.reshape(g, group, tile)))
-    flat = jnp.where(valid, pair, pairs).reshape(-1)
-    where = jnp.zeros((pairs,), jnp.int32).at[flat].set(jnp.arange(num_tiles * tile),
-                                                         mode="drop")
-    picked = chosen.reshape(pairs)
-    m = jnp.where(picked, m.reshape(-1)[where], -jnp.inf).reshape(lq, n)
-    l = jnp.where(picked, l.reshape(-1)[where], 0.0).reshape(lq, n)
-    acc = jnp.where(picked[:, None], acc.reshape(num_tiles * tile, -1)[where],
-                    0.0).reshape(lq, n, -1)
-    top = jax.lax.stop_gradient(safe_max(m.max(-1, keepdims=True)))
+    tile = query.shape[1]
+    m, l, acc = jax.lax.map(one, (tbc.reshape(g, group), query.reshape(g, group, tile)))
+    flat = picked.reshape(-1)
+    m = jnp.where(flat, m.reshape(-1)[slot], -jnp.inf).reshape(lq, n)
+    l = jnp.where(flat, l.reshape(-1)[slot], 0.0).reshape(lq, n)
+    acc = jnp.where(flat[:, None], acc.reshape(-1, acc.shape[-1])[slot], 0.0).reshape(lq, n, -1)
+    top = safe_max(m.max(-1, keepdims=True))
     w = jnp.where(jnp.isfinite(m), jnp.exp(m - top), 0.0)
     total = (w * l).sum(-1)
     out = (w[..., None] * acc).sum(1) / jnp.maximum(total, 1e-30)[:, None]
     lse = jnp.where(total > 0, top[:, 0] + jnp.log(jnp.maximum(total, 1e-30)), -jnp.inf)
     return out, lse
+
+
+def _selected_backward(static, q, k, v, extra, dyn, out, lse, d_out, d_lse):
+    scale, block_size, group, masked = static
+    lq, lk = q.shape[0], k.shape[0]
+    mb, tbc, query, slot, picked = dyn
+    nb, n = mb.shape[0], picked.shape[1]
+    qe, kb, vb = _blocks(static, q, k, v, mb)
+    d_out = d_out.astype(STATS_DTYPE)
+    # FlashAttention's backward per tile, with the query's final log-sum-exp: p = exp(s - lse),
+    # ds = p (dO . v - delta), delta = dO . out - d_lse (the lse's own cotangent). The zero
+    # query row Lq gets lse = +inf, so an unused tile row has p = 0 and adds nothing.
+    delta = (d_out * out).sum(-1) - d_lse
+    lse_e = jnp.concatenate([jnp.where(jnp.isfinite(lse), lse, 0.0), jnp.full((1,), jnp.inf)])
+    delta_e = jnp.concatenate([delta, jnp.zeros((1,), delta.dtype)])
+    d_out_e = jnp.concatenate([d_out, jnp.zeros((1, d_out.shape[1]), d_out.dtype)])
+    g = tbc.shape[0] // group
+    tile = query.shape[1]
+
+    # The tiles are computed transposed, s^T [block_size, tile], so that each of the five
+    # products is a plain matmul or contracts the last axes of both operands (as the tiled
+    # kernel's backward does): in the natural orientation p^T dO and ds^T q contract the
+    # leading axis of both, which XLA:CPU runs through its slow generic dot.
+    kbt = jnp.swapaxes(kb, 1, 2)  # [nb, D, block_size]
+
+    def one(carry, args):
+        dk, dv = carry
+        b, qi = args
+        qg = qe[qi]  # [group, tile, D]
+        kg = kb[b]
+        st = jnp.einsum("gbd,gcd->gbc", kg, qg, preferred_element_type=STATS_DTYPE)
+        if qe.dtype != jnp.float32:
+            st = st * scale
+        pt = jnp.exp(st - lse_e[qi][:, None, :])
+        if masked:
+            pt = jnp.where(mb[b][:, :, None], pt, 0.0)
+        dog = d_out_e[qi]
+        dv = dv.at[b].add(jnp.einsum("gbc,gcd->gbd", pt, dog))
+        dpt = jnp.einsum("gbd,gcd->gbc", vb[b].astype(STATS_DTYPE), dog)
+        dst = pt * (dpt - delta_e[qi][:, None, :])
+        dqt = jnp.einsum("gdb,gbc->gdc", kbt[b].astype(STATS_DTYPE), dst)
+        dk = dk.at[b].add(jnp.einsum("gbc,gcd->gbd", dst, qg.astype(STATS_DTYPE)))
+        return (dk, dv), dqt
+
+    # Each key block's gradient is added in place as its tiles come (a few whole-block rows
+    # per step), not kept per tile: the per-tile buffers were 2 T tile D numbers more memory.
+    zeros = (jnp.zeros(kb.shape, STATS_DTYPE), jnp.zeros(vb.shape, STATS_DTYPE))
+    (dk, dv), dqt = jax.lax.scan(one, zeros, (tbc.reshape(g, group),
+                                              query.reshape(g, group, tile)))
+    dq = jnp.swapaxes(dqt.reshape(-1, *dqt.shape[2:]), 1, 2)  # [T, tile, D]
+    flat = picked.reshape(-1)
+    dq = jnp.where(flat[:, None], dq.reshape(-1, dq.shape[-1])[slot], 0.0)
+    dq = dq.reshape(lq, n, -1).sum(1) * scale
+    # (dk's scale is in the scaled queries when float32.)
+    dk = dk.reshape(nb * block_size, -1)[:lk] * (1.0 if q.dtype == jnp.float32 else scale)
+    dv = dv.reshape(nb * block_size, -1)[:lk]
+    return dq, dk, dv, ()
+
+
+_selected = lse_vjp(_selected_forward, _selected_backward)
+
+
+def selected_blocks_attention(q, k, v, index, chosen, *, block_size: int, kv_mask=None,
+                              scale: float, tile: int = 128, group: int = 8):
+    """Softmax attention of each query over only the key blocks it chose, key block by key
+    block: ``q [Lq, D]``, ``index int32[Lq, n]`` blocks of ``k [Lk, D]``, ``v [Lk, Dv]``
+    (``chosen [Lq, n]`` marks the real choices). Returns ``(out f32[Lq, Dv], lse f32[Lq])``;
+    a query with no choice gives zeros and ``-inf``.
+
+    The ``Lq n`` (query, block) pairs are sorted by block; each block's queries are cut into
+    tiles of ``tile`` rows, so one tile is a ``[tile, D] x [D, block_size]`` matmul against one
+    contiguous block of keys (MoBA's own kernel groups its queries by block the same way).
+    Gathering queries (``D`` numbers per pair) rather than each query's blocks (``block_size
+    D``) keeps the memory traffic ``block_size`` times lower. There are at most ``Lq n / tile +
+    nb`` tiles (a static bound); ``group`` tiles run per step of a ``lax.map``. Each (query,
+    block) pair is an exact partial softmax (its maximum, sum and weighted values); the pairs
+    merge per query by their log-sum-exps. Without ``kv_mask`` and with whole blocks, no tile
+    carries a mask (a tile's unused rows read a zero query whose results are never read, and
+    whose backward probabilities are 0).
+
+    Gradients: the tiled kernel's recomputing VJP (``kernels.lse_vjp``; FlashAttention's
+    backward, Dao et al. 2022): the forward saves only ``out`` and ``lse``, the backward
+    recomputes each tile's probabilities as ``exp(s - lse)`` from the query's final
+    log-sum-exp. Every move of a pair's row is a gather (the sort is a permutation, and its
+    inverse ``slot`` is kept); each key block's gradient is added in place, whole block rows
+    at a time, as its tiles come: no scatter-add of per-pair rows, which XLA:CPU runs
+    serially.
+    """
+    lk = k.shape[0]
+    nb = cdiv(lk, block_size)
+    real = jnp.ones((lk,), bool) if kv_mask is None else kv_mask
+    mb = pad_to(real, nb * block_size, value=False).reshape(nb, block_size)
+    masked = kv_mask is not None or lk % block_size != 0
+    if kv_mask is not None:  # a NaN in a masked key or value must not reach a 0 * x product
+        k = jnp.where(kv_mask[:, None], k, jnp.zeros((), k.dtype))
+        v = jnp.where(kv_mask[:, None], v, jnp.zeros((), v.dtype))
+    tbc, query, slot = _block_schedule(index, chosen, nb, tile, group)
+    return _selected((float(scale), block_size, group, masked), q, k, v, (),
+                     (mb, tbc, query, slot, chosen))
 
 
 def moba_attention(
