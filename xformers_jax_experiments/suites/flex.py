@@ -13,8 +13,11 @@ fp32, B=1, H=4, D=64, lifted with ``multihead``, XLA:CPU; L = 2048 and 8192 (the
 - the same row as the trainer packs it: causal flash with the document ids as run-time data
   (``segment_ids``, an argument of the compiled function), whose tiles are skipped from the
   ids' ranges per tile rather than from a static layout.
-- building the layout of a mask function afresh (a new function each call, so the cache
-  never answers): the host-side cost the cache saves, as a share of one fwd+bwd.
+- the host-side work of a static mask function (``pattern_tile``, then its layout at that
+  tile): for a new function each call (a fresh build: compiling and evaluating the function
+  at every position, paid once per function and shape) and for one function called again
+  (cached). The issue asks "under 5% of one fwd+bwd at 8K, or cached": the figure is the
+  cached call's, with the fresh build stated beside it.
 
 The figures marked (why) are not targets and time nothing: they are the speed-ups a perfect
 skip of empty tiles would give at the tiles the kernel picks (``pattern_tile``, this machine's
@@ -27,6 +30,8 @@ per-tile overhead (the in-tile mask of partial tiles, the scan's steps) and nois
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax.numpy as jnp
 import numpy as np
@@ -54,7 +59,8 @@ from xformers_jax_experiments.suites.attention import attention_flops, qkv
 TITLE = "Flex attention: score and mask functions vs flash and hand patterns (fp32, B=1, H=4, D=64)"
 NOTE = ("XLA:CPU. Figures at L=8192: a score function within 1.15x of flash (causal), a 10% "
         "mask function 5x faster than full flash and within 10% of the hand pattern, 8 packed "
-        "documents 5x faster than causal flash, a fresh layout under 5% of one fwd+bwd. "
+        "documents 5x faster than causal flash, a mask function's layout under 5% of one "
+        "fwd+bwd once cached (a fresh build stated beside it). "
         "The (why) rows time nothing: the speed-up a perfect skip of empty tiles gives at the "
         "tiles the kernel picks (512 x 512 here: the ~10% band is 18% of the tiles, 8 causal "
         "documents 24 tiles against causal's 136), the most any kernel walking those tiles "
@@ -106,15 +112,22 @@ def build(variant: str, L: int, quick: bool = False, B: int = 1, D: int = 64):
         return Workload(lambda q, k, v, ids: lifted(q, k, v, segment_ids=ids),
                         (*qkv(L, B, H, D), ids),
                         flops=attention_flops(L // 8, B, H, D, causal=True) * 8)
-    elif variant == "layout":
-        tile = pattern_tile(Local(_band(L), _band(L)), L, L)
+    elif variant in ("layout", "layout_cached"):
+        # The host-side work a flex_attention call does for a static mask function: its tile
+        # (``pattern_tile`` evaluates it on the finest grid) and its layout at that tile.
+        def host_work(mask):
+            t = pattern_tile(mask, L, L)
+            return mask.layout(L, L, t, t)
 
-        def fresh(mode):
-            def make():
-                w = _band(L)
-                return MaskMod(lambda b, h, i, j: jnp.abs(i - j) <= w).layout(L, L, tile, tile)
-            return make
-        return Workload(None, (), native=fresh)
+        if variant == "layout":  # a new function each call, so the caches never answer
+            def fresh(mode):
+                def make():
+                    w = _band(L)
+                    return host_work(MaskMod(lambda b, h, i, j: jnp.abs(i - j) <= w))
+                return make
+            return Workload(None, (), native=fresh)
+        mask = _band_mask(L)  # one mask: built by the warm-up call, cached for the timed ones
+        return Workload(None, (), native=lambda mode: lambda: host_work(mask))
     else:
         raise ValueError(f"unknown variant {variant!r}")
     if variant == "alibi":  # the head index reaches the score function through multihead
@@ -129,6 +142,7 @@ _NAMES = {
     "softcap": "flex soft-cap causal", "mask10": "flex mask function ~10%",
     "hand10": "hand pattern ~10%", "documents": "flex 8 documents",
     "segments": "flash 8 documents as segment ids", "layout": "layout of a fresh mask function",
+    "layout_cached": "layout of a mask function, cached",
 }
 
 
@@ -137,7 +151,7 @@ def cases(quick: bool) -> list[Case]:
     out = []
     for L in lengths:
         for variant, name in _NAMES.items():
-            modes = ("fwd",) if variant == "layout" else ("fwd", "fwdbwd")
+            modes = ("fwd",) if variant.startswith("layout") else ("fwd", "fwdbwd")
             out.append(Case(name, _BUILD, dict(variant=variant, L=L, quick=quick), modes=modes))
     return out
 
@@ -195,7 +209,15 @@ def checks(r: Results):
                     f"documents', L={L} (perfect skip)", documents, at_least=5.0,
                     fmt="{:.2f}x"),
     ]
-    out.append(ratio_check(f"fresh layout / flex mask function fwd+bwd, L={L} (cached after "
-                           "the first call)", t("layout", "fwd"), t("mask10", "fwdbwd"),
-                           at_most=0.05))
+    # The issue's target is "under 5% of one fwd+bwd at 8K, or cached": the figure is a
+    # cached call's host work (a mask function used again, e.g. at a re-trace), with a fresh
+    # build (a new function's first call: its jit compilation and evaluation on every
+    # position) stated beside it; the fresh build is paid once per function and shape.
+    cached, fresh, step = t("layout_cached", "fwd"), t("layout", "fwd"), t("mask10", "fwdbwd")
+    check = ratio_check(f"layout of a mask function, cached (a second call) / flex mask "
+                        f"function fwd+bwd, L={L}", cached, step, at_most=0.05, fmt="{:.5f}x")
+    if check.ok is not None and fresh is not None:
+        check = dataclasses.replace(
+            check, measured=f"{check.measured} (a fresh build: {fresh / step:.2f}x)")
+    out.append(check)
     return out
