@@ -382,3 +382,49 @@ def test_a_skipped_tile_is_not_computed():
     for what, a, b in zip(("dq", "dk", "dv"), g_dirty, g_clean):
         assert np.all(np.isfinite(np.asarray(a)[others])), what
         np.testing.assert_array_equal(np.asarray(a)[others], np.asarray(b)[others], what)
+
+
+def _whole_transposes(jaxpr, shape) -> int:
+    """Transposes producing ``shape`` outside any loop of ``jaxpr`` (nested calls included)."""
+    n = 0
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name in ("while", "scan"):
+            continue
+        if eqn.primitive.name == "transpose" and eqn.outvars[0].aval.shape == shape:
+            n += 1
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            n += _whole_transposes(sub, shape)
+    return n
+
+
+def test_sparse_layouts_walk_their_tiles_without_moving_all_keys():
+    """Packed documents (each key tile used by one or two query tiles) are walked in the
+    forward with a while loop: under ``multihead`` no transpose of the whole K or V to
+    ``[H, L, D]`` precedes the walk (a scan's batching puts one there, which cost the
+    documents' forward more time than its tiles); the result equals the scan's bit for bit.
+    Causal flash (each key tile used by many) keeps the scan and its up-front transposes."""
+    from xformers_jax.kernels import _tiled
+
+    lq = 8 * TILE
+    ks = jax.random.split(jax.random.PRNGKey(8), 3)
+    q, k, v = (jax.random.normal(kk, (1, lq, H, D)) for kk in ks)
+    docs = document_mask(np.repeat(np.arange(4), 2 * TILE)) & P.Causal()
+
+    def documents(q, k, v):  # a new function each time: nothing cached from another trace
+        return multihead(lambda q, k, v: flex_attention(q, k, v, mask_mod=docs, block_q=TILE,
+                                                        block_k=TILE))(q, k, v)
+
+    causal = multihead(lambda q, k, v: flash_attention(q, k, v, causal=True, block_q=TILE,
+                                                       block_k=TILE))
+    whole = (H, lq, D)
+    assert _tiled._walk_by_while(docs.layout(lq, lq, TILE, TILE))
+    assert _whole_transposes(jax.make_jaxpr(lambda *a: documents(*a))(q, k, v).jaxpr,
+                             whole) == 0
+    assert _whole_transposes(jax.make_jaxpr(causal)(q, k, v).jaxpr, whole) >= 2
+    walked = jit0(lambda *a: documents(*a))(q, k, v)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(_tiled, "_WHILE_MAX_USES", 0.0)
+        assert _whole_transposes(jax.make_jaxpr(lambda *a: documents(*a))(q, k, v).jaxpr,
+                                 whole) >= 2
+        scanned = jit0(lambda *a: documents(*a))(q, k, v)
+    np.testing.assert_array_equal(np.asarray(walked), np.asarray(scanned))

@@ -323,7 +323,30 @@ def _segment_kinds(st: _Static, dyn, group) -> jax.Array:
     return jnp.where(one, 0, jnp.where(meet, 1, 2)).astype(jnp.int32)
 
 
-def _scan_tiles(st: _Static, dyn, body, carry, group):
+# The forward pass walks a layout whose key blocks are each used by at most this many query
+# blocks on average with a ``lax.while_loop`` instead of a ``lax.scan`` (see ``_walk_by_while``).
+_WHILE_MAX_USES = 4.0
+
+
+def _walk_by_while(layout: BlockLayout) -> bool:
+    """Whether the forward pass walks ``layout``'s tiles with a ``lax.while_loop``.
+
+    Under ``jax.vmap`` (heads and batch rows, as ``multihead`` maps a head's kernel), a scan's
+    batching rule moves the batch axis of every array the scan closes over to the front before
+    the loop: a transposed copy of all of K and V per call, which XLA:CPU ran as two passes
+    over each (a copy and a transpose). A while loop keeps the arrays as they are and lays out
+    each tile's keys and values as it uses them. That pays off when each key block is used by
+    few query blocks (a band, packed documents), not when it is used by many (causal and full
+    layouts keep the scan). Fwd at L=8192, H=4, D=64 on the 2-core EPYC (CPU time, scan
+    against while loop): 8 causal documents of 1K 131 against 96 ms (1.5 uses per key
+    block), the ~10% band 200 against 181 (2.9), causal 534 against 554 (8.5), full 940
+    against 964 (16). Outputs are bit-identical (the same steps in the same order)."""
+    used = np.count_nonzero(layout.kinds, axis=0)
+    used = used[used > 0]
+    return used.size > 0 and float(used.mean()) <= _WHILE_MAX_USES
+
+
+def _scan_tiles(st: _Static, dyn, body, carry, group, while_loop: bool = False):
     """Runs ``body(carry, (q_block, k_block, mask), tile_st=st) -> (carry, None)`` over the
     work list ``group``; returns the carry.
 
@@ -336,8 +359,17 @@ def _scan_tiles(st: _Static, dyn, body, carry, group):
     different ids each loop runs the most steps any row needs (finished rows' steps are
     selected away); over heads sharing the ids they stay plain loops. Calls with segment ids
     list single tiles (no row gathering), so a skipped tile's keys and values reach nothing.
-    Without segment ids: a scan over the static list."""
+    Without segment ids: a scan over the static list, or with ``while_loop`` a while loop
+    over it (:func:`_walk_by_while`)."""
     xs = tuple(map(jnp.asarray, group))
+    if not st.has_segments and while_loop:
+        n = len(group[0])
+
+        def step_at(c):
+            i, c = c
+            return i + 1, body(c, tuple(x[i] for x in xs))[0]
+
+        return jax.lax.while_loop(lambda c: c[0] < n, step_at, (jnp.int32(0), carry))[1]
     if not st.has_segments:
         return jax.lax.scan(body, carry, xs)[0]
     kinds = _segment_kinds(st, dyn, group)
@@ -397,7 +429,8 @@ def _forward(st: _Static, q, k, v, extra, dyn):
             l = jax.lax.dynamic_update_slice_in_dim(l, l_new, t.q0, 0)
             return (acc, m, l), None
 
-        acc, m, l = _scan_tiles(st, dyn, body, (acc, m, l), group)
+        acc, m, l = _scan_tiles(st, dyn, body, (acc, m, l), group,
+                                while_loop=_walk_by_while(lay))
 
     out, lse = _tiles.finish(m, l, acc)
     return out, lse[:, 0]
