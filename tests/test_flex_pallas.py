@@ -3,7 +3,8 @@ mode on the CPU: score functions, mask functions of traced arrays and sink logit
 kernels' tiles, forward and backward, against the dense definition (``test_flex.dense_flex``:
 the same functions on a materialised score matrix); outputs and gradients (q, k, v and the
 captured parameters) in float32 to 1e-5, causal with padded keys, through ``multihead`` (``b``
-and ``h`` mapped), with packed rows as a mask function or as the kernels' ``segment_ids``. Then what dispatch refuses, and cross-lowering for CUDA and TPU.
+and ``h`` mapped), with packed rows as a mask function or as the kernels' ``segment_ids``.
+Then what dispatch refuses, and cross-lowering for CUDA and TPU.
 
 Interpret mode is slow, so each case bundles a score function, a mask and a sink into one
 jitted value-and-gradient computation.

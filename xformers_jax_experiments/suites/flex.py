@@ -79,6 +79,11 @@ def _band_mask(L: int):
     return MaskMod(lambda b, h, i, j: jnp.abs(i - j) <= w, ("band", w))
 
 
+def _documents(L: int):
+    """8 causal documents of L/8 (a static layout)."""
+    return document_mask(np.repeat(np.arange(8), L // 8)) & Causal()
+
+
 def build(variant: str, L: int, quick: bool = False, B: int = 1, D: int = 64):
     tiles = dict(block_q=16, block_k=16) if quick else {}
     flops = attention_flops(L, B, H, D, causal=True)
@@ -100,6 +105,21 @@ def build(variant: str, L: int, quick: bool = False, B: int = 1, D: int = 64):
             fn = lambda q, k, v: flex_attention(q, k, v, mask_mod=band, **tiles)
         else:
             fn = lambda q, k, v: block_sparse_attention(q, k, v, band, **tiles)
+    elif variant in ("mask10_tiles", "documents_tiles"):
+        # The same non-empty tiles as the band or the documents at the kernel's tile, every one
+        # full (no in-tile mask): what the kernel's walk over that many tiles costs, the
+        # practical ceiling of the case (its (why) figures).
+        t = pattern_tile(_band_mask(L) if variant == "mask10_tiles" else _documents(L), L, L)
+        tiles = dict(block_q=t, block_k=t) if not quick else tiles
+        if variant == "mask10_tiles":
+            n = -(-_band(L) // t)
+            mask = MaskMod(lambda b, h, i, j: jnp.abs(i // t - j // t) <= n, ("band tiles", n, t))
+        else:
+            doc = L // 8
+            mask = MaskMod(lambda b, h, i, j: (i // doc == j // doc) & (i // t >= j // t),
+                           ("document tiles", doc, t))
+        flops = attention_flops(L, B, H, D) * mask.layout(L, L, t, t).dense().mean()
+        fn = lambda q, k, v: flex_attention(q, k, v, mask_mod=mask, **tiles)
     elif variant == "documents":
         ids = np.repeat(np.arange(8), L // 8)
         mask = document_mask(ids) & Causal()
