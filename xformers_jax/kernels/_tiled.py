@@ -323,9 +323,11 @@ def _segment_kinds(st: _Static, dyn, group) -> jax.Array:
     return jnp.where(one, 0, jnp.where(meet, 1, 2)).astype(jnp.int32)
 
 
-# The forward pass walks a layout whose key blocks are each used by at most this many query
-# blocks on average with a ``lax.while_loop`` instead of a ``lax.scan`` (see ``_walk_by_while``).
+# The forward pass walks a layout of at most this block density whose key blocks are each used
+# by at most this many query blocks on average with a ``lax.while_loop`` instead of a
+# ``lax.scan`` (see ``_walk_by_while``).
 _WHILE_MAX_USES = 4.0
+_WHILE_MAX_DENSITY = 0.25
 
 
 def _walk_by_while(layout: BlockLayout) -> bool:
@@ -337,13 +339,15 @@ def _walk_by_while(layout: BlockLayout) -> bool:
     over each (a copy and a transpose). A while loop keeps the arrays as they are and lays out
     each tile's keys and values as it uses them. That pays off when each key block is used by
     few query blocks (a band, packed documents), not when it is used by many (causal and full
-    layouts keep the scan). Fwd at L=8192, H=4, D=64 on the 2-core EPYC (CPU time, scan
-    against while loop): 8 causal documents of 1K 131 against 96 ms (1.5 uses per key
-    block), the ~10% band 200 against 181 (2.9), causal 534 against 554 (8.5), full 940
-    against 964 (16). Outputs are bit-identical (the same steps in the same order)."""
+    layouts keep the scan, whatever their length). Fwd at L=8192, H=4, D=64 on the 2-core
+    EPYC (CPU time, scan against while loop): 8 causal documents of 1K 131 against 96 ms
+    (1.5 uses per key block, 9% of the tiles), the ~10% band 200 against 181 (2.9 uses, 18%),
+    causal 534 against 554 (8.5), full 940 against 964 (16). Outputs are bit-identical (the
+    same steps in the same order)."""
     used = np.count_nonzero(layout.kinds, axis=0)
     used = used[used > 0]
-    return used.size > 0 and float(used.mean()) <= _WHILE_MAX_USES
+    return (used.size > 0 and layout.density <= _WHILE_MAX_DENSITY
+            and float(used.mean()) <= _WHILE_MAX_USES)
 
 
 def _scan_tiles(st: _Static, dyn, body, carry, group, while_loop: bool = False):
