@@ -7,6 +7,7 @@ forms, the layouts derived from mask functions, and the rules for masks of trace
 import functools
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
