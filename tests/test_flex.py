@@ -429,3 +429,45 @@ def test_sparse_layouts_walk_their_tiles_without_moving_all_keys():
                                  whole) >= 2
         scanned = jit0(lambda *a: documents(*a))(q, k, v)
     np.testing.assert_array_equal(np.asarray(walked), np.asarray(scanned))
+
+
+def _max_operands(jaxpr, producers=None) -> list:
+    """The primitive producing the operand of each ``reduce_max`` in ``jaxpr`` (nested)."""
+    made = {}
+    out = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "reduce_max":
+            out.append(made.get(eqn.invars[0]))
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            out += _max_operands(sub)
+        for o in eqn.outvars:
+            made[o] = eqn.primitive.name
+    return out
+
+
+def test_a_positive_final_scale_is_taken_out_of_the_row_maximum():
+    """Gemma's soft-cap ``c * tanh(s / c)``: the forward takes each tile's row maximum of
+    ``tanh(s / c)`` and scales it by ``c`` (equal bit for bit: rounding is monotone), so the
+    maximum reads the ``tanh`` XLA writes out anyway rather than a copy of the tile scaled by
+    ``c``; outputs equal the plain path's bit for bit. Only a last multiply by a positive
+    literal qualifies."""
+    from xformers_jax.kernels import _tiled
+
+    ks = jax.random.split(jax.random.PRNGKey(11), 3)
+    q, k, v = (3.0 * jax.random.normal(kk, (2 * TILE + 5, D)) for kk in ks)
+    cap = soft_cap_score(2.0)
+
+    def run(q, k, v):
+        return flex_attention(q, k, v, score_mod=cap, causal=True, block_q=TILE, block_k=TILE)
+
+    ops = _max_operands(jax.make_jaxpr(lambda *a: run(*a))(q, k, v).jaxpr)
+    assert "tanh" in ops and set(ops) <= {"tanh", "jit"}, ops  # jit: where(), masked tiles
+    got = jit0(lambda *a: run(*a))(q, k, v)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(_tiled, "_positive_scale", lambda *a: None)
+        assert "mul" in _max_operands(jax.make_jaxpr(lambda *a: run(*a))(q, k, v).jaxpr)
+        plain = jit0(lambda *a: run(*a))(q, k, v)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(plain))
+    for fn in (lambda s, b, h, i, j: -2.0 * jnp.tanh(s), lambda s, b, h, i, j: 2.0 * s + 1.0,
+               lambda s, b, h, i, j: s * jnp.float32(jnp.inf)):
+        assert _tiled._positive_scale(fn, TILE, TILE, [], []) is None
