@@ -7,6 +7,7 @@ forms, the layouts derived from mask functions, and the rules for masks of trace
 import functools
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -382,3 +383,91 @@ def test_a_skipped_tile_is_not_computed():
     for what, a, b in zip(("dq", "dk", "dv"), g_dirty, g_clean):
         assert np.all(np.isfinite(np.asarray(a)[others])), what
         np.testing.assert_array_equal(np.asarray(a)[others], np.asarray(b)[others], what)
+
+
+def _whole_transposes(jaxpr, shape) -> int:
+    """Transposes producing ``shape`` outside any loop of ``jaxpr`` (nested calls included)."""
+    n = 0
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name in ("while", "scan"):
+            continue
+        if eqn.primitive.name == "transpose" and eqn.outvars[0].aval.shape == shape:
+            n += 1
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            n += _whole_transposes(sub, shape)
+    return n
+
+
+def test_sparse_layouts_walk_their_tiles_without_moving_all_keys():
+    """Packed documents (each key tile used by one or two query tiles) are walked in the
+    forward with a while loop: under ``multihead`` no transpose of the whole K or V to
+    ``[H, L, D]`` precedes the walk (a scan's batching puts one there, which cost the
+    documents' forward more time than its tiles); the result equals the scan's bit for bit.
+    Causal flash (each key tile used by many) keeps the scan and its up-front transposes."""
+    from xformers_jax.kernels import _tiled
+
+    lq = 8 * TILE
+    ks = jax.random.split(jax.random.PRNGKey(8), 3)
+    q, k, v = (jax.random.normal(kk, (1, lq, H, D)) for kk in ks)
+    docs = document_mask(np.repeat(np.arange(4), 2 * TILE)) & P.Causal()
+
+    def documents(q, k, v):  # a new function each time: nothing cached from another trace
+        return multihead(lambda q, k, v: flex_attention(q, k, v, mask_mod=docs, block_q=TILE,
+                                                        block_k=TILE))(q, k, v)
+
+    causal = multihead(lambda q, k, v: flash_attention(q, k, v, causal=True, block_q=TILE,
+                                                       block_k=TILE))
+    whole = (H, lq, D)
+    assert _tiled._walk_by_while(docs.layout(lq, lq, TILE, TILE))
+    assert _whole_transposes(jax.make_jaxpr(lambda *a: documents(*a))(q, k, v).jaxpr,
+                             whole) == 0
+    assert _whole_transposes(jax.make_jaxpr(causal)(q, k, v).jaxpr, whole) >= 2
+    walked = jit0(lambda *a: documents(*a))(q, k, v)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(_tiled, "_WHILE_MAX_USES", 0.0)
+        assert _whole_transposes(jax.make_jaxpr(lambda *a: documents(*a))(q, k, v).jaxpr,
+                                 whole) >= 2
+        scanned = jit0(lambda *a: documents(*a))(q, k, v)
+    np.testing.assert_array_equal(np.asarray(walked), np.asarray(scanned))
+
+
+def _max_operands(jaxpr, producers=None) -> list:
+    """The primitive producing the operand of each ``reduce_max`` in ``jaxpr`` (nested)."""
+    made = {}
+    out = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "reduce_max":
+            out.append(made.get(eqn.invars[0]))
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            out += _max_operands(sub)
+        for o in eqn.outvars:
+            made[o] = eqn.primitive.name
+    return out
+
+
+def test_a_positive_final_scale_is_taken_out_of_the_row_maximum():
+    """Gemma's soft-cap ``c * tanh(s / c)``: the forward takes each tile's row maximum of
+    ``tanh(s / c)`` and scales it by ``c`` (equal bit for bit: rounding is monotone), so the
+    maximum reads the ``tanh`` XLA writes out anyway rather than a copy of the tile scaled by
+    ``c``; outputs equal the plain path's bit for bit. Only a last multiply by a positive
+    literal qualifies."""
+    from xformers_jax.kernels import _tiled
+
+    ks = jax.random.split(jax.random.PRNGKey(11), 3)
+    q, k, v = (3.0 * jax.random.normal(kk, (2 * TILE + 5, D)) for kk in ks)
+    cap = soft_cap_score(2.0)
+
+    def run(q, k, v):
+        return flex_attention(q, k, v, score_mod=cap, causal=True, block_q=TILE, block_k=TILE)
+
+    ops = _max_operands(jax.make_jaxpr(lambda *a: run(*a))(q, k, v).jaxpr)
+    assert "tanh" in ops and set(ops) <= {"tanh", "jit"}, ops  # jit: where(), masked tiles
+    got = jit0(lambda *a: run(*a))(q, k, v)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(_tiled, "_positive_scale", lambda *a: None)
+        assert "mul" in _max_operands(jax.make_jaxpr(lambda *a: run(*a))(q, k, v).jaxpr)
+        plain = jit0(lambda *a: run(*a))(q, k, v)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(plain))
+    for fn in (lambda s, b, h, i, j: -2.0 * jnp.tanh(s), lambda s, b, h, i, j: 2.0 * s + 1.0,
+               lambda s, b, h, i, j: s * jnp.float32(jnp.inf)):
+        assert _tiled._positive_scale(fn, TILE, TILE, [], []) is None

@@ -3,7 +3,8 @@ mode on the CPU: score functions, mask functions of traced arrays and sink logit
 kernels' tiles, forward and backward, against the dense definition (``test_flex.dense_flex``:
 the same functions on a materialised score matrix); outputs and gradients (q, k, v and the
 captured parameters) in float32 to 1e-5, causal with padded keys, through ``multihead`` (``b``
-and ``h`` mapped). Then what dispatch refuses, and cross-lowering for CUDA and TPU.
+and ``h`` mapped), with packed rows as a mask function or as the kernels' ``segment_ids``.
+Then what dispatch refuses, and cross-lowering for CUDA and TPU.
 
 Interpret mode is slow, so each case bundles a score function, a mask and a sink into one
 jitted value-and-gradient computation.
@@ -63,11 +64,21 @@ def _softcap_documents(p):
         score_mod=cap, mask_fn=lambda b, h, i, j: docs[i] == docs[j])
 
 
+def _softcap_segment_ids(p):
+    """Gemma's soft cap on packed rows given as the kernel's ``segment_ids`` (the trainer's
+    form: run-time data, the segment mask applied in the kernels' tiles)."""
+    cap = soft_cap_score(1.5)
+    docs = jax.lax.stop_gradient(p["docs"]).astype(jnp.int32)
+    return dict(score_mod=cap, segment_ids=docs), dict(
+        score_mod=cap, mask_fn=lambda b, h, i, j: docs[i] == docs[j])
+
+
 CASES = {
     "alibi_streaming_sink": (_alibi_streaming, {"slopes": jnp.asarray([0.25, 0.0625]),
                                                 "sink": jnp.asarray([0.7, -0.4])}),
     # The ids travel as floats only so that the loss differentiates every parameter.
     "softcap_documents": (_softcap_documents, {"docs": jnp.asarray(DOCS, jnp.float32)}),
+    "softcap_segment_ids": (_softcap_segment_ids, {"docs": jnp.asarray(DOCS, jnp.float32)}),
 }
 KERNELS = {"gpu": GPU, "tpu": TPU}
 

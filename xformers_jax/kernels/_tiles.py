@@ -125,16 +125,19 @@ def pad_to(x: jax.Array, length: int, axis: int = 0, value=0) -> jax.Array:
 
 
 def online_step(s: jax.Array, m_old: jax.Array, l_old: jax.Array, acc_old: jax.Array,
-                attend: Callable[[jax.Array], jax.Array]):
+                attend: Callable[[jax.Array], jax.Array], row_max=None):
     """One online-softmax update of a query block by a tile of scores ``s [bq, bk]`` (float32,
     masked entries -inf).
 
     ``m, l: [bq, 1]`` are the running maximum and normaliser, ``acc [bq, Dv]`` the unnormalised
     output; ``attend(p)`` returns ``p @ v_tile`` in float32 for the tile's unnormalised
-    probabilities ``p [bq, bk]`` (where a caller applies dropout and casts). Returns
-    ``(m, l, acc)``.
+    probabilities ``p [bq, bk]`` (where a caller applies dropout and casts). ``row_max``: the
+    tile's row maximum ``[bq, 1]`` when the caller has it in a cheaper form (None: taken from
+    ``s``). Returns ``(m, l, acc)``.
     """
-    m_new = jnp.maximum(m_old, s.max(axis=-1, keepdims=True))
+    if row_max is None:
+        row_max = s.max(axis=-1, keepdims=True)
+    m_new = jnp.maximum(m_old, row_max)
     m_safe = safe_max(m_new)
     p = jnp.exp(s - m_safe)
     alpha = jnp.exp(m_old - m_safe)

@@ -13,20 +13,31 @@ fp32, B=1, H=4, D=64, lifted with ``multihead``, XLA:CPU; L = 2048 and 8192 (the
 - the same row as the trainer packs it: causal flash with the document ids as run-time data
   (``segment_ids``, an argument of the compiled function), whose tiles are skipped from the
   ids' ranges per tile rather than from a static layout.
-- building the layout of a mask function afresh (a new function each call, so the cache
-  never answers): the host-side cost the cache saves, as a share of one fwd+bwd.
+- the host-side work of a static mask function (``pattern_tile``, then its layout at that
+  tile): for a new function each call (a fresh build: compiling and evaluating the function
+  at every position, paid once per function and shape) and for one function called again
+  (cached). The issue asks "under 5% of one fwd+bwd at 8K, or cached": the figure is the
+  cached call's, with the fresh build stated beside it.
 
-The figures marked (why) are not targets and time nothing: they are the speed-ups a perfect
+- the band's and the documents' non-empty tiles at the kernel's tile, every one full (no
+  in-tile mask: a mask function of tile indices): the measured ceilings of those two figures
+  (the (why) rows "all full"), what the kernel's walk over that many tiles costs with nothing
+  of the mask left to pay.
+
+The (why) ceiling figures time nothing: they are the speed-ups a perfect
 skip of empty tiles would give at the tiles the kernel picks (``pattern_tile``, this machine's
 tile cost table), the work of the baseline's layout over the case's, each tile weighed by its
 size's cost per element. A 5x figure cannot be met above its ceiling: at 512 x 512 tiles the
 ~10% band (half-width L/20) leaves 46 of 256 tiles non-empty (18% block density; ceiling
 5.57x, not 10x), and 8 causal documents of L/8 leave 24 tiles against causal's 136 (5.67x,
 not 8x: the diagonal tiles are half masked in both). What a case measures below its ceiling is
-per-tile overhead (the in-tile mask of partial tiles, the scan's steps) and noise.
+per-tile overhead (the in-tile mask of partial tiles, the walk's steps, the O(L) work around
+the walk) and noise; the measured ceilings separate the first from the rest.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax.numpy as jnp
 import numpy as np
@@ -54,11 +65,12 @@ from xformers_jax_experiments.suites.attention import attention_flops, qkv
 TITLE = "Flex attention: score and mask functions vs flash and hand patterns (fp32, B=1, H=4, D=64)"
 NOTE = ("XLA:CPU. Figures at L=8192: a score function within 1.15x of flash (causal), a 10% "
         "mask function 5x faster than full flash and within 10% of the hand pattern, 8 packed "
-        "documents 5x faster than causal flash, a fresh layout under 5% of one fwd+bwd. "
+        "documents 5x faster than causal flash, a mask function's layout under 5% of one "
+        "fwd+bwd once cached (a fresh build stated beside it). "
         "The (why) rows time nothing: the speed-up a perfect skip of empty tiles gives at the "
         "tiles the kernel picks (512 x 512 here: the ~10% band is 18% of the tiles, 8 causal "
         "documents 24 tiles against causal's 136), the most any kernel walking those tiles "
-        "can reach.")
+        "can reach; the (why) rows 'all full' measure the same tiles without their masks.")
 _BUILD = "xformers_jax_experiments.suites.flex:build"
 LENGTHS = (2048, 8192)
 H = 4
@@ -71,6 +83,11 @@ def _band(L: int) -> int:
 def _band_mask(L: int):
     w = _band(L)
     return MaskMod(lambda b, h, i, j: jnp.abs(i - j) <= w, ("band", w))
+
+
+def _documents(L: int):
+    """8 causal documents of L/8 (a static layout)."""
+    return document_mask(np.repeat(np.arange(8), L // 8)) & Causal()
 
 
 def build(variant: str, L: int, quick: bool = False, B: int = 1, D: int = 64):
@@ -94,9 +111,23 @@ def build(variant: str, L: int, quick: bool = False, B: int = 1, D: int = 64):
             fn = lambda q, k, v: flex_attention(q, k, v, mask_mod=band, **tiles)
         else:
             fn = lambda q, k, v: block_sparse_attention(q, k, v, band, **tiles)
+    elif variant in ("mask10_tiles", "documents_tiles"):
+        # The same non-empty tiles as the band or the documents at the kernel's tile, every one
+        # full (no in-tile mask): what the kernel's walk over that many tiles costs, the
+        # practical ceiling of the case (its (why) figures).
+        t = pattern_tile(_band_mask(L) if variant == "mask10_tiles" else _documents(L), L, L)
+        tiles = dict(block_q=t, block_k=t) if not quick else tiles
+        if variant == "mask10_tiles":
+            n = -(-_band(L) // t)
+            mask = MaskMod(lambda b, h, i, j: jnp.abs(i // t - j // t) <= n, ("band tiles", n, t))
+        else:
+            doc = L // 8
+            mask = MaskMod(lambda b, h, i, j: (i // doc == j // doc) & (i // t >= j // t),
+                           ("document tiles", doc, t))
+        flops = attention_flops(L, B, H, D) * mask.layout(L, L, t, t).dense().mean()
+        fn = lambda q, k, v: flex_attention(q, k, v, mask_mod=mask, **tiles)
     elif variant == "documents":
-        ids = np.repeat(np.arange(8), L // 8)
-        mask = document_mask(ids) & Causal()
+        mask = _documents(L)
         flops = attention_flops(L // 8, B, H, D, causal=True) * 8
         fn = lambda q, k, v: flex_attention(q, k, v, mask_mod=mask, **tiles)
     elif variant == "segments":
@@ -106,15 +137,22 @@ def build(variant: str, L: int, quick: bool = False, B: int = 1, D: int = 64):
         return Workload(lambda q, k, v, ids: lifted(q, k, v, segment_ids=ids),
                         (*qkv(L, B, H, D), ids),
                         flops=attention_flops(L // 8, B, H, D, causal=True) * 8)
-    elif variant == "layout":
-        tile = pattern_tile(Local(_band(L), _band(L)), L, L)
+    elif variant in ("layout", "layout_cached"):
+        # The host-side work a flex_attention call does for a static mask function: its tile
+        # (``pattern_tile`` evaluates it on the finest grid) and its layout at that tile.
+        def host_work(mask):
+            t = pattern_tile(mask, L, L)
+            return mask.layout(L, L, t, t)
 
-        def fresh(mode):
-            def make():
-                w = _band(L)
-                return MaskMod(lambda b, h, i, j: jnp.abs(i - j) <= w).layout(L, L, tile, tile)
-            return make
-        return Workload(None, (), native=fresh)
+        if variant == "layout":  # a new function each call, so the caches never answer
+            def fresh(mode):
+                def make():
+                    w = _band(L)
+                    return host_work(MaskMod(lambda b, h, i, j: jnp.abs(i - j) <= w))
+                return make
+            return Workload(None, (), native=fresh)
+        mask = _band_mask(L)  # one mask: built by the warm-up call, cached for the timed ones
+        return Workload(None, (), native=lambda mode: lambda: host_work(mask))
     else:
         raise ValueError(f"unknown variant {variant!r}")
     if variant == "alibi":  # the head index reaches the score function through multihead
@@ -129,6 +167,9 @@ _NAMES = {
     "softcap": "flex soft-cap causal", "mask10": "flex mask function ~10%",
     "hand10": "hand pattern ~10%", "documents": "flex 8 documents",
     "segments": "flash 8 documents as segment ids", "layout": "layout of a fresh mask function",
+    "layout_cached": "layout of a mask function, cached",
+    "mask10_tiles": "(why) the band's tiles, all full", "documents_tiles":
+        "(why) the documents' tiles, all full",
 }
 
 
@@ -137,7 +178,7 @@ def cases(quick: bool) -> list[Case]:
     out = []
     for L in lengths:
         for variant, name in _NAMES.items():
-            modes = ("fwd",) if variant == "layout" else ("fwd", "fwdbwd")
+            modes = ("fwd",) if variant.startswith("layout") else ("fwd", "fwdbwd")
             out.append(Case(name, _BUILD, dict(variant=variant, L=L, quick=quick), modes=modes))
     return out
 
@@ -155,12 +196,16 @@ def _work(pattern, L: int) -> float:
     return float(pattern.layout(L, L, t, t).num_nonempty * t * t * costs[t])
 
 
+def _layout(pattern, L: int):
+    t = pattern_tile(pattern, L, L)
+    return pattern.layout(L, L, t, t)
+
+
 def ceilings(L: int):
     """``(band, documents)``: the speed-ups over full and causal flash that skipping every
     empty tile and nothing else would give (see the module docstring)."""
-    ids = np.repeat(np.arange(8), L // 8)
     band = _work(None, L) / _work(_band_mask(L), L)
-    documents = _work(Causal(), L) / _work(document_mask(ids) & Causal(), L)
+    documents = _work(Causal(), L) / _work(_documents(L), L)
     return band, documents
 
 
@@ -171,6 +216,8 @@ def checks(r: Results):
         return r.time(_NAMES[variant], mode, variant=variant, L=L, quick=False)
 
     out = []
+    band_tiles = _layout(_band_mask(L), L).num_nonempty
+    document_tiles = _layout(_documents(L), L).num_nonempty
     for mode, label in (("fwd", "fwd"), ("fwdbwd", "fwd+bwd")):
         for variant in ("alibi", "softcap"):
             out.append(ratio_check(f"{_NAMES[variant]} / flash causal, {label}, L={L}",
@@ -185,6 +232,14 @@ def checks(r: Results):
             ratio_check(f"flash causal / 8 packed documents as traced segment ids, {label}, "
                         f"L={L} (speed-up)", t("flash_causal", mode), t("segments", mode),
                         at_least=5.0),
+            # Measured ceilings: the same non-empty tiles at the same tile size, every one
+            # full (no in-tile mask), walked by the same kernel.
+            ratio_check(f"(why) flash full / the ~10% band's {band_tiles} tiles all full, "
+                        f"{label}, L={L} (measured ceiling)", t("flash", mode),
+                        t("mask10_tiles", mode), at_least=5.0),
+            ratio_check(f"(why) flash causal / the 8 documents' {document_tiles} tiles all "
+                        f"full, {label}, L={L} (measured ceiling)", t("flash_causal", mode),
+                        t("documents_tiles", mode), at_least=5.0),
         ]
     band, documents = ceilings(L)
     out += [
@@ -195,7 +250,15 @@ def checks(r: Results):
                     f"documents', L={L} (perfect skip)", documents, at_least=5.0,
                     fmt="{:.2f}x"),
     ]
-    out.append(ratio_check(f"fresh layout / flex mask function fwd+bwd, L={L} (cached after "
-                           "the first call)", t("layout", "fwd"), t("mask10", "fwdbwd"),
-                           at_most=0.05))
+    # The issue's target is "under 5% of one fwd+bwd at 8K, or cached": the figure is a
+    # cached call's host work (a mask function used again, e.g. at a re-trace), with a fresh
+    # build (a new function's first call: its jit compilation and evaluation on every
+    # position) stated beside it; the fresh build is paid once per function and shape.
+    cached, fresh, step = t("layout_cached", "fwd"), t("layout", "fwd"), t("mask10", "fwdbwd")
+    check = ratio_check(f"layout of a mask function, cached (a second call) / flex mask "
+                        f"function fwd+bwd, L={L}", cached, step, at_most=0.05, fmt="{:.5f}x")
+    if check.ok is not None and fresh is not None:
+        check = dataclasses.replace(
+            check, measured=f"{check.measured} (a fresh build: {fresh / step:.2f}x)")
+    out.append(check)
     return out
