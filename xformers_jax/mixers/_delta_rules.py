@@ -49,6 +49,15 @@ DPLR_CHUNK = 8
 # log2 c levels of the chunk inverses grow with c, and at 16 the chunk-by-chunk state
 # products do not yet dominate. Reading once per token (query_stride) then took 0.89 of that.
 DELTA_PRODUCT_CHUNK = 16
+# Positions per group of chunks (attention.linear's chunk_groups: a group's chunks are built at
+# once and rebuilt in the backward pass) for these delta rules, rather than the 2048 of the
+# linear recurrences: a DPLR chunk position materialises some thousands of floats (decays per
+# channel for each sub-chunk, pairwise decays, scores, reads, the scan's saved states), so 2048
+# positions of 4 heads are tens of MB, past the 32 MB L3 of the 2-core EPYC. fwd+bwd of 4
+# heads of 64 at L=8192 on that (shared, loaded) machine, process CPU time, medians of 6, two
+# runs: groups of 256 took 0.78-0.90 of 2048 for KDA, 0.85-0.86 for RWKV-7, 0.92-0.94 for
+# DeltaProduct; groups of 128 were no better.
+DELTA_GROUP_POSITIONS = 256
 
 
 def _check_segments(name, segment_ids, length):
@@ -71,7 +80,8 @@ def _dplr(name, q, k, v, a, b, ld, kv_mask, implementation, chunk_size, segment_
     if implementation == "recurrent":
         return dplr_recurrent(q, k, v, a, b, ld, segment_ids=segment_ids)
     chunk = length if implementation == "parallel" else chunk_size
-    return dplr_chunked(q, k, v, a, b, ld, chunk_size=chunk, segment_ids=segment_ids)
+    return dplr_chunked(q, k, v, a, b, ld, chunk_size=chunk, segment_ids=segment_ids,
+                        group_positions=DELTA_GROUP_POSITIONS)
 
 
 def _check_gates(name, shapes, **gates):
@@ -203,7 +213,7 @@ def delta_product(q, k, v, beta, ld, *, kv_mask=None, implementation: str = "chu
     # Whole tokens per chunk, so the state is read once per token, after its last sub-step.
     chunk = length * nh if implementation == "parallel" else max(chunk_size // nh, 1) * nh
     return gated_delta_chunked(fq, fk, fv, fb, fld, chunk_size=chunk, query_stride=nh,
-                               segment_ids=seg)
+                               segment_ids=seg, group_positions=DELTA_GROUP_POSITIONS)
 
 
 def delta_product_step(s, q_t, k_t, v_t, beta_t, ld_t):

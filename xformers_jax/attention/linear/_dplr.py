@@ -185,17 +185,19 @@ def _dplr_chunks(q, k, v, a, b, ld, s0, sub_chunk=2, starts=None):
     w = inverse @ (b * _kept(jnp.exp(p), carried))                   # U = x + w S_0
     x = inverse @ (p_bk @ v)
     inter = q_k @ v
-    ag = a * _kept(jnp.exp(total[:, None] - g), last)
-    kv = jnp.einsum("ncm,nce->nme", kg, v)
+    # The chunk writes a^T U + k^T V (decayed to its end) as one product of [a; k]^T [U; V]:
+    # a precomputed k^T V would be an [M, E] array per chunk, read and written through memory.
+    agk = jnp.concatenate([a * _kept(jnp.exp(total[:, None] - g), last), kg], 1)
 
     @functools.partial(jax.checkpoint, prevent_cse=False)
     def chunk(s, xs):
-        x_n, w_n, qg_n, qa_n, in_n, t_n, e_n, ag_n, kv_n = xs
+        x_n, w_n, qg_n, qa_n, in_n, t_n, e_n, agk_n, v_n = xs
         u = x_n + w_n @ s
         out = qg_n @ s + qa_n @ u + in_n
-        return _kept(jnp.exp(t_n), e_n)[:, None] * s + ag_n.T @ u + kv_n, out
+        return (_kept(jnp.exp(t_n), e_n)[:, None] * s
+                + agk_n.T @ jnp.concatenate([u, v_n]), out)
 
-    s_end, out = lax.scan(chunk, s0, (x, w, qg, q_a, inter, total, ends, ag, kv))
+    s_end, out = lax.scan(chunk, s0, (x, w, qg, q_a, inter, total, ends, agk, v))
     return out, s_end
 
 
