@@ -29,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import os
 
 import jax
 import jax.numpy as jnp
@@ -123,25 +124,33 @@ class _Static:
     dtype: str
 
 
-def _ranges(st: _Static, q_lo):
-    """``(first, n, full_lo, full_n)`` of the key blocks a CTA with query rows
-    ``[q_lo, q_lo + BLOCK_Q)`` visits: the run ``first .. first + n - 1`` and, inside it, the
-    full blocks ``full_lo .. full_lo + full_n - 1`` (int32 scalars)."""
-    bk = BLOCK_K
+def _walk(lo, rows: int, left: int, right: int, limit: int, blk: int, n_blocks: int):
+    """``(first, n, full_lo, full_n)`` of the blocks of ``blk`` positions on the other side
+    that rows ``[lo, lo + rows)`` of a band ``i - left <= j <= i + right`` (``j < limit``)
+    visit: the run ``first .. first + n - 1`` and, inside it, the blocks every row sees whole,
+    ``full_lo .. full_lo + full_n - 1`` (int32 scalars). The forward and the dq kernel walk
+    key blocks from query rows; the dk/dv kernel walks query blocks from key rows with the
+    band's sides swapped."""
     i32 = lambda x: jnp.asarray(x, jnp.int32)
-    q_hi = q_lo + (BLOCK_Q - 1)
-    lo = jnp.maximum(q_lo - st.left, 0)
-    hi = jnp.minimum(q_hi + st.right, st.lk - 1)
-    first = lo // bk
-    last = jnp.minimum(hi // bk, st.nk - 1)
+    hi = lo + (rows - 1)
+    o_lo = jnp.maximum(lo - left, 0)
+    o_hi = jnp.minimum(hi + right, limit - 1)
+    first = o_lo // blk
+    last = jnp.minimum(o_hi // blk, n_blocks - 1)
     n = jnp.maximum(last - first + 1, 0)
-    # A block b is full when every row sees all its keys: b*bk >= q_hi - left,
-    # (b+1)*bk - 1 <= q_lo + right and (b+1)*bk <= lk.
-    f_lo = jnp.maximum(first, -((-(q_hi - st.left)) // bk))
-    f_hi = jnp.minimum(jnp.minimum(last, (q_lo + st.right + 1) // bk - 1), st.lk // bk - 1)
+    # A block b is full when every row sees all of it: b*blk >= hi - left,
+    # (b+1)*blk - 1 <= lo + right and (b+1)*blk <= limit.
+    f_lo = jnp.maximum(first, -((-(hi - left)) // blk))
+    f_hi = jnp.minimum(jnp.minimum(last, (lo + right + 1) // blk - 1), limit // blk - 1)
     full_n = jnp.maximum(f_hi - f_lo + 1, 0)
     f_lo = jnp.where(full_n > 0, f_lo, last + 1)
     return i32(first), i32(n), i32(f_lo), i32(full_n)
+
+
+def _ranges(st: _Static, q_lo):
+    """The forward's walk: the key blocks (``BLOCK_K``) a CTA with query rows
+    ``[q_lo, q_lo + BLOCK_Q)`` visits (:func:`_walk`)."""
+    return _walk(q_lo, BLOCK_Q, st.left, st.right, st.lk, BLOCK_K, st.nk)
 
 
 def ranges_host(st: _Static, q_lo: int) -> tuple[int, int, int, int]:
@@ -425,6 +434,365 @@ def _fallback(cfg, plan, q, k, v, dyn):
             kernels.pad_to(lse[: q.shape[0]], q.shape[0], 0, -jnp.inf))
 
 
+# The backward (FlashAttention-3's structure again): a dq kernel whose CTA holds 2 x 64 query
+# rows and streams key/value blocks of ``BWD_BLOCK``, and a dk/dv kernel whose CTA holds 2 x 64
+# key rows and streams query, dO and (lse, delta) blocks of ``BWD_BLOCK``. 64-row streamed
+# blocks keep two f32 tiles of scores (s and dp) beside one or two f32 accumulators of head dim
+# 128 in a compute warpgroup's registers.
+BWD_BLOCK = 64
+BWD_HELD = ROWS_PER_WG * COMPUTE_WGS  # rows a backward CTA holds: 128
+BWD_STAGES = 2
+# The Triton backward kernels after this forward instead: for a kernel object, the option
+# ``with_options(extra=(TRITON_BACKWARD,))`` (the gpu_attention suite's comparison); for every
+# call, XFORMERS_JAX_MOSAIC_BACKWARD=0 in the environment.
+TRITON_BACKWARD = "triton_backward"
+MOSAIC_BACKWARD = os.environ.get("XFORMERS_JAX_MOSAIC_BACKWARD", "1") != "0"
+
+
+@dataclasses.dataclass(frozen=True)
+class _BwdStatic:
+    lq: int  # padded query rows (a multiple of BWD_HELD)
+    lk: int  # padded keys (a multiple of BWD_HELD)
+    lq_real: int
+    lk_real: int
+    left: int
+    right: int
+    d: int
+    scale: float
+    dtype: str
+
+
+def dq_walk(st: _BwdStatic, q_lo):
+    """The key blocks a dq CTA with query rows ``[q_lo, q_lo + 128)`` visits."""
+    return _walk(q_lo, BWD_HELD, st.left, st.right, st.lk_real, BWD_BLOCK, st.lk // BWD_BLOCK)
+
+
+def dkv_walk(st: _BwdStatic, k_lo):
+    """The query blocks a dk/dv CTA with key rows ``[k_lo, k_lo + 128)`` visits: query ``i``
+    sees key ``j`` when ``j - right <= i <= j + left`` (the band's sides swapped)."""
+    return _walk(k_lo, BWD_HELD, st.right, st.left, st.lq_real, BWD_BLOCK, st.lq // BWD_BLOCK)
+
+
+def walk_host(fn, st, lo: int) -> tuple[int, int, int, int]:
+    return tuple(int(x) for x in fn(st, jnp.int32(lo)))
+
+
+def _col_layout(plgpu):
+    """The layout of one value per accumulator column (renamed across JAX versions)."""
+    col = getattr(plgpu.Layout, "WGMMA_COL", None)
+    return col if col is not None else plgpu.Layout.WGMMA.reduce(0)
+
+
+def _smem_tiles(plgpu, shape, dtype):
+    return plgpu.SMEM(shape, dtype, transforms=(plgpu.TilingTransform((8, 64)),
+                                                plgpu.SwizzleTransform(128)))
+
+
+def _zeros(plgpu, shape):
+    return plgpu.layout_cast(jnp.full(shape, 0, jnp.float32), plgpu.Layout.WGMMA)
+
+
+def _loops(first, n, f_lo, full_n, step, carry):
+    """Masked steps before the full run, the full run unmasked, masked steps after it."""
+    n_left = f_lo - first
+    carry = lax.fori_loop(0, n_left, functools.partial(step, masked=True), carry)
+    carry = lax.fori_loop(n_left, n_left + full_n, functools.partial(step, masked=False), carry)
+    return lax.fori_loop(n_left + full_n, n, functools.partial(step, masked=True), carry)
+
+
+def _stream(plgpu, n, copies):
+    """The memory warpgroup's loop: step ``t``'s copies (``copies(t, slot)``) into a ring of
+    ``BWD_STAGES`` slots, each slot refilled once both compute warpgroups released it."""
+    def fill(t, slot):
+        for src, dst, full in copies(t):
+            plgpu.copy_gmem_to_smem(src, dst.at[slot], full.at[slot])
+
+    for t in range(BWD_STAGES):
+        pl.when(t < n)(functools.partial(fill, t, t))
+    return fill
+
+
+def _dq_call(st: _BwdStatic, n_seq: int):
+    plgpu = _plgpu()
+    dtype = jnp.dtype(st.dtype)
+    d, bk, rows = st.d, BWD_BLOCK, ROWS_PER_WG
+    row = _row_layout(plgpu)
+    scale2 = st.scale * _LOG2E
+
+    def body(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, scoped):
+        seq = lax.axis_index("seq")
+        wg = lax.axis_index("wg")
+        (q_smem2, do_smem2, lse_smem2, delta_smem2, k_smem, v_smem), (held, k_full, v_full), \
+            used = scoped
+        cta_q0 = lax.axis_index("q_tile") * BWD_HELD
+        first, n, f_lo, full_n = dq_walk(st, cta_q0)
+
+        @pl.when(wg < COMPUTE_WGS)
+        def _compute():
+            plgpu.set_max_registers(232, action="increase")
+            q_smem, do_smem = q_smem2.at[wg], do_smem2.at[wg]
+            lse_smem, delta_smem = lse_smem2.at[wg], delta_smem2.at[wg]
+            q0 = cta_q0 + wg * rows
+            mine = pl.ds(q0, rows)
+            held_refs = ((q_ref, q_smem), (do_ref, do_smem), (lse_ref, lse_smem),
+                         (delta_ref, delta_smem))
+            for n_ref, (src, dst) in enumerate(held_refs):
+                plgpu.copy_gmem_to_smem(src.at[seq, mine], dst, held.at[n_ref * COMPUTE_WGS + wg])
+            for n_ref in range(len(held_refs)):
+                plgpu.barrier_wait(held.at[n_ref * COMPUTE_WGS + wg])
+            lse2 = plgpu.load(lse_smem, (), layout=row) * _LOG2E
+            delta = plgpu.load(delta_smem, (), layout=row)
+
+            def step(t, dq, masked: bool):
+                slot = lax.rem(t, jnp.int32(BWD_STAGES))
+                plgpu.barrier_wait(k_full.at[slot])
+                plgpu.barrier_wait(v_full.at[slot])
+
+                def scores(refs):
+                    s_ref, dp_ref = refs
+                    plgpu.wgmma(s_ref, q_smem, plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
+                    plgpu.wgmma(dp_ref, do_smem, plgpu.transpose_ref(v_smem.at[slot], (1, 0)))
+
+                s, dp = pl.run_state(scores)((plgpu.ACC.init(_zeros(plgpu, (rows, bk))),
+                                              plgpu.ACC.init(_zeros(plgpu, (rows, bk)))))
+                s = s * scale2
+                if masked:
+                    k0 = (first + t) * bk
+                    i = q0 + plgpu.broadcasted_iota(jnp.int32, (rows, bk), 0,
+                                                    layout=plgpu.Layout.WGMMA)
+                    j = k0 + plgpu.broadcasted_iota(jnp.int32, (rows, bk), 1,
+                                                    layout=plgpu.Layout.WGMMA)
+                    keep = (j >= i - st.left) & (j <= i + st.right) & (j < st.lk_real)
+                    s = jnp.where(keep, s, -jnp.inf)
+                # lse is +inf on rows that saw nothing (``backward_stats``): p = 0 there.
+                p = jnp.exp2(s - lax.broadcast_in_dim(lse2, s.shape, [0]))
+                ds = p * (dp - lax.broadcast_in_dim(delta, s.shape, [0]))
+
+                def grad_q(acc_ref):
+                    plgpu.wgmma(acc_ref, ds.astype(dtype), k_smem.at[slot])
+
+                dq = pl.run_state(grad_q)(plgpu.ACC.init(dq))
+                plgpu.barrier_arrive(used.at[slot])
+                return dq
+
+            dq = _loops(first, n, f_lo, full_n, step, _zeros(plgpu, (rows, d)))
+            q_smem[...] = (dq * st.scale).astype(dtype)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(q_smem, dq_ref.at[seq, pl.ds(q0, rows)])
+            plgpu.wait_smem_to_gmem(0)
+
+        @pl.when(wg == COMPUTE_WGS)
+        def _memory():
+            plgpu.set_max_registers(40, action="decrease")
+
+            def copies(t):
+                blk = pl.ds((first + t) * bk, bk)
+                return ((k_ref.at[seq, blk], k_smem, k_full), (v_ref.at[seq, blk], v_smem, v_full))
+
+            fill = _stream(plgpu, n, copies)
+
+            @pl.loop(0, jnp.maximum(n - BWD_STAGES, 0))
+            def _(t):
+                slot = lax.rem(t, jnp.int32(BWD_STAGES))
+                plgpu.barrier_wait(used.at[slot])
+                fill(t + BWD_STAGES, slot)
+
+    def entry(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref):
+        smem = (_smem_tiles(plgpu, (COMPUTE_WGS, rows, d), dtype),
+                _smem_tiles(plgpu, (COMPUTE_WGS, rows, d), dtype),
+                plgpu.SMEM((COMPUTE_WGS, rows), jnp.float32),
+                plgpu.SMEM((COMPUTE_WGS, rows), jnp.float32),
+                _smem_tiles(plgpu, (BWD_STAGES, bk, d), dtype),
+                _smem_tiles(plgpu, (BWD_STAGES, bk, d), dtype))
+        pl.run_scoped(
+            lambda *scoped: body(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref,
+                                 scoped),
+            smem,
+            (plgpu.Barrier(num_barriers=4 * COMPUTE_WGS), plgpu.Barrier(num_barriers=BWD_STAGES), plgpu.Barrier(num_barriers=BWD_STAGES)),
+            plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=BWD_STAGES),
+            collective_axes="wg",
+        )
+
+    return plgpu.kernel(
+        entry,
+        out_type=jax.ShapeDtypeStruct((n_seq, st.lq, d), dtype),
+        grid=(n_seq, st.lq // BWD_HELD),
+        grid_names=("seq", "q_tile"),
+        num_threads=COMPUTE_WGS + 1,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+    )
+
+
+def _dkv_call(st: _BwdStatic, n_seq: int):
+    plgpu = _plgpu()
+    dtype = jnp.dtype(st.dtype)
+    d, bq, rows = st.d, BWD_BLOCK, ROWS_PER_WG
+    col = _col_layout(plgpu)
+    scale2 = st.scale * _LOG2E
+
+    def body(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, scoped):
+        seq = lax.axis_index("seq")
+        wg = lax.axis_index("wg")
+        (k_smem2, v_smem2, q_smem, do_smem, lse_smem, delta_smem), (held, *fulls), used = scoped
+        cta_k0 = lax.axis_index("k_tile") * BWD_HELD
+        first, n, f_lo, full_n = dkv_walk(st, cta_k0)
+
+        @pl.when(wg < COMPUTE_WGS)
+        def _compute():
+            plgpu.set_max_registers(232, action="increase")
+            k_smem, v_smem = k_smem2.at[wg], v_smem2.at[wg]
+            k0 = cta_k0 + wg * rows
+            mine = pl.ds(k0, rows)
+            plgpu.copy_gmem_to_smem(k_ref.at[seq, mine], k_smem, held.at[wg])
+            plgpu.copy_gmem_to_smem(v_ref.at[seq, mine], v_smem, held.at[COMPUTE_WGS + wg])
+            plgpu.barrier_wait(held.at[wg])
+            plgpu.barrier_wait(held.at[COMPUTE_WGS + wg])
+
+            def step(t, carry, masked: bool):
+                dk, dv = carry
+                slot = lax.rem(t, jnp.int32(BWD_STAGES))
+                for full in fulls:
+                    plgpu.barrier_wait(full.at[slot])
+
+                def scores(refs):  # transposed: a row per key, a column per query
+                    s_ref, dp_ref = refs
+                    plgpu.wgmma(s_ref, k_smem, plgpu.transpose_ref(q_smem.at[slot], (1, 0)))
+                    plgpu.wgmma(dp_ref, v_smem, plgpu.transpose_ref(do_smem.at[slot], (1, 0)))
+
+                s, dp = pl.run_state(scores)((plgpu.ACC.init(_zeros(plgpu, (rows, bq))),
+                                              plgpu.ACC.init(_zeros(plgpu, (rows, bq)))))
+                lse2 = plgpu.load(lse_smem.at[slot], (), layout=col) * _LOG2E
+                delta = plgpu.load(delta_smem.at[slot], (), layout=col)
+                s = s * scale2
+                if masked:
+                    q0 = (first + t) * bq
+                    j = k0 + plgpu.broadcasted_iota(jnp.int32, (rows, bq), 0,
+                                                    layout=plgpu.Layout.WGMMA)
+                    i = q0 + plgpu.broadcasted_iota(jnp.int32, (rows, bq), 1,
+                                                    layout=plgpu.Layout.WGMMA)
+                    keep = (j >= i - st.left) & (j <= i + st.right) & (i < st.lq_real)
+                    s = jnp.where(keep, s, -jnp.inf)
+                p = jnp.exp2(s - lax.broadcast_in_dim(lse2, s.shape, [1]))
+                ds = p * (dp - lax.broadcast_in_dim(delta, s.shape, [1]))
+
+                def grads(refs):
+                    dk_ref_, dv_ref_ = refs
+                    plgpu.wgmma(dv_ref_, p.astype(dtype), do_smem.at[slot])
+                    plgpu.wgmma(dk_ref_, ds.astype(dtype), q_smem.at[slot])
+
+                dk, dv = pl.run_state(grads)((plgpu.ACC.init(dk), plgpu.ACC.init(dv)))
+                plgpu.barrier_arrive(used.at[slot])
+                return dk, dv
+
+            dk, dv = _loops(first, n, f_lo, full_n, step,
+                            (_zeros(plgpu, (rows, d)), _zeros(plgpu, (rows, d))))
+            k_smem[...] = (dk * st.scale).astype(dtype)
+            v_smem[...] = dv.astype(dtype)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(k_smem, dk_ref.at[seq, mine])
+            plgpu.copy_smem_to_gmem(v_smem, dv_ref.at[seq, mine])
+            plgpu.wait_smem_to_gmem(0)
+
+        @pl.when(wg == COMPUTE_WGS)
+        def _memory():
+            plgpu.set_max_registers(40, action="decrease")
+
+            def copies(t):
+                blk = pl.ds((first + t) * bq, bq)
+                srcs = ((q_ref, q_smem), (do_ref, do_smem), (lse_ref, lse_smem),
+                        (delta_ref, delta_smem))
+                return tuple((src.at[seq, blk], dst, full)
+                             for (src, dst), full in zip(srcs, fulls))
+
+            fill = _stream(plgpu, n, copies)
+
+            @pl.loop(0, jnp.maximum(n - BWD_STAGES, 0))
+            def _(t):
+                slot = lax.rem(t, jnp.int32(BWD_STAGES))
+                plgpu.barrier_wait(used.at[slot])
+                fill(t + BWD_STAGES, slot)
+
+    def entry(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref):
+        smem = (_smem_tiles(plgpu, (COMPUTE_WGS, rows, d), dtype),
+                _smem_tiles(plgpu, (COMPUTE_WGS, rows, d), dtype),
+                _smem_tiles(plgpu, (BWD_STAGES, bq, d), dtype),
+                _smem_tiles(plgpu, (BWD_STAGES, bq, d), dtype),
+                plgpu.SMEM((BWD_STAGES, bq), jnp.float32),
+                plgpu.SMEM((BWD_STAGES, bq), jnp.float32))
+        pl.run_scoped(
+            lambda *scoped: body(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref,
+                                 dv_ref, scoped),
+            smem,
+            (plgpu.Barrier(num_barriers=2 * COMPUTE_WGS),
+             *(plgpu.Barrier(num_barriers=BWD_STAGES),) * 4),
+            plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=BWD_STAGES),
+            collective_axes="wg",
+        )
+
+    kv = jax.ShapeDtypeStruct((n_seq, st.lk, d), dtype)
+    return plgpu.kernel(
+        entry,
+        out_type=(kv, kv),
+        grid=(n_seq, st.lk // BWD_HELD),
+        grid_names=("seq", "k_tile"),
+        num_threads=COMPUTE_WGS + 1,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+    )
+
+
+def _run_bwd_nd(st: _BwdStatic, q, k, v, d_out, lse, delta):
+    """``[..., L, D]`` inputs with equal leading dims -> ``(dq, dk, dv)``."""
+    lead = q.shape[:-2]
+    n = int(np.prod(lead)) if lead else 1
+    flat = lambda x, nd: x.reshape(n, *x.shape[len(x.shape) - nd:])
+    args = [flat(x, 2) for x in (q, k, v, d_out)] + [flat(x, 1) for x in (lse, delta)]
+    dq = _dq_call(st, n)(*args)
+    dk, dv = _dkv_call(st, n)(*args)
+    return tuple(x.reshape(*lead, *x.shape[-2:]) for x in (dq, dk, dv))
+
+
+@functools.cache
+def _batched_bwd(st: _BwdStatic):
+    """The backward kernels with ``vmap`` folded into their sequence grid axis; keys and
+    values shared across the mapped axis (grouped-query heads) get their gradients summed
+    over it."""
+
+    @jax.custom_batching.custom_vmap
+    def fn(q, k, v, d_out, lse, delta):
+        return _run_bwd_nd(st, q, k, v, d_out, lse, delta)
+
+    @fn.def_vmap
+    def _rule(axis_size, in_batched, *args):
+        args = [x if b else jnp.broadcast_to(x, (axis_size, *x.shape))
+                for x, b in zip(args, in_batched)]
+        dq, dk, dv = fn(*args)
+        shared = [not b for b in in_batched[1:3]]
+        dk, dv = (g.astype(jnp.float32).sum(0).astype(g.dtype) if s else g
+                  for g, s in zip((dk, dv), shared))
+        return (dq, dk, dv), (True, not shared[0], not shared[1])
+
+    return fn
+
+
 def backward(cfg, plan, q, k, v, dyn, lse, delta, d_out):
-    """The Triton backward kernels (``_gpu_blocksparse.backward``) on the backward plan."""
-    return _triton.backward(cfg, plan, q, k, v, dyn, lse, delta, d_out)
+    """``(dq, dk, dv, [])``: the Mosaic GPU dq and dk/dv kernels where the forward's band
+    walk applies (16-bit inputs, no key masks, segment ids or flex functions, a band layout);
+    else the Triton backward kernels (``_gpu_blocksparse.backward``) on the backward plan."""
+    kv_valid, segs, flex = dyn
+    band = whole_band(plan)
+    if (cfg.interpret or not MOSAIC_BACKWARD or TRITON_BACKWARD in cfg.extra or kv_valid is not None or segs is not None
+            or flex is not None or band is None or dtype_problems(q.dtype)
+            or q.shape[1] != v.shape[1]):
+        return _triton.backward(cfg, plan, q, k, v, dyn, lse, delta, d_out)
+    lq, lk = q.shape[0], k.shape[0]
+    lq_p, lk_p = (-(-x // BWD_HELD) * BWD_HELD for x in (lq, lk))
+    st = _BwdStatic(lq=lq_p, lk=lk_p, lq_real=min(plan.lq, lq), lk_real=min(plan.lk, lk),
+                    left=band[0], right=band[1], d=q.shape[1], scale=float(cfg.scale),
+                    dtype=jnp.dtype(q.dtype).name)
+    pad = lambda x, n, value=0: kernels.pad_to(x, n, 0, value)  # noqa: E731
+    dq, dk, dv = _batched_bwd(st)(
+        pad(q, lq_p), pad(k, lk_p), pad(v, lk_p), pad(d_out.astype(q.dtype), lq_p),
+        pad(lse.astype(jnp.float32), lq_p, jnp.inf), pad(delta.astype(jnp.float32), lq_p))
+    return dq[:lq], dk[:lk], dv[:lk], []

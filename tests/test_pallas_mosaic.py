@@ -130,8 +130,8 @@ def test_emulated_kernel_equals_softmax(pattern, L):
     np.testing.assert_allclose(lse[:L], ref_lse, rtol=1e-10, atol=1e-10)
 
 
-def _lowered(pattern, L, D, grad):
-    kernel = PallasAttention("pallas_gpu_mosaic", "gpu", M)
+def _lowered(pattern, L, D, grad, extra=()):
+    kernel = PallasAttention("pallas_gpu_mosaic", "gpu", M, extra=extra)
     layout = pattern.layout(L, L, M.BLOCK_Q, M.BLOCK_K)
 
     def one(q, k, v):
@@ -148,11 +148,107 @@ def _lowered(pattern, L, D, grad):
 @pytest.mark.parametrize("pattern,L,D,grad", [(P.Causal(), 1000, 128, True),
                                               (P.Local(200, 0), 512, 64, False)], ids=repr)
 def test_lowers_for_cuda(pattern, L, D, grad):
-    """Forward (and gradient: the Triton backward) lower for CUDA on this machine: one Mosaic
-    GPU launch for all batch rows and heads (the vmaps folded into its grid)."""
+    """Forward (and gradient: the dq and dk/dv kernels) lower for CUDA on this machine: one
+    Mosaic GPU launch per kernel for all batch rows and heads (the vmaps folded into its
+    grid), no Triton kernel."""
     text = _lowered(pattern, L, D, grad)
+    assert text.count("custom_call @mosaic_gpu") == (3 if grad else 1)
+    assert "__gpu$xla.gpu.triton" not in text
+
+
+def test_triton_backward_on_request():
+    """The ``TRITON_BACKWARD`` option keeps the Triton backward kernels after this forward
+    (the benchmark's comparison)."""
+    text = _lowered(P.Causal(), 512, 64, True, extra=(M.TRITON_BACKWARD,))
     assert text.count("custom_call @mosaic_gpu") == 1
-    assert ("__gpu$xla.gpu.triton" in text) == grad
+    assert "__gpu$xla.gpu.triton" in text
+
+
+def _bwd_static(pattern, L, d=16):
+    plan = _plan(pattern, L)
+    band = M.whole_band(plan)
+    lp = -(-L // M.BWD_HELD) * M.BWD_HELD
+    return M._BwdStatic(lq=lp, lk=lp, lq_real=L, lk_real=L, left=band[0], right=band[1], d=d,
+                        scale=d ** -0.5, dtype="bfloat16")
+
+
+@pytest.mark.parametrize("L", LENGTHS)
+@pytest.mark.parametrize("pattern", BAND_PATTERNS, ids=repr)
+def test_backward_walks_match_the_tiles(pattern, L):
+    """The dq kernel's walk over key blocks and the dk/dv kernel's over query blocks hold
+    every block any of the CTA's 128 rows sees, and their unmasked runs only blocks every row
+    sees whole (padded query rows see nothing in the dk/dv kernel)."""
+    st = _bwd_static(pattern, L)
+    b = M.BWD_BLOCK
+    i_all, j_all = np.arange(st.lq), np.arange(st.lk)
+    seen = M._band_mask(i_all, j_all, (st.left, st.right), L)
+    # Padded keys: their dk/dv are computed and dropped, so the walk may count them as seen.
+    seen_by_keys = M._band_mask(i_all, j_all, (st.left, st.right), st.lk) & (i_all < L)[:, None]
+    for fn, vis in ((M.dq_walk, seen), (M.dkv_walk, seen_by_keys.T)):
+        for a in range(vis.shape[0] // M.BWD_HELD):
+            rows = vis[a * M.BWD_HELD:(a + 1) * M.BWD_HELD].reshape(M.BWD_HELD, -1, b)
+            any_seen = np.flatnonzero(rows.any(axis=(0, 2)))
+            all_seen = np.flatnonzero(rows.all(axis=(0, 2)))
+            first, n, f_lo, full_n = M.walk_host(fn, st, a * M.BWD_HELD)
+            assert set(any_seen) <= set(range(first, first + n)), (fn, a)
+            np.testing.assert_array_equal(np.arange(f_lo, f_lo + full_n), all_seen)
+
+
+def _emulate_backward(st, q, k, v, d_out, lse, delta):
+    """The dq and dk/dv kernels' loops in NumPy (float64): the walks, the masks of the masked
+    steps only, probabilities from the saved lse in base 2."""
+    c = st.scale / np.log(2.0)
+    lse2 = np.where(np.isfinite(lse), lse, np.inf) / np.log(2.0)
+    dq, dk, dv = np.zeros_like(q), np.zeros_like(k), np.zeros_like(v)
+    blk, held = M.BWD_BLOCK, M.BWD_HELD
+    for a in range(st.lq // held):
+        first, n, f_lo, full_n = M.walk_host(M.dq_walk, st, a * held)
+        r = a * held + np.arange(held)
+        for t in range(n):
+            cols = (first + t) * blk + np.arange(blk)
+            s = q[r] @ k[cols].T * c
+            if not (f_lo - first <= t < f_lo - first + full_n):
+                keep = M._band_mask(r, cols, (st.left, st.right), st.lk_real)
+                s = np.where(keep, s, -np.inf)
+            p = np.exp2(s - lse2[r, None])
+            ds = p * (d_out[r] @ v[cols].T - delta[r, None])
+            dq[r] += ds @ k[cols] * st.scale
+    for a in range(st.lk // held):
+        first, n, f_lo, full_n = M.walk_host(M.dkv_walk, st, a * held)
+        cols = a * held + np.arange(held)
+        for t in range(n):
+            r = (first + t) * blk + np.arange(blk)
+            s = k[cols] @ q[r].T * c
+            if not (f_lo - first <= t < f_lo - first + full_n):
+                keep = M._band_mask(r, cols, (st.left, st.right), st.lk).T & (r < st.lq_real)
+                s = np.where(keep, s, -np.inf)
+            p = np.exp2(s - lse2[None, r])
+            ds = p * (v[cols] @ d_out[r].T - delta[None, r])
+            dv[cols] += p @ d_out[r]
+            dk[cols] += ds @ q[r] * st.scale
+    return dq, dk, dv
+
+
+@pytest.mark.parametrize("pattern,L", [(P.Causal(), 1000), (P.Local(130, 70), 700),
+                                       (P.Full(), 300)], ids=repr)
+def test_emulated_backward_equals_softmax_gradients(pattern, L):
+    st = _bwd_static(pattern, L)
+    rng = np.random.default_rng(1)
+    q, k = (rng.normal(size=(st.lq, 16)) * 3 for _ in range(2))
+    v, d_out = (rng.normal(size=(st.lq, 16)) for _ in range(2))
+    q[L:] = k[L:] = v[L:] = d_out[L:] = 0.0  # the wrapper's padding
+    s = q[:L] @ k[:L].T * st.scale
+    s = np.where(pattern.mask(np.arange(L)[:, None], np.arange(L)[None, :], L, L), s, -np.inf)
+    lse = np.log(np.exp(s - s.max(1, keepdims=True)).sum(1)) + s.max(1)
+    p = np.exp(s - lse[:, None])
+    out = p @ v[:L]
+    delta = (d_out[:L] * out).sum(1)
+    ds = p * (d_out[:L] @ v[:L].T - delta[:, None])
+    ref = (ds @ k[:L] * st.scale, ds.T @ q[:L] * st.scale, p.T @ d_out[:L])
+    pad = lambda x, value: np.concatenate([x, np.full(st.lq - L, value)])  # noqa: E731
+    got = _emulate_backward(st, q, k, v, d_out, pad(lse, np.inf), pad(delta, 0.0))
+    for g, want in zip(got, ref):
+        np.testing.assert_allclose(g[:L], want, rtol=1e-9, atol=1e-9)
 
 
 def test_fallbacks_run_the_triton_forward():

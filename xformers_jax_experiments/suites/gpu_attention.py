@@ -9,6 +9,12 @@ side by side in one run:
 - ``pallas mosaic``: ``flash_attention(..., implementation="pallas_gpu_mosaic")``, the
   Hopper forward of ``pallas_kernels._gpu_mosaic`` (Mosaic GPU: ``wgmma``, TMA, warp
   specialisation) with the Triton backward;
+- ``pallas mosaic triton bwd``: the same Hopper forward with the Triton backward kernels (the
+  kernel option ``_gpu_mosaic.TRITON_BACKWARD``), what the Mosaic backward replaces;
+- ``pallas flex soft-cap`` and ``pallas flex ALiBi``: ``flex_attention(..., causal=True,
+  implementation="pallas")`` with Gemma's soft-cap (50) and ALiBi's per-head slopes as score
+  functions (the Triton kernels: the Hopper kernels take no score function), against ``pallas
+  mosaic`` causal;
 - ``cudnn``: ``jax.nn.dot_product_attention(..., implementation="cudnn")``;
 - ``tokamax``: ``tokamax.dot_product_attention(..., implementation="mosaic")``, another
   Pallas library's flash attention (Mosaic GPU), where it installs;
@@ -45,7 +51,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from xformers_jax.attention import block_sparse_attention, flash_attention, multihead
+from xformers_jax.attention import (
+    alibi_score,
+    block_sparse_attention,
+    flash_attention,
+    flex_attention,
+    multihead,
+    soft_cap_score,
+)
 from xformers_jax.attention.patterns import EMPTY, FULL, BlockLayout, Causal, Full
 from xformers_jax_experiments.bench_lib import Case, Results, Workload, ratio_check
 from xformers_jax_experiments.suites.attention import attention_flops, qkv
@@ -76,6 +89,7 @@ TILES = {64: ((64, 64, 2, True), (64, 64, 3, True), (64, 64, 2, False), (64, 128
          128: ((128, 64, 2, True), (128, 64, 3, True), (128, 64, 2, False),
                (128, 128, 2, True), (64, 64, 2, True))}
 TILE_L = 8192
+FLEX_LENGTHS = (8192, 16384)
 SHORT = 4096  # up to this length the sparse and causal figures are also checked on device time
 
 
@@ -136,6 +150,24 @@ def build(impl: str, L: int, D: int = 64, causal: bool = False, B: int = 4, H: i
             q, k, v, causal=causal, implementation="pallas_gpu_mosaic")
         if not _on_gpu():  # interpret mode: the kernel's Triton fallback
             fn = _direct(_gpu_kernel("pallas_gpu_mosaic"), L, causal)
+    elif impl == "pallas mosaic triton bwd":
+        from pallas_kernels import _gpu_mosaic
+
+        kernel = _gpu_kernel("pallas_gpu_mosaic").with_options(
+            extra=(_gpu_mosaic.TRITON_BACKWARD,))
+        fn = _direct(kernel, L, causal)
+    elif impl in ("pallas flex soft-cap", "pallas flex ALiBi"):
+        which = "pallas" if _on_gpu() else "xla"
+        if impl == "pallas flex soft-cap":
+            lifted = multihead(lambda q, k, v: flex_attention(
+                q, k, v, score_mod=soft_cap_score(50.0), causal=True, implementation=which))
+            fn = lifted
+        else:
+            slopes = jnp.asarray(2.0 ** (-8.0 * np.arange(1, H + 1) / H), jnp.float32)
+            lifted = multihead(lambda q, k, v, head_index: flex_attention(
+                q, k, v, score_mod=alibi_score(slopes), causal=True, head_index=head_index,
+                implementation=which))
+            fn = lambda q, k, v: lifted(q, k, v, head_index=jnp.arange(H))  # noqa: E731
     elif impl == "pallas tiles":
         kernel = _gpu_kernel().with_options(block_q=bq, block_k=bk, num_stages=stages,
                                             runs=runs)
@@ -193,9 +225,14 @@ def cases(quick: bool) -> list[Case]:
                 p = dict(L=L, D=D, causal=causal)
                 out += [Case("pallas flash", _BUILD, dict(impl="pallas flash", **p)),
                         Case("pallas mosaic", _BUILD, dict(impl="pallas mosaic", **p)),
+                        Case("pallas mosaic triton bwd", _BUILD,
+                             dict(impl="pallas mosaic triton bwd", **p)),
                         Case("cudnn", _BUILD, dict(impl="cudnn", **p)),
                         Case("tokamax", _BUILD, dict(impl="tokamax", **p)),
                         Case("jax mgpu", _BUILD, dict(impl="jax mgpu", **p))]
+        for L in FLEX_LENGTHS:
+            for impl in ("pallas flex soft-cap", "pallas flex ALiBi"):
+                out.append(Case(impl, _BUILD, dict(impl=impl, L=L, D=D, causal=True)))
         for L in LENGTHS:
             out.append(Case("pallas sparse 10%", _BUILD,
                             dict(impl="pallas sparse", L=L, D=D, causal=False)))
@@ -241,6 +278,18 @@ def checks(r: Results):
                     [(L, r.time("cudnn", mode, L=L, D=D, causal=causal),
                       r.time("pallas mosaic", mode, L=L, D=D, causal=causal))
                      for L in LENGTHS if L >= 4096], at_least=0.9))
+            out.append(_worst(
+                f"(why) Mosaic backward: pallas mosaic throughput / with the Triton backward, "
+                f"D={D}, {mode}, causal, L=4K-16K",
+                [(L, r.time("pallas mosaic triton bwd", mode, L=L, D=D, causal=True),
+                  r.time("pallas mosaic", mode, L=L, D=D, causal=True))
+                 for L in LENGTHS if L >= 4096], at_least=0.0))
+            for impl in ("pallas flex soft-cap", "pallas flex ALiBi"):
+                out.append(_worst(
+                    f"{impl[6:]} (score function) time / pallas mosaic causal, D={D}, {mode}, "
+                    f"L=8K-16K", [(L, r.time(impl, mode, L=L, D=D, causal=True),
+                                   r.time("pallas mosaic", mode, L=L, D=D, causal=True))
+                                  for L in FLEX_LENGTHS], at_most=1.3))
             for lengths in (short, long):
                 span = f"L={lengths[0] // 1024}K-{lengths[-1] // 1024}K"
                 out.append(_worst(
