@@ -755,9 +755,9 @@ def _run_bwd_nd(st: _BwdStatic, q, k, v, d_out, lse, delta):
 
 @functools.cache
 def _batched_bwd(st: _BwdStatic):
-    """The backward kernels with ``vmap`` folded into their sequence grid axis; keys and
-    values shared across the mapped axis (grouped-query heads) get their gradients summed
-    over it."""
+    """The backward kernels with ``vmap`` folded into their sequence grid axis; an input
+    shared across the mapped axis (keys and values of grouped-query heads) gets its gradient
+    summed over it."""
 
     @jax.custom_batching.custom_vmap
     def fn(q, k, v, d_out, lse, delta):
@@ -767,11 +767,10 @@ def _batched_bwd(st: _BwdStatic):
     def _rule(axis_size, in_batched, *args):
         args = [x if b else jnp.broadcast_to(x, (axis_size, *x.shape))
                 for x, b in zip(args, in_batched)]
-        dq, dk, dv = fn(*args)
-        shared = [not b for b in in_batched[1:3]]
-        dk, dv = (g.astype(jnp.float32).sum(0).astype(g.dtype) if s else g
-                  for g, s in zip((dk, dv), shared))
-        return (dq, dk, dv), (True, not shared[0], not shared[1])
+        grads = fn(*args)
+        grads = tuple(g if b else g.astype(jnp.float32).sum(0).astype(g.dtype)
+                      for g, b in zip(grads, in_batched[:3]))
+        return grads, tuple(in_batched[:3])
 
     return fn
 
