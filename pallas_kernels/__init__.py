@@ -21,10 +21,11 @@ def _register_builtin() -> None:
     # Tiles: each backend's default for the call's head dims (``default_blocks``).
     gpu = PallasAttention("pallas_gpu_blocksparse", "gpu", _gpu_blocksparse)
     tpu = PallasAttention("pallas_tpu_blocksparse", "tpu", _tpu_blocksparse)
-    # Hopper GPUs first: from 4K on its forward took 0.63-0.87x the Triton forward's time in
-    # the gpu_attention suite (H200, 2026-11-28; at 2K, where dispatch dominates, between 0.98
-    # and 1.14x), and it runs the Triton forward itself for what it does not cover (float32,
-    # key masks, segment ids, layouts that are not a band).
+    # Hopper GPUs first: from 4K on its forward took 0.63-0.87x the Triton forward's time and
+    # its backward made fwd+bwd 1.13-1.54x faster than the Triton backward in the
+    # gpu_attention suite (H200, 2026-11-28); it runs the Triton kernels itself for what it
+    # does not cover (float32, key masks, segment ids, flex functions, layouts that are not
+    # a band).
     mosaic = PallasAttention("pallas_gpu_mosaic", "gpu", _gpu_mosaic)
     for op in ("flash_attention", "block_sparse_attention"):
         register(op, mosaic)

@@ -1,27 +1,35 @@
-"""Hopper (sm_90) flash attention forward in Mosaic GPU: warpgroup matmuls and TMA copies.
+"""Hopper (sm_90) flash attention in Mosaic GPU, forward and backward: warpgroup matmuls and
+TMA copies.
 
 The Triton kernels of ``_gpu_blocksparse`` issue neither ``wgmma`` nor bulk tensor copies on
 Hopper, which held them at 0.39-0.69x cuDNN's fused attention on an H200 (BUILD.md, "On a
-GPU"). This backend's forward is written for the chip in the manner of FlashAttention-3 (Shah
-et al., 2024): a CTA of three warpgroups, two computing 64 query rows each and one issuing
-the key and value tiles' TMA copies into a ring of shared-memory stages, with mbarriers
-saying when a stage is full and when both compute warpgroups are done with it, and a
-schedule barrier that lets one warpgroup's softmax overlap the other's matrix products. The
-scores stay in registers (``wgmma`` accumulators); the online softmax is the kernel layer's
-(``kernels.online_step``) in base 2 with the scale folded in.
+GPU"). These kernels are written for the chip in the manner of FlashAttention-3 (Shah et al.,
+2024): a CTA of three warpgroups, two computing 64 rows each and one issuing TMA copies of the
+streamed tiles into a ring of shared-memory stages, with mbarriers saying when a stage is full
+and when both compute warpgroups are done with it. The scores stay in registers (``wgmma``
+accumulators), in base 2 with the scale folded in.
 
-What it shares with the other kernels is the plan: a CTA owns one query block of the
-forward plan (128 rows) and walks that row's key blocks. For layouts whose partial tiles are a
-band ``i - left <= j <= i + right`` (dense, causal, sliding windows: ``Plan.band``) the
-visited blocks are a run computed in closed form from the program id, in three loops:
-partial blocks left of the full run (masked from positions), the full run (no mask), the
-partial blocks to its right. Keys past ``lk`` are masked the same way. Other layouts, key
-masks and segment ids run the Triton forward (:func:`forward` falls back); the backward is
-the Triton kernels' (``_gpu_blocksparse.backward``), which read this forward's ``lse``.
+- Forward: a CTA holds 128 query rows and streams key and value tiles of 128 rows (two
+  stages); a schedule barrier lets one warpgroup's softmax overlap the other's matrix
+  products; the online softmax is the kernel layer's (``kernels.online_step``).
+- Backward (the recomputing backward of FlashAttention-2/3, ``lse`` and ``delta`` from
+  ``kernels.backward_stats``): a dq kernel whose CTA holds 128 query rows (q and dO) and
+  streams key and value tiles of 64 rows, computing ``s = q k^T``, ``dp = dO v^T``, ``ds = p
+  (dp - delta)`` and ``dq += ds k``; and a dk/dv kernel whose CTA holds 128 key rows and
+  streams q, dO, lse and delta tiles of 64 rows, computing the transposed scores and ``dv +=
+  p^T dO``, ``dk += ds^T q``. Each CTA writes its rows once: no atomics.
 
-Tiles: 2 x 64 query rows per CTA (``wgmma`` takes 64-row operands per warpgroup), 128 key
-rows per stage, two stages; head dims padded to a multiple of 64 up to 128 (a 128-byte
-swizzle holds 64 16-bit elements per row); bf16 and f16 only.
+What they share with the other kernels is the plan. For layouts whose tiles are a band ``i -
+left <= j <= i + right`` (dense, causal, sliding windows: :func:`whole_band`) the blocks a CTA
+visits are a run computed in closed form from the program id (:func:`_walk`; the dk/dv kernel
+walks query blocks with the band's sides swapped), in three loops: masked blocks left of the
+full run, the full run without a mask, masked blocks to its right. Keys past ``lk`` (and, in
+the dk/dv kernel, queries past ``lq``) are masked the same way. Other layouts, key masks,
+segment ids and flex functions run the Triton kernels (:func:`forward` and :func:`backward`
+fall back).
+
+Head dims padded to a multiple of 64 up to 128 (a 128-byte swizzle holds 64 16-bit elements
+per row); bf16 and f16 only.
 """
 
 from __future__ import annotations
