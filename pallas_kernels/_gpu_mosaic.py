@@ -454,6 +454,9 @@ BWD_STAGES = 2
 # ``with_options(extra=(TRITON_BACKWARD,))`` (the gpu_attention suite's comparison); for every
 # call, XFORMERS_JAX_MOSAIC_BACKWARD=0 in the environment.
 TRITON_BACKWARD = "triton_backward"
+# Other streamed tiles for the backward (to measure them): the kernel option
+# ``extra=(("bwd_tiles", block, stages),)``, block 64 or 128 rows, 2 or 3 stages.
+BWD_TILES = "bwd_tiles"
 MOSAIC_BACKWARD = os.environ.get("XFORMERS_JAX_MOSAIC_BACKWARD", "1") != "0"
 
 
@@ -468,17 +471,19 @@ class _BwdStatic:
     d: int
     scale: float
     dtype: str
+    block: int = BWD_BLOCK  # rows of each streamed tile
+    stages: int = BWD_STAGES  # shared-memory ring depth
 
 
 def dq_walk(st: _BwdStatic, q_lo):
     """The key blocks a dq CTA with query rows ``[q_lo, q_lo + 128)`` visits."""
-    return _walk(q_lo, BWD_HELD, st.left, st.right, st.lk_real, BWD_BLOCK, st.lk // BWD_BLOCK)
+    return _walk(q_lo, BWD_HELD, st.left, st.right, st.lk_real, st.block, st.lk // st.block)
 
 
 def dkv_walk(st: _BwdStatic, k_lo):
     """The query blocks a dk/dv CTA with key rows ``[k_lo, k_lo + 128)`` visits: query ``i``
     sees key ``j`` when ``j - right <= i <= j + left`` (the band's sides swapped)."""
-    return _walk(k_lo, BWD_HELD, st.right, st.left, st.lq_real, BWD_BLOCK, st.lq // BWD_BLOCK)
+    return _walk(k_lo, BWD_HELD, st.right, st.left, st.lq_real, st.block, st.lq // st.block)
 
 
 def walk_host(fn, st, lo: int) -> tuple[int, int, int, int]:
@@ -508,22 +513,27 @@ def _loops(first, n, f_lo, full_n, step, carry):
     return lax.fori_loop(n_left + full_n, n, functools.partial(step, masked=True), carry)
 
 
-def _stream(plgpu, n, copies):
-    """The memory warpgroup's loop: step ``t``'s copies (``copies(t, slot)``) into a ring of
-    ``BWD_STAGES`` slots, each slot refilled once both compute warpgroups released it."""
+def _stream(plgpu, n, stages, used, copies):
+    """The memory warpgroup's loop: step ``t``'s copies (``copies(t)``) into a ring of
+    ``stages`` slots, each slot refilled once both compute warpgroups released it (``used``)."""
     def fill(t, slot):
         for src, dst, full in copies(t):
             plgpu.copy_gmem_to_smem(src, dst.at[slot], full.at[slot])
 
-    for t in range(BWD_STAGES):
+    for t in range(stages):
         pl.when(t < n)(functools.partial(fill, t, t))
-    return fill
+
+    @pl.loop(0, jnp.maximum(n - stages, 0))
+    def _(t):
+        slot = lax.rem(t, jnp.int32(stages))
+        plgpu.barrier_wait(used.at[slot])
+        fill(t + stages, slot)
 
 
 def _dq_call(st: _BwdStatic, n_seq: int):
     plgpu = _plgpu()
     dtype = jnp.dtype(st.dtype)
-    d, bk, rows = st.d, BWD_BLOCK, ROWS_PER_WG
+    d, bk, rows = st.d, st.block, ROWS_PER_WG
     row = _row_layout(plgpu)
     scale2 = st.scale * _LOG2E
 
@@ -552,7 +562,7 @@ def _dq_call(st: _BwdStatic, n_seq: int):
             delta = plgpu.load(delta_smem, (), layout=row)
 
             def step(t, dq, masked: bool):
-                slot = lax.rem(t, jnp.int32(BWD_STAGES))
+                slot = lax.rem(t, jnp.int32(st.stages))
                 plgpu.barrier_wait(k_full.at[slot])
                 plgpu.barrier_wait(v_full.at[slot])
 
@@ -597,27 +607,21 @@ def _dq_call(st: _BwdStatic, n_seq: int):
                 blk = pl.ds((first + t) * bk, bk)
                 return ((k_ref.at[seq, blk], k_smem, k_full), (v_ref.at[seq, blk], v_smem, v_full))
 
-            fill = _stream(plgpu, n, copies)
-
-            @pl.loop(0, jnp.maximum(n - BWD_STAGES, 0))
-            def _(t):
-                slot = lax.rem(t, jnp.int32(BWD_STAGES))
-                plgpu.barrier_wait(used.at[slot])
-                fill(t + BWD_STAGES, slot)
+            _stream(plgpu, n, st.stages, used, copies)
 
     def entry(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref):
         smem = (_smem_tiles(plgpu, (COMPUTE_WGS, rows, d), dtype),
                 _smem_tiles(plgpu, (COMPUTE_WGS, rows, d), dtype),
                 plgpu.SMEM((COMPUTE_WGS, rows), jnp.float32),
                 plgpu.SMEM((COMPUTE_WGS, rows), jnp.float32),
-                _smem_tiles(plgpu, (BWD_STAGES, bk, d), dtype),
-                _smem_tiles(plgpu, (BWD_STAGES, bk, d), dtype))
+                _smem_tiles(plgpu, (st.stages, bk, d), dtype),
+                _smem_tiles(plgpu, (st.stages, bk, d), dtype))
         pl.run_scoped(
             lambda *scoped: body(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref,
                                  scoped),
             smem,
-            (plgpu.Barrier(num_barriers=4 * COMPUTE_WGS), plgpu.Barrier(num_barriers=BWD_STAGES), plgpu.Barrier(num_barriers=BWD_STAGES)),
-            plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=BWD_STAGES),
+            (plgpu.Barrier(num_barriers=4 * COMPUTE_WGS), plgpu.Barrier(num_barriers=st.stages), plgpu.Barrier(num_barriers=st.stages)),
+            plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=st.stages),
             collective_axes="wg",
         )
 
@@ -635,7 +639,7 @@ def _dq_call(st: _BwdStatic, n_seq: int):
 def _dkv_call(st: _BwdStatic, n_seq: int):
     plgpu = _plgpu()
     dtype = jnp.dtype(st.dtype)
-    d, bq, rows = st.d, BWD_BLOCK, ROWS_PER_WG
+    d, bq, rows = st.d, st.block, ROWS_PER_WG
     col = _col_layout(plgpu)
     scale2 = st.scale * _LOG2E
 
@@ -659,7 +663,7 @@ def _dkv_call(st: _BwdStatic, n_seq: int):
 
             def step(t, carry, masked: bool):
                 dk, dv = carry
-                slot = lax.rem(t, jnp.int32(BWD_STAGES))
+                slot = lax.rem(t, jnp.int32(st.stages))
                 for full in fulls:
                     plgpu.barrier_wait(full.at[slot])
 
@@ -713,28 +717,22 @@ def _dkv_call(st: _BwdStatic, n_seq: int):
                 return tuple((src.at[seq, blk], dst, full)
                              for (src, dst), full in zip(srcs, fulls))
 
-            fill = _stream(plgpu, n, copies)
-
-            @pl.loop(0, jnp.maximum(n - BWD_STAGES, 0))
-            def _(t):
-                slot = lax.rem(t, jnp.int32(BWD_STAGES))
-                plgpu.barrier_wait(used.at[slot])
-                fill(t + BWD_STAGES, slot)
+            _stream(plgpu, n, st.stages, used, copies)
 
     def entry(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref):
         smem = (_smem_tiles(plgpu, (COMPUTE_WGS, rows, d), dtype),
                 _smem_tiles(plgpu, (COMPUTE_WGS, rows, d), dtype),
-                _smem_tiles(plgpu, (BWD_STAGES, bq, d), dtype),
-                _smem_tiles(plgpu, (BWD_STAGES, bq, d), dtype),
-                plgpu.SMEM((BWD_STAGES, bq), jnp.float32),
-                plgpu.SMEM((BWD_STAGES, bq), jnp.float32))
+                _smem_tiles(plgpu, (st.stages, bq, d), dtype),
+                _smem_tiles(plgpu, (st.stages, bq, d), dtype),
+                plgpu.SMEM((st.stages, bq), jnp.float32),
+                plgpu.SMEM((st.stages, bq), jnp.float32))
         pl.run_scoped(
             lambda *scoped: body(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref,
                                  dv_ref, scoped),
             smem,
             (plgpu.Barrier(num_barriers=2 * COMPUTE_WGS),
-             *(plgpu.Barrier(num_barriers=BWD_STAGES),) * 4),
-            plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=BWD_STAGES),
+             *(plgpu.Barrier(num_barriers=st.stages),) * 4),
+            plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=st.stages),
             collective_axes="wg",
         )
 
@@ -795,9 +793,11 @@ def backward(cfg, plan, q, k, v, dyn, lse, delta, d_out):
         return _triton.backward(cfg, plan, q, k, v, dyn, lse, delta, d_out)
     lq, lk = q.shape[0], k.shape[0]
     lq_p, lk_p = (-(-x // BWD_HELD) * BWD_HELD for x in (lq, lk))
+    tiles = [x[1:] for x in cfg.extra if isinstance(x, tuple) and x[:1] == (BWD_TILES,)]
+    block, stages = tiles[-1] if tiles else (BWD_BLOCK, BWD_STAGES)
     st = _BwdStatic(lq=lq_p, lk=lk_p, lq_real=min(plan.lq, lq), lk_real=min(plan.lk, lk),
                     left=band[0], right=band[1], d=q.shape[1], scale=float(cfg.scale),
-                    dtype=jnp.dtype(q.dtype).name)
+                    dtype=jnp.dtype(q.dtype).name, block=block, stages=stages)
     pad = lambda x, n, value=0: kernels.pad_to(x, n, 0, value)  # noqa: E731
     dq, dk, dv = _batched_bwd(st)(
         pad(q, lq_p), pad(k, lk_p), pad(v, lk_p), pad(d_out.astype(q.dtype), lq_p),

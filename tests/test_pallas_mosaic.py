@@ -156,6 +156,13 @@ def test_lowers_for_cuda(pattern, L, D, grad):
     assert "__gpu$xla.gpu.triton" not in text
 
 
+@pytest.mark.parametrize("tiles", [(128, 2), (64, 3)])
+def test_backward_tiles_lower(tiles):
+    """The backward's other streamed tiles (``BWD_TILES``, for measuring) lower for CUDA."""
+    text = _lowered(P.Causal(), 700, 64, True, extra=((M.BWD_TILES, *tiles),))
+    assert text.count("custom_call @mosaic_gpu") == 3
+
+
 def test_triton_backward_on_request():
     """The ``TRITON_BACKWARD`` option keeps the Triton backward kernels after this forward
     (the benchmark's comparison)."""
@@ -164,22 +171,23 @@ def test_triton_backward_on_request():
     assert "__gpu$xla.gpu.triton" in text
 
 
-def _bwd_static(pattern, L, d=16):
+def _bwd_static(pattern, L, d=16, block=M.BWD_BLOCK):
     plan = _plan(pattern, L)
     band = M.whole_band(plan)
     lp = -(-L // M.BWD_HELD) * M.BWD_HELD
     return M._BwdStatic(lq=lp, lk=lp, lq_real=L, lk_real=L, left=band[0], right=band[1], d=d,
-                        scale=d ** -0.5, dtype="bfloat16")
+                        scale=d ** -0.5, dtype="bfloat16", block=block)
 
 
+@pytest.mark.parametrize("block", [64, 128])
 @pytest.mark.parametrize("L", LENGTHS)
 @pytest.mark.parametrize("pattern", BAND_PATTERNS, ids=repr)
-def test_backward_walks_match_the_tiles(pattern, L):
+def test_backward_walks_match_the_tiles(pattern, L, block):
     """The dq kernel's walk over key blocks and the dk/dv kernel's over query blocks hold
     every block any of the CTA's 128 rows sees, and their unmasked runs only blocks every row
     sees whole (padded query rows see nothing in the dk/dv kernel)."""
-    st = _bwd_static(pattern, L)
-    b = M.BWD_BLOCK
+    st = _bwd_static(pattern, L, block=block)
+    b = st.block
     i_all, j_all = np.arange(st.lq), np.arange(st.lk)
     seen = M._band_mask(i_all, j_all, (st.left, st.right), L)
     # Padded keys: their dk/dv are computed and dropped, so the walk may count them as seen.
@@ -200,7 +208,7 @@ def _emulate_backward(st, q, k, v, d_out, lse, delta):
     c = st.scale / np.log(2.0)
     lse2 = np.where(np.isfinite(lse), lse, np.inf) / np.log(2.0)
     dq, dk, dv = np.zeros_like(q), np.zeros_like(k), np.zeros_like(v)
-    blk, held = M.BWD_BLOCK, M.BWD_HELD
+    blk, held = st.block, M.BWD_HELD
     for a in range(st.lq // held):
         first, n, f_lo, full_n = M.walk_host(M.dq_walk, st, a * held)
         r = a * held + np.arange(held)
@@ -229,10 +237,11 @@ def _emulate_backward(st, q, k, v, d_out, lse, delta):
     return dq, dk, dv
 
 
-@pytest.mark.parametrize("pattern,L", [(P.Causal(), 1000), (P.Local(130, 70), 700),
-                                       (P.Full(), 300)], ids=repr)
-def test_emulated_backward_equals_softmax_gradients(pattern, L):
-    st = _bwd_static(pattern, L)
+@pytest.mark.parametrize("pattern,L,block", [(P.Causal(), 1000, 64), (P.Local(130, 70), 700, 64),
+                                             (P.Full(), 300, 64), (P.Causal(), 1000, 128)],
+                         ids=repr)
+def test_emulated_backward_equals_softmax_gradients(pattern, L, block):
+    st = _bwd_static(pattern, L, block=block)
     rng = np.random.default_rng(1)
     q, k = (rng.normal(size=(st.lq, 16)) * 3 for _ in range(2))
     v, d_out = (rng.normal(size=(st.lq, 16)) for _ in range(2))

@@ -11,6 +11,9 @@ side by side in one run:
   specialisation) with the Triton backward;
 - ``pallas mosaic triton bwd``: the same Hopper forward with the Triton backward kernels (the
   kernel option ``_gpu_mosaic.TRITON_BACKWARD``), what the Mosaic backward replaces;
+- ``pallas mosaic bwd BxS``: the Mosaic backward with other streamed tiles (B rows, S
+  shared-memory stages: ``_gpu_mosaic.BWD_TILES``) at 8K, fwd+bwd, to pick its defaults (64
+  rows, 2 stages, the first choice);
 - ``pallas flex soft-cap``: ``flex_attention(..., causal=True, implementation="pallas")`` with
   Gemma's soft-cap (50) as the score function (the Triton kernels: the Hopper kernels take no
   score function yet), against ``pallas mosaic`` causal. ALiBi's ``alibi_score`` indexes its
@@ -90,6 +93,7 @@ TILES = {64: ((64, 64, 2, True), (64, 64, 3, True), (64, 64, 2, False), (64, 128
                (128, 128, 2, True), (64, 64, 2, True))}
 TILE_L = 8192
 FLEX_LENGTHS = (8192, 16384)
+BWD_TILES = ((128, 2), (64, 3), (128, 3))  # the Mosaic backward's other streamed tiles
 SHORT = 4096  # up to this length the sparse and causal figures are also checked on device time
 
 
@@ -155,6 +159,12 @@ def build(impl: str, L: int, D: int = 64, causal: bool = False, B: int = 4, H: i
 
         kernel = _gpu_kernel("pallas_gpu_mosaic").with_options(
             extra=(_gpu_mosaic.TRITON_BACKWARD,))
+        fn = _direct(kernel, L, causal)
+    elif impl == "pallas mosaic bwd":
+        from pallas_kernels import _gpu_mosaic
+
+        kernel = _gpu_kernel("pallas_gpu_mosaic").with_options(
+            extra=((_gpu_mosaic.BWD_TILES, bk, stages),))
         fn = _direct(kernel, L, causal)
     elif impl == "pallas flex soft-cap":
         which = "pallas" if _on_gpu() else "xla"
@@ -222,6 +232,13 @@ def cases(quick: bool) -> list[Case]:
                         Case("cudnn", _BUILD, dict(impl="cudnn", **p)),
                         Case("tokamax", _BUILD, dict(impl="tokamax", **p)),
                         Case("jax mgpu", _BUILD, dict(impl="jax mgpu", **p))]
+        for bk, stages in BWD_TILES:
+            if D * bk * stages > 128 * 128 * 2:  # the streamed K/V (dq) beyond shared memory
+                continue
+            for causal in (False, True):
+                out.append(Case(f"pallas mosaic bwd {bk}x{stages}", _BUILD,
+                                dict(impl="pallas mosaic bwd", L=TILE_L, D=D, causal=causal,
+                                     bk=bk, stages=stages), ("fwdbwd",)))
         for L in FLEX_LENGTHS:
             out.append(Case("pallas flex soft-cap", _BUILD,
                             dict(impl="pallas flex soft-cap", L=L, D=D, causal=True)))
