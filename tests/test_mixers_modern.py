@@ -319,11 +319,14 @@ def test_declared_state_size_is_what_decoding_keeps(name):
     sizes = dict(H=2, D_k=dk, D_v=8, N=hp.get("state_size", 0), P=16, W=4, E=32)
     assert kind.state_size and _numbers(kind.state_size, **sizes) == kept, (kind.state_size,
                                                                             kept)
-    if "short_conv" in kind.hyperparameters:  # its last W - 1 inputs beside the state
+    if "short_conv" in kind.hyperparameters:
+        # The last W - 1 = 3 steps' q, k and v projections (before the convolution) beside it.
         layer = nn._mixer.make_mixer(nn.MixerSpec(name, {**hp, "short_conv": 4}), 16, 2,
                                      causal=True, max_len=16, key=jax.random.PRNGKey(0))
         cache = jax.eval_shape(lambda: layer.init_cache(1, 16))
-        assert sum(math.prod(x.shape) for x in jax.tree.leaves(cache.state)) == kept + 3 * 16
+        channels = sum(w.shape[1] for w in (layer.wq, layer.wk, layer.wv))
+        assert sum(math.prod(x.shape) for x in jax.tree.leaves(cache.state)) == (
+            kept + 3 * channels)
 
 
 def test_taylor_map_is_the_second_order_expansion_and_based_its_normalised_kernel():

@@ -113,8 +113,8 @@ class _QKVRecurrence(_HeadRecurrence):
     (``ShortConvolution``; W = 4 in those papers). It lets the recurrence write a key formed
     from earlier tokens beside the current value (binding a key to the token after it, as
     associative recall needs; Arora et al. 2023, "Zoology", section 4). Decoding keeps the last
-    ``W - 1`` layer inputs beside the state and projects the window, so a step equals the
-    forward pass; packed rows restart it at every document."""
+    ``W - 1`` steps' q, k and v projections beside the state (a step projects only its own
+    token), so a step equals the forward pass; packed rows restart it at every document."""
 
     wq: jax.Array
     wk: jax.Array
@@ -144,11 +144,17 @@ class _QKVRecurrence(_HeadRecurrence):
         cuts = [sum(sizes[:i + 1]) for i in range(len(sizes) - 1)]
         return tuple(jnp.split(y, cuts, axis=-1))
 
-    def _qkv(self, x, segment_ids=None):
-        dt, h = x.dtype, self.num_heads
-        qkv = self._short_conv(tuple(x @ w.astype(dt) for w in (self.wq, self.wk, self.wv)),
-                               segment_ids)
-        return tuple(_heads(a, h) for a in qkv)
+    def _conv_qkv(self, x, segment_ids=None, qkv=None):
+        """The projected q, k and v ``[B, L, C_i]`` after the short convolution (``qkv``:
+        already computed, by a decoding step)."""
+        if qkv is not None:
+            return qkv
+        dt = x.dtype
+        return self._short_conv(tuple(x @ w.astype(dt) for w in (self.wq, self.wk, self.wv)),
+                                segment_ids)
+
+    def _qkv(self, x, segment_ids=None, qkv=None):
+        return tuple(_heads(a, self.num_heads) for a in self._conv_qkv(x, segment_ids, qkv))
 
     def _inputs(self, x, kv_mask, segment_ids=None):
         # x is zero at padded positions (check_mask), so no padded input reaches a real
@@ -169,19 +175,25 @@ class _QKVRecurrence(_HeadRecurrence):
         state = self._init_state(batch)
         if self.conv_w is None:
             return recurrent_cache(state)
-        window = jnp.zeros((batch, self.conv_w.shape[0] - 1, self.wq.shape[0]), dtype)
+        window = jnp.zeros((batch, self.conv_w.shape[0] - 1, self.conv_w.shape[1]), dtype)
         return recurrent_cache((state, window))
 
     def decode(self, x, cache):
-        if self.conv_w is None:
-            state, xs = cache.state, x
-        else:  # the window of the last W inputs: its last position is the step's
-            state, window = cache.state
-            xs = jnp.concatenate([window.astype(x.dtype), x], axis=1)
-        arrays = (a[:, -1].astype(jnp.float32) for a in self._project(xs))
+        qkv, state = None, cache.state
+        if self.conv_w is not None:
+            # The last W - 1 steps' q, k and v projections (before the convolution) and this
+            # step's: the convolution's output at this step is the taps over that window.
+            state, window = state
+            dt = x.dtype
+            sizes = [w.shape[1] for w in (self.wq, self.wk, self.wv)]
+            new = jnp.concatenate([x @ w.astype(dt) for w in (self.wq, self.wk, self.wv)], -1)
+            pre = jnp.concatenate([window.astype(dt), new], axis=1)
+            y = jnp.einsum("bwc,wc->bc", pre, self.conv_w.astype(dt))[:, None]
+            qkv = tuple(jnp.split(y, [sizes[0], sizes[0] + sizes[1]], axis=-1))
+        arrays = (a[:, -1].astype(jnp.float32) for a in self._project(x, qkv=qkv))
         o, s = jax.vmap(jax.vmap(self._step))(state, *arrays)
         if self.conv_w is not None:
-            s = (s, xs[:, 1:].astype(window.dtype))
+            s = (s, pre[:, 1:].astype(window.dtype))
         return self._out(x, o[:, None]), type(cache)(s, cache.index + 1)
 
 
@@ -208,8 +220,8 @@ class RetNet(_QKVRecurrence):
     def log_gamma(self):
         return jnp.log1p(-2.0 ** (-5.0 - jnp.arange(self.num_heads, dtype=jnp.float32)))
 
-    def _project(self, x, segment_ids=None):
-        q, k, v = self._qkv(x, segment_ids)
+    def _project(self, x, segment_ids=None, qkv=None):
+        q, k, v = self._qkv(x, segment_ids, qkv)
         lg = jnp.broadcast_to(self.log_gamma, q.shape[:3])
         return q, k / math.sqrt(q.shape[-1]), v, lg
 
@@ -253,9 +265,9 @@ class GLA(_QKVRecurrence):
         self.ba = jnp.zeros((dk,))
         self._settings(num_heads, causal, chunk_size, implementation)
 
-    def _project(self, x, segment_ids=None):
+    def _project(self, x, segment_ids=None, qkv=None):
         dt = x.dtype
-        q, k, v = self._qkv(x, segment_ids)
+        q, k, v = self._qkv(x, segment_ids, qkv)
         logits = (x @ self.wa1.astype(dt)) @ self.wa2.astype(dt) + self.ba.astype(dt)
         ld = jax.nn.log_sigmoid(logits.astype(jnp.float32)) / self.TEMPERATURE
         return q, k / math.sqrt(k.shape[-1]), v, _heads(ld, self.num_heads)
@@ -300,10 +312,10 @@ class GatedDeltaNet(_QKVRecurrence):
         self.dt_bias = _dt_bias(jax.random.fold_in(key, 1), (num_heads,), dt_min, dt_max)
         self._settings(num_heads, causal, chunk_size, implementation)
 
-    def _project(self, x, segment_ids=None):
+    def _project(self, x, segment_ids=None, qkv=None):
         dt = x.dtype
         l2 = lambda a: a * jax.lax.rsqrt(jnp.sum(a * a, -1, keepdims=True) + 1e-6)  # noqa: E731
-        q, k, v = self._qkv(x, segment_ids)
+        q, k, v = self._qkv(x, segment_ids, qkv)
         q, k = (l2(jax.nn.silu(a).astype(jnp.float32)) for a in (q, k))
         beta = jax.nn.sigmoid((x @ self.w_beta.astype(dt)).astype(jnp.float32))
         ld = -jnp.exp(self.a_log) * jax.nn.softplus(

@@ -64,8 +64,8 @@ class MLSTM(_QKVRecurrence):
                                      jnp.linspace(3.0, 6.0, num_heads)])
         self._settings(num_heads, causal, chunk_size, implementation)
 
-    def _project(self, x, segment_ids=None):
-        q, k, v = self._qkv(x, segment_ids)
+    def _project(self, x, segment_ids=None, qkv=None):
+        q, k, v = self._qkv(x, segment_ids, qkv)
         gates = (x @ self.w_if.astype(x.dtype)).astype(jnp.float32) + self.b_if
         h = self.num_heads
         return q, k / math.sqrt(k.shape[-1]), v, gates[..., :h], gates[..., h:]
@@ -116,8 +116,8 @@ class HGRN2(_QKVRecurrence):
         self.lower_bound = float(lower_bound)
         self._settings(num_heads, causal, chunk_size, implementation)
 
-    def _project(self, x, segment_ids=None):
-        q, f, v = self._qkv(x)
+    def _project(self, x, segment_ids=None, qkv=None):
+        q, f, v = self._qkv(x, qkv=qkv)
         lb = self.lower_bound
         # log(lb + (1 - lb) sigmoid(z)) without leaving log space when lb = 0.
         log_f = jax.nn.log_sigmoid(f.astype(jnp.float32))
@@ -175,9 +175,9 @@ class KimiDeltaAttention(_QKVRecurrence):
             ks[6], dim, num_heads, dt_min, dt_max)
         self._settings(num_heads, causal, chunk_size, implementation)
 
-    def _project(self, x, segment_ids=None):
+    def _project(self, x, segment_ids=None, qkv=None):
         dt = x.dtype
-        q, k, v = self._qkv(x, segment_ids)
+        q, k, v = self._qkv(x, segment_ids, qkv)
         q, k = (_l2(jax.nn.silu(a)) for a in (q, k))
         beta = jax.nn.sigmoid((x @ self.w_beta.astype(dt)).astype(jnp.float32))
         z = ((x @ self.w_a1.astype(dt)) @ self.w_a2.astype(dt)).astype(jnp.float32)
@@ -231,9 +231,9 @@ class RWKV7(_QKVRecurrence):
         self.bonus = jax.random.normal(ks[9], (dim,)) * 0.1
         self._settings(num_heads, causal, chunk_size, implementation)
 
-    def _project(self, x, segment_ids=None):
+    def _project(self, x, segment_ids=None, qkv=None):
         dt, h = x.dtype, self.num_heads
-        r, k, v = self._qkv(x)
+        r, k, v = self._qkv(x, qkv=qkv)
         low = lambda w1, w2, b: ((x @ w1.astype(dt)) @ w2.astype(dt)).astype(  # noqa: E731
             jnp.float32) + b
         log_w = -math.exp(-0.5) * jax.nn.sigmoid(low(self.w_w1, self.w_w2, self.b_w))
@@ -294,15 +294,14 @@ class GatedDeltaProduct(_QKVRecurrence):
     def _steps(self):
         return self.wk.shape[1] // self.wq.shape[1]
 
-    def _project(self, x, segment_ids=None):
+    def _project(self, x, segment_ids=None, qkv=None):
         dt, h, nh = x.dtype, self.num_heads, self._steps()
         b, length, _ = x.shape
 
         def per_step(a):  # [B, L, nh * dim] -> [B, L, H, nh, dim / H]
             return jnp.moveaxis(a.reshape(b, length, nh, h, -1), 2, 3)
 
-        q, k, v = self._short_conv(tuple(x @ w.astype(dt) for w in (self.wq, self.wk, self.wv)),
-                                   segment_ids)
+        q, k, v = self._conv_qkv(x, segment_ids, qkv)
         q = _l2(jax.nn.silu(_heads(q, h)))
         k = _l2(jax.nn.silu(per_step(k)))
         v = per_step(v)
