@@ -4,11 +4,12 @@ bf16, B=4, H=8 (B·H = 32), D = 64 and 128, L = 2K ... 16K, forward and forward+
 side by side in one run:
 
 - ``pallas flash``: ``flash_attention(..., implementation="pallas")`` through the public API
-  (``multihead``), the Triton kernel of ``pallas_kernels._gpu_blocksparse`` with its default
-  tiles (the forward kernel's own, ``default_forward``, and the backward's);
+  (``multihead``): the first registered kernel that can run the call, on a Hopper GPU the
+  Mosaic GPU kernels below (rows measured before those existed, kept from earlier runs, are
+  the Triton kernel of ``pallas_kernels._gpu_blocksparse``);
 - ``pallas mosaic``: ``flash_attention(..., implementation="pallas_gpu_mosaic")``, the
-  Hopper forward of ``pallas_kernels._gpu_mosaic`` (Mosaic GPU: ``wgmma``, TMA, warp
-  specialisation) with the Triton backward;
+  Hopper kernels of ``pallas_kernels._gpu_mosaic`` (Mosaic GPU: ``wgmma``, TMA, warp
+  specialisation), forward and backward;
 - ``pallas mosaic triton bwd``: the same Hopper forward with the Triton backward kernels (the
   kernel option ``_gpu_mosaic.TRITON_BACKWARD``), what the Mosaic backward replaces;
 - ``pallas mosaic bwd BxS``: the Mosaic backward with other streamed tiles (B rows, S
