@@ -70,6 +70,98 @@ def _plgpu():
     return plgpu
 
 
+# Mosaic GPU's interpreter (``InterpretGPUParams``: threads, barriers, shared memory and TMA
+# copies simulated on the CPU) runs neither ``pl.run_state`` nor ``wgmma`` with an operand in
+# registers or a transposed view, and has no layouts. Under :func:`interpreted` the matrix
+# products are plain dots of the operands' values and the layout casts are no-ops: what it
+# checks is everything around them (the walks, masks, statistics, barriers and copies).
+_INTERPRET = []
+
+
+def _is_ref(x) -> bool:
+    from jax._src.state.types import AbstractRef, TransformedRef
+
+    return isinstance(x, TransformedRef) or isinstance(getattr(x, "aval", None), AbstractRef)
+
+
+def _mma(accs, products, after=None):
+    """Warpgroup matrix products: ``accs[n]`` (an f32 array in the WGMMA layout, or a shape
+    for a fresh zero accumulator) plus ``a @ b`` (``a @ b^T`` when ``transposed``) for each
+    ``(a, b, transposed)`` of ``products[n]``; ``a`` in shared memory or registers, ``b`` in
+    shared memory. ``after()`` runs once the products are issued, before they are awaited."""
+    plgpu = _plgpu()
+    if _INTERPRET:
+        outs = []
+        for acc, prods in zip(accs, products):
+            acc = jnp.zeros(acc, jnp.float32) if isinstance(acc, tuple) else acc
+            for x, y, transposed in prods:
+                x = x[...] if _is_ref(x) else x
+                y = y[...].T if transposed else y[...]
+                acc = acc + jnp.dot(x, y, preferred_element_type=jnp.float32)
+            outs.append(acc)
+        if after is not None:
+            after()
+        return tuple(outs)
+
+    def issue(refs):
+        for ref, prods in zip(refs, products):
+            for x, y, transposed in prods:
+                plgpu.wgmma(ref, x, plgpu.transpose_ref(y, (1, 0)) if transposed else y)
+        if after is not None:
+            after()
+
+    if all(isinstance(acc, tuple) for acc in accs):  # fresh: zero-initialised accumulators
+        def scoped(*refs):
+            issue(refs)
+            return tuple(r[...] for r in refs)
+
+        return pl.run_scoped(scoped, *(plgpu.ACC(acc, jnp.float32) for acc in accs))
+    return pl.run_state(issue)(tuple(plgpu.ACC.init(acc) for acc in accs))
+
+
+def _cast(x, layout):
+    """``plgpu.layout_cast`` (a no-op in the interpreter, which has no layouts)."""
+    return x if _INTERPRET else _plgpu().layout_cast(x, layout)
+
+
+def _iota(shape, dim):
+    """Positions along ``dim`` of a tile in the WGMMA layout."""
+    if _INTERPRET:
+        return lax.broadcasted_iota(jnp.int32, shape, dim)
+    plgpu = _plgpu()
+    return plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=plgpu.Layout.WGMMA)
+
+
+def _load(ref, layout):
+    """A vector from shared memory in ``layout`` (a plain load in the interpreter)."""
+    return ref[...] if _INTERPRET else _plgpu().load(ref, (), layout=layout)
+
+
+def interpreted():
+    """A context in which the kernels built run in Mosaic GPU's interpreter on the CPU (for
+    tests: every warpgroup, barrier and copy simulated; about a minute for a few CTAs). The
+    backward kernels run there; the forward's schedule barrier (one warpgroup's softmax
+    overlapping the other's products) waits forever in the interpreter (JAX 0.10.2), so the
+    forward is checked on a GPU only."""
+    import contextlib
+
+    from jax._src.pallas.mosaic_gpu.interpret.params import (
+        InterpretGPUParams,
+        force_gpu_interpret_mode,
+    )
+
+    @contextlib.contextmanager
+    def ctx():
+        _INTERPRET.append(True)
+        try:
+            with force_gpu_interpret_mode(InterpretGPUParams()):
+                yield
+        finally:
+            _INTERPRET.pop()
+
+    return ctx()
+
+
 def _row_layout(plgpu):
     """The layout of one value per accumulator row (renamed across JAX versions)."""
     row = getattr(plgpu.Layout, "WGMMA_ROW", None)
@@ -197,9 +289,9 @@ def _kernel_call(st: _Static, n_seq: int):
             plgpu.copy_gmem_to_smem(q_ref.at[seq, pl.ds(q0, ROWS_PER_WG)], qo_smem,
                                     q_full.at[wg])
             plgpu.barrier_wait(q_full.at[wg])
-            m = plgpu.layout_cast(jnp.full((ROWS_PER_WG,), -jnp.inf, jnp.float32), row)
-            l = plgpu.layout_cast(jnp.full((ROWS_PER_WG,), 0, jnp.float32), row)
-            acc = plgpu.layout_cast(jnp.full((ROWS_PER_WG, d), 0, jnp.float32),
+            m = _cast(jnp.full((ROWS_PER_WG,), -jnp.inf, jnp.float32), row)
+            l = _cast(jnp.full((ROWS_PER_WG,), 0, jnp.float32), row)
+            acc = _cast(jnp.full((ROWS_PER_WG, d), 0, jnp.float32),
                                     plgpu.Layout.WGMMA)
 
             @pl.when(n > 0)
@@ -212,20 +304,14 @@ def _kernel_call(st: _Static, n_seq: int):
                 acc, m, l = carry
                 slot = lax.rem(t, jnp.int32(STAGES))
 
-                def qk(acc_ref):
-                    plgpu.wgmma(acc_ref, qo_smem, plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
-                    schedule()
-                    return acc_ref[...]
-
-                s = pl.run_scoped(qk, plgpu.ACC((ROWS_PER_WG, bk), jnp.float32))
+                (s,) = _mma(((ROWS_PER_WG, bk),), [[(qo_smem, k_smem.at[slot], True)]],
+                            after=schedule)
                 plgpu.barrier_arrive(k_used.at[slot])
                 s = s * scale2
                 if masked:
                     k0 = (first + t) * bk
-                    i = q0 + plgpu.broadcasted_iota(jnp.int32, (ROWS_PER_WG, bk), 0,
-                                                    layout=plgpu.Layout.WGMMA)
-                    j = k0 + plgpu.broadcasted_iota(jnp.int32, (ROWS_PER_WG, bk), 1,
-                                                    layout=plgpu.Layout.WGMMA)
+                    i = q0 + _iota((ROWS_PER_WG, bk), 0)
+                    j = k0 + _iota((ROWS_PER_WG, bk), 1)
                     keep = (j >= i - st.left) & (j <= i + st.right) & (j < st.lk)
                     s = jnp.where(keep, s, -jnp.inf)
                 m_new = jnp.maximum(m, s.max(axis=1))
@@ -242,15 +328,14 @@ def _kernel_call(st: _Static, n_seq: int):
                 plgpu.barrier_wait(v_full.at[slot])
                 plgpu.barrier_wait(sched)
 
-                def pv(acc_ref):
-                    plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
+                def next_keys():
                     nxt = t + 1
 
                     @pl.when(nxt < n)
                     def _():
                         plgpu.barrier_wait(k_full.at[lax.rem(nxt, jnp.int32(STAGES))])
 
-                acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+                (acc,) = _mma((acc,), [[(p16, v_smem.at[slot], False)]], after=next_keys)
                 plgpu.barrier_arrive(v_used.at[slot])
                 return acc, m_new, l
 
@@ -502,7 +587,7 @@ def _smem_tiles(plgpu, shape, dtype):
 
 
 def _zeros(plgpu, shape):
-    return plgpu.layout_cast(jnp.full(shape, 0, jnp.float32), plgpu.Layout.WGMMA)
+    return _cast(jnp.full(shape, 0, jnp.float32), plgpu.Layout.WGMMA)
 
 
 def _loops(first, n, f_lo, full_n, step, carry):
@@ -528,6 +613,11 @@ def _stream(plgpu, n, stages, used, copies):
         slot = lax.rem(t, jnp.int32(stages))
         plgpu.barrier_wait(used.at[slot])
         fill(t + stages, slot)
+
+    if _INTERPRET:  # the interpreter wants every phase of a barrier seen by its waiters
+        @pl.loop(jnp.maximum(n - stages, 0), n)
+        def _(t):
+            plgpu.barrier_wait(used.at[lax.rem(t, jnp.int32(stages))])
 
 
 def _dq_call(st: _BwdStatic, n_seq: int):
@@ -558,38 +648,29 @@ def _dq_call(st: _BwdStatic, n_seq: int):
                 plgpu.copy_gmem_to_smem(src.at[seq, mine], dst, held.at[n_ref * COMPUTE_WGS + wg])
             for n_ref in range(len(held_refs)):
                 plgpu.barrier_wait(held.at[n_ref * COMPUTE_WGS + wg])
-            lse2 = plgpu.load(lse_smem, (), layout=row) * _LOG2E
-            delta = plgpu.load(delta_smem, (), layout=row)
+            lse2 = _load(lse_smem, row) * _LOG2E
+            delta = _load(delta_smem, row)
 
             def step(t, dq, masked: bool):
                 slot = lax.rem(t, jnp.int32(st.stages))
                 plgpu.barrier_wait(k_full.at[slot])
                 plgpu.barrier_wait(v_full.at[slot])
 
-                def scores(refs):
-                    s_ref, dp_ref = refs
-                    plgpu.wgmma(s_ref, q_smem, plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
-                    plgpu.wgmma(dp_ref, do_smem, plgpu.transpose_ref(v_smem.at[slot], (1, 0)))
-
-                s, dp = pl.run_state(scores)((plgpu.ACC.init(_zeros(plgpu, (rows, bk))),
-                                              plgpu.ACC.init(_zeros(plgpu, (rows, bk)))))
+                s, dp = _mma((_zeros(plgpu, (rows, bk)), _zeros(plgpu, (rows, bk))),
+                             [[(q_smem, k_smem.at[slot], True)],
+                              [(do_smem, v_smem.at[slot], True)]])
                 s = s * scale2
                 if masked:
                     k0 = (first + t) * bk
-                    i = q0 + plgpu.broadcasted_iota(jnp.int32, (rows, bk), 0,
-                                                    layout=plgpu.Layout.WGMMA)
-                    j = k0 + plgpu.broadcasted_iota(jnp.int32, (rows, bk), 1,
-                                                    layout=plgpu.Layout.WGMMA)
+                    i = q0 + _iota((rows, bk), 0)
+                    j = k0 + _iota((rows, bk), 1)
                     keep = (j >= i - st.left) & (j <= i + st.right) & (j < st.lk_real)
                     s = jnp.where(keep, s, -jnp.inf)
                 # lse is +inf on rows that saw nothing (``backward_stats``): p = 0 there.
                 p = jnp.exp2(s - lax.broadcast_in_dim(lse2, s.shape, [0]))
                 ds = p * (dp - lax.broadcast_in_dim(delta, s.shape, [0]))
 
-                def grad_q(acc_ref):
-                    plgpu.wgmma(acc_ref, ds.astype(dtype), k_smem.at[slot])
-
-                dq = pl.run_state(grad_q)(plgpu.ACC.init(dq))
+                (dq,) = _mma((dq,), [[(ds.astype(dtype), k_smem.at[slot], False)]])
                 plgpu.barrier_arrive(used.at[slot])
                 return dq
 
@@ -667,33 +748,24 @@ def _dkv_call(st: _BwdStatic, n_seq: int):
                 for full in fulls:
                     plgpu.barrier_wait(full.at[slot])
 
-                def scores(refs):  # transposed: a row per key, a column per query
-                    s_ref, dp_ref = refs
-                    plgpu.wgmma(s_ref, k_smem, plgpu.transpose_ref(q_smem.at[slot], (1, 0)))
-                    plgpu.wgmma(dp_ref, v_smem, plgpu.transpose_ref(do_smem.at[slot], (1, 0)))
-
-                s, dp = pl.run_state(scores)((plgpu.ACC.init(_zeros(plgpu, (rows, bq))),
-                                              plgpu.ACC.init(_zeros(plgpu, (rows, bq)))))
-                lse2 = plgpu.load(lse_smem.at[slot], (), layout=col) * _LOG2E
-                delta = plgpu.load(delta_smem.at[slot], (), layout=col)
+                # Transposed: a row per key, a column per query.
+                s, dp = _mma((_zeros(plgpu, (rows, bq)), _zeros(plgpu, (rows, bq))),
+                             [[(k_smem, q_smem.at[slot], True)],
+                              [(v_smem, do_smem.at[slot], True)]])
+                lse2 = _load(lse_smem.at[slot], col) * _LOG2E
+                delta = _load(delta_smem.at[slot], col)
                 s = s * scale2
                 if masked:
                     q0 = (first + t) * bq
-                    j = k0 + plgpu.broadcasted_iota(jnp.int32, (rows, bq), 0,
-                                                    layout=plgpu.Layout.WGMMA)
-                    i = q0 + plgpu.broadcasted_iota(jnp.int32, (rows, bq), 1,
-                                                    layout=plgpu.Layout.WGMMA)
+                    j = k0 + _iota((rows, bq), 0)
+                    i = q0 + _iota((rows, bq), 1)
                     keep = (j >= i - st.left) & (j <= i + st.right) & (i < st.lq_real)
                     s = jnp.where(keep, s, -jnp.inf)
                 p = jnp.exp2(s - lax.broadcast_in_dim(lse2, s.shape, [1]))
                 ds = p * (dp - lax.broadcast_in_dim(delta, s.shape, [1]))
 
-                def grads(refs):
-                    dk_ref_, dv_ref_ = refs
-                    plgpu.wgmma(dv_ref_, p.astype(dtype), do_smem.at[slot])
-                    plgpu.wgmma(dk_ref_, ds.astype(dtype), q_smem.at[slot])
-
-                dk, dv = pl.run_state(grads)((plgpu.ACC.init(dk), plgpu.ACC.init(dv)))
+                dk, dv = _mma((dk, dv), [[(ds.astype(dtype), q_smem.at[slot], False)],
+                                         [(p.astype(dtype), do_smem.at[slot], False)]])
                 plgpu.barrier_arrive(used.at[slot])
                 return dk, dv
 

@@ -287,6 +287,41 @@ def test_dispatch_by_name():
         flash_attention(q, q, q, implementation="pallas_gpu_nope")
 
 
+@pytest.mark.parametrize("pattern,L,tiles", [(P.Causal(), 256, (64, 2)),
+                                             (P.Local(100, 30), 200, (128, 3))], ids=repr)
+def test_interpreted_backward_equals_the_gradients(pattern, L, tiles):
+    """The dq and dk/dv kernels themselves, run in Mosaic GPU's interpreter on this CPU (its
+    warpgroups, barriers, shared memory and TMA copies simulated; the matrix products as
+    plain dots), against the softmax's gradients in float64: the walks, masks, padding,
+    statistics and the copy/barrier protocol, at the default tiles and at 128-row tiles in
+    three stages."""
+    D = 64
+    lp = -(-L // M.BWD_HELD) * M.BWD_HELD
+    band = M.whole_band(_plan(pattern, L))
+    st = M._BwdStatic(lq=lp, lk=lp, lq_real=L, lk_real=L, left=band[0], right=band[1], d=D,
+                      scale=D ** -0.5, dtype="bfloat16", block=tiles[0], stages=tiles[1])
+    rng = np.random.default_rng(L)
+    x = [np.where(np.arange(lp)[:, None] < L, rng.normal(size=(lp, D)), 0.0) for _ in range(4)]
+    q, k, v, d_out = (jnp.asarray(a[None], jnp.bfloat16) for a in x)
+    q64, k64, v64, do64 = (np.asarray(a[0, :L], np.float64) for a in (q, k, v, d_out))
+    s = q64 @ k64.T * st.scale
+    s = np.where(pattern.mask(np.arange(L)[:, None], np.arange(L)[None, :], L, L), s, -np.inf)
+    lse = np.log(np.exp(s - s.max(1, keepdims=True)).sum(1)) + s.max(1)
+    p = np.exp(s - lse[:, None])
+    delta = (do64 * (p @ v64)).sum(1)
+    ds = p * (do64 @ v64.T - delta[:, None])
+    want = (ds @ k64 * st.scale, ds.T @ q64 * st.scale, p.T @ do64)
+    stats = [jnp.asarray(np.concatenate([a, np.full(lp - L, fill)])[None], jnp.float32)
+             for a, fill in ((lse, np.inf), (delta, 0.0))]
+    with M.interpreted():
+        dq = M._dq_call(st, 1)(q, k, v, d_out, *stats)
+        dk, dv = M._dkv_call(st, 1)(q, k, v, d_out, *stats)
+    for name, got, ref in zip(("dq", "dk", "dv"), (dq, dk, dv), want):
+        got = np.asarray(got[0, :L], np.float64)
+        err = np.linalg.norm(got - ref) / np.linalg.norm(ref)
+        assert err < 1e-2, (name, err)  # bf16 operands and outputs
+
+
 @pytest.mark.skipif(not ON_GPU, reason="needs a Hopper GPU")
 @pytest.mark.parametrize("causal,L,D,window", [(False, 2048, 64, None), (True, 1000, 128, None),
                                                (True, 2048, 128, None), (True, 1536, 64, 300)])
