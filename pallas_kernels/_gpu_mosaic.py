@@ -277,8 +277,9 @@ def _kernel_call(st: _Static, n_seq: int):
         n_left = f_lo - first  # masked steps before the full run (all of them when none)
 
         def schedule():
-            plgpu.barrier_arrive(sched)
-            plgpu.barrier_wait(sched)
+            if not _INTERPRET:  # the interpreter waits forever on this ping-pong
+                plgpu.barrier_arrive(sched)
+                plgpu.barrier_wait(sched)
 
         @pl.when(wg < COMPUTE_WGS)
         def _compute():
@@ -324,9 +325,11 @@ def _kernel_call(st: _Static, n_seq: int):
                 l = l * alpha + p.sum(axis=1)
                 p16 = p.astype(dtype)
                 acc, l, m_new, p16 = lax.optimization_barrier((acc, l, m_new, p16))
-                plgpu.barrier_arrive(sched)
+                if not _INTERPRET:
+                    plgpu.barrier_arrive(sched)
                 plgpu.barrier_wait(v_full.at[slot])
-                plgpu.barrier_wait(sched)
+                if not _INTERPRET:
+                    plgpu.barrier_wait(sched)
 
                 def next_keys():
                     nxt = t + 1
