@@ -24,9 +24,14 @@ left <= j <= i + right`` (dense, causal, sliding windows: :func:`whole_band`) th
 visits are a run computed in closed form from the program id (:func:`_walk`; the dk/dv kernel
 walks query blocks with the band's sides swapped), in three loops: masked blocks left of the
 full run, the full run without a mask, masked blocks to its right. Keys past ``lk`` (and, in
-the dk/dv kernel, queries past ``lq``) are masked the same way. Other layouts, key masks,
-segment ids and flex functions run the Triton kernels (:func:`forward` and :func:`backward`
-fall back).
+the dk/dv kernel, queries past ``lq``) are masked the same way. Key masks and segment ids
+(packed rows) become one int32 code per query row and per key (:func:`_codes`): the row's
+codes are held beside its rows, the keys' streamed beside their tiles, and every step masks
+where they differ. Other layouts and flex functions run the Triton kernels (:func:`forward`
+and :func:`backward` fall back).
+
+Testing without a GPU: the CUDA lowering on the CPU checks every layout, and Mosaic GPU's
+interpreter (:func:`interpreted`) runs the kernels themselves, their matrix products as dots.
 
 Head dims padded to a multiple of 64 up to 128 (a 128-byte swizzle holds 64 16-bit elements
 per row); bf16 and f16 only.
@@ -222,6 +227,7 @@ class _Static:
     d: int
     scale: float
     dtype: str
+    codes: bool = False  # key masks or segment ids: per-row and per-key codes, see _codes
 
 
 def _walk(lo, rows: int, left: int, right: int, limit: int, blk: int, n_blocks: int):
@@ -266,15 +272,15 @@ def _kernel_call(st: _Static, n_seq: int):
     scale2 = st.scale * _LOG2E
     num_q_tiles = st.lq // BLOCK_Q
 
-    def body(q_ref, k_ref, v_ref, out_ref, lse_ref, scoped):
+    def body(q_ref, k_ref, v_ref, qc_ref, kc_ref, out_ref, lse_ref, scoped):
         seq = lax.axis_index("seq")
         qt = lax.axis_index("q_tile")
         wg = lax.axis_index("wg")
-        (qo_smem2, k_smem, v_smem, lse_smem2), (k_full, v_full, q_full), consumed, sched = scoped
+        (qo_smem2, k_smem, v_smem, lse_smem2, *code_smem), (k_full, v_full, q_full, *code_full), \
+            consumed, sched = scoped
         k_used, v_used = consumed
         cta_q0 = qt * BLOCK_Q
         first, n, f_lo, full_n = _ranges(st, cta_q0)
-        n_left = f_lo - first  # masked steps before the full run (all of them when none)
 
         def schedule():
             if not _INTERPRET:  # the interpreter waits forever on this ping-pong
@@ -289,6 +295,11 @@ def _kernel_call(st: _Static, n_seq: int):
             q0 = cta_q0 + wg * ROWS_PER_WG
             plgpu.copy_gmem_to_smem(q_ref.at[seq, pl.ds(q0, ROWS_PER_WG)], qo_smem,
                                     q_full.at[wg])
+            if st.codes:  # this warpgroup's rows' codes
+                plgpu.copy_gmem_to_smem(qc_ref.at[seq, pl.ds(q0, ROWS_PER_WG)],
+                                        code_smem[0].at[wg], code_full[0].at[wg])
+                plgpu.barrier_wait(code_full[0].at[wg])
+                q_codes = _load(code_smem[0].at[wg], row)
             plgpu.barrier_wait(q_full.at[wg])
             m = _cast(jnp.full((ROWS_PER_WG,), -jnp.inf, jnp.float32), row)
             l = _cast(jnp.full((ROWS_PER_WG,), 0, jnp.float32), row)
@@ -304,6 +315,9 @@ def _kernel_call(st: _Static, n_seq: int):
             def step(t, carry, masked: bool):
                 acc, m, l = carry
                 slot = lax.rem(t, jnp.int32(STAGES))
+                if st.codes:  # read before the slot is released with its keys
+                    plgpu.barrier_wait(code_full[1].at[slot])
+                    k_codes = _load(code_smem[1].at[slot], _col_layout(plgpu))
 
                 (s,) = _mma(((ROWS_PER_WG, bk),), [[(qo_smem, k_smem.at[slot], True)]],
                             after=schedule)
@@ -314,6 +328,8 @@ def _kernel_call(st: _Static, n_seq: int):
                     i = q0 + _iota((ROWS_PER_WG, bk), 0)
                     j = k0 + _iota((ROWS_PER_WG, bk), 1)
                     keep = (j >= i - st.left) & (j <= i + st.right) & (j < st.lk)
+                    if st.codes:
+                        keep &= _same(q_codes, k_codes, s.shape)
                     s = jnp.where(keep, s, -jnp.inf)
                 m_new = jnp.maximum(m, s.max(axis=1))
                 shift = m_new
@@ -342,12 +358,7 @@ def _kernel_call(st: _Static, n_seq: int):
                 plgpu.barrier_arrive(v_used.at[slot])
                 return acc, m_new, l
 
-            carry = (acc, m, l)
-            carry = lax.fori_loop(0, n_left, functools.partial(step, masked=True), carry)
-            carry = lax.fori_loop(n_left, n_left + full_n,
-                                  functools.partial(step, masked=False), carry)
-            acc, m, l = lax.fori_loop(n_left + full_n, n, functools.partial(step, masked=True),
-                                      carry)
+            acc, m, l = _loops(first, n, f_lo, full_n, step, (acc, m, l), st.codes)
             pl.when(wg == 0)(schedule)
 
             seen = l > 0.0
@@ -367,6 +378,9 @@ def _kernel_call(st: _Static, n_seq: int):
 
             def fetch(t, slot):
                 rows = pl.ds((first + t) * bk, bk)
+                if st.codes:
+                    plgpu.copy_gmem_to_smem(kc_ref.at[seq, rows], code_smem[1].at[slot],
+                                            code_full[1].at[slot])
                 plgpu.copy_gmem_to_smem(k_ref.at[seq, rows], k_smem.at[slot], k_full.at[slot])
                 plgpu.copy_gmem_to_smem(v_ref.at[seq, rows], v_smem.at[slot], v_full.at[slot])
 
@@ -379,23 +393,32 @@ def _kernel_call(st: _Static, n_seq: int):
                 nxt = t + STAGES
                 rows = pl.ds((first + nxt) * bk, bk)
                 plgpu.barrier_wait(k_used.at[slot])
+                if st.codes:
+                    plgpu.copy_gmem_to_smem(kc_ref.at[seq, rows], code_smem[1].at[slot],
+                                            code_full[1].at[slot])
                 plgpu.copy_gmem_to_smem(k_ref.at[seq, rows], k_smem.at[slot], k_full.at[slot])
                 plgpu.barrier_wait(v_used.at[slot])
                 plgpu.copy_gmem_to_smem(v_ref.at[seq, rows], v_smem.at[slot], v_full.at[slot])
 
-    def entry(q_ref, k_ref, v_ref, out_ref, lse_ref):
+    def entry(*refs):
+        q_ref, k_ref, v_ref, *codes, out_ref, lse_ref = refs
+        qc_ref, kc_ref = codes if st.codes else (None, None)
         transforms = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
         smem = (
             plgpu.SMEM((COMPUTE_WGS, ROWS_PER_WG, d), dtype, transforms=transforms),
             plgpu.SMEM((STAGES, bk, d), dtype, transforms=transforms),
             plgpu.SMEM((STAGES, bk, d), dtype, transforms=transforms),
             plgpu.SMEM((COMPUTE_WGS, ROWS_PER_WG), jnp.float32),
+            *((plgpu.SMEM((COMPUTE_WGS, ROWS_PER_WG), jnp.int32),
+               plgpu.SMEM((STAGES, bk), jnp.int32)) if st.codes else ()),
         )
         pl.run_scoped(
-            lambda *scoped: body(q_ref, k_ref, v_ref, out_ref, lse_ref, scoped),
+            lambda *scoped: body(q_ref, k_ref, v_ref, qc_ref, kc_ref, out_ref, lse_ref, scoped),
             smem,
             (plgpu.Barrier(num_barriers=STAGES), plgpu.Barrier(num_barriers=STAGES),
-             plgpu.Barrier(num_barriers=COMPUTE_WGS)),
+             plgpu.Barrier(num_barriers=COMPUTE_WGS),
+             *((plgpu.Barrier(num_barriers=COMPUTE_WGS), plgpu.Barrier(num_barriers=STAGES))
+               if st.codes else ())),
             (plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=STAGES),) * 2,
             plgpu.Barrier(num_arrivals=COMPUTE_WGS),
             collective_axes="wg",
@@ -413,14 +436,15 @@ def _kernel_call(st: _Static, n_seq: int):
     )
 
 
-def _run_nd(st: _Static, q, k, v):
-    """``q, k, v [..., L, D]`` (any leading dims, k/v broadcast to q's) -> ``(out, lse)``."""
+def _run_nd(st: _Static, q, k, v, *codes):
+    """``q, k, v [..., L, D]`` (any leading dims, k/v broadcast to q's) and with
+    ``st.codes`` the row and key codes ``[..., L]`` -> ``(out, lse)``."""
     lead = q.shape[:-2]
-    k = jnp.broadcast_to(k, (*lead, *k.shape[-2:]))
-    v = jnp.broadcast_to(v, (*lead, *v.shape[-2:]))
     n = int(np.prod(lead)) if lead else 1
-    flat = lambda x: x.reshape(n, *x.shape[-2:])
-    out, lse = _kernel_call(st, n)(flat(q), flat(k), flat(v))
+    flat = lambda x, nd: jnp.broadcast_to(x, (*lead, *x.shape[x.ndim - nd:])).reshape(  # noqa: E731
+        n, *x.shape[x.ndim - nd:])
+    args = [flat(x, 2) for x in (q, k, v)] + [flat(c, 1) for c in codes]
+    out, lse = _kernel_call(st, n)(*args)
     return out.reshape(*lead, *out.shape[-2:]), lse.reshape(*lead, lse.shape[-1])
 
 
@@ -431,32 +455,52 @@ def _batched(st: _Static):
     of a loop."""
 
     @jax.custom_batching.custom_vmap
-    def fn(q, k, v):
-        return _run_nd(st, q, k, v)
+    def fn(*args):
+        return _run_nd(st, *args)
 
     @fn.def_vmap
-    def _rule(axis_size, in_batched, q, k, v):
-        q, k, v = (x if b else jnp.broadcast_to(x, (axis_size, *x.shape))
-                   for x, b in zip((q, k, v), in_batched))
-        return fn(q, k, v), (True, True)
+    def _rule(axis_size, in_batched, *args):
+        args = [x if b else jnp.broadcast_to(x, (axis_size, *x.shape))
+                for x, b in zip(args, in_batched)]
+        return fn(*args), (True, True)
 
     return fn
 
 
 def forward(cfg, plan, q, k, v, dyn):
     """``(out [Lq_p, D], lse f32 [Lq_p])`` of one sequence and head (padded inputs, the
-    forward plan's tiles). Layouts that are not a band, calls with key masks or segment
-    ids, and interpret mode (no Mosaic GPU interpreter is used here) run the Triton forward
-    on the backward's tiles."""
-    kv_valid, segs, _ = dyn
+    forward plan's tiles). Layouts that are not a band, flex functions, key masks and
+    segment ids when ``MOSAIC_MASKS`` is off, and interpret mode (Pallas' own, for the
+    Triton kernels) run the Triton forward on the backward's tiles."""
+    kv_valid, segs, flex = dyn
     band = whole_band(plan)
-    if (cfg.interpret or kv_valid is not None or segs is not None or band is None
+    masked = kv_valid is not None or segs is not None
+    if (cfg.interpret or flex is not None or (masked and not MOSAIC_MASKS) or band is None
             or (plan.block_q, plan.block_k) != (BLOCK_Q, BLOCK_K) or dtype_problems(q.dtype)):
         return _fallback(cfg, plan, q, k, v, dyn)
     st = _Static(lq=q.shape[0], lk=plan.lk, nk=plan.nk, left=band[0], right=band[1],
-                 d=q.shape[1], scale=float(cfg.scale), dtype=jnp.dtype(q.dtype).name)
-    out, lse = _batched(st)(q, k, v)
+                 d=q.shape[1], scale=float(cfg.scale), dtype=jnp.dtype(q.dtype).name,
+                 codes=masked)
+    codes = _codes(kv_valid, segs, q.shape[0], k.shape[0]) if masked else ()
+    out, lse = _batched(st)(q, k, v, *codes)
     return out, lse.astype(STATS_DTYPE)
+
+
+def _codes(kv_valid, segs, lq: int, lk: int):
+    """Key masks and segment ids as one int32 code per query row and per key: a query sees a
+    key (inside the band) iff their codes are equal. Keys masked out get -2 (no query has
+    it); without segment ids every query has code 0 and every valid key 0."""
+    q_code = jnp.zeros((lq,), jnp.int32) if segs is None else segs[0].astype(jnp.int32)
+    k_code = jnp.zeros((lk,), jnp.int32) if segs is None else segs[1].astype(jnp.int32)
+    if kv_valid is not None:
+        k_code = jnp.where(kv_valid != 0, k_code, -2)
+    return q_code, k_code
+
+
+def _same(row_codes, col_codes, shape):
+    """``bool[shape]``: where a row's code (one per row) equals a column's (one per column)."""
+    return (lax.broadcast_in_dim(row_codes, shape, [0])
+            == lax.broadcast_in_dim(col_codes, shape, [1]))
 
 
 def _band_mask(rows, cols, band, lk):
@@ -545,6 +589,9 @@ TRITON_BACKWARD = "triton_backward"
 # Other streamed tiles for the backward (to measure them): the kernel option
 # ``extra=(("bwd_tiles", block, stages),)``, block 64 or 128 rows, 2 or 3 stages.
 BWD_TILES = "bwd_tiles"
+# Key masks and segment ids (packed rows) in the Mosaic kernels (``_codes``); 0: the Triton
+# kernels take those calls.
+MOSAIC_MASKS = os.environ.get("XFORMERS_JAX_MOSAIC_MASKS", "1") != "0"
 MOSAIC_BACKWARD = os.environ.get("XFORMERS_JAX_MOSAIC_BACKWARD", "1") != "0"
 
 
@@ -561,6 +608,7 @@ class _BwdStatic:
     dtype: str
     block: int = BWD_BLOCK  # rows of each streamed tile
     stages: int = BWD_STAGES  # shared-memory ring depth
+    codes: bool = False  # key masks or segment ids (``_codes``)
 
 
 def dq_walk(st: _BwdStatic, q_lo):
@@ -593,8 +641,11 @@ def _zeros(plgpu, shape):
     return _cast(jnp.full(shape, 0, jnp.float32), plgpu.Layout.WGMMA)
 
 
-def _loops(first, n, f_lo, full_n, step, carry):
-    """Masked steps before the full run, the full run unmasked, masked steps after it."""
+def _loops(first, n, f_lo, full_n, step, carry, all_masked: bool = False):
+    """Masked steps before the full run, the full run unmasked, masked steps after it (every
+    step masked with ``all_masked``: key masks or segment ids)."""
+    if all_masked:
+        return lax.fori_loop(0, n, functools.partial(step, masked=True), carry)
     n_left = f_lo - first
     carry = lax.fori_loop(0, n_left, functools.partial(step, masked=True), carry)
     carry = lax.fori_loop(n_left, n_left + full_n, functools.partial(step, masked=False), carry)
@@ -630,11 +681,11 @@ def _dq_call(st: _BwdStatic, n_seq: int):
     row = _row_layout(plgpu)
     scale2 = st.scale * _LOG2E
 
-    def body(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, scoped):
+    def body(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qc_ref, kc_ref, dq_ref, scoped):
         seq = lax.axis_index("seq")
         wg = lax.axis_index("wg")
-        (q_smem2, do_smem2, lse_smem2, delta_smem2, k_smem, v_smem), (held, k_full, v_full), \
-            used = scoped
+        (q_smem2, do_smem2, lse_smem2, delta_smem2, k_smem, v_smem, *code_smem), \
+            (held, k_full, v_full, *code_full), used = scoped
         cta_q0 = lax.axis_index("q_tile") * BWD_HELD
         first, n, f_lo, full_n = dq_walk(st, cta_q0)
 
@@ -647,17 +698,23 @@ def _dq_call(st: _BwdStatic, n_seq: int):
             mine = pl.ds(q0, rows)
             held_refs = ((q_ref, q_smem), (do_ref, do_smem), (lse_ref, lse_smem),
                          (delta_ref, delta_smem))
+            if st.codes:
+                held_refs += ((qc_ref, code_smem[0].at[wg]),)
             for n_ref, (src, dst) in enumerate(held_refs):
                 plgpu.copy_gmem_to_smem(src.at[seq, mine], dst, held.at[n_ref * COMPUTE_WGS + wg])
             for n_ref in range(len(held_refs)):
                 plgpu.barrier_wait(held.at[n_ref * COMPUTE_WGS + wg])
             lse2 = _load(lse_smem, row) * _LOG2E
             delta = _load(delta_smem, row)
+            q_codes = _load(code_smem[0].at[wg], row) if st.codes else None
 
             def step(t, dq, masked: bool):
                 slot = lax.rem(t, jnp.int32(st.stages))
                 plgpu.barrier_wait(k_full.at[slot])
                 plgpu.barrier_wait(v_full.at[slot])
+                if st.codes:
+                    plgpu.barrier_wait(code_full[0].at[slot])
+                    k_codes = _load(code_smem[1].at[slot], _col_layout(plgpu))
 
                 s, dp = _mma((_zeros(plgpu, (rows, bk)), _zeros(plgpu, (rows, bk))),
                              [[(q_smem, k_smem.at[slot], True)],
@@ -668,6 +725,8 @@ def _dq_call(st: _BwdStatic, n_seq: int):
                     i = q0 + _iota((rows, bk), 0)
                     j = k0 + _iota((rows, bk), 1)
                     keep = (j >= i - st.left) & (j <= i + st.right) & (j < st.lk_real)
+                    if st.codes:
+                        keep &= _same(q_codes, k_codes, s.shape)
                     s = jnp.where(keep, s, -jnp.inf)
                 # lse is +inf on rows that saw nothing (``backward_stats``): p = 0 there.
                 p = jnp.exp2(s - lax.broadcast_in_dim(lse2, s.shape, [0]))
@@ -677,7 +736,7 @@ def _dq_call(st: _BwdStatic, n_seq: int):
                 plgpu.barrier_arrive(used.at[slot])
                 return dq
 
-            dq = _loops(first, n, f_lo, full_n, step, _zeros(plgpu, (rows, d)))
+            dq = _loops(first, n, f_lo, full_n, step, _zeros(plgpu, (rows, d)), st.codes)
             q_smem[...] = (dq * st.scale).astype(dtype)
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(q_smem, dq_ref.at[seq, pl.ds(q0, rows)])
@@ -689,22 +748,32 @@ def _dq_call(st: _BwdStatic, n_seq: int):
 
             def copies(t):
                 blk = pl.ds((first + t) * bk, bk)
-                return ((k_ref.at[seq, blk], k_smem, k_full), (v_ref.at[seq, blk], v_smem, v_full))
+                out = ((k_ref.at[seq, blk], k_smem, k_full), (v_ref.at[seq, blk], v_smem, v_full))
+                if st.codes:
+                    out += ((kc_ref.at[seq, blk], code_smem[1], code_full[0]),)
+                return out
 
             _stream(plgpu, n, st.stages, used, copies)
 
-    def entry(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref):
+    def entry(*refs):
+        q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *codes, dq_ref = refs
+        qc_ref, kc_ref = codes if st.codes else (None, None)
         smem = (_smem_tiles(plgpu, (COMPUTE_WGS, rows, d), dtype),
                 _smem_tiles(plgpu, (COMPUTE_WGS, rows, d), dtype),
                 plgpu.SMEM((COMPUTE_WGS, rows), jnp.float32),
                 plgpu.SMEM((COMPUTE_WGS, rows), jnp.float32),
                 _smem_tiles(plgpu, (st.stages, bk, d), dtype),
-                _smem_tiles(plgpu, (st.stages, bk, d), dtype))
+                _smem_tiles(plgpu, (st.stages, bk, d), dtype),
+                *((plgpu.SMEM((COMPUTE_WGS, rows), jnp.int32),
+                   plgpu.SMEM((st.stages, bk), jnp.int32)) if st.codes else ()))
+        held = (5 if st.codes else 4) * COMPUTE_WGS
         pl.run_scoped(
-            lambda *scoped: body(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref,
-                                 scoped),
+            lambda *scoped: body(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qc_ref, kc_ref,
+                                 dq_ref, scoped),
             smem,
-            (plgpu.Barrier(num_barriers=4 * COMPUTE_WGS), plgpu.Barrier(num_barriers=st.stages), plgpu.Barrier(num_barriers=st.stages)),
+            (plgpu.Barrier(num_barriers=held), plgpu.Barrier(num_barriers=st.stages),
+             plgpu.Barrier(num_barriers=st.stages),
+             *((plgpu.Barrier(num_barriers=st.stages),) if st.codes else ())),
             plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=st.stages),
             collective_axes="wg",
         )
@@ -727,10 +796,12 @@ def _dkv_call(st: _BwdStatic, n_seq: int):
     col = _col_layout(plgpu)
     scale2 = st.scale * _LOG2E
 
-    def body(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, scoped):
+    def body(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qc_ref, kc_ref, dk_ref, dv_ref,
+             scoped):
         seq = lax.axis_index("seq")
         wg = lax.axis_index("wg")
-        (k_smem2, v_smem2, q_smem, do_smem, lse_smem, delta_smem), (held, *fulls), used = scoped
+        (k_smem2, v_smem2, q_smem, do_smem, lse_smem, delta_smem, *code_smem), (held, *fulls), \
+            used = scoped
         cta_k0 = lax.axis_index("k_tile") * BWD_HELD
         first, n, f_lo, full_n = dkv_walk(st, cta_k0)
 
@@ -742,6 +813,11 @@ def _dkv_call(st: _BwdStatic, n_seq: int):
             mine = pl.ds(k0, rows)
             plgpu.copy_gmem_to_smem(k_ref.at[seq, mine], k_smem, held.at[wg])
             plgpu.copy_gmem_to_smem(v_ref.at[seq, mine], v_smem, held.at[COMPUTE_WGS + wg])
+            if st.codes:  # this warpgroup's keys' codes
+                plgpu.copy_gmem_to_smem(kc_ref.at[seq, mine], code_smem[0].at[wg],
+                                        held.at[2 * COMPUTE_WGS + wg])
+                plgpu.barrier_wait(held.at[2 * COMPUTE_WGS + wg])
+                k_codes = _load(code_smem[0].at[wg], _row_layout(plgpu))
             plgpu.barrier_wait(held.at[wg])
             plgpu.barrier_wait(held.at[COMPUTE_WGS + wg])
 
@@ -763,6 +839,8 @@ def _dkv_call(st: _BwdStatic, n_seq: int):
                     j = k0 + _iota((rows, bq), 0)
                     i = q0 + _iota((rows, bq), 1)
                     keep = (j >= i - st.left) & (j <= i + st.right) & (i < st.lq_real)
+                    if st.codes:
+                        keep &= _same(k_codes, _load(code_smem[1].at[slot], col), s.shape)
                     s = jnp.where(keep, s, -jnp.inf)
                 p = jnp.exp2(s - lax.broadcast_in_dim(lse2, s.shape, [1]))
                 ds = p * (dp - lax.broadcast_in_dim(delta, s.shape, [1]))
@@ -773,7 +851,7 @@ def _dkv_call(st: _BwdStatic, n_seq: int):
                 return dk, dv
 
             dk, dv = _loops(first, n, f_lo, full_n, step,
-                            (_zeros(plgpu, (rows, d)), _zeros(plgpu, (rows, d))))
+                            (_zeros(plgpu, (rows, d)), _zeros(plgpu, (rows, d))), st.codes)
             k_smem[...] = (dk * st.scale).astype(dtype)
             v_smem[...] = dv.astype(dtype)
             plgpu.commit_smem()
@@ -789,24 +867,30 @@ def _dkv_call(st: _BwdStatic, n_seq: int):
                 blk = pl.ds((first + t) * bq, bq)
                 srcs = ((q_ref, q_smem), (do_ref, do_smem), (lse_ref, lse_smem),
                         (delta_ref, delta_smem))
+                if st.codes:
+                    srcs += ((qc_ref, code_smem[1]),)
                 return tuple((src.at[seq, blk], dst, full)
                              for (src, dst), full in zip(srcs, fulls))
 
             _stream(plgpu, n, st.stages, used, copies)
 
-    def entry(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref):
+    def entry(*refs):
+        q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *codes, dk_ref, dv_ref = refs
+        qc_ref, kc_ref = codes if st.codes else (None, None)
         smem = (_smem_tiles(plgpu, (COMPUTE_WGS, rows, d), dtype),
                 _smem_tiles(plgpu, (COMPUTE_WGS, rows, d), dtype),
                 _smem_tiles(plgpu, (st.stages, bq, d), dtype),
                 _smem_tiles(plgpu, (st.stages, bq, d), dtype),
                 plgpu.SMEM((st.stages, bq), jnp.float32),
-                plgpu.SMEM((st.stages, bq), jnp.float32))
+                plgpu.SMEM((st.stages, bq), jnp.float32),
+                *((plgpu.SMEM((COMPUTE_WGS, rows), jnp.int32),
+                   plgpu.SMEM((st.stages, bq), jnp.int32)) if st.codes else ()))
         pl.run_scoped(
-            lambda *scoped: body(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref,
-                                 dv_ref, scoped),
+            lambda *scoped: body(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qc_ref, kc_ref,
+                                 dk_ref, dv_ref, scoped),
             smem,
-            (plgpu.Barrier(num_barriers=2 * COMPUTE_WGS),
-             *(plgpu.Barrier(num_barriers=st.stages),) * 4),
+            (plgpu.Barrier(num_barriers=(3 if st.codes else 2) * COMPUTE_WGS),
+             *(plgpu.Barrier(num_barriers=st.stages),) * (5 if st.codes else 4)),
             plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=st.stages),
             collective_axes="wg",
         )
@@ -823,12 +907,13 @@ def _dkv_call(st: _BwdStatic, n_seq: int):
     )
 
 
-def _run_bwd_nd(st: _BwdStatic, q, k, v, d_out, lse, delta):
-    """``[..., L, D]`` inputs with equal leading dims -> ``(dq, dk, dv)``."""
+def _run_bwd_nd(st: _BwdStatic, q, k, v, d_out, lse, delta, *codes):
+    """``[..., L, D]`` inputs with equal leading dims (and ``[..., L]`` statistics and codes)
+    -> ``(dq, dk, dv)``."""
     lead = q.shape[:-2]
     n = int(np.prod(lead)) if lead else 1
-    flat = lambda x, nd: x.reshape(n, *x.shape[len(x.shape) - nd:])
-    args = [flat(x, 2) for x in (q, k, v, d_out)] + [flat(x, 1) for x in (lse, delta)]
+    flat = lambda x, nd: x.reshape(n, *x.shape[len(x.shape) - nd:])  # noqa: E731
+    args = [flat(x, 2) for x in (q, k, v, d_out)] + [flat(x, 1) for x in (lse, delta, *codes)]
     dq = _dq_call(st, n)(*args)
     dk, dv = _dkv_call(st, n)(*args)
     return tuple(x.reshape(*lead, *x.shape[-2:]) for x in (dq, dk, dv))
@@ -841,8 +926,8 @@ def _batched_bwd(st: _BwdStatic):
     summed over it."""
 
     @jax.custom_batching.custom_vmap
-    def fn(q, k, v, d_out, lse, delta):
-        return _run_bwd_nd(st, q, k, v, d_out, lse, delta)
+    def fn(*args):
+        return _run_bwd_nd(st, *args)
 
     @fn.def_vmap
     def _rule(axis_size, in_batched, *args):
@@ -858,13 +943,15 @@ def _batched_bwd(st: _BwdStatic):
 
 def backward(cfg, plan, q, k, v, dyn, lse, delta, d_out):
     """``(dq, dk, dv, [])``: the Mosaic GPU dq and dk/dv kernels where the forward's band
-    walk applies (16-bit inputs, no key masks, segment ids or flex functions, a band layout);
-    else the Triton backward kernels (``_gpu_blocksparse.backward``) on the backward plan."""
+    walk applies (16-bit inputs, a band layout, no flex functions; key masks and segment ids
+    as codes); else the Triton backward kernels (``_gpu_blocksparse.backward``) on the
+    backward plan."""
     kv_valid, segs, flex = dyn
     band = whole_band(plan)
-    if (cfg.interpret or not MOSAIC_BACKWARD or TRITON_BACKWARD in cfg.extra or kv_valid is not None or segs is not None
-            or flex is not None or band is None or dtype_problems(q.dtype)
-            or q.shape[1] != v.shape[1]):
+    masked = kv_valid is not None or segs is not None
+    if (cfg.interpret or not MOSAIC_BACKWARD or TRITON_BACKWARD in cfg.extra
+            or (masked and not MOSAIC_MASKS) or flex is not None or band is None
+            or dtype_problems(q.dtype) or q.shape[1] != v.shape[1]):
         return _triton.backward(cfg, plan, q, k, v, dyn, lse, delta, d_out)
     lq, lk = q.shape[0], k.shape[0]
     lq_p, lk_p = (-(-x // BWD_HELD) * BWD_HELD for x in (lq, lk))
@@ -872,9 +959,14 @@ def backward(cfg, plan, q, k, v, dyn, lse, delta, d_out):
     block, stages = tiles[-1] if tiles else (BWD_BLOCK, BWD_STAGES)
     st = _BwdStatic(lq=lq_p, lk=lk_p, lq_real=min(plan.lq, lq), lk_real=min(plan.lk, lk),
                     left=band[0], right=band[1], d=q.shape[1], scale=float(cfg.scale),
-                    dtype=jnp.dtype(q.dtype).name, block=block, stages=stages)
+                    dtype=jnp.dtype(q.dtype).name, block=block, stages=stages, codes=masked)
     pad = lambda x, n, value=0: kernels.pad_to(x, n, 0, value)  # noqa: E731
+    codes = ()
+    if masked:
+        q_code, k_code = _codes(kv_valid, segs, lq, lk)
+        codes = (pad(q_code, lq_p, -1), pad(k_code, lk_p, -2))
     dq, dk, dv = _batched_bwd(st)(
         pad(q, lq_p), pad(k, lk_p), pad(v, lk_p), pad(d_out.astype(q.dtype), lq_p),
-        pad(lse.astype(jnp.float32), lq_p, jnp.inf), pad(delta.astype(jnp.float32), lq_p))
+        pad(lse.astype(jnp.float32), lq_p, jnp.inf), pad(delta.astype(jnp.float32), lq_p),
+        *codes)
     return dq[:lq], dk[:lk], dv[:lk], []

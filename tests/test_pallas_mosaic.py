@@ -261,8 +261,8 @@ def test_emulated_backward_equals_softmax_gradients(pattern, L, block):
 
 
 def test_fallbacks_run_the_triton_forward():
-    """Key masks (and interpret mode, on this CPU) take the Triton forward: equal to the XLA
-    path."""
+    """Interpret mode (this CPU) takes the Triton forward (in interpret mode too), key masks
+    included: equal to the XLA path."""
     kernel = PallasAttention("pallas_gpu_mosaic", "gpu", M, interpret=True)
     rng = np.random.default_rng(1)
     L, D = 200, 32
@@ -287,47 +287,137 @@ def test_dispatch_by_name():
         flash_attention(q, q, q, implementation="pallas_gpu_nope")
 
 
-@pytest.mark.parametrize("pattern,L,tiles", [(P.Causal(), 256, (64, 2)),
-                                             (P.Local(100, 30), 200, (128, 3))], ids=repr)
-def test_interpreted_backward_equals_the_gradients(pattern, L, tiles):
+def _packed(L, rng):
+    """Three documents and a key mask: ``(segment ids, key mask)``. The first key and three
+    random ones are masked out, so the first query sees no key (its output is 0, its
+    log-sum-exp -inf)."""
+    seg = np.repeat(np.arange(3), [L // 3, L // 4, L - L // 3 - L // 4])
+    valid = np.ones(L, bool)
+    valid[[0, *rng.choice(np.arange(1, L), 3, replace=False)]] = False
+    return seg, valid
+
+
+def _reference(q, k, v, d_out, mask, scale):
+    """Softmax attention in float64 over ``mask``: ``(out, lse, (dq, dk, dv), delta)``."""
+    s = np.where(mask, q @ k.T * scale, -np.inf)
+    seen = mask.any(1)  # a row that sees no key: out 0, lse -inf
+    mx = np.where(seen[:, None], s, 0.0).max(1, keepdims=True)
+    lse = np.where(seen, np.log(np.exp(s - mx).sum(1)) + mx[:, 0], -np.inf)
+    p = np.where(seen[:, None], np.exp(s - np.where(seen, lse, 0.0)[:, None]), 0.0)
+    out = p @ v
+    delta = (d_out * out).sum(1)
+    ds = p * (d_out @ v.T - delta[:, None])
+    return out, lse, (ds @ k * scale, ds.T @ q * scale, p.T @ d_out), delta
+
+
+def _rel(got, want):
+    return np.linalg.norm(np.asarray(got, np.float64) - want) / np.linalg.norm(want)
+
+
+def test_interpreted_forward_with_documents_and_key_mask():
+    """The forward kernel in Mosaic GPU's interpreter (its schedule barrier skipped there),
+    causal over three packed documents with three keys masked out (``_codes``), against
+    float64 softmax: outputs and log-sum-exp."""
+    L, D = 256, 64
+    plan = _plan(P.Causal(), L)
+    band = M.whole_band(plan)
+    st = M._Static(lq=L, lk=L, nk=plan.nk, left=band[0], right=band[1], d=D, scale=D ** -0.5,
+                   dtype="bfloat16", codes=True)
+    rng = np.random.default_rng(2)
+    q, k, v = (jnp.asarray(rng.normal(size=(1, L, D)), jnp.bfloat16) for _ in range(3))
+    seg, valid = _packed(L, rng)
+    codes = M._codes(jnp.asarray(valid), (jnp.asarray(seg), jnp.asarray(seg)), L, L)
+    with M.interpreted():
+        out, lse = M._kernel_call(st, 1)(q, k, v, *(c[None] for c in codes))
+    i, j = np.arange(L)[:, None], np.arange(L)[None, :]
+    mask = (j <= i) & (seg[:, None] == seg[None, :]) & valid[None, :]
+    f64 = lambda x: np.asarray(x[0], np.float64)  # noqa: E731
+    want, want_lse, _, _ = _reference(f64(q), f64(k), f64(v), f64(v), mask, st.scale)
+    assert _rel(out[0], want) < 1e-2
+    np.testing.assert_allclose(np.asarray(lse[0]), want_lse, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("pattern,L,tiles,packed", [(P.Causal(), 256, (64, 2), True),
+                                                    (P.Local(100, 30), 200, (128, 3), False)],
+                         ids=repr)
+def test_interpreted_backward_equals_the_gradients(pattern, L, tiles, packed):
     """The dq and dk/dv kernels themselves, run in Mosaic GPU's interpreter on this CPU (its
     warpgroups, barriers, shared memory and TMA copies simulated; the matrix products as
     plain dots), against the softmax's gradients in float64: the walks, masks, padding,
-    statistics and the copy/barrier protocol, at the default tiles and at 128-row tiles in
-    three stages."""
+    statistics and the copy/barrier protocol, at the default tiles over three packed
+    documents with three keys masked out, and at 128-row tiles in three stages."""
     D = 64
     lp = -(-L // M.BWD_HELD) * M.BWD_HELD
     band = M.whole_band(_plan(pattern, L))
     st = M._BwdStatic(lq=lp, lk=lp, lq_real=L, lk_real=L, left=band[0], right=band[1], d=D,
-                      scale=D ** -0.5, dtype="bfloat16", block=tiles[0], stages=tiles[1])
+                      scale=D ** -0.5, dtype="bfloat16", block=tiles[0], stages=tiles[1],
+                      codes=packed)
     rng = np.random.default_rng(L)
     x = [np.where(np.arange(lp)[:, None] < L, rng.normal(size=(lp, D)), 0.0) for _ in range(4)]
     q, k, v, d_out = (jnp.asarray(a[None], jnp.bfloat16) for a in x)
-    q64, k64, v64, do64 = (np.asarray(a[0, :L], np.float64) for a in (q, k, v, d_out))
-    s = q64 @ k64.T * st.scale
-    s = np.where(pattern.mask(np.arange(L)[:, None], np.arange(L)[None, :], L, L), s, -np.inf)
-    lse = np.log(np.exp(s - s.max(1, keepdims=True)).sum(1)) + s.max(1)
-    p = np.exp(s - lse[:, None])
-    delta = (do64 * (p @ v64)).sum(1)
-    ds = p * (do64 @ v64.T - delta[:, None])
-    want = (ds @ k64 * st.scale, ds.T @ q64 * st.scale, p.T @ do64)
+    i, j = np.arange(L)[:, None], np.arange(L)[None, :]
+    mask = pattern.mask(i, j, L, L)
+    codes = ()
+    if packed:
+        seg, valid = _packed(L, rng)
+        mask = mask & (seg[:, None] == seg[None, :]) & valid[None, :]
+        q_code, k_code = M._codes(jnp.asarray(valid), (jnp.asarray(seg), jnp.asarray(seg)), L,
+                                  L)
+        codes = tuple(kernels.pad_to(c, lp, 0, fill)[None]
+                      for c, fill in ((q_code, -1), (k_code, -2)))
+    f64 = lambda a: np.asarray(a[0, :L], np.float64)  # noqa: E731
+    _, lse, want, delta = _reference(f64(q), f64(k), f64(v), f64(d_out), mask, st.scale)
+    lse = np.where(np.isfinite(lse), lse, np.inf)  # backward_stats: +inf where nothing seen
     stats = [jnp.asarray(np.concatenate([a, np.full(lp - L, fill)])[None], jnp.float32)
              for a, fill in ((lse, np.inf), (delta, 0.0))]
     with M.interpreted():
-        dq = M._dq_call(st, 1)(q, k, v, d_out, *stats)
-        dk, dv = M._dkv_call(st, 1)(q, k, v, d_out, *stats)
+        dq = M._dq_call(st, 1)(q, k, v, d_out, *stats, *codes)
+        dk, dv = M._dkv_call(st, 1)(q, k, v, d_out, *stats, *codes)
     for name, got, ref in zip(("dq", "dk", "dv"), (dq, dk, dv), want):
-        got = np.asarray(got[0, :L], np.float64)
-        err = np.linalg.norm(got - ref) / np.linalg.norm(ref)
+        err = _rel(got[0, :L], ref)
         assert err < 1e-2, (name, err)  # bf16 operands and outputs
 
 
+def test_packed_rows_lower_to_the_mosaic_kernels():
+    """Key masks and segment ids run in the Mosaic kernels (forward, dq, dk/dv) when lowered
+    for CUDA, not the Triton ones; ``XFORMERS_JAX_MOSAIC_MASKS=0`` (``MOSAIC_MASKS``) keeps
+    them on Triton."""
+    L, D = 700, 64
+    layout = P.Causal().layout(L, L, M.BLOCK_Q, M.BLOCK_K)
+    kernel = PallasAttention("pallas_gpu_mosaic", "gpu", M)
+
+    def lowered():
+        def one(q, k, v, seg, valid):
+            return kernel(q, k, v, layout, scale=D ** -0.5, kv_mask=valid,
+                          segments=(seg, seg))[0]
+
+        heads = jax.vmap(one, in_axes=(1, 1, 1, None, None), out_axes=1)
+        f = jax.grad(lambda *a: jax.vmap(heads)(*a).astype(jnp.float32).sum(),
+                     argnums=(0, 1, 2))
+        x = jax.ShapeDtypeStruct((2, L, 3, D), jnp.bfloat16)
+        ids = jax.ShapeDtypeStruct((2, L), jnp.int32)
+        valid = jax.ShapeDtypeStruct((2, L), jnp.bool_)
+        return jax.jit(f).trace(x, x, x, ids, valid).lower(
+            lowering_platforms=("cuda",)).as_text()
+
+    text = lowered()
+    assert text.count("custom_call @mosaic_gpu") == 3
+    assert "__gpu$xla.gpu.triton" not in text
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(M, "MOSAIC_MASKS", False)
+        text = lowered()
+    assert "custom_call @mosaic_gpu" not in text
+
+
 @pytest.mark.skipif(not ON_GPU, reason="needs a Hopper GPU")
-@pytest.mark.parametrize("causal,L,D,window", [(False, 2048, 64, None), (True, 1000, 128, None),
-                                               (True, 2048, 128, None), (True, 1536, 64, 300)])
-def test_compiled_kernel_equals_xla(causal, L, D, window):
+@pytest.mark.parametrize("causal,L,D,window,packed", [
+    (False, 2048, 64, None, False), (True, 1000, 128, None, False),
+    (True, 2048, 128, None, False), (True, 1536, 64, 300, False), (True, 1000, 64, None, True),
+    (True, 2048, 128, None, True)])
+def test_compiled_kernel_equals_xla(causal, L, D, window, packed):
     """bf16 inputs, 2 x 4 heads with 2 key/value heads (GQA): outputs and gradients against
-    the XLA path in float32 on the same inputs."""
+    the XLA path in float32 on the same inputs; ``packed``: three documents per row
+    (segment ids) and a key mask."""
     ks = jax.random.split(jax.random.PRNGKey(L + D), 4)
     q = jax.random.normal(ks[0], (2, L, 4, D), jnp.bfloat16)
     k, v = (jax.random.normal(kk, (2, L, 2, D), jnp.bfloat16) for kk in ks[1:3])
@@ -335,9 +425,16 @@ def test_compiled_kernel_equals_xla(causal, L, D, window):
     pattern = None if window is None else P.Local(window, 0)
     lifted = multihead(flash_attention)
 
+    extra = {}
+    if packed:
+        seg, valid = _packed(L, np.random.default_rng(L))
+        extra = dict(segment_ids=jnp.asarray(np.stack([seg, seg[::-1]]), jnp.int32),
+                     kv_mask=jnp.asarray(np.stack([valid, valid[::-1]])))
+
     def loss(impl, dtype):
         def f(q, k, v):
             kw = dict(causal=causal) if pattern is None else dict(pattern=pattern)
+            kw.update(extra)
             out = lifted(q.astype(dtype), k.astype(dtype), v.astype(dtype), implementation=impl,
                          **kw)
             return (out.astype(jnp.float32) * d_out).sum(), out
