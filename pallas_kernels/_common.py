@@ -145,6 +145,7 @@ class Flex:
     has_sink: bool
     counts: tuple[int, int, int]
     shapes: tuple
+    score_mod: Any = None  # the score function as given (kernels that trace it at their tile)
 
     @property
     def num_inputs(self) -> int:
@@ -350,10 +351,11 @@ class PallasAttention:
         plan and the forward's (:meth:`forward_options`; the default forward tiles give way
         to the backward's where they would cover ``FORWARD_AREA_SLACK`` times more scores).
         With ``flex`` the forward runs on the backward's tiles: flex attention's functions
-        are traced at one tile shape, shared by every kernel of the call."""
+        are traced at one tile shape, shared by every kernel of the call (unless the backend
+        traces them at its own tiles: ``FLEX_OWN_TILES``)."""
         plan = kernels.plan(layout, *self.blocks(dk, dv))
         fwd_q, fwd_k, stages = self.forward_options(dk, dv, dtype)
-        if flex:
+        if flex and not getattr(self.backend, "FLEX_OWN_TILES", False):
             return plan, plan, self.forward_num_stages or self.num_stages or stages
         fwd_plan = kernels.plan(layout, fwd_q, fwd_k)
         fixed = getattr(self.backend, "FIXED_FORWARD_TILES", False)
@@ -433,7 +435,7 @@ class PallasAttention:
             captures = (*floats, *score_data, *mask_data)
             flex = Flex(score_fn, mask_fn, sink is not None,
                         (len(floats), len(score_data), len(mask_data)),
-                        tuple((c.shape, jnp.dtype(c.dtype)) for c in captures))
+                        tuple((c.shape, jnp.dtype(c.dtype)) for c in captures), score_mod)
             extra = (floats, () if sink is None else jnp.asarray(sink, STATS_DTYPE))
             flex_data = (jnp.stack([jnp.asarray(i, jnp.int32) for i in index]),
                          score_data, mask_data)

@@ -27,8 +27,9 @@ full run, the full run without a mask, masked blocks to its right. Keys past ``l
 the dk/dv kernel, queries past ``lq``) are masked the same way. Key masks and segment ids
 (packed rows) become one int32 code per query row and per key (:func:`_codes`): the row's
 codes are held beside its rows, the keys' streamed beside their tiles, and every step masks
-where they differ. Other layouts and flex functions run the Triton kernels (:func:`forward`
-and :func:`backward` fall back).
+where they differ. Flex attention's elementwise score functions (:func:`mosaic_score`) are
+applied to each tile, their derivative taken there. Other layouts and flex calls run the
+Triton kernels (:func:`forward` and :func:`backward` fall back).
 
 Testing without a GPU: the CUDA lowering on the CPU checks every layout, and Mosaic GPU's
 interpreter (:func:`interpreted`) runs the kernels themselves, their matrix products as dots.
@@ -43,6 +44,7 @@ import dataclasses
 import functools
 import math
 import os
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -228,6 +230,7 @@ class _Static:
     scale: float
     dtype: str
     codes: bool = False  # key masks or segment ids: per-row and per-key codes, see _codes
+    score: Any = None  # flex attention's score function, where it runs here (mosaic_score)
 
 
 def _walk(lo, rows: int, left: int, right: int, limit: int, blk: int, n_blocks: int):
@@ -322,11 +325,15 @@ def _kernel_call(st: _Static, n_seq: int):
                 (s,) = _mma(((ROWS_PER_WG, bk),), [[(qo_smem, k_smem.at[slot], True)]],
                             after=schedule)
                 plgpu.barrier_arrive(k_used.at[slot])
-                s = s * scale2
-                if masked:
+                if masked or st.score is not None:
                     k0 = (first + t) * bk
                     i = q0 + _iota((ROWS_PER_WG, bk), 0)
                     j = k0 + _iota((ROWS_PER_WG, bk), 1)
+                if st.score is None:
+                    s = s * scale2
+                else:  # the score function on the natural scores, then base 2
+                    s = st.score(s * st.scale, 0, 0, i, j) * _LOG2E
+                if masked:
                     keep = (j >= i - st.left) & (j <= i + st.right) & (j < st.lk)
                     if st.codes:
                         keep &= _same(q_codes, k_codes, s.shape)
@@ -475,12 +482,14 @@ def forward(cfg, plan, q, k, v, dyn):
     kv_valid, segs, flex = dyn
     band = whole_band(plan)
     masked = kv_valid is not None or segs is not None
-    if (cfg.interpret or flex is not None or (masked and not MOSAIC_MASKS) or band is None
-            or (plan.block_q, plan.block_k) != (BLOCK_Q, BLOCK_K) or dtype_problems(q.dtype)):
+    score = mosaic_score(cfg.flex)
+    if (cfg.interpret or (flex is not None and score is None) or (masked and not MOSAIC_MASKS)
+            or band is None or (plan.block_q, plan.block_k) != (BLOCK_Q, BLOCK_K)
+            or dtype_problems(q.dtype)):
         return _fallback(cfg, plan, q, k, v, dyn)
     st = _Static(lq=q.shape[0], lk=plan.lk, nk=plan.nk, left=band[0], right=band[1],
                  d=q.shape[1], scale=float(cfg.scale), dtype=jnp.dtype(q.dtype).name,
-                 codes=masked)
+                 codes=masked, score=score)
     codes = _codes(kv_valid, segs, q.shape[0], k.shape[0]) if masked else ()
     out, lse = _batched(st)(q, k, v, *codes)
     return out, lse.astype(STATS_DTYPE)
@@ -495,6 +504,46 @@ def _codes(kv_valid, segs, lq: int, lk: int):
     if kv_valid is not None:
         k_code = jnp.where(kv_valid != 0, k_code, -2)
     return q_code, k_code
+
+
+def _scored(st, s, i, j):
+    """``(base-2 scores, pull)``: flex attention's score function applied to a tile of
+    products ``s`` (query positions ``i``, key positions ``j``, each of the tile's shape), and
+    the map taking a cotangent of its natural-unit output back to the raw scores: times the
+    function's derivative there, taken in forward mode (the function is elementwise; Mosaic
+    GPU lowers no ``add_any``, which reverse mode accumulates with)."""
+    raw = s * st.scale
+    out, slope = jax.jvp(lambda r: st.score(r, 0, 0, i, j), (raw,), (jnp.ones_like(raw),))
+    return out * _LOG2E, lambda ds: ds * slope
+
+
+def mosaic_score(flex):
+    """Flex attention's score function when these kernels can apply it in their tiles, else
+    None (the call runs the Triton kernels): a score function alone (no mask function, no
+    sink), elementwise (``kernels.orientation_free``), capturing no array and reading
+    neither the batch nor the head index (these kernels take neither as inputs). Gemma's
+    soft-cap and a bias of ``i - j`` qualify; ALiBi's per-head slopes do not."""
+    if (flex is None or flex.score_mod is None or flex.mask_fn is not None or flex.has_sink
+            or tuple(flex.counts) != (0, 0, 0)):
+        return None
+    fn = flex.score_mod
+    scalar = jnp.zeros((), jnp.int32)
+    try:
+        closed = jax.make_jaxpr(fn)(jnp.zeros((8, 16), STATS_DTYPE), scalar, scalar,
+                                    jnp.zeros((8, 1), jnp.int32), jnp.zeros((1, 16), jnp.int32))
+    except Exception:  # noqa: BLE001  a function that cannot be traced alone
+        return None
+    jaxpr = closed.jaxpr
+    b, h = jaxpr.invars[1], jaxpr.invars[2]
+    reads = {id(v) for e in jaxpr.eqns for v in e.invars}
+    if closed.consts or {id(b), id(h)} & (reads | {id(v) for v in jaxpr.outvars}):
+        return None
+    pos = (jnp.zeros((8, 1), jnp.int32), jnp.zeros((1, 16), jnp.int32))
+    tangent = jax.make_jaxpr(lambda r: jax.jvp(lambda x: fn(x, 0, 0, *pos), (r,), (r,)))(
+        jnp.zeros((8, 16), STATS_DTYPE))
+    if any(e.primitive.name == "add_any" for e in tangent.jaxpr.eqns):
+        return None  # a derivative Mosaic GPU cannot lower
+    return fn if kernels.orientation_free(fn) else None
 
 
 def _same(row_codes, col_codes, shape):
@@ -559,7 +608,8 @@ def _fallback(cfg, plan, q, k, v, dyn):
     from ._common import PallasAttention
 
     triton = PallasAttention("pallas_gpu_blocksparse", "gpu", _triton, interpret=cfg.interpret)
-    _, tri_plan, stages = triton.plans(plan.layout, q.shape[1], v.shape[1], q.dtype)
+    _, tri_plan, stages = triton.plans(plan.layout, q.shape[1], v.shape[1], q.dtype,
+                                       flex=dyn[2] is not None)
     bq, bk = tri_plan.block_q, tri_plan.block_k
     tri_cfg = dataclasses.replace(cfg, block_q=bq, block_k=bk, num_stages=stages)
     lq, lk = tri_plan.nq * bq, tri_plan.nk * bk
@@ -589,6 +639,11 @@ TRITON_BACKWARD = "triton_backward"
 # Other streamed tiles for the backward (to measure them): the kernel option
 # ``extra=(("bwd_tiles", block, stages),)``, block 64 or 128 rows, 2 or 3 stages.
 BWD_TILES = "bwd_tiles"
+# Flex attention: score functions that ``mosaic_score`` accepts run in these kernels' tiles,
+# traced at their own tiles; every other flex call runs the Triton kernels.
+FLEX = True
+FLEX_OWN_TILES = True
+FLEX_UNLOWERED = _triton.FLEX_UNLOWERED
 # Key masks and segment ids (packed rows) in the Mosaic kernels (``_codes``); 0: the Triton
 # kernels take those calls.
 MOSAIC_MASKS = os.environ.get("XFORMERS_JAX_MOSAIC_MASKS", "1") != "0"
@@ -609,6 +664,7 @@ class _BwdStatic:
     block: int = BWD_BLOCK  # rows of each streamed tile
     stages: int = BWD_STAGES  # shared-memory ring depth
     codes: bool = False  # key masks or segment ids (``_codes``)
+    score: Any = None  # flex attention's score function (mosaic_score)
 
 
 def dq_walk(st: _BwdStatic, q_lo):
@@ -719,11 +775,12 @@ def _dq_call(st: _BwdStatic, n_seq: int):
                 s, dp = _mma((_zeros(plgpu, (rows, bk)), _zeros(plgpu, (rows, bk))),
                              [[(q_smem, k_smem.at[slot], True)],
                               [(do_smem, v_smem.at[slot], True)]])
-                s = s * scale2
-                if masked:
+                if masked or st.score is not None:
                     k0 = (first + t) * bk
                     i = q0 + _iota((rows, bk), 0)
                     j = k0 + _iota((rows, bk), 1)
+                s, raw_grad = _scored(st, s, i, j) if st.score is not None else (s * scale2, None)
+                if masked:
                     keep = (j >= i - st.left) & (j <= i + st.right) & (j < st.lk_real)
                     if st.codes:
                         keep &= _same(q_codes, k_codes, s.shape)
@@ -731,6 +788,8 @@ def _dq_call(st: _BwdStatic, n_seq: int):
                 # lse is +inf on rows that saw nothing (``backward_stats``): p = 0 there.
                 p = jnp.exp2(s - lax.broadcast_in_dim(lse2, s.shape, [0]))
                 ds = p * (dp - lax.broadcast_in_dim(delta, s.shape, [0]))
+                if raw_grad is not None:  # back through the score function, at the raw scores
+                    ds = raw_grad(ds)
 
                 (dq,) = _mma((dq,), [[(ds.astype(dtype), k_smem.at[slot], False)]])
                 plgpu.barrier_arrive(used.at[slot])
@@ -833,17 +892,20 @@ def _dkv_call(st: _BwdStatic, n_seq: int):
                               [(v_smem, do_smem.at[slot], True)]])
                 lse2 = _load(lse_smem.at[slot], col) * _LOG2E
                 delta = _load(delta_smem.at[slot], col)
-                s = s * scale2
-                if masked:
+                if masked or st.score is not None:
                     q0 = (first + t) * bq
                     j = k0 + _iota((rows, bq), 0)
                     i = q0 + _iota((rows, bq), 1)
+                s, raw_grad = _scored(st, s, i, j) if st.score is not None else (s * scale2, None)
+                if masked:
                     keep = (j >= i - st.left) & (j <= i + st.right) & (i < st.lq_real)
                     if st.codes:
                         keep &= _same(k_codes, _load(code_smem[1].at[slot], col), s.shape)
                     s = jnp.where(keep, s, -jnp.inf)
                 p = jnp.exp2(s - lax.broadcast_in_dim(lse2, s.shape, [1]))
                 ds = p * (dp - lax.broadcast_in_dim(delta, s.shape, [1]))
+                if raw_grad is not None:
+                    ds = raw_grad(ds)
 
                 dk, dv = _mma((dk, dv), [[(ds.astype(dtype), q_smem.at[slot], False)],
                                          [(p.astype(dtype), do_smem.at[slot], False)]])
@@ -949,9 +1011,10 @@ def backward(cfg, plan, q, k, v, dyn, lse, delta, d_out):
     kv_valid, segs, flex = dyn
     band = whole_band(plan)
     masked = kv_valid is not None or segs is not None
+    score = mosaic_score(cfg.flex)
     if (cfg.interpret or not MOSAIC_BACKWARD or TRITON_BACKWARD in cfg.extra
-            or (masked and not MOSAIC_MASKS) or flex is not None or band is None
-            or dtype_problems(q.dtype) or q.shape[1] != v.shape[1]):
+            or (masked and not MOSAIC_MASKS) or (flex is not None and score is None)
+            or band is None or dtype_problems(q.dtype) or q.shape[1] != v.shape[1]):
         return _triton.backward(cfg, plan, q, k, v, dyn, lse, delta, d_out)
     lq, lk = q.shape[0], k.shape[0]
     lq_p, lk_p = (-(-x // BWD_HELD) * BWD_HELD for x in (lq, lk))
@@ -959,7 +1022,8 @@ def backward(cfg, plan, q, k, v, dyn, lse, delta, d_out):
     block, stages = tiles[-1] if tiles else (BWD_BLOCK, BWD_STAGES)
     st = _BwdStatic(lq=lq_p, lk=lk_p, lq_real=min(plan.lq, lq), lk_real=min(plan.lk, lk),
                     left=band[0], right=band[1], d=q.shape[1], scale=float(cfg.scale),
-                    dtype=jnp.dtype(q.dtype).name, block=block, stages=stages, codes=masked)
+                    dtype=jnp.dtype(q.dtype).name, block=block, stages=stages, codes=masked,
+                    score=score)
     pad = lambda x, n, value=0: kernels.pad_to(x, n, 0, value)  # noqa: E731
     codes = ()
     if masked:

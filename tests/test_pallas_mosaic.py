@@ -20,7 +20,7 @@ from pallas_kernels import _gpu_mosaic as M
 from pallas_kernels._common import PallasAttention
 from tests.tolerances import assert_close
 from xformers_jax import kernels
-from xformers_jax.attention import flash_attention, multihead
+from xformers_jax.attention import alibi_score, flash_attention, multihead, soft_cap_score
 from xformers_jax.attention import patterns as P
 
 ON_GPU = jax.default_backend() == "gpu"
@@ -297,9 +297,14 @@ def _packed(L, rng):
     return seg, valid
 
 
-def _reference(q, k, v, d_out, mask, scale):
-    """Softmax attention in float64 over ``mask``: ``(out, lse, (dq, dk, dv), delta)``."""
-    s = np.where(mask, q @ k.T * scale, -np.inf)
+CAP = 5.0  # Gemma's soft-cap, small enough to bend the scores of these inputs
+
+
+def _reference(q, k, v, d_out, mask, scale, cap=None):
+    """Softmax attention in float64 over ``mask`` (with ``cap``: of the soft-capped scores
+    ``cap tanh(s / cap)``): ``(out, lse, (dq, dk, dv), delta)``."""
+    raw = q @ k.T * scale
+    s = np.where(mask, raw if cap is None else cap * np.tanh(raw / cap), -np.inf)
     seen = mask.any(1)  # a row that sees no key: out 0, lse -inf
     mx = np.where(seen[:, None], s, 0.0).max(1, keepdims=True)
     lse = np.where(seen, np.log(np.exp(s - mx).sum(1)) + mx[:, 0], -np.inf)
@@ -307,6 +312,8 @@ def _reference(q, k, v, d_out, mask, scale):
     out = p @ v
     delta = (d_out * out).sum(1)
     ds = p * (d_out @ v.T - delta[:, None])
+    if cap is not None:
+        ds = ds * (1 - np.tanh(raw / cap) ** 2)
     return out, lse, (ds @ k * scale, ds.T @ q * scale, p.T @ d_out), delta
 
 
@@ -314,17 +321,17 @@ def _rel(got, want):
     return np.linalg.norm(np.asarray(got, np.float64) - want) / np.linalg.norm(want)
 
 
-def test_interpreted_forward_with_documents_and_key_mask():
+def test_interpreted_forward_with_documents_key_mask_and_soft_cap():
     """The forward kernel in Mosaic GPU's interpreter (its schedule barrier skipped there),
-    causal over three packed documents with three keys masked out (``_codes``), against
-    float64 softmax: outputs and log-sum-exp."""
+    causal over three packed documents with keys masked out (``_codes``) and Gemma's
+    soft-cap as flex attention's score function, against float64: outputs and log-sum-exp."""
     L, D = 256, 64
     plan = _plan(P.Causal(), L)
     band = M.whole_band(plan)
     st = M._Static(lq=L, lk=L, nk=plan.nk, left=band[0], right=band[1], d=D, scale=D ** -0.5,
-                   dtype="bfloat16", codes=True)
+                   dtype="bfloat16", codes=True, score=soft_cap_score(CAP))
     rng = np.random.default_rng(2)
-    q, k, v = (jnp.asarray(rng.normal(size=(1, L, D)), jnp.bfloat16) for _ in range(3))
+    q, k, v = (jnp.asarray(rng.normal(size=(1, L, D)) * 2, jnp.bfloat16) for _ in range(3))
     seg, valid = _packed(L, rng)
     codes = M._codes(jnp.asarray(valid), (jnp.asarray(seg), jnp.asarray(seg)), L, L)
     with M.interpreted():
@@ -332,7 +339,7 @@ def test_interpreted_forward_with_documents_and_key_mask():
     i, j = np.arange(L)[:, None], np.arange(L)[None, :]
     mask = (j <= i) & (seg[:, None] == seg[None, :]) & valid[None, :]
     f64 = lambda x: np.asarray(x[0], np.float64)  # noqa: E731
-    want, want_lse, _, _ = _reference(f64(q), f64(k), f64(v), f64(v), mask, st.scale)
+    want, want_lse, _, _ = _reference(f64(q), f64(k), f64(v), f64(v), mask, st.scale, CAP)
     assert _rel(out[0], want) < 1e-2
     np.testing.assert_allclose(np.asarray(lse[0]), want_lse, rtol=1e-5, atol=1e-5)
 
@@ -345,15 +352,17 @@ def test_interpreted_backward_equals_the_gradients(pattern, L, tiles, packed):
     warpgroups, barriers, shared memory and TMA copies simulated; the matrix products as
     plain dots), against the softmax's gradients in float64: the walks, masks, padding,
     statistics and the copy/barrier protocol, at the default tiles over three packed
-    documents with three keys masked out, and at 128-row tiles in three stages."""
+    documents with keys masked out and Gemma's soft-cap as the score function (its
+    derivative taken in the tile), and at 128-row tiles in three stages."""
     D = 64
     lp = -(-L // M.BWD_HELD) * M.BWD_HELD
     band = M.whole_band(_plan(pattern, L))
     st = M._BwdStatic(lq=lp, lk=lp, lq_real=L, lk_real=L, left=band[0], right=band[1], d=D,
                       scale=D ** -0.5, dtype="bfloat16", block=tiles[0], stages=tiles[1],
-                      codes=packed)
+                      codes=packed, score=soft_cap_score(CAP) if packed else None)
     rng = np.random.default_rng(L)
-    x = [np.where(np.arange(lp)[:, None] < L, rng.normal(size=(lp, D)), 0.0) for _ in range(4)]
+    x = [np.where(np.arange(lp)[:, None] < L, rng.normal(size=(lp, D)) * 2, 0.0)
+         for _ in range(4)]
     q, k, v, d_out = (jnp.asarray(a[None], jnp.bfloat16) for a in x)
     i, j = np.arange(L)[:, None], np.arange(L)[None, :]
     mask = pattern.mask(i, j, L, L)
@@ -366,7 +375,8 @@ def test_interpreted_backward_equals_the_gradients(pattern, L, tiles, packed):
         codes = tuple(kernels.pad_to(c, lp, 0, fill)[None]
                       for c, fill in ((q_code, -1), (k_code, -2)))
     f64 = lambda a: np.asarray(a[0, :L], np.float64)  # noqa: E731
-    _, lse, want, delta = _reference(f64(q), f64(k), f64(v), f64(d_out), mask, st.scale)
+    _, lse, want, delta = _reference(f64(q), f64(k), f64(v), f64(d_out), mask, st.scale,
+                                     CAP if packed else None)
     lse = np.where(np.isfinite(lse), lse, np.inf)  # backward_stats: +inf where nothing seen
     stats = [jnp.asarray(np.concatenate([a, np.full(lp - L, fill)])[None], jnp.float32)
              for a, fill in ((lse, np.inf), (delta, 0.0))]
@@ -376,6 +386,44 @@ def test_interpreted_backward_equals_the_gradients(pattern, L, tiles, packed):
     for name, got, ref in zip(("dq", "dk", "dv"), (dq, dk, dv), want):
         err = _rel(got[0, :L], ref)
         assert err < 1e-2, (name, err)  # bf16 operands and outputs
+
+
+def test_score_functions_these_kernels_apply():
+    """Elementwise score functions of the scores and positions run in the Mosaic kernels;
+    functions that capture arrays (ALiBi's slopes) or read the head index do not."""
+    from pallas_kernels._common import Flex
+
+    def flex(fn, counts=(0, 0, 0)):
+        return Flex(None, None, False, counts, (), fn)
+
+    cap = soft_cap_score(CAP)
+    assert M.mosaic_score(flex(cap)) is cap
+    assert M.mosaic_score(flex(lambda s, b, h, i, j: s - 0.1 * jnp.abs(i - j))) is not None
+    assert M.mosaic_score(flex(alibi_score(jnp.ones(4)), (0, 1, 0))) is None
+    assert M.mosaic_score(flex(lambda s, b, h, i, j: s + h)) is None
+    assert M.mosaic_score(flex(lambda s, b, h, i, j: s - s.max(1, keepdims=True))) is None
+
+
+@pytest.mark.parametrize("score,mosaic", [("soft-cap", True), ("by head", False)])
+def test_flex_lowers_to_the_mosaic_kernels(score, mosaic):
+    """Flex attention with Gemma's soft-cap lowers for CUDA to the three Mosaic kernels;
+    with a bias that reads the head index, to the Triton ones."""
+    L, D = 512, 64
+    layout = P.Causal().layout(L, L, M.BLOCK_Q, M.BLOCK_K)
+    kernel = PallasAttention("pallas_gpu_mosaic", "gpu", M)
+    fn = (soft_cap_score(CAP) if score == "soft-cap"
+          else lambda s, b, h, i, j: s - 0.01 * h * jnp.abs(i - j))
+
+    def one(q, k, v, h):
+        return kernel(q, k, v, layout, scale=D ** -0.5, score_mod=fn, index=(0, h))[0]
+
+    heads = jax.vmap(one, in_axes=(1, 1, 1, 0), out_axes=1)
+    f = jax.grad(lambda q, k, v: jax.vmap(heads, in_axes=(0, 0, 0, None))(
+        q, k, v, jnp.arange(3)).astype(jnp.float32).sum(), argnums=(0, 1, 2))
+    x = jax.ShapeDtypeStruct((2, L, 3, D), jnp.bfloat16)
+    text = jax.jit(f).trace(x, x, x).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("custom_call @mosaic_gpu") == (3 if mosaic else 0)
+    assert ("__gpu$xla.gpu.triton" in text) != mosaic
 
 
 def test_packed_rows_lower_to_the_mosaic_kernels():

@@ -139,7 +139,8 @@ def flex_attention(
         Triton and TPU block-sparse kernels run both functions and the sink in their tiles;
         compiled, they refuse functions that index a captured array (``gather``,
         ``dynamic_slice``: ALiBi's ``slopes[h]``, traced document ids), which then run on
-        the XLA path (``"pallas"`` raises naming why). The Hopper kernels take none.
+        the XLA path (``"pallas"`` raises naming why). The Hopper kernels apply elementwise
+        score functions that capture no array and read neither ``b`` nor ``h``.
 
     Returns:
       ``[Lq, Dv]`` in q's dtype, or ``(out, lse)``.

@@ -36,6 +36,7 @@ from ._layout import BlockLayout as BlockLayout
 from ._tiled import attend_layout as attend_layout
 from ._tiled import attend_layout_backward as attend_layout_backward
 from ._tiled import convert_flex as convert_flex
+from ._tiled import _orientation_free as orientation_free
 from ._tiled import flex_primitives as flex_primitives
 from ._tiles import STATS_DTYPE as STATS_DTYPE
 from ._tiles import finish as finish

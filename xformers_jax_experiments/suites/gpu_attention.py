@@ -16,8 +16,9 @@ side by side in one run:
   shared-memory stages: ``_gpu_mosaic.BWD_TILES``) at 8K, fwd+bwd, to pick its defaults (64
   rows, 2 stages, the first choice);
 - ``pallas flex soft-cap``: ``flex_attention(..., causal=True, implementation="pallas")`` with
-  Gemma's soft-cap (50) as the score function (the Triton kernels: the Hopper kernels take no
-  score function yet), against ``pallas mosaic`` causal. ALiBi's ``alibi_score`` indexes its
+  Gemma's soft-cap (50) as the score function (on Hopper the Mosaic kernels apply it in
+  their tiles; rows measured before they did are the Triton kernels'), against ``pallas
+  mosaic`` causal. ALiBi's ``alibi_score`` indexes its
   slopes by head inside the function, which the Triton lowering refuses (``FLEX_UNLOWERED``);
   on the GPU it runs on the XLA path;
 - ``cudnn``: ``jax.nn.dot_product_attention(..., implementation="cudnn")``;
