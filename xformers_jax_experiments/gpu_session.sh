@@ -10,6 +10,7 @@
 # on the GPU (tests/conftest.py: XFORMERS_JAX_TEST_PLATFORM=cuda).
 # Phase 2: one process per suite times every case, reading the compiled programs from the
 # cache (benchmark.py --in_process).
+# TESTS: the test files to run in phase 1 (unset: the Pallas ones; empty: none).
 # QUICK=1 shrinks the suites to smoke-test sizes (any backend; TEST_PLATFORM=cpu for the tests).
 # Then xformers_jax_experiments/gpu_profile.py's per-kernel device time of a few cases
 # (PROFILE=0: none).
@@ -25,7 +26,7 @@ OUT=${OUT:-/tmp/gpu_session}
 WORK=${WORK:-/tmp/gpu_work}
 SHARES=${SHARES:-8}
 SUITES=${SUITES:-gpu_attention,gpu_linear,gpu_lra}
-TESTS=${TESTS:-tests/test_pallas.py tests/test_exact_attention.py tests/test_sparse_patterns.py}
+TESTS=${TESTS-tests/test_pallas.py tests/test_exact_attention.py tests/test_sparse_patterns.py}
 PY=${PY:-python3}
 mkdir -p "$OUT" "$WORK"
 if [ -d .whl ] && ls .whl/*.whl > /dev/null 2>&1; then
