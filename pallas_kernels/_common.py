@@ -146,6 +146,7 @@ class Flex:
     counts: tuple[int, int, int]
     shapes: tuple
     score_mod: Any = None  # the score function as given (kernels that trace it at their tile)
+    tile: tuple[int, int] | None = None  # the tile score_fn and mask_fn were traced at
 
     @property
     def num_inputs(self) -> int:
@@ -435,7 +436,8 @@ class PallasAttention:
             captures = (*floats, *score_data, *mask_data)
             flex = Flex(score_fn, mask_fn, sink is not None,
                         (len(floats), len(score_data), len(mask_data)),
-                        tuple((c.shape, jnp.dtype(c.dtype)) for c in captures), score_mod)
+                        tuple((c.shape, jnp.dtype(c.dtype)) for c in captures), score_mod,
+                        (plan.block_q, plan.block_k))
             extra = (floats, () if sink is None else jnp.asarray(sink, STATS_DTYPE))
             flex_data = (jnp.stack([jnp.asarray(i, jnp.int32) for i in index]),
                          score_data, mask_data)

@@ -608,6 +608,9 @@ def _fallback(cfg, plan, q, k, v, dyn):
     from ._common import PallasAttention
 
     triton = PallasAttention("pallas_gpu_blocksparse", "gpu", _triton, interpret=cfg.interpret)
+    if cfg.flex is not None and cfg.flex.tile is not None:
+        # Flex attention's functions were traced at the backward's tiles: run them there.
+        triton = triton.with_options(block_q=cfg.flex.tile[0], block_k=cfg.flex.tile[1])
     _, tri_plan, stages = triton.plans(plan.layout, q.shape[1], v.shape[1], q.dtype,
                                        flex=dyn[2] is not None)
     bq, bk = tri_plan.block_q, tri_plan.block_k
