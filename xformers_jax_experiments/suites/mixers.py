@@ -9,6 +9,11 @@ dim 256 = 4 heads x 64), fwd+bwd.
   as ``expand=2``), Gated DeltaNet (4 heads of 64, chunked triangular solves); Mamba's
   selective scan (512 channels, N=16) is timed for the scaling figure.
 - Every recurrence from L=8192 to 65536: at most 9x (linear is 8x).
+- The short causal convolution of Mamba, H3, Hyena and the recurrences (``short_conv``; 4
+  taps over the 768 channels of q, k and v at dim 256), fwd+bwd with its own reverse-mode
+  rule against the backward XLA derives from the same shifted sum (the form it had before),
+  its output multiplied by its input so that the backward gets a cotangent that is not all
+  ones: a (why) figure, what the rule saves.
 
 Inputs are random; decays/gates are drawn as the modules' initialisations would give them.
 The cores exclude the projections (as flash excludes its q/k/v/o projections).
@@ -104,13 +109,29 @@ def build(variant: str, L: int):
         b, c = _normal(2, L, n), _normal(3, L, n)
         return Workload(lambda x, delta, b, c: M.selective_scan(x, delta, a, b, c),
                         (x, delta, b, c))
+    if variant in ("short conv", "short conv, derived backward"):
+        x, w = _normal(0, 1, L, 3 * DIM), _normal(1, 4, 3 * DIM)
+        conv = M.causal_depthwise_conv if variant == "short conv" else _shifted_sum
+        # Times x: the convolution's output cotangent is then an array, as in a model (the
+        # harness differentiates the sum of the output, and a cotangent of ones lets XLA fold
+        # the derived backward into a few sums).
+        return Workload(lambda x, w: conv(x, w, None) * x, (x, w))
     raise ValueError(f"unknown variant {variant!r}")
+
+
+def _shifted_sum(x, w, b):
+    """``causal_depthwise_conv``'s forward as a plain sum of shifted copies, differentiated by
+    JAX: the backward the library's own rule replaces."""
+    width, length = w.shape[0], x.shape[1]
+    xp = jnp.pad(x, ((0, 0), (width - 1, 0), (0, 0)))
+    return sum(xp[:, i: i + length] * w[i] for i in range(width))
 
 
 def cases(quick: bool) -> list[Case]:
     short, long = (QUICK_SHORT, QUICK_LONG) if quick else (SHORT, LONG)
     out = [Case(v, _BUILD, dict(variant=v, L=short), ("fwdbwd",))
-           for v in ("flash", "flash causal", "fnet")]
+           for v in ("flash", "flash causal", "fnet", "short conv",
+                     "short conv, derived backward")]
     for v in RECURRENCES:
         out += [Case(v, _BUILD, dict(variant=v, L=n), ("fwdbwd",)) for n in (short, long)]
     return out
@@ -130,4 +151,8 @@ def checks(r):
     for v in RECURRENCES:
         out.append(ratio_check(f"{v} fwd+bwd time, L={long} / L={short}", t(v, long), t(v),
                                at_most=9))
+    out.append(ratio_check(
+        f"(why) the short convolution's own backward: fwd+bwd speed-up over XLA's derived one, "
+        f"[1, {short}, {3 * DIM}], 4 taps", t("short conv, derived backward"), t("short conv"),
+        at_least=1))
     return out
