@@ -264,7 +264,7 @@ def _ranges(st: _Static, q_lo):
 
 def ranges_host(st: _Static, q_lo: int) -> tuple[int, int, int, int]:
     """:func:`_ranges` evaluated on the host (tests compare it with the plan's tiles)."""
-    return tuple(int(x) for x in _ranges(st, jnp.int32(q_lo)))
+    return walk_host(_ranges, st, q_lo)
 
 
 def _kernel_call(st: _Static, n_seq: int):
@@ -455,23 +455,35 @@ def _run_nd(st: _Static, q, k, v, *codes):
     return out.reshape(*lead, *out.shape[-2:]), lse.reshape(*lead, lse.shape[-1])
 
 
-@functools.cache
-def _batched(st: _Static):
-    """The kernel as a function of ``[..., L, D]`` inputs whose ``vmap`` folds the mapped axis
-    into the kernel's sequence grid axis (one launch for every batch row and head) instead
-    of a loop."""
+def _folded(run, gradients: bool):
+    """``run`` (a function of ``[..., L, D]`` inputs) whose ``vmap`` folds the mapped axis into
+    the kernels' sequence grid axis (one launch for every batch row and head) instead of a
+    loop. With ``gradients`` its outputs are the first three inputs' gradients: an input
+    shared across the mapped axis (keys and values of grouped-query heads) gets its gradient
+    summed over it."""
 
     @jax.custom_batching.custom_vmap
     def fn(*args):
-        return _run_nd(st, *args)
+        return run(*args)
 
     @fn.def_vmap
     def _rule(axis_size, in_batched, *args):
         args = [x if b else jnp.broadcast_to(x, (axis_size, *x.shape))
                 for x, b in zip(args, in_batched)]
-        return fn(*args), (True, True)
+        outs = fn(*args)
+        if not gradients:
+            return outs, (True,) * len(outs)
+        outs = tuple(g if b else g.astype(jnp.float32).sum(0).astype(g.dtype)
+                     for g, b in zip(outs, in_batched[:3]))
+        return outs, tuple(in_batched[:3])
 
     return fn
+
+
+@functools.cache
+def _batched(st: _Static):
+    """The forward kernel over ``[..., L, D]`` inputs, vmaps folded into its grid."""
+    return _folded(functools.partial(_run_nd, st), gradients=False)
 
 
 def forward(cfg, plan, q, k, v, dyn):
@@ -682,6 +694,7 @@ def dkv_walk(st: _BwdStatic, k_lo):
 
 
 def walk_host(fn, st, lo: int) -> tuple[int, int, int, int]:
+    """A walk (``_ranges``, :func:`dq_walk`, :func:`dkv_walk`) evaluated on the host."""
     return tuple(int(x) for x in fn(st, jnp.int32(lo)))
 
 
@@ -986,24 +999,8 @@ def _run_bwd_nd(st: _BwdStatic, q, k, v, d_out, lse, delta, *codes):
 
 @functools.cache
 def _batched_bwd(st: _BwdStatic):
-    """The backward kernels with ``vmap`` folded into their sequence grid axis; an input
-    shared across the mapped axis (keys and values of grouped-query heads) gets its gradient
-    summed over it."""
-
-    @jax.custom_batching.custom_vmap
-    def fn(*args):
-        return _run_bwd_nd(st, *args)
-
-    @fn.def_vmap
-    def _rule(axis_size, in_batched, *args):
-        args = [x if b else jnp.broadcast_to(x, (axis_size, *x.shape))
-                for x, b in zip(args, in_batched)]
-        grads = fn(*args)
-        grads = tuple(g if b else g.astype(jnp.float32).sum(0).astype(g.dtype)
-                      for g, b in zip(grads, in_batched[:3]))
-        return grads, tuple(in_batched[:3])
-
-    return fn
+    """The backward kernels over ``[..., L, D]`` inputs, vmaps folded into their grids."""
+    return _folded(functools.partial(_run_bwd_nd, st), gradients=True)
 
 
 def backward(cfg, plan, q, k, v, dyn, lse, delta, d_out):

@@ -246,14 +246,8 @@ def test_emulated_backward_equals_softmax_gradients(pattern, L, block):
     q, k = (rng.normal(size=(st.lq, 16)) * 3 for _ in range(2))
     v, d_out = (rng.normal(size=(st.lq, 16)) for _ in range(2))
     q[L:] = k[L:] = v[L:] = d_out[L:] = 0.0  # the wrapper's padding
-    s = q[:L] @ k[:L].T * st.scale
-    s = np.where(pattern.mask(np.arange(L)[:, None], np.arange(L)[None, :], L, L), s, -np.inf)
-    lse = np.log(np.exp(s - s.max(1, keepdims=True)).sum(1)) + s.max(1)
-    p = np.exp(s - lse[:, None])
-    out = p @ v[:L]
-    delta = (d_out[:L] * out).sum(1)
-    ds = p * (d_out[:L] @ v[:L].T - delta[:, None])
-    ref = (ds @ k[:L] * st.scale, ds.T @ q[:L] * st.scale, p.T @ d_out[:L])
+    mask = pattern.mask(np.arange(L)[:, None], np.arange(L)[None, :], L, L)
+    _, lse, ref, delta = _reference(q[:L], k[:L], v[:L], d_out[:L], mask, st.scale)
     pad = lambda x, value: np.concatenate([x, np.full(st.lq - L, value)])  # noqa: E731
     got = _emulate_backward(st, q, k, v, d_out, pad(lse, np.inf), pad(delta, 0.0))
     for g, want in zip(got, ref):
