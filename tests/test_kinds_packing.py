@@ -241,7 +241,7 @@ def test_the_selective_scan_restarts_across_groups(reverse):
 
     def run(seg):
         out = {}
-        for form in ("associative", "sequential"):
+        for form in ("associative", "sequential", "loop"):
             scan = functools.partial(mixers.selective_scan, a=a, reverse=reverse,
                                      implementation=form, group_positions=4)
             out[form] = (scan(x, delta, b=b, c=c, segment_ids=seg),

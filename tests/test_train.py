@@ -501,3 +501,9 @@ def test_the_trainer_says_what_it_does_before_the_first_step():
     line = train_cli.starting_line(listops.get_config("performer,main"), "runs/x")
     assert line.startswith("listops: classifier with performer attention, 800 steps, in runs/x")
     assert "compiling" in line
+    # a token mixer in its own slot replaces attention, and the line names it
+    from xformers_jax_experiments.studies.zoo import config as zoo_config
+
+    line = train_cli.starting_line(zoo_config.get_config("selective_copy,mixer,mamba,256"),
+                                   "runs/y")
+    assert line.startswith("selective_copy: causal_lm with the mamba token mixer, 10000 steps")

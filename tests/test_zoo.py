@@ -321,3 +321,24 @@ def test_an_interrupted_run_reports_its_validation_accuracy(tmp_path):
     text = R.report([stopped, failed], str(tmp_path / "results"), None, "cpu")
     assert "| attention/based | (0.250 validation at step 2200, unfinished) |" in text
     assert "| attention/linear | error |" in text
+
+
+def test_results_add_up_across_invocations_and_machines():
+    """A run with nothing on disk keeps its row of the earlier zoo.json (another kind's, or
+    one finished on another machine); a run on disk with a result replaces its earlier row."""
+    from xformers_jax_experiments.studies.zoo import run as R
+
+    def row(kind, acc=None, lr=3e-3, **extra):
+        r = dict(task="mqar", slot="mixer", kind=kind, L=64, d=64, lr=lr, **extra)
+        if acc is not None:
+            r["test_accuracy"] = acc
+        return r
+
+    earlier = [row("h3", 0.25), row("retnet", 0.5), row("hyena", 0.2)]
+    fresh = [row("retnet", 0.99), row("h3"), row("mamba", 0.3), row("retnet", 0.7, lr=1e-3)]
+    merged = {(r["kind"], r["lr"]): r.get("test_accuracy") for r in R.merge_rows(earlier, fresh)}
+    assert merged == {("h3", 3e-3): 0.25, ("retnet", 3e-3): 0.99, ("hyena", 3e-3): 0.2,
+                      ("mamba", 3e-3): 0.3, ("retnet", 1e-3): 0.7}
+    # an unfinished or failed run on disk is a result too: it replaces the earlier row
+    merged = R.merge_rows(earlier, [row("h3", error="ValueError: bad")])
+    assert next(r for r in merged if r["kind"] == "h3").get("test_accuracy") is None

@@ -158,9 +158,13 @@ def summary(result: dict) -> str:
 def starting_line(config, workdir: str) -> str:
     """What the trainer does before its progress bar's first line (making the data and
     compiling the step take tens of seconds on a CPU): said at once, so a run is never silent."""
-    attention = config.model.get("attention")
-    kind = f"{config.model.kind}" + (f" with {attention.kind} attention"
-                                     if attention is not None and "kind" in attention else "")
+    attention, mixer = config.model.get("attention"), config.model.get("mixer")
+    if mixer is not None and mixer.get("kind", "none") != "none":
+        kind = f"{config.model.kind} with the {mixer.kind} token mixer"
+    else:
+        kind = f"{config.model.kind}" + (f" with {attention.kind} attention"
+                                         if attention is not None and "kind" in attention
+                                         else "")
     return (f"{config.data.task}: {kind}, {config.num_train_steps} steps, in {workdir}; "
             "making the data and compiling the train step (the progress bar starts after the "
             "first step)")

@@ -134,7 +134,9 @@ KINDS = (
          time="O(L D N)", memory="O(L D + G D N)", causal=True, decoding="recurrent",
          segments=True,
          test_hyperparameters={"state_size": 4},
-         hyperparameters={**_ssm(16, "associative", "'associative' or 'sequential'"),
+         hyperparameters={**_ssm(16, "auto", "'auto' (a loop with its own backward on a "
+                                              "CPU, the associative scan elsewhere), 'loop', "
+                                              "'associative' or 'sequential'"),
                           **_SELECTIVE}),
     Kind("gated_deltanet", gated_delta, "mixers",
          Paper("Yang, Kautz and Hatamizadeh", 2025, "Gated Delta Networks: Improving Mamba2 "

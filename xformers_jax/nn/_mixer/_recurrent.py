@@ -444,7 +444,8 @@ class Mamba(MixerModule):
     input-dependent ``dt`` (rank ``ceil(dim / 16)``), ``B``, ``C``, the selective scan with
     ``A = -exp(a_log)`` (S4D-real init ``A_n = -(n + 1)``), ``D`` skip, ``y * silu(z)``,
     out-projection. Hyperparameters: ``state_size``, ``expand``, ``conv_width``, ``dt_min``,
-    ``dt_max``, ``implementation`` (``"associative"`` or ``"sequential"``)."""
+    ``dt_max``, ``implementation`` (``"auto"``: the loop on a CPU, the associative scan
+    elsewhere; or ``"loop"``, ``"associative"``, ``"sequential"``: ``mixers.selective_scan``)."""
 
     w_in: jax.Array
     conv_w: jax.Array
@@ -459,7 +460,7 @@ class Mamba(MixerModule):
     implementation: str = eqx.field(static=True)
 
     def __init__(self, dim, num_heads, *, causal, max_len, key, state_size=16, expand=2,
-                 conv_width=4, dt_min=1e-3, dt_max=1e-1, implementation="associative"):
+                 conv_width=4, dt_min=1e-3, dt_max=1e-1, implementation="auto"):
         inner, rank = expand * dim, -(-dim // 16)
         ks = jax.random.split(key, 6)
         self.w_in = dense(ks[0], dim, 2 * inner)

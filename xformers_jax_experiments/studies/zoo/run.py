@@ -10,6 +10,8 @@ finished runs are kept, interrupted ones resume from their checkpoints, and kind
 since the last invocation are added. ``--grid=full`` is Zoology's full grid (widths up to 512,
 100k examples, 64 epochs) for an accelerator. ``--tasks``, ``--kinds`` (regular expression on
 ``SLOT/KIND``), ``--lengths`` and ``--widths`` narrow a sweep; ``--report_only`` only rewrites the results.
+Rows of the results directory's ``zoo.json`` that the invocation has no run for on disk are
+kept (``merge_rows``; ``--nokeep_earlier`` drops them).
 
 Results (``--results_dir``, default the study's folder): ``zoo.json`` (one row per run),
 ``zoo.md`` (per task the best accuracy over the learning rates by kind, width and length,
@@ -52,6 +54,10 @@ def _define_flags() -> None:
     flags.DEFINE_integer("num_train_steps", None, "Override the steps of every run.")
     flags.DEFINE_string("results_dir", HERE, "Where zoo.json, zoo.md and plots go.")
     flags.DEFINE_bool("report_only", False, "Rewrite the results; run nothing.")
+    flags.DEFINE_bool("keep_earlier", True,
+                      "Keep the rows of the results directory's zoo.json that this "
+                      "invocation has no run for on disk (other kinds, or runs made on "
+                      "another machine); --nokeep_earlier writes this invocation's runs only.")
 
 
 def runs(grid: str, tasks, kinds_re=None, widths=None, lrs=None, steps=None, lengths=None):
@@ -101,6 +107,25 @@ def _row(workdir: str, name: str, run: dict) -> dict:
         else:
             row["error"] = tail[0][:200] if tail else "no output"
     return row
+
+
+def _has_result(row: dict) -> bool:
+    return any(row.get(k) is not None for k in ("test_accuracy", "validation_accuracy",
+                                                "error", "unfinished"))
+
+
+def merge_rows(earlier, fresh):
+    """One row per run (task, slot, kind, L, d, lr): ``fresh`` rows (read from the runs on
+    disk) replace ``earlier`` ones (an earlier zoo.json) where they have a result; a run with
+    nothing on disk keeps its earlier row, so narrowed invocations, and sweeps continued on
+    another machine, add to the results rather than erase them. Earlier rows come first, in
+    their order; new runs follow."""
+    key = lambda r: (r["task"], r["slot"], r["kind"], r["L"], r["d"], float(r["lr"]))  # noqa: E731
+    out = {key(r): r for r in earlier}
+    for r in fresh:
+        if _has_result(r) or key(r) not in out:
+            out[key(r)] = r
+    return list(out.values())
 
 
 def state_bytes(slot: str, kind: str, seq_len: int, dim: int) -> int | None:
@@ -243,6 +268,10 @@ def main(argv):
             print(f"[zoo] {len(failed)} of {len(names)} runs failed (their rows say why): "
                   + ", ".join(failed[:10]), file=sys.stderr)
     rows = [_row(FLAGS.workdir, n, r) for n, r in planned]
+    earlier = os.path.join(FLAGS.results_dir, "zoo.json")
+    if FLAGS.keep_earlier and os.path.exists(earlier):
+        with open(earlier) as f:
+            rows = merge_rows(json.load(f)["rows"], rows)
     sizes = {}
     for r in rows:
         key = (r["slot"], r["kind"], r["L"], r["d"])
