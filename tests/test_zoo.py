@@ -342,3 +342,34 @@ def test_results_add_up_across_invocations_and_machines():
     # an unfinished or failed run on disk is a result too: it replaces the earlier row
     merged = R.merge_rows(earlier, [row("h3", error="ValueError: bad")])
     assert next(r for r in merged if r["kind"] == "h3").get("test_accuracy") is None
+
+
+def test_unrolled_layers_equal_the_scanned_stack():
+    """``scan_layers=False`` (the zoo's two layers unrolled) computes what the scanned stack
+    does, with the same parameters: logits and gradients."""
+    import equinox as eqx
+    import jax
+    import jax.numpy as jnp
+
+    from xformers_jax import models
+
+    c = Z.get_config("selective_copy,mixer,gated_deltanet,32")
+    c.unlock()
+    assert c.model.scan_layers is False
+    task = type("T", (), dict(vocab_size=18, seq_len=32))()
+    unrolled = models.get_model("causal_lm").build(c.model, task, jax.random.PRNGKey(0))
+    c.model.scan_layers = True
+    scanned = models.get_model("causal_lm").build(c.model, task, jax.random.PRNGKey(0))
+    assert scanned.layers.scan and not unrolled.layers.scan
+    tokens = jax.random.randint(jax.random.PRNGKey(1), (2, 32), 0, 18)
+
+    def loss(model):
+        logits = model(tokens)
+        return jnp.mean(jax.nn.logsumexp(logits, -1) - logits[..., 3]), logits
+
+    (l1, o1), g1 = eqx.filter_value_and_grad(loss, has_aux=True)(unrolled)
+    (l2, o2), g2 = eqx.filter_value_and_grad(loss, has_aux=True)(scanned)
+    np.testing.assert_allclose(o1, o2, rtol=1e-5, atol=1e-5)
+    for a, b in zip(jax.tree.leaves(eqx.filter(g1, eqx.is_inexact_array)),
+                    jax.tree.leaves(eqx.filter(g2, eqx.is_inexact_array))):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)

@@ -210,11 +210,15 @@ def _generate_jit(static):
 
 
 @register_model("causal_lm", serves=("language_model",),
-                defaults=dict(TRUNK, **SLOTS, tie_embeddings=False),
+                defaults=dict(TRUNK, **SLOTS, tie_embeddings=False, scan_layers=True),
                 loss_weights=AUX_WEIGHTS, packs=True, logits_at=True)
 def causal_lm(config, task, key):
     """The decoder-only language model (:class:`CausalLM`, sinusoidal input positions;
-    ``tie_embeddings``: the output layer is the input embedding table, as in Zoology)."""
+    ``tie_embeddings``: the output layer is the input embedding table, as in Zoology;
+    ``scan_layers``: the layers run as one ``lax.scan`` (one compiled block, the default) or
+    unrolled (``False``: for a few small layers on a CPU, where the scan's stacked residuals
+    and the fusions it prevents cost more than the layers: the zoo's 2-layer models)."""
     return CausalLM(task.vocab_size, config.dim, config.num_layers, config.num_heads,
                     config.hidden, max_len=task.seq_len, block=block_kwargs(config),
-                    tie_embeddings=config.tie_embeddings, key=key)
+                    tie_embeddings=config.tie_embeddings,
+                    stack=dict(scan=config.get("scan_layers", True)), key=key)
