@@ -218,6 +218,23 @@ def test_render_shows_a_suites_notes(tmp_path):
     assert text.index("## Summary of targets") < text.index("## `attention`")
 
 
+def test_a_runs_machine_note_is_its_own_not_the_rendering_machines(tmp_path):
+    """What a suite measured about its machine (peers: the CPU's vector extensions and
+    PyTorch's build) is stored with the run and rendered from it, whatever machine renders."""
+    from xformers_jax_experiments.suites import peers
+
+    assert "CPU:" not in peers.NOTE and peers.machine_note().startswith("CPU: ")
+    payload = {"suite": "peers", "title": "t", "note": "old documentation",
+               "machine_note": "CPU: the run's CPU, 2 cores. PyTorch 9.9.",
+               "quick": False, "machine": {"cpu": "a CPU", "cores": 2, "backend": "cpu",
+                                           "date": "d", "jax": "0"},
+               "matmul_gflops": 1.0, "records": [], "checks": []}
+    (tmp_path / "peers.json").write_text(json.dumps(payload))
+    text = benchmark.render_markdown(str(tmp_path), str(tmp_path / "B.md"), plots=False)
+    assert "CPU: the run's CPU, 2 cores. PyTorch 9.9. Ratios are" in text
+    assert peers.machine_note() not in text
+
+
 def test_flex_ceilings_count_the_tiles_a_perfect_skip_leaves(monkeypatch):
     """The flex suite's (why) ceilings: with the fixed tile cost table (512 x 512 tiles win at
     L=8192), full flash computes 256 tiles and the ~10% band 46; causal flash 136 and 8 causal

@@ -136,6 +136,8 @@ def run_suite(name: str, *, quick: bool, results_dir: str, log=print) -> dict:
                "in_process": in_process}
     payload = dict(suite=name, title=suite.TITLE, note=getattr(suite, "NOTE", None), quick=quick,
                    machine=machine, matmul_gflops=rate, records=[], checks=[])
+    if hasattr(suite, "machine_note"):  # measured here and now: kept with the run
+        payload["machine_note"] = suite.machine_note()
     records = {bench_lib.record_key(r["name"], r["mode"], r["params"]): r for r in kept}
     os.makedirs(results_dir, exist_ok=True)
     for case in suite.cases(quick):
@@ -354,8 +356,8 @@ def render_markdown(results_dir: str, markdown_path: str, plots: bool = True) ->
             out += ["Rows kept from earlier runs (a re-run of some cases with `--only`): "
                     + "; ".join(f"{d}: {', '.join(rows)}" for d, rows in sorted(earlier.items()))
                     + ".", ""]
-        if p.get("note"):
-            out += [p["note"], ""]
+        if p.get("machine_note") or p.get("note"):
+            out += [" ".join(x for x in (p.get("machine_note"), p.get("note")) if x), ""]
         if p["checks"]:
             out += ["| figure | measured | target | met |", "|---|---|---|---|"]
             for c in p["checks"]:

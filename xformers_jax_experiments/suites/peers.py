@@ -78,7 +78,14 @@ def _torch_version() -> str:
     return f"PyTorch {torch.__version__} (CPU kernels: {cap}, {torch.get_num_threads()} threads)"
 
 
-NOTE = (f"CPU: {cpu_description()}. {_torch_version()}. Ratios are 'x' = PyTorch's (or "
+def machine_note() -> str:
+    """What this suite's figures depend on beyond the machine line: the CPU's vector
+    extensions and PyTorch's build, recorded with each run (``benchmark.py`` stores it as the
+    run's ``machine_note``; the suite's ``NOTE`` is documentation and is re-read at render)."""
+    return f"CPU: {cpu_description()}. {_torch_version()}."
+
+
+NOTE = ("Ratios are 'x' = PyTorch's (or "
         "jax.nn's) time over ours: above 1 we are faster. Each case runs in its own process "
         "one after another; the machine may be shared, so only ratios within this run count. "
         "Checks marked (cpu time) compare the process's CPU time per call (all threads), which "
