@@ -318,7 +318,17 @@ def test_an_interrupted_run_reports_its_validation_accuracy(tmp_path):
                   [{"step": 200, "validation_accuracy": 0.01}])
     assert stopped.get("unfinished") and "error" not in stopped
     assert failed["error"] == "ValueError: bad"
-    text = R.report([stopped, failed], str(tmp_path / "results"), None, "cpu")
+    induced = make("induction/attention-dot_product/L256_d64_lr0.003", "done\n",
+                   [{"step": 1000, "validation_accuracy": 0.98}, {"step": 1000,
+                                                                  "test_accuracy": 0.5}])
+    assert "test_L" not in induced  # no config.json: the test length is unknown
+    (tmp_path / "runs" / "induction/attention-dot_product/L256_d64_lr0.003" /
+     "config.json").write_text(json.dumps({"data": {"test_seq_len": 1024}}))
+    induced = R._row(str(tmp_path / "runs"), "induction/attention-dot_product/L256_d64_lr0.003",
+                     {})
+    assert induced["test_L"] == 1024
+    text = R.report([stopped, failed, induced], str(tmp_path / "results"), None, "cpu")
+    assert "| attention/dot_product | 0.500 at L=1024 (0.980 at L=256) |" in text
     assert "| attention/based | (0.250 validation at step 2200, unfinished) |" in text
     assert "| attention/linear | error |" in text
 

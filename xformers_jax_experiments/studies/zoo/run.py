@@ -96,6 +96,10 @@ def _row(workdir: str, name: str, run: dict) -> dict:
     row = dict(task=task, slot=slot, kind=kind, L=int(L), d=int(d), lr=float(lr))
     row.update(run_lib.latest(metrics, ("test_accuracy", "validation_accuracy",
                                         "stopped_early_at", "step")))
+    config = os.path.join(workdir, name, "config.json")
+    if task == "induction" and os.path.exists(config):
+        with open(config) as f:  # the test split's length: extrapolation beyond training's
+            row["test_L"] = json.load(f)["data"].get("test_seq_len") or int(L)
     log = os.path.join(workdir, name, "train.log")
     if row.get("test_accuracy") is None and os.path.exists(log):
         with open(log, errors="replace") as f:
@@ -182,7 +186,9 @@ def report(rows, results_dir: str, wall_s: float | None, grid: str,
              + "). Test accuracy on the scored positions, the best over the learning rates, "
              "and in brackets the state: one sequence's decoding state of the 2-layer model at "
              "the run's length and width (float32; a key/value cache grows with the length). "
-             "A run interrupted before its test shows its last validation accuracy and step.",
+             "A run interrupted before its test shows its last validation accuracy and step. "
+             "Induction heads train at the column's length and are tested longer: the test "
+             "accuracy at its length, then the validation accuracy at the training length.",
              ""]
     for task in Z.TASKS:
         keys = sorted(k for k in best if k[0] == task)
@@ -201,10 +207,14 @@ def report(rows, results_dir: str, wall_s: float | None, grid: str,
                 state = "" if size is None else f" ({_kib(size)})"
                 val = None if r is None else r.get("validation_accuracy")
                 at = None if r is None else r.get("validation_step")
+                test_at = None if r is None else r.get("test_L")
                 cells.append("" if r is None else "error" if acc is None and r.get("error")
                              else f"({val:.3f} validation at step {at}, unfinished)"
                              if acc is None and r.get("unfinished") and val is not None
-                             else "" if acc is None else f"{acc:.3f}{state}")
+                             else "" if acc is None
+                             else f"{acc:.3f} at L={test_at} ({val:.3f} at L={L}){state}"
+                             if test_at and test_at != L and val is not None
+                             else f"{acc:.3f}{state}")
             lines.append(f"| {slot}/{kind} | " + " | ".join(cells) + " |")
         lines.append("")
     text = "\n".join(lines)
