@@ -253,12 +253,11 @@ def s5_step(x, u_t, lam, dt, b, c, d):
     return (c @ x).real + d * u_t, x
 
 
-def _selective_step(a):
-    def step(h, inputs):
-        x_t, d_t, b_t, keep_t = inputs
-        decay = jnp.where(keep_t, jnp.exp(d_t[:, None] * a), 0.0)
-        return decay * h + (d_t * x_t)[:, None] * b_t[None, :], None
-    return step
+def _advance(h, a, x_t, d_t, b_t, keep_t):
+    """One position of the selective scan: ``(h_t, da_t)`` with ``da_t = exp(dt_t A)`` (0
+    where a document starts, ``keep_t`` False) and ``h_t = da_t h_{t-1} + dt_t x_t B_t^T``."""
+    da = jnp.where(keep_t, jnp.exp(d_t[:, None] * a), 0.0)
+    return da * h + (d_t * x_t)[:, None] * b_t[None, :], da
 
 
 @jax.custom_vjp
@@ -271,13 +270,11 @@ def _selective_loop(h0, x, delta, a, b, c, keep):
 
 
 def _selective_loop_fwd(h0, x, delta, a, b, c, keep):
-    step = _selective_step(a)
-
-    def out_step(h, inputs):
-        h = step(h, inputs[:4])[0]
+    def step(h, inputs):
+        h = _advance(h, a, *inputs[:4])[0]
         return h, h @ inputs[4]
 
-    h, y = lax.scan(out_step, h0, (x, delta, b, keep, c))
+    h, y = lax.scan(step, h0, (x, delta, b, keep, c))
     return (y, h), (h0, x, delta, a, b, c, keep)
 
 
@@ -289,10 +286,9 @@ def _selective_loop_bwd(res, cotangents):
     da_t dt_t``; ``d C_t = h_t^T gy_t`` from the recomputed states."""
     h0, x, delta, a, b, c, keep = res
     gy, gh_last = cotangents
-    step = _selective_step(a)
 
     def states(h, inputs):
-        return step(h, inputs)[0], h
+        return _advance(h, a, *inputs)[0], h
 
     h_prev = lax.scan(states, h0, (x, delta, b, keep))[1]  # h_{t-1}, [G, D, N]
 
@@ -300,13 +296,11 @@ def _selective_loop_bwd(res, cotangents):
         g_next, g_a = carry
         gy_t, c_t, x_t, d_t, b_t, keep_t, hp_t = inputs
         g = gy_t[:, None] * c_t[None, :] + g_next
-        da = jnp.where(keep_t, jnp.exp(d_t[:, None] * a), 0.0)
-        dx = d_t * x_t
-        h_t = da * hp_t + dx[:, None] * b_t[None, :]
+        h_t, da = _advance(hp_t, a, x_t, d_t, b_t, keep_t)
         q = g * hp_t * da
         gu = g @ b_t  # [D]: the cotangent of dt_t x_t
         gd = jnp.sum(q * a, -1) + gu * x_t
-        return (da * g, g_a + q * d_t[:, None]), (gd, gu * d_t, dx @ g, gy_t @ h_t)
+        return (da * g, g_a + q * d_t[:, None]), (gd, gu * d_t, (d_t * x_t) @ g, gy_t @ h_t)
 
     (g_h0, g_a), (g_delta, g_x, g_b, g_c) = lax.scan(
         back, (gh_last, jnp.zeros_like(a)), (gy, c, x, delta, b, keep, h_prev), reverse=True)
@@ -370,8 +364,7 @@ def selective_scan(x, delta, a, b, c, *, kv_mask=None, implementation: str = "au
     if implementation == "sequential":
         def step(h, inputs):
             x_t, d_t, b_t, c_t, keep_t = inputs
-            decay = jnp.where(keep_t, jnp.exp(d_t[:, None] * a), 0.0)
-            h = decay * h + (d_t * x_t)[:, None] * b_t[None, :]
+            h = _advance(h, a, x_t, d_t, b_t, keep_t)[0]
             return h, h @ c_t
 
         y = lax.scan(step, jnp.zeros(a.shape, jnp.float32), (x, delta, b, c, keep))[1]
