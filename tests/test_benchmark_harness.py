@@ -198,8 +198,12 @@ def test_unmeasured_checks_say_why_and_the_summary_counts_every_target():
                                                    {"name": "dense"}], quick=False)
     assert failed[2]["measured"] == "n/a (not measured; failed in this run: flash)"
     machine = {"cpu": "a CPU", "backend": "cpu", "date": "2026-01-01 00:00"}
+    # A (why) row measures what bounds a figure: it is neither a target met nor one missed.
+    why = [dict(figure="(why) a ceiling", measured="0.90x", target=">= 1", ok=False),
+           dict(figure="(why) the work", measured="3.00x", target=">= 1", ok=True)]
     lines = benchmark.target_summary([{"suite": "s", "quick": False, "machine": machine,
-                                       "checks": quick}])
+                                       "checks": quick + why}])
+    assert not any("(why)" in line for line in lines if line.startswith("| `s` |"))
     assert "| `s` | a CPU | 2026-01-01 00:00 | 3 | 1 | 1 | 1 |" in lines
     assert "| all | | | 3 | 1 | 1 | 1 |" in lines
     assert "| `s` | b | 0.50x | >= 1 |" in lines and "| `s` | a | 2.00x | >= 1 |" not in lines

@@ -111,4 +111,20 @@ def checks(r):
     for v in RECURRENCES:
         out.append(ratio_check(f"{v} fwd+bwd time, L={long} / L={short}", t(v, long), t(v),
                                at_most=LONG_BOUND.get(v, 9)))
+    # Not targets: the work itself, as the process's CPU time summed over its threads. Flash's
+    # tile matmuls spread over every core; a recurrence's loop over chunks of 8 or 16
+    # positions runs each step's small products on about one, so on a machine of few cores
+    # the wall-time ratio falls short of the work's.
+    cpu = lambda name: r.value("cpu_s", name, "fwdbwd", L=short)  # noqa: E731
+    for v in RECURRENCES:
+        out.append(ratio_check(
+            f"(why) CPU time of all threads, causal flash / {v}, fwd+bwd at L={short}; and the "
+            f"cores each kept busy: flash {_cores(r, 'flash causal', short)}, {v} "
+            f"{_cores(r, v, short)}", cpu("flash causal"), cpu(v), at_least=3))
     return out
+
+
+def _cores(r, name, L):
+    # CPU time over wall time: the cores a call kept busy on average.
+    cpu, wall = r.value("cpu_s", name, "fwdbwd", L=L), r.time(name, "fwdbwd", L=L)
+    return "n/a" if cpu is None or not wall else f"{cpu / wall:.2f}"
