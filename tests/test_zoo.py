@@ -327,10 +327,28 @@ def test_an_interrupted_run_reports_its_validation_accuracy(tmp_path):
     induced = R._row(str(tmp_path / "runs"), "induction/attention-dot_product/L256_d64_lr0.003",
                      {})
     assert induced["test_L"] == 1024
-    text = R.report([stopped, failed, induced], str(tmp_path / "results"), None, "cpu")
+    # A trainer holding the workdir (this process, alive) is running, not failed; a lock left
+    # by a process that is gone is stale and changes nothing.
+    import socket
+
+    def locked(name, pid):
+        (tmp_path / "runs" / name / "lock").write_text(json.dumps(
+            {"host": socket.gethostname(), "pid": pid, "started": "", "argv": []}))
+        return R._row(str(tmp_path / "runs"), name, {})
+
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    assert "running" not in locked("mqar/attention-linear/L64_d64_lr0.003", int(gone))
+    running = make("mqar/mixer-mamba2/L64_d64_lr0.003", "start\n",
+                   [{"step": 4400, "validation_accuracy": 0.95}])
+    assert running["error"] == "start"  # no lock: a log that stops without a result failed
+    running = locked("mqar/mixer-mamba2/L64_d64_lr0.003", os.getpid())
+    assert running["running"] and "error" not in running
+    text = R.report([stopped, failed, induced, running], str(tmp_path / "results"), None, "cpu")
     assert "| attention/dot_product | 0.500 at L=1024 (0.980 at L=256) |" in text
     assert "| attention/based | (0.250 validation at step 2200, unfinished) |" in text
     assert "| attention/linear | error |" in text
+    assert "| mixer/mamba2 | (0.950 validation at step 4400, running) |" in text
 
 
 def test_results_add_up_across_invocations_and_machines():

@@ -59,6 +59,17 @@ class WorkdirLock:
         except (OSError, ValueError):
             return {}  # being written, or unreadable: treated as held
 
+    def holder(self) -> dict | None:
+        """The trainer that holds the workdir: its ``{"host", "pid", "started", "argv"}``
+        (``{}`` while the file is being written), or None when the workdir is free or its
+        holder is gone (a stale lock: the same host and no process with its pid). A holder on
+        another host cannot be checked and is returned as holding."""
+        holder = self._holder()
+        if holder and holder.get("host") == socket.gethostname() and isinstance(
+                holder.get("pid"), int) and not _alive(holder["pid"]):
+            return None
+        return holder
+
     def _try_create(self) -> bool:
         try:
             fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)

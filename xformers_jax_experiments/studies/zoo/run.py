@@ -31,6 +31,7 @@ import time
 
 from absl import app, flags
 
+from xformers_jax import train
 from xformers_jax_experiments import run_lib, sweep
 from xformers_jax_experiments.studies.zoo import config as Z
 
@@ -101,13 +102,19 @@ def _row(workdir: str, name: str, run: dict) -> dict:
         with open(config) as f:  # the test split's length: extrapolation beyond training's
             row["test_L"] = json.load(f)["data"].get("test_seq_len") or int(L)
     log = os.path.join(workdir, name, "train.log")
-    if row.get("test_accuracy") is None and os.path.exists(log):
+    last_validation = max((m["step"] for m in metrics if "validation_accuracy" in m),
+                          default=None)
+    if row.get("test_accuracy") is None and train.WorkdirLock(
+            os.path.join(workdir, name)).holder() is not None:
+        # A trainer holds the workdir (training now, or paused): neither a result nor an error.
+        row["running"] = True
+        row["validation_step"] = last_validation
+    elif row.get("test_accuracy") is None and os.path.exists(log):
         with open(log, errors="replace") as f:
             tail = [line.strip() for line in f if line.strip()][-1:]
         if tail and tail[0].startswith("preempted"):
             row["unfinished"] = True  # interrupted with a checkpoint: the sweep resumes it
-            row["validation_step"] = max((m["step"] for m in metrics
-                                          if "validation_accuracy" in m), default=None)
+            row["validation_step"] = last_validation
         else:
             row["error"] = tail[0][:200] if tail else "no output"
     return row
@@ -115,7 +122,7 @@ def _row(workdir: str, name: str, run: dict) -> dict:
 
 def _has_result(row: dict) -> bool:
     return any(row.get(k) is not None for k in ("test_accuracy", "validation_accuracy",
-                                                "error", "unfinished"))
+                                                "error", "unfinished", "running"))
 
 
 def merge_rows(earlier, fresh):
@@ -209,8 +216,10 @@ def report(rows, results_dir: str, wall_s: float | None, grid: str,
                 at = None if r is None else r.get("validation_step")
                 test_at = None if r is None else r.get("test_L")
                 cells.append("" if r is None else "error" if acc is None and r.get("error")
-                             else f"({val:.3f} validation at step {at}, unfinished)"
-                             if acc is None and r.get("unfinished") and val is not None
+                             else f"({val:.3f} validation at step {at}, "
+                             f"{'running' if r.get('running') else 'unfinished'})"
+                             if acc is None and (r.get("unfinished") or r.get("running"))
+                             and val is not None
                              else "" if acc is None
                              else f"{acc:.3f} at L={test_at} ({val:.3f} at L={L}){state}"
                              if test_at and test_at != L and val is not None
