@@ -43,6 +43,12 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def _stale(holder: dict | None) -> bool:
+    # A holder on this host whose process is gone (kill -9, out of memory, a crash).
+    return bool(holder) and holder.get("host") == socket.gethostname() and isinstance(
+        holder.get("pid"), int) and not _alive(holder["pid"])
+
+
 class WorkdirLock:
     """The lock file of ``workdir``; ``acquire`` then ``release`` (or ``with``)."""
 
@@ -65,10 +71,7 @@ class WorkdirLock:
         holder is gone (a stale lock: the same host and no process with its pid). A holder on
         another host cannot be checked and is returned as holding."""
         holder = self._holder()
-        if holder and holder.get("host") == socket.gethostname() and isinstance(
-                holder.get("pid"), int) and not _alive(holder["pid"]):
-            return None
-        return holder
+        return None if _stale(holder) else holder
 
     def _try_create(self) -> bool:
         try:
@@ -93,7 +96,7 @@ class WorkdirLock:
                 continue  # released meanwhile
             host, pid = holder.get("host"), holder.get("pid")
             who = f"pid {pid} on host {host} (started {holder.get('started')})"
-            if host == socket.gethostname() and isinstance(pid, int) and not _alive(pid):
+            if _stale(holder):
                 aside = f"{self.path}.stale-{pid}"
                 try:
                     os.rename(self.path, aside)  # one of two racing trainers wins this

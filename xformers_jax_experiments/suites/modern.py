@@ -116,15 +116,14 @@ def checks(r):
     # positions runs each step's small products on about one, so on a machine of few cores
     # the wall-time ratio falls short of the work's.
     cpu = lambda name: r.value("cpu_s", name, "fwdbwd", L=short)  # noqa: E731
+
+    def cores(name):  # CPU time over wall time: the cores a call kept busy on average
+        c, wall = cpu(name), t(name)
+        return "n/a" if c is None or not wall else f"{c / wall:.2f}"
+
     for v in RECURRENCES:
         out.append(ratio_check(
             f"(why) CPU time of all threads, causal flash / {v}, fwd+bwd at L={short}; and the "
-            f"cores each kept busy: flash {_cores(r, 'flash causal', short)}, {v} "
-            f"{_cores(r, v, short)}", cpu("flash causal"), cpu(v), at_least=3))
+            f"cores each kept busy: flash {cores('flash causal')}, {v} {cores(v)}",
+            cpu("flash causal"), cpu(v), at_least=3))
     return out
-
-
-def _cores(r, name, L):
-    # CPU time over wall time: the cores a call kept busy on average.
-    cpu, wall = r.value("cpu_s", name, "fwdbwd", L=L), r.time(name, "fwdbwd", L=L)
-    return "n/a" if cpu is None or not wall else f"{cpu / wall:.2f}"
