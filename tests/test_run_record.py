@@ -175,3 +175,29 @@ def test_command_line_config_errors_and_slot_hyperparameters():
     rc, _, err = out["slot_typo"]
     assert rc != 0 and "model.attention: attention kind 'performer': unknown hyperparameters " \
                        "['kernal']" in err and "did you mean 'kernel'" in err
+
+
+def test_what_a_run_spent_sums_its_timed_starts(tmp_path):
+    """``RunRecord.spent``: the starts that recorded their end are summed; a killed start
+    (no end) makes the run untimed; a finished run's last untimed start counts its wall time
+    from its start to its finish."""
+    workdir = tmp_path / "run"
+    workdir.mkdir()
+    record = train.RunRecord(str(workdir))
+    assert record.spent() is None
+
+    def write(sessions, finished=None):
+        payload = {"config_file": "config.json", "sessions": sessions}
+        if finished:
+            payload["finished"] = finished
+        (workdir / "run.json").write_text(json.dumps(payload))
+        return record.spent()
+
+    timed = {"started": "2026-11-29 10:00:00", "wall_s": 60.0, "cpu_s": 100.0}
+    killed = {"started": "2026-11-29 11:00:00"}
+    assert write([timed, dict(timed, wall_s=30.0, cpu_s=20.0)]) == dict(
+        wall_s=90.0, cpu_s=120.0, timed=True)
+    assert write([timed, killed]) == dict(wall_s=60.0, cpu_s=100.0, timed=False)
+    assert write([killed, timed]) == dict(wall_s=60.0, cpu_s=100.0, timed=False)
+    assert write([timed, killed], {"step": 4, "time": "2026-11-29 11:02:30"}) == dict(
+        wall_s=210.0, cpu_s=100.0, timed=False)

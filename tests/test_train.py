@@ -1,5 +1,6 @@
 """xformers_jax.train: learning, exact resume after SIGTERM, crashes and kills, configs, metrics."""
 
+import json
 import os
 import pathlib
 import signal
@@ -88,6 +89,13 @@ def test_resume_after_sigterm_and_crash_matches_uninterrupted_run(straight_run, 
     resumed = train.train_and_evaluate(config, resumed_dir)
 
     _assert_same_run(resumed, resumed_dir, straight_run)
+    # Each start's session says how it ended, where, and what it cost.
+    with open(os.path.join(resumed_dir, "run.json")) as fh:
+        sessions = json.load(fh)["sessions"]
+    assert [s["outcome"] for s in sessions] == ["preempted", "failed: _Crash: ", "finished"]
+    assert [s.get("step") for s in sessions] == [3, None, 8]
+    assert all(s["wall_s"] > 0 and s["cpu_s"] > 0 and s["ended"] >= s["started"]
+               for s in sessions)
     # TensorBoard reads, after the restarts' purges, what the JSONL's last rows say.
     for workdir in (straight_run[1], resumed_dir):
         assert _tensorboard_scalars(workdir) == _jsonl_scalars(workdir)

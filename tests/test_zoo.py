@@ -216,6 +216,10 @@ def test_tiny_sweep_end_to_end(tmp_path):
     assert state["dot_product"] > 0 and state["mamba2"] > 0
     table = (results / "zoo.md").read_text()
     assert "| attention/dot_product |" in table and "| mixer/mamba2 |" in table
+    # what each run cost, from its run.json, and the task's total
+    assert all(r["timed"] and r["cpu_s"] > 0 and r["wall_s"] > 0 for r in rows), rows
+    cost = f"| mqar | 2 | 2 | {sum(r['cpu_s'] for r in rows) / 3600:.2f} | "
+    assert cost in table, table
     again = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert again.returncode == 0, again.stderr[-3000:]
     assert again.stdout.count("already finished") == 2  # resumed: nothing run again

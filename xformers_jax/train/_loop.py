@@ -108,7 +108,9 @@ def train_and_evaluate(config, workdir: str, *, on_step=None,
     Takes the workdir's lock (``_lock.py``: a second trainer raises ``WorkdirLocked`` naming
     the first) and checks and extends its run record (``_record.py``): a config other than
     the recorded one raises ``ConfigChanged`` unless ``allow_config_change``; a finished run
-    returns its recorded result with ``already_finished=True`` and writes nothing.
+    returns its recorded result with ``already_finished=True`` and writes nothing. How each
+    start ends (finished, preempted, or failed and why) is recorded in its session with its
+    wall and CPU seconds.
     """
     validate_config(config)
     lock = acquire_for_job(workdir)
@@ -118,7 +120,15 @@ def train_and_evaluate(config, workdir: str, *, on_step=None,
         if finished is not None:
             logging.warning("run already finished at step %d; nothing to do", finished["step"])
             return {**finished, "already_finished": True}
-        result = _train_and_evaluate(config, workdir, on_step=on_step)
+        try:
+            result = _train_and_evaluate(config, workdir, on_step=on_step)
+        except BaseException as e:
+            try:  # the record says how the start ended; the error itself propagates
+                record.end(f"failed: {type(e).__name__}: {e}")
+            except Exception as record_error:  # noqa: BLE001
+                logging.error("could not record the failure in run.json: %s", record_error)
+            raise
+        record.end("preempted" if result.get("preempted") else "finished", result.get("step"))
         if not result.get("preempted"):
             record.finish(result)
         return result

@@ -6,8 +6,11 @@ JSON can hold as they are, tuples as lists, other objects such as sparsity patte
 start in ``sessions`` (time, host, pid, the step it started from, the code version: the
 package version and, when the package is a git checkout, the commit and whether the tree had
 uncommitted changes; the versions of jax, jaxlib, equinox, optax, orbax-checkpoint, grain,
-ml-collections and numpy; the config keys changed on that start) and, once the run is over,
-``finished``: its step and final metrics. Both files are written by process 0, atomically
+ml-collections and numpy; the config keys changed on that start; and, when the start ends,
+``ended``, ``outcome`` (``"finished"``, ``"preempted"`` or ``"failed: <error>"``), the step it
+ended at when known, ``wall_s`` and ``cpu_s``: the start's wall and process CPU time, all
+threads, from its record to its end) and, once the run is over, ``finished``: its step and
+final metrics. Both files are written by process 0, atomically
 (a temporary file renamed over the old one).
 
 A resume compares the config with the recorded one: a difference raises ``ConfigChanged``
@@ -127,6 +130,7 @@ class RunRecord:
         self.workdir = os.path.abspath(workdir)
         self.path = os.path.join(self.workdir, RECORD)
         self.writer = writer
+        self._clock = None  # (wall, process CPU) seconds when this start was recorded
 
     def read(self) -> dict | None:
         if not os.path.exists(self.path):
@@ -162,6 +166,7 @@ class RunRecord:
             return None
         record = record or {"config_file": CONFIG, "sessions": []}
         record.pop("finished", None)
+        self._clock = (time.time(), time.process_time())
         record["sessions"].append({
             "started": time.strftime("%Y-%m-%d %H:%M:%S"), "host": socket.gethostname(),
             "pid": os.getpid(), "code": code_version(), "packages": package_versions(),
@@ -170,6 +175,43 @@ class RunRecord:
         _write_atomic(os.path.join(self.workdir, CONFIG), new)
         _write_atomic(self.path, record)
         return None
+
+    def end(self, outcome: str, step: int | None = None) -> None:
+        """Records how this start ended (``outcome``: ``"finished"``, ``"preempted"`` or
+        ``"failed: ..."``), the step it ended at, and its wall and CPU seconds since
+        :meth:`begin` recorded it."""
+        if not self.writer or self._clock is None:
+            return
+        wall, cpu = time.time() - self._clock[0], time.process_time() - self._clock[1]
+        record = self.read()
+        session = record["sessions"][-1]
+        session.update(ended=time.strftime("%Y-%m-%d %H:%M:%S"), outcome=outcome[:300],
+                       wall_s=round(wall, 3), cpu_s=round(cpu, 3))
+        if step is not None:
+            session["step"] = int(step)
+        _write_atomic(self.path, record)
+        self._clock = None
+
+    def spent(self) -> dict:
+        """What the run has cost so far: ``wall_s`` and ``cpu_s`` summed over its starts that
+        recorded their end, and ``timed``: whether every start did (a start that was killed,
+        or ran before starts recorded their end, did not; a finished run's last such start
+        still counts its wall time, from its start to ``finished``). None without a record."""
+        record = self.read()
+        if record is None:
+            return None
+        wall = cpu = 0.0
+        timed = True
+        stamp = lambda text: time.mktime(time.strptime(text, "%Y-%m-%d %H:%M:%S"))  # noqa: E731
+        sessions = record.get("sessions", [])
+        for i, session in enumerate(sessions):
+            if "wall_s" in session:
+                wall, cpu = wall + session["wall_s"], cpu + session["cpu_s"]
+                continue
+            timed = False
+            if i == len(sessions) - 1 and "finished" in record and "time" in record["finished"]:
+                wall += stamp(record["finished"]["time"]) - stamp(session["started"])
+        return dict(wall_s=wall, cpu_s=cpu, timed=timed)
 
     def finish(self, result: dict) -> None:
         """Records the run as finished with ``result`` (its ``step`` and final metrics)."""

@@ -101,6 +101,10 @@ def _row(workdir: str, name: str, run: dict) -> dict:
     if task == "induction" and os.path.exists(config):
         with open(config) as f:  # the test split's length: extrapolation beyond training's
             row["test_L"] = json.load(f)["data"].get("test_seq_len") or int(L)
+    spent = train.RunRecord(os.path.join(workdir, name)).spent()
+    if spent is not None:  # what the run cost (run.json's sessions); timed: every start's
+        row.update(wall_s=round(spent["wall_s"], 1), cpu_s=round(spent["cpu_s"], 1),
+                   timed=spent["timed"])
     log = os.path.join(workdir, name, "train.log")
     last_validation = max((m["step"] for m in metrics if "validation_accuracy" in m),
                           default=None)
@@ -226,11 +230,35 @@ def report(rows, results_dir: str, wall_s: float | None, grid: str,
                              else f"{acc:.3f}{state}")
             lines.append(f"| {slot}/{kind} | " + " | ".join(cells) + " |")
         lines.append("")
+    lines += _cost_lines(rows)
     text = "\n".join(lines)
     with open(os.path.join(results_dir, "zoo.md"), "w") as f:
         f.write(text + "\n")
     _plots(best, results_dir)
     return text
+
+
+def _cost_lines(rows) -> list[str]:
+    """zoo.md's table of what the runs cost, per task: every run with a record, each
+    learning rate counted (the grid runs them all)."""
+    out = []
+    for task in Z.TASKS:
+        ran = [r for r in rows if r["task"] == task and r.get("wall_s") is not None]
+        if not ran:
+            continue
+        timed = [r for r in ran if r.get("timed")]
+        out.append(f"| {task} | {len(ran)} | {len(timed)} | "
+                   f"{sum(r['cpu_s'] for r in timed) / 3600:.2f} | "
+                   f"{sum(r['wall_s'] for r in ran) / 3600:.2f} |")
+    if not out:
+        return []
+    return ["## What the runs cost", "",
+            "Read from each run's `run.json`: a run is *timed* when every start of it recorded "
+            "its wall and CPU time (all threads) at its end; the CPU-hours are the timed runs', "
+            "the wall-hours every run's (a finished run's untimed start counts from its start "
+            "to its finish; a killed start, nothing).", "",
+            "| task | runs | timed | CPU-hours (timed runs) | wall-hours |",
+            "|---|---|---|---|---|", *out, ""]
 
 
 def _plots(best, results_dir: str) -> None:
