@@ -257,3 +257,29 @@ def test_stacks_that_vary_by_layer_decode_as_their_forward(what):
     assert len(blocks) == model.layers.num_layers and view.for_decoding() is view
     if what != "every_other_ffn":  # shared: the same array in every layer, not copies
         assert blocks[0].attn.wq is blocks[-1].attn.wq
+
+
+def test_causal_lm_input_positions_by_name():
+    """``positions="none"``: the tokens enter as their embeddings alone (the token mixers'
+    papers add no positions), teacher-forced and cached decoding still agree, and the
+    sinusoids' default changes the logits; an unknown scheme is refused, naming the choices."""
+    from xformers_jax.train import model_config
+
+    task = type("T", (), dict(vocab_size=20, seq_len=L))()
+    key = jax.random.PRNGKey(2)
+    tokens = jax.random.randint(key, (2, L), 0, 20)
+
+    def build(**c):
+        config = model_config("causal_lm", dim=32, num_layers=2, num_heads=4, hidden=64, **c)
+        return models.get_model("causal_lm").build(config, task, key)
+
+    bare, default = build(positions="none"), build()
+    x, _ = bare.embed(tokens, causal=True)
+    assert_close(x, bare.embed.table[tokens], EXACT)
+    forced = bare(tokens)
+    cached, _ = eqx.filter_jit(lambda m: m.prefill(tokens, m.init_cache(2, L)))(bare)
+    assert_close(cached, forced, EXACT)
+    assert not np.allclose(forced, default(tokens), atol=1e-3)
+    with pytest.raises(ValueError, match=re.escape(
+            "causal_lm: positions must be one of ['none', 'sinusoidal'], got 'rope'")):
+        build(positions="rope")

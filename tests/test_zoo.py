@@ -190,6 +190,9 @@ def test_zoo_hyperparameters_fill_every_causal_kind():
             hp = Z.zoo_hyperparameters(slot, kind, 64)
             spec = {"attention": nn.AttentionSpec, "mixer": nn.MixerSpec}[slot](kind, hp)
             assert spec.kind == kind
+    # Input positions as Zoology gives them: the attention slot's, none for the token mixers.
+    assert Z.get_config("mqar,attention,based,64").model.positions == "sinusoidal"
+    assert Z.get_config("selective_copy,mixer,mamba,256").model.positions == "none"
 
 
 def test_tiny_sweep_end_to_end(tmp_path):

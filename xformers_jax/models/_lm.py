@@ -15,8 +15,8 @@ import jax.numpy as jnp
 from .. import axes as X
 from ..axes import constrain
 from ..nn import (AUX_WEIGHTS, Carry, ConvPositions, Embedder, LayerNorm, LayerStack,
-                  check_segments, document_positions, memory_aux_loss, sample_tokens,
-                  transformer_stack)
+                  NoPositions, SinusoidalPositions, check_segments, document_positions,
+                  memory_aux_loss, sample_tokens, transformer_stack)
 from ._registry import SLOTS, TRUNK, block_kwargs, register_model
 from ._serving import decode_compiler_options
 from ._trunk import finish, run_with_aux
@@ -209,16 +209,29 @@ def _generate_jit(static):
                    compiler_options=decode_compiler_options())
 
 
+# The input position schemes a causal_lm config may name (``positions``).
+INPUT_POSITIONS = {"sinusoidal": SinusoidalPositions, "none": NoPositions}
+
+
 @register_model("causal_lm", serves=("language_model",),
-                defaults=dict(TRUNK, **SLOTS, tie_embeddings=False, scan_layers=True),
+                defaults=dict(TRUNK, **SLOTS, tie_embeddings=False, scan_layers=True,
+                              positions="sinusoidal"),
                 loss_weights=AUX_WEIGHTS, packs=True, logits_at=True)
 def causal_lm(config, task, key):
-    """The decoder-only language model (:class:`CausalLM`, sinusoidal input positions;
+    """The decoder-only language model (:class:`CausalLM`; ``positions``: the input
+    position scheme, ``"sinusoidal"`` (Vaswani et al. 2017) or ``"none"``: the recurrences
+    and convolutions of the token-mixer slot carry order themselves, and their papers (Mamba,
+    H3, Hyena; Zoology for every kind but softmax attention) add no positions to the tokens;
     ``tie_embeddings``: the output layer is the input embedding table, as in Zoology;
     ``scan_layers``: the layers run as one ``lax.scan`` (one compiled block, the default) or
     unrolled (``False``: for a few small layers on a CPU, where the scan's stacked residuals
     and the fusions it prevents cost more than the layers: the zoo's 2-layer models)."""
+    name = config.get("positions", "sinusoidal")
+    if name not in INPUT_POSITIONS:
+        raise ValueError(f"causal_lm: positions must be one of {sorted(INPUT_POSITIONS)}, "
+                         f"got {name!r}")
     return CausalLM(task.vocab_size, config.dim, config.num_layers, config.num_heads,
-                    config.hidden, max_len=task.seq_len, block=block_kwargs(config),
+                    config.hidden, positions=INPUT_POSITIONS[name](),
+                    max_len=task.seq_len, block=block_kwargs(config),
                     tie_embeddings=config.tie_embeddings,
                     stack=dict(scan=config.get("scan_layers", True)), key=key)

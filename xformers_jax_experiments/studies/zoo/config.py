@@ -121,8 +121,14 @@ def get_config(arg=None):
     # 1308 against 1672 for Gated DeltaNet, 604 against 712 for S4D, 2151 against 2294 for
     # Mamba-2, the same for Mamba; the scan stacks each layer's residuals and keeps XLA from
     # fusing across its body.
+    # Input positions as Zoology's figure gives them (max_position_embeddings for its softmax
+    # attention, 0 for every other mixer) and Mamba, H3 and Hyena's models (none): the
+    # attention slot's kinds have no order of their own, the token mixers do. Sinusoids added
+    # to every token held Mamba and Mamba-2 at chance on selective copying (studies/zoo/
+    # README.md); without them the same models learn it.
     c.model.update(dict(dim=64, num_layers=2, num_heads=2, hidden=256, tie_embeddings=True,
-                        scan_layers=False))
+                        scan_layers=False,
+                        positions="sinusoidal" if slot == "attention" else "none"))
     c.optim.update(dict(learning_rate=1e-3, schedule="cosine", warmup_steps=100,
                         weight_decay=0.1))
     c.stop_at_accuracy = 0.99
