@@ -30,13 +30,19 @@ from xformers_jax import data, models
 from xformers_jax_experiments.studies.zoo import config as Z
 
 FLAGS = flags.FLAGS
-flags.DEFINE_integer("steps", 600, "training steps of each model")
-flags.DEFINE_integer("every", 100, "steps between the table's columns")
-flags.DEFINE_integer("num_tokens", 4, "tokens to copy")
-flags.DEFINE_integer("seq_len", 64, "sequence length")
-flags.DEFINE_integer("batch_size", 64, "examples per step")
-flags.DEFINE_float("learning_rate", 3e-3, "Adam's rate")
-flags.DEFINE_list("kinds", ["mamba", "mamba2"], "token mixers to compare")
+
+
+def _define_flags() -> None:
+    # Defined when run as a script only: a module that defines flags on import collides with
+    # another's of the same name in one process (the test suite imports both).
+    flags.DEFINE_integer("steps", 600, "training steps of each model")
+    flags.DEFINE_integer("every", 100, "steps between the table's columns")
+    flags.DEFINE_integer("num_tokens", 4, "tokens to copy")
+    flags.DEFINE_integer("seq_len", 64, "sequence length")
+    flags.DEFINE_integer("batch_size", 64, "examples per step")
+    flags.DEFINE_float("learning_rate", 3e-3, "Adam's rate")
+    flags.DEFINE_list("kinds", ["mamba", "mamba2"], "token mixers to compare")
+
 
 # (the row's name, positions, tied output layer, embedding scale)
 VARIANTS = (("sinusoidal positions", "sinusoidal", True, 1.0),
@@ -109,4 +115,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+    _define_flags()
     app.run(main)
