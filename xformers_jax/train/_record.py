@@ -3,7 +3,7 @@
 ``<workdir>/config.json`` is the resolved config (``config_json``: every key, sorted; values
 JSON can hold as they are, tuples as lists, other objects such as sparsity patterns as their
 ``repr``). ``<workdir>/run.json`` holds ``config_file`` (that file's name), one entry per
-start in ``sessions`` (time, host, pid, the step it started from, the code version: the
+start in ``sessions`` (time, host, pid, the code version: the
 package version and, when the package is a git checkout, the commit and whether the tree had
 uncommitted changes; the versions of jax, jaxlib, equinox, optax, orbax-checkpoint, grain,
 ml-collections and numpy; the config keys changed on that start; and, when the start ends,

@@ -124,8 +124,8 @@ def get_config(arg=None):
     # Input positions as Zoology's figure gives them (max_position_embeddings for its softmax
     # attention, 0 for every other mixer) and Mamba, H3 and Hyena's models (none): the
     # attention slot's kinds have no order of their own, the token mixers do. Sinusoids added
-    # to every token held Mamba and Mamba-2 at chance on selective copying (studies/zoo/
-    # README.md); without them the same models learn it.
+    # to every token held Mamba and Mamba-2 at chance on selective copying (this folder's
+    # README.md, positions.py); without them the same models learn it.
     c.model.update(dict(dim=64, num_layers=2, num_heads=2, hidden=256, tie_embeddings=True,
                         scan_layers=False,
                         positions="sinusoidal" if slot == "attention" else "none"))

@@ -256,7 +256,7 @@ def _cost_lines(rows) -> list[str]:
             "Read from each run's `run.json`: a run is *timed* when every start of it recorded "
             "its wall and CPU time (all threads) at its end; the CPU-hours are the timed runs', "
             "the wall-hours every run's (a finished run's untimed start counts from its start "
-            "to its finish; a killed start, nothing).", "",
+            "to its finish; a start still running, or killed, nothing).", "",
             "| task | runs | timed | CPU-hours (timed runs) | wall-hours |",
             "|---|---|---|---|---|", *out, ""]
 
