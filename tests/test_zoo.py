@@ -221,6 +221,9 @@ def test_tiny_sweep_end_to_end(tmp_path):
     assert "| attention/dot_product |" in table and "| mixer/mamba2 |" in table
     # what each run cost, from its run.json, and the task's total
     assert all(r["timed"] and r["cpu_s"] > 0 and r["wall_s"] > 0 for r in rows), rows
+    # the validation curve: the evaluation at the last step, as recorded in metrics.jsonl
+    assert all(r["curve"][-1] == [6, round(r["validation_accuracy"], 4)] for r in rows), rows
+    assert "## How the runs learned" in table
     cost = f"| mqar | 2 | 2 | {sum(r['cpu_s'] for r in rows) / 3600:.2f} | "
     assert cost in table, table
     again = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
@@ -320,10 +323,13 @@ def test_an_interrupted_run_reports_its_validation_accuracy(tmp_path):
 
     stopped = make("mqar/attention-based/L64_d64_lr0.003",
                    "start\npreempted at step 2300: checkpoint saved, rerun\n",
-                   [{"step": 2200, "validation_accuracy": 0.25}, {"step": 2300, "train_loss": 1}])
+                   [{"step": 2000, "validation_accuracy": 0.125},
+                    {"step": 2200, "validation_accuracy": 0.2},  # then preempted, resumed:
+                    {"step": 2200, "validation_accuracy": 0.25}, {"step": 2300, "train_loss": 1}])
     failed = make("mqar/attention-linear/L64_d64_lr0.003", "Traceback\nValueError: bad\n",
                   [{"step": 200, "validation_accuracy": 0.01}])
     assert stopped.get("unfinished") and "error" not in stopped
+    assert stopped["curve"] == [[2000, 0.125], [2200, 0.25]]  # a repeated step: its last
     assert failed["error"] == "ValueError: bad"
     induced = make("induction/attention-dot_product/L256_d64_lr0.003", "done\n",
                    [{"step": 1000, "validation_accuracy": 0.98}, {"step": 1000,
@@ -356,6 +362,15 @@ def test_an_interrupted_run_reports_its_validation_accuracy(tmp_path):
     assert "| attention/based | (0.250 validation at step 2200, unfinished) |" in text
     assert "| attention/linear | error |" in text
     assert "| mixer/mamba2 | (0.950 validation at step 4400, running) |" in text
+    # every run's curve at the shown steps (up to the task's last evaluation: 4400), its last
+    # evaluation and its first at 0.9
+    assert ("| run | step 200 | step 400 | step 1000 | step 2000 | step 3000 | step 4000 | "
+            "last evaluation | first at 0.9 |") in text
+    assert ("| attention/based L=64 d=64 lr=0.003 |  |  |  | 0.125 |  |  | 0.250 (step 2200) "
+            "|  |") in text
+    assert "| attention/linear L=64 d=64 lr=0.003 | 0.010 |" in text
+    assert "| 0.950 (step 4400) | step 4400 |" in text
+    assert (tmp_path / "results" / "zoo_curves.png").stat().st_size > 0
 
 
 def test_results_add_up_across_invocations_and_machines():

@@ -97,6 +97,9 @@ def _row(workdir: str, name: str, run: dict) -> dict:
     row = dict(task=task, slot=slot, kind=kind, L=int(L), d=int(d), lr=float(lr))
     row.update(run_lib.latest(metrics, ("test_accuracy", "validation_accuracy",
                                         "stopped_early_at", "step")))
+    curve = {m["step"]: round(float(m["validation_accuracy"]), 4)
+             for m in metrics if "validation_accuracy" in m}  # a resumed step: its last
+    row["curve"] = sorted([s, a] for s, a in curve.items())
     config = os.path.join(workdir, name, "config.json")
     if task == "induction" and os.path.exists(config):
         with open(config) as f:  # the test split's length: extrapolation beyond training's
@@ -230,12 +233,49 @@ def report(rows, results_dir: str, wall_s: float | None, grid: str,
                              else f"{acc:.3f}{state}")
             lines.append(f"| {slot}/{kind} | " + " | ".join(cells) + " |")
         lines.append("")
+    lines += _curve_lines(rows)
     lines += _cost_lines(rows)
     text = "\n".join(lines)
     with open(os.path.join(results_dir, "zoo.md"), "w") as f:
         f.write(text + "\n")
-    _plots(best, results_dir)
+    _plots(best, rows, results_dir)
     return text
+
+
+# The evaluations zoo.md shows of each run's validation curve (every 200 steps in run.json).
+CURVE_STEPS = (200, 400, 1000, 2000, 3000, 4000, 6000, 8000, 10000)
+
+
+def _curve_lines(rows) -> list[str]:
+    """zoo.md's validation accuracy of every run at ``CURVE_STEPS`` (up to the last step any
+    run of the task reached) and the first evaluation at or above 0.9."""
+    out = []
+    for task in Z.TASKS:
+        ran = sorted((r for r in rows if r["task"] == task and r.get("curve")),
+                     key=lambda r: (r["slot"], r["kind"], r["L"], r["d"], r["lr"]))
+        if not ran:
+            continue
+        last = max(r["curve"][-1][0] for r in ran)
+        steps = [s for s in CURVE_STEPS if s <= last]
+        out += [f"### {task}", "",
+                "| run | " + " | ".join(f"step {s}" for s in steps)
+                + " | last evaluation | first at 0.9 |",
+                "|---|" + "---|" * (len(steps) + 2)]
+        for r in ran:
+            at = dict(map(tuple, r["curve"]))
+            high = next((s for s, a in r["curve"] if a >= 0.9), None)
+            s_last, a_last = r["curve"][-1]
+            out.append(f"| {r['slot']}/{r['kind']} L={r['L']} d={r['d']} lr={r['lr']:g} | "
+                       + " | ".join("" if s not in at else f"{at[s]:.3f}" for s in steps)
+                       + f" | {a_last:.3f} (step {s_last}) | "
+                       + ("" if high is None else f"step {high}") + " |")
+        out.append("")
+    if not out:
+        return []
+    return ["## How the runs learned", "",
+            "Every run's validation accuracy (the scored positions of the validation split) at "
+            "some of its evaluations, read from its `metrics.jsonl`; `zoo_curves.png` plots "
+            "them all.", "", *out]
 
 
 def _cost_lines(rows) -> list[str]:
@@ -261,12 +301,25 @@ def _cost_lines(rows) -> list[str]:
             "|---|---|---|---|---|", *out, ""]
 
 
-def _plots(best, results_dir: str) -> None:
+def _plots(best, rows, results_dir: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    tasks = [t for t in Z.TASKS if any(r["task"] == t and r.get("curve") for r in rows)]
+    if tasks:
+        fig, axes = plt.subplots(1, len(tasks), figsize=(6 * len(tasks), 4), squeeze=False)
+        for ax, task in zip(axes[0], tasks):
+            for r in rows:
+                if r["task"] == task and r.get("curve"):
+                    ax.plot(*zip(*r["curve"]), linewidth=1,
+                            label=f"{r['kind']} L={r['L']} d={r['d']} lr={r['lr']:g}")
+            ax.set(title=task, xlabel="step", ylabel="validation accuracy", ylim=(0, 1))
+            ax.legend(fontsize=5)
+        fig.tight_layout()
+        fig.savefig(os.path.join(results_dir, "zoo_curves.png"), dpi=120)
+        plt.close(fig)
     mqar = {k: r for k, r in best.items() if k[0] == "mqar" and r.get("test_accuracy") is not None}
     if not mqar:
         return
