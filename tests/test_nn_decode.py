@@ -283,3 +283,31 @@ def test_causal_lm_input_positions_by_name():
     with pytest.raises(ValueError, match=re.escape(
             "causal_lm: positions must be one of ['none', 'sinusoidal'], got 'rope'")):
         build(positions="rope")
+
+
+def test_causal_lm_scales_token_embeddings_by_sqrt_dim():
+    """``scale_embeddings`` (Vaswani et al. 2017, section 3.4): the looked-up token embeddings
+    times sqrt(dim), then the sinusoids; the table (the tied output layer) unchanged; cached
+    decoding equals the teacher-forced logits."""
+    from xformers_jax.nn import sinusoid
+    from xformers_jax.train import model_config
+
+    task = type("T", (), dict(vocab_size=20, seq_len=L))()
+    key = jax.random.PRNGKey(3)
+    tokens = jax.random.randint(key, (2, L), 0, 20)
+
+    def build(**c):
+        config = model_config("causal_lm", dim=32, num_layers=2, num_heads=4, hidden=64,
+                              tie_embeddings=True, **c)
+        return models.get_model("causal_lm").build(config, task, key)
+
+    plain, scaled = build(), build(scale_embeddings=True)
+    assert_close(scaled.embed.table, plain.embed.table, EXACT)  # same draw, unscaled table
+    x, _ = scaled.embed(tokens, causal=True)
+    positions = jnp.broadcast_to(jnp.arange(L), tokens.shape)
+    assert_close(x, scaled.embed.table[tokens] * np.sqrt(32) + sinusoid(positions, 32), EXACT)
+    assert_close(scaled.output_weights(), plain.embed.table.T, EXACT)
+    forced = scaled(tokens)
+    cached, _ = eqx.filter_jit(lambda m: m.prefill(tokens, m.init_cache(2, L)))(scaled)
+    assert_close(cached, forced, EXACT)
+    assert not np.allclose(forced, plain(tokens), atol=1e-3)

@@ -193,6 +193,9 @@ def test_zoo_hyperparameters_fill_every_causal_kind():
     # Input positions as Zoology gives them: the attention slot's, none for the token mixers.
     assert Z.get_config("mqar,attention,based,64").model.positions == "sinusoidal"
     assert Z.get_config("selective_copy,mixer,mamba,256").model.positions == "none"
+    # and where sinusoids are added, the tokens scaled by sqrt(d) (Vaswani et al. 2017)
+    assert Z.get_config("induction,attention,dot_product,256").model.scale_embeddings
+    assert not Z.get_config("mqar,mixer,mamba2,64").model.get("scale_embeddings", False)
 
 
 def test_tiny_sweep_end_to_end(tmp_path):
@@ -449,6 +452,16 @@ def test_positions_study_builds_its_variants_and_trains():
     assert isinstance(plain.embed.positions, nn.SinusoidalPositions)
     assert plain.head is None and untied.head is not None
     np.testing.assert_allclose(scaled.embed.table, 8.0 * plain.embed.table, rtol=1e-6)
+    # softmax attention on induction heads, its tokens (not the table) scaled before the
+    # sinusoids; unscaled unless the variant says so (the zoo's attention slot scales them)
+    attention = P.build("dot_product", "sinusoidal", True, 1.0, 32, 17, key, slot="attention",
+                        task="induction", scale_tokens=True)
+    assert attention.embed.token_scale == 8.0 and attention.layers is not None
+    unscaled = P.build("dot_product", "sinusoidal", True, 1.0, 32, 17, key, slot="attention",
+                       task="induction")
+    assert unscaled.embed.token_scale == 1.0
+    np.testing.assert_allclose(attention.embed.table, unscaled.embed.table, rtol=0)
+    assert set(P.VARIANTS) == {"sinusoidal", "none", "untied", "table_scaled", "tokens_scaled"}
     source = D.SelectiveCopying(8, seed=0, seq_len=32, num_tokens=4)
     acc = P.train(bare, source, steps=2, every=1, batch_size=4, learning_rate=1e-3)
     assert sorted(acc) == [1, 2] and all(0.0 <= a <= 1.0 for a in acc.values())

@@ -21,16 +21,23 @@ CLS_TOKEN_ID = 0
 
 class Embedder(eqx.Module):
     """Token ids (a table) or continuous features (a linear map) to ``[B, L, dim]``, plus an
-    input position scheme and an optional learned CLS token prepended to the sequence."""
+    input position scheme and an optional learned CLS token prepended to the sequence.
+
+    ``scale_tokens``: the looked-up token embeddings are multiplied by ``sqrt(dim)`` before the
+    positions are added (Vaswani et al. 2017, section 3.4). The table is drawn N(0, 1/dim), so
+    its rows have norm about 1 while a sinusoid adds about ``sqrt(dim / 2)``; scaled, a token
+    is not drowned by its own position. The table (which a tied output layer reads) is left
+    as it is."""
 
     table: jax.Array | None = X.param(X.VOCAB, X.EMBED)
     proj: jax.Array | None = X.param(None, X.EMBED)
     cls: jax.Array | None = X.param(X.EMBED)
     positions: InputScheme
+    token_scale: float = eqx.field(static=True)
 
     def __init__(self, dim: int, *, vocab_size: int | None = None,
                  input_dim: int | None = None, cls_token: bool = False,
-                 positions: InputScheme | None = None, key):
+                 positions: InputScheme | None = None, scale_tokens: bool = False, key):
         if (vocab_size is None) == (input_dim is None):
             raise ValueError("Embedder: give exactly one of vocab_size (token ids) or input_dim "
                              "(continuous inputs)")
@@ -41,6 +48,9 @@ class Embedder(eqx.Module):
                      if input_dim is not None else None)
         self.cls = 0.02 * jax.random.normal(k2, (dim,)) if cls_token else None
         self.positions = SinusoidalPositions() if positions is None else positions
+        # Vaswani et al. 2017, section 3.4: the token embeddings times sqrt(dim) before the
+        # positions are added (the table itself, which an output layer may share, is not).
+        self.token_scale = math.sqrt(dim) if scale_tokens else 1.0
         if not isinstance(self.positions, InputScheme):
             raise ValueError(f"Embedder: {type(self.positions).__name__} is not an input position "
                              "scheme; give it to the blocks (block=dict(position=...))")
@@ -74,6 +84,8 @@ class Embedder(eqx.Module):
             if not jnp.issubdtype(inputs.dtype, jnp.integer):
                 raise ValueError(f"Embedder: token ids must be integers, got {inputs.dtype}")
             x = self.table[inputs]
+            if self.token_scale != 1.0:
+                x = x * self.token_scale
         else:
             if inputs.ndim != 3 or inputs.shape[-1] != self.proj.shape[0]:
                 raise ValueError(f"Embedder: continuous inputs must be [B, L, "

@@ -125,10 +125,15 @@ def get_config(arg=None):
     # attention, 0 for every other mixer) and Mamba, H3 and Hyena's models (none): the
     # attention slot's kinds have no order of their own, the token mixers do. Sinusoids added
     # to every token held Mamba and Mamba-2 at chance on selective copying (this folder's
-    # README.md, positions.py); without them the same models learn it.
+    # README.md, positions.py); without them the same models learn it. Where sinusoids are
+    # added, the token embeddings are scaled by sqrt(d) as the paper that defines them does
+    # (Vaswani et al. 2017, section 3.4): unscaled (rows of norm about 1 against the
+    # sinusoid's sqrt(d / 2)), softmax attention stayed at chance on induction heads.
     c.model.update(dict(dim=64, num_layers=2, num_heads=2, hidden=256, tie_embeddings=True,
                         scan_layers=False,
                         positions="sinusoidal" if slot == "attention" else "none"))
+    if slot == "attention":
+        c.model.scale_embeddings = True
     c.optim.update(dict(learning_rate=1e-3, schedule="cosine", warmup_steps=100,
                         weight_decay=0.1))
     c.stop_at_accuracy = 0.99

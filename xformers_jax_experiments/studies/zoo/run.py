@@ -372,6 +372,7 @@ def main(argv):
     if FLAGS.keep_earlier and os.path.exists(earlier):
         with open(earlier) as f:
             rows = merge_rows(json.load(f)["rows"], rows)
+    rows = [r for r in rows if _has_result(r)]  # a setting never run adds nothing to the tables
     sizes = {}
     for r in rows:
         key = (r["slot"], r["kind"], r["L"], r["d"])
