@@ -368,11 +368,15 @@ def test_an_interrupted_run_reports_its_validation_accuracy(tmp_path):
     # every run's curve at the shown steps (up to the task's last evaluation: 4400), its last
     # evaluation and its first at 0.9
     assert ("| run | step 200 | step 400 | step 1000 | step 2000 | step 3000 | step 4000 | "
-            "last evaluation | first at 0.9 |") in text
+            "last evaluation | best evaluation | first at 0.9 |") in text
     assert ("| attention/based L=64 d=64 lr=0.003 |  |  |  | 0.125 |  |  | 0.250 (step 2200) "
-            "|  |") in text
+            "| 0.250 (step 2200) |  |") in text
     assert "| attention/linear L=64 d=64 lr=0.003 | 0.010 |" in text
-    assert "| 0.950 (step 4400) | step 4400 |" in text
+    assert "| 0.950 (step 4400) | 0.950 (step 4400) | step 4400 |" in text
+    # a curve that fell back: its best is not its last
+    fell = dict(stopped, curve=[[200, 0.5], [400, 0.93], [600, 0.93], [800, 0.7]])
+    text = R.report([fell], str(tmp_path / "fell"), None, "cpu")
+    assert "| 0.700 (step 800) | 0.930 (step 400) | step 400 |" in text
     assert (tmp_path / "results" / "zoo_curves.png").stat().st_size > 0
 
 

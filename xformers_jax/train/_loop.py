@@ -288,9 +288,9 @@ def _train_and_evaluate(config, workdir: str, *, on_step=None) -> dict:
             if on_step is not None:
                 on_step(step)
             if preemption.stop(step) and step < total:
-                logging.warning("preempted (SIGTERM): %s stop after step %d, saved to resume",
-                                f"all {jax.process_count()} processes"
-                                if preemption.several else "the run", step)
+                logging.warning("preempted (SIGTERM): %s after step %d, saved to resume",
+                                f"all {jax.process_count()} processes stop"
+                                if preemption.several else "the run stops", step)
                 if not saved:
                     guard.check()
                     checkpointer.save(step, state, data_state(), force=True)

@@ -248,7 +248,7 @@ CURVE_STEPS = (200, 400, 1000, 2000, 3000, 4000, 6000, 8000, 10000)
 
 def _curve_lines(rows) -> list[str]:
     """zoo.md's validation accuracy of every run at ``CURVE_STEPS`` (up to the last step any
-    run of the task reached) and the first evaluation at or above 0.9."""
+    run of the task reached), its last and best evaluations and its first at or above 0.9."""
     out = []
     for task in Z.TASKS:
         ran = sorted((r for r in rows if r["task"] == task and r.get("curve")),
@@ -259,15 +259,16 @@ def _curve_lines(rows) -> list[str]:
         steps = [s for s in CURVE_STEPS if s <= last]
         out += [f"### {task}", "",
                 "| run | " + " | ".join(f"step {s}" for s in steps)
-                + " | last evaluation | first at 0.9 |",
-                "|---|" + "---|" * (len(steps) + 2)]
+                + " | last evaluation | best evaluation | first at 0.9 |",
+                "|---|" + "---|" * (len(steps) + 3)]
         for r in ran:
             at = dict(map(tuple, r["curve"]))
             high = next((s for s, a in r["curve"] if a >= 0.9), None)
             s_last, a_last = r["curve"][-1]
+            s_best, a_best = max(r["curve"], key=lambda p: (p[1], -p[0]))  # the first best
             out.append(f"| {r['slot']}/{r['kind']} L={r['L']} d={r['d']} lr={r['lr']:g} | "
                        + " | ".join("" if s not in at else f"{at[s]:.3f}" for s in steps)
-                       + f" | {a_last:.3f} (step {s_last}) | "
+                       + f" | {a_last:.3f} (step {s_last}) | {a_best:.3f} (step {s_best}) | "
                        + ("" if high is None else f"step {high}") + " |")
         out.append("")
     if not out:
