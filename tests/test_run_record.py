@@ -65,20 +65,32 @@ def test_the_record_refuses_another_config_and_a_finished_run_writes_nothing(tmp
     assert session["packages"]["jax"] and "xformers_jax" in session["code"]
     assert "finished" not in record
 
-    # Another seed or another attention kind of the same shapes: refused, naming each change.
+    # A run recorded before two options existed (their keys absent from its config.json).
+    recorded = train.config_json(_config())
+    del recorded["max_consecutive_skips"], recorded["model"]["dim"]
+    with open(os.path.join(workdir, "config.json"), "w") as fh:
+        json.dump(recorded, fh)
+    # Another seed or another attention kind of the same shapes: refused, naming each change;
+    # so is an absent key set to other than its default (the model's width here).
     changed = _config(seed=1)
     changed.model.attention.kind = "flash"
-    with pytest.raises(train.ConfigChanged, match=r"2 key\(s\) differ\): "
+    with pytest.raises(train.ConfigChanged, match=r"3 key\(s\) differ\): "
                        r"model\.attention\.kind: \"dot_product\" -> \"flash\"; "
+                       r"model\.dim: \(absent\) -> \d+; "
                        r"seed: 0 -> 1\. .*--allow_config_change"):
         train.train_and_evaluate(changed, workdir)
-    # What changes no number may change.
+    # What changes no number may change; an absent key at its default is no change.
+    recorded["model"]["dim"] = _config().model.dim
+    with open(os.path.join(workdir, "config.json"), "w") as fh:
+        json.dump(recorded, fh)
     quiet = _config()
     quiet.progress_bar = False
     result = train.train_and_evaluate(quiet, workdir)
     assert result["step"] == 4 and "already_finished" not in result
     record = _record(workdir)
     assert len(record["sessions"]) == 2 and record["finished"]["step"] == 4
+    assert record["sessions"][-1]["config_changes"] == []
+    assert record["sessions"][-1]["config_keys_added"] == ["max_consecutive_skips: 25"]
 
     def written():  # every file and its time (the lock, taken and released, is no file now)
         files = sorted(glob.glob(os.path.join(workdir, "**"), recursive=True))

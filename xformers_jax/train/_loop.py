@@ -15,7 +15,7 @@ from .. import nn, parallel
 from ..data import DataIterator
 from ._checkpoint import Checkpointer
 from ._compress import Compression
-from ._config import validate_config
+from ._config import base_config, validate_config
 from ._lock import acquire_for_job
 from ._guard import INVALID_DATA, Guard, InvalidDataError
 from ._loss_scale import DynamicLossScale
@@ -116,7 +116,8 @@ def train_and_evaluate(config, workdir: str, *, on_step=None,
     lock = acquire_for_job(workdir)
     try:
         record = RunRecord(workdir, writer=jax.process_index() == 0)
-        finished = record.begin(config, allow_config_change=allow_config_change)
+        finished = record.begin(config, allow_config_change=allow_config_change,
+                                defaults=base_config(config.data.task, config.model.kind))
         if finished is not None:
             logging.warning("run already finished at step %d; nothing to do", finished["step"])
             return {**finished, "already_finished": True}

@@ -17,7 +17,10 @@ A resume compares the config with the recorded one: a difference raises ``Config
 listing each changed key as ``key: old -> new`` unless ``allow_config_change`` (then the
 change is recorded in the session). Keys that change no number of the run (``FREE``: the
 progress bar, plots, TensorBoard, how many checkpoints to keep, the mesh and sharding rules)
-may always change. A finished
+may always change. A key the recorded config lacks, set to its default (``defaults``: the
+trainer passes ``base_config`` of the run's task and model kind), is not a change: an option
+added to the code after the run started defaults to the behaviour of the code before it, so
+the run resumes and the session lists the key under ``config_keys_added``. A finished
 run whose ``num_train_steps`` is not larger than the step it finished at is not run again:
 ``begin`` returns its recorded result and nothing is written (no second test row, events file
 or plot).
@@ -71,15 +74,28 @@ def _flat(tree: dict, prefix: str = "") -> dict:
     return out
 
 
-def config_changes(old: dict, new: dict) -> list[str]:
+def added_at_default(old: dict, new: dict, defaults: dict | None) -> list[str]:
+    """``["key: value", ...]``: the keys of ``new`` that ``old`` lacks and whose value is their
+    default in ``defaults`` (all three ``config_json`` trees; none when ``defaults`` is None)."""
+    if defaults is None:
+        return []
+    a, b, d = _flat(old), _flat(new), _flat(defaults)
+    return [f"{k}: {json.dumps(b[k])}" for k in sorted(b)
+            if k not in a and k in d and b[k] == d[k]]
+
+
+def config_changes(old: dict, new: dict, defaults: dict | None = None) -> list[str]:
     """``["key: old -> new", ...]`` between two ``config_json`` trees (keys in ``FREE``
-    ignored; a key one side lacks shows as ``(absent)``)."""
+    ignored; a key one side lacks shows as ``(absent)``; a key ``old`` lacks that ``new`` sets
+    to its value in ``defaults`` is not a change, see ``added_at_default``)."""
     a, b = _flat(old), _flat(new)
     missing = "(absent)"
+    added = {line.split(":")[0] for line in added_at_default(old, new, defaults)}
     return [f"{k}: {json.dumps(a[k]) if k in a else missing} -> "
             f"{json.dumps(b[k]) if k in b else missing}"
             for k in sorted(set(a) | set(b))
-            if k.split(".")[0] not in FREE and a.get(k, missing) != b.get(k, missing)]
+            if k.split(".")[0] not in FREE and k not in added
+            and a.get(k, missing) != b.get(k, missing)]
 
 
 def code_version() -> dict:
@@ -138,17 +154,26 @@ class RunRecord:
         with open(self.path) as fh:
             return json.load(fh)
 
-    def begin(self, config, *, allow_config_change: bool = False) -> dict | None:
+    def begin(self, config, *, allow_config_change: bool = False,
+              defaults=None) -> dict | None:
         """Checks ``config`` against the record and records this start; returns the recorded
         result of a finished run (then records nothing), else None.
 
         Raises ``ConfigChanged`` (listing ``key: old -> new``) when the workdir was started
-        with another config and ``allow_config_change`` is False."""
+        with another config and ``allow_config_change`` is False. ``defaults`` (a config of
+        the same schema, or None): a key the recorded config lacks is no change when
+        ``config`` sets it to its value there."""
         record, new = self.read(), config_json(config)
-        changes = []
+        defaults = None if defaults is None else config_json(defaults)
+        changes, added = [], []
         if record is not None:
             with open(os.path.join(self.workdir, record.get("config_file", CONFIG))) as fh:
-                changes = config_changes(json.load(fh), new)
+                old = json.load(fh)
+            changes = config_changes(old, new, defaults)
+            added = added_at_default(old, new, defaults)
+            if added:
+                logging.info("%s: keys the recorded config lacks, at their defaults: %s",
+                             self.workdir, "; ".join(added))
             if changes and not allow_config_change:
                 raise ConfigChanged(
                     f"{self.workdir} was started with another config ({len(changes)} "
@@ -170,7 +195,7 @@ class RunRecord:
         record["sessions"].append({
             "started": time.strftime("%Y-%m-%d %H:%M:%S"), "host": socket.gethostname(),
             "pid": os.getpid(), "code": code_version(), "packages": package_versions(),
-            "config_changes": changes})
+            "config_changes": changes, **({"config_keys_added": added} if added else {})})
         os.makedirs(self.workdir, exist_ok=True)
         _write_atomic(os.path.join(self.workdir, CONFIG), new)
         _write_atomic(self.path, record)
