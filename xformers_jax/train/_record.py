@@ -77,11 +77,14 @@ def _flat(tree: dict, prefix: str = "") -> dict:
 def added_at_default(old: dict, new: dict, defaults: dict | None) -> list[str]:
     """``["key: value", ...]``: the keys of ``new`` that ``old`` lacks and whose value is their
     default in ``defaults`` (all three ``config_json`` trees; none when ``defaults`` is None)."""
+    return [f"{k}: {json.dumps(v)}" for k, v in _at_default(old, new, defaults).items()]
+
+
+def _at_default(old: dict, new: dict, defaults: dict | None) -> dict:
     if defaults is None:
-        return []
+        return {}
     a, b, d = _flat(old), _flat(new), _flat(defaults)
-    return [f"{k}: {json.dumps(b[k])}" for k in sorted(b)
-            if k not in a and k in d and b[k] == d[k]]
+    return {k: b[k] for k in sorted(b) if k not in a and k in d and b[k] == d[k]}
 
 
 def config_changes(old: dict, new: dict, defaults: dict | None = None) -> list[str]:
@@ -90,7 +93,7 @@ def config_changes(old: dict, new: dict, defaults: dict | None = None) -> list[s
     to its value in ``defaults`` is not a change, see ``added_at_default``)."""
     a, b = _flat(old), _flat(new)
     missing = "(absent)"
-    added = {line.split(":")[0] for line in added_at_default(old, new, defaults)}
+    added = _at_default(old, new, defaults)
     return [f"{k}: {json.dumps(a[k]) if k in a else missing} -> "
             f"{json.dumps(b[k]) if k in b else missing}"
             for k in sorted(set(a) | set(b))
