@@ -334,6 +334,30 @@ def test_an_interrupted_run_reports_its_validation_accuracy(tmp_path):
     assert stopped.get("unfinished") and "error" not in stopped
     assert stopped["curve"] == [[2000, 0.125], [2200, 0.25]]  # a repeated step: its last
     assert failed["error"] == "ValueError: bad"
+    # run.json's last start says how the run ended before the log does: a start refused before
+    # it was recorded (another config) leaves a preempted run unfinished; a recorded failure is
+    # the error; a killed start (no outcome) falls back to the log.
+    def recorded(name, log, *sessions):
+        where = tmp_path / "runs" / name
+        where.mkdir(parents=True)
+        (where / "train.log").write_text(log)
+        (where / "metrics.jsonl").write_text(json.dumps(
+            {"step": 300, "validation_accuracy": 0.5}) + "\n")
+        (where / "run.json").write_text(json.dumps(
+            {"config_file": "config.json", "sessions": list(sessions)}))
+        return R._row(str(tmp_path / "runs"), name, {})
+
+    ended = {"started": "2026-01-01 00:00:00", "wall_s": 1.0, "cpu_s": 1.0}
+    refused = recorded("mqar/mixer-h3/L64_d64_lr0.003", "ConfigChanged: model.x: 1 -> 2\n",
+                       dict(ended, outcome="preempted", step=300))
+    assert refused.get("unfinished") and refused["validation_step"] == 300
+    assert "error" not in refused
+    broke = recorded("mqar/mixer-h3/L128_d64_lr0.003", "preempted at step 300\n",
+                     dict(ended, outcome="failed: FloatingPointError: loss is nan"))
+    assert broke["error"] == "FloatingPointError: loss is nan" and "unfinished" not in broke
+    killed = recorded("mqar/mixer-h3/L256_d64_lr0.003", "step 300\n",
+                      dict(ended, outcome="preempted"), {"started": "2026-01-01 00:01:00"})
+    assert killed["error"] == "step 300" and killed["timed"] is False
     induced = make("induction/attention-dot_product/L256_d64_lr0.003", "done\n",
                    [{"step": 1000, "validation_accuracy": 0.98}, {"step": 1000,
                                                                   "test_accuracy": 0.5}])

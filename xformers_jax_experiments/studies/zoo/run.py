@@ -104,7 +104,8 @@ def _row(workdir: str, name: str, run: dict) -> dict:
     if task == "induction" and os.path.exists(config):
         with open(config) as f:  # the test split's length: extrapolation beyond training's
             row["test_L"] = json.load(f)["data"].get("test_seq_len") or int(L)
-    spent = train.RunRecord(os.path.join(workdir, name)).spent()
+    record_ = train.RunRecord(os.path.join(workdir, name))
+    record, spent = record_.read(), record_.spent()
     if spent is not None:  # what the run cost (run.json's sessions); timed: every start's
         row.update(wall_s=round(spent["wall_s"], 1), cpu_s=round(spent["cpu_s"], 1),
                    timed=spent["timed"])
@@ -115,14 +116,27 @@ def _row(workdir: str, name: str, run: dict) -> dict:
         # A trainer holds the workdir (training now, or paused): neither a result nor an error.
         row["running"] = True
         row["validation_step"] = last_validation
-    elif row.get("test_accuracy") is None and os.path.exists(log):
-        with open(log, errors="replace") as f:
-            tail = [line.strip() for line in f if line.strip()][-1:]
-        if tail and tail[0].startswith("preempted"):
+    elif row.get("test_accuracy") is None:
+        # How the last recorded start ended (run.json); a start refused before it was recorded
+        # (another config: ConfigChanged) leaves the run as that start found it. Without an
+        # ended start (a record from before starts recorded their end, or a killed start),
+        # the log's last line.
+        ended = [s for s in (record or {}).get("sessions", []) if "outcome" in s][-1:]
+        if ended and ended[0] is record["sessions"][-1]:
+            outcome = ended[0]["outcome"]
+        elif os.path.exists(log):
+            with open(log, errors="replace") as f:
+                tail = [line.strip() for line in f if line.strip()][-1:]
+            outcome = tail[0] if tail else "no output"
+        else:
+            return row
+        if outcome.startswith("preempted"):
             row["unfinished"] = True  # interrupted with a checkpoint: the sweep resumes it
             row["validation_step"] = last_validation
+        elif outcome == "finished":
+            row["error"] = "finished, but its metrics hold no test accuracy"
         else:
-            row["error"] = tail[0][:200] if tail else "no output"
+            row["error"] = outcome.removeprefix("failed: ")[:200]
     return row
 
 
