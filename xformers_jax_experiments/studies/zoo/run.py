@@ -104,8 +104,9 @@ def _row(workdir: str, name: str, run: dict) -> dict:
     if task == "induction" and os.path.exists(config):
         with open(config) as f:  # the test split's length: extrapolation beyond training's
             row["test_L"] = json.load(f)["data"].get("test_seq_len") or int(L)
-    record_ = train.RunRecord(os.path.join(workdir, name))
-    record, spent = record_.read(), record_.spent()
+    run_record = train.RunRecord(os.path.join(workdir, name))
+    last_start = ((run_record.read() or {}).get("sessions") or [{}])[-1]
+    spent = run_record.spent()
     if spent is not None:  # what the run cost (run.json's sessions); timed: every start's
         row.update(wall_s=round(spent["wall_s"], 1), cpu_s=round(spent["cpu_s"], 1),
                    timed=spent["timed"])
@@ -121,9 +122,8 @@ def _row(workdir: str, name: str, run: dict) -> dict:
         # (another config: ConfigChanged) leaves the run as that start found it. Without an
         # ended start (a record from before starts recorded their end, or a killed start),
         # the log's last line.
-        ended = [s for s in (record or {}).get("sessions", []) if "outcome" in s][-1:]
-        if ended and ended[0] is record["sessions"][-1]:
-            outcome = ended[0]["outcome"]
+        if "outcome" in last_start:
+            outcome = last_start["outcome"]
         elif os.path.exists(log):
             with open(log, errors="replace") as f:
                 tail = [line.strip() for line in f if line.strip()][-1:]
