@@ -31,7 +31,10 @@ if PLATFORM == "cpu":
         os.environ["XLA_FLAGS"] += " --xla_cpu_parallel_codegen_split_count=1"
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
 else:
-    os.environ["JAX_PLATFORMS"] = PLATFORM
+    # The accelerator first (the default device), the CPU beside it: Mosaic GPU's interpreter
+    # runs its kernels through host callbacks, which need a CPU device (the interpreted tests
+    # of test_pallas_mosaic.py failed on an H200 without it, 2026-11-29).
+    os.environ["JAX_PLATFORMS"] = f"{PLATFORM},cpu"
     # Several test processes share one GPU: none may take most of its memory up front.
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 # The fixed tile cost table, never one measured on this machine (kernels/_autotune.py): tests
