@@ -28,8 +28,12 @@ the dk/dv kernel, queries past ``lq``) are masked the same way. Key masks and se
 (packed rows) become one int32 code per query row and per key (:func:`_codes`): the row's
 codes are held beside its rows, the keys' streamed beside their tiles, and every step masks
 where they differ. Flex attention's elementwise score functions (:func:`mosaic_score`) are
-applied to each tile, their derivative taken there. Other layouts and flex calls run the
-Triton kernels (:func:`forward` and :func:`backward` fall back).
+applied to each tile, their derivative taken there. Block-sparse layouts whose partial tiles
+are a band (random and strided layouts, alone or intersected with causal or sliding-window
+masks) run the forward on a listed walk (:func:`listed_walk`: each query block's key blocks
+read from a table in global memory, partial ones first) and the Triton backward. Other
+layouts and flex calls run the Triton kernels (:func:`forward` and :func:`backward` fall
+back).
 
 Testing without a GPU: the CUDA lowering on the CPU checks every layout, and Mosaic GPU's
 interpreter (:func:`interpreted`) runs the kernels themselves, their matrix products as dots.
@@ -231,6 +235,8 @@ class _Static:
     dtype: str
     codes: bool = False  # key masks or segment ids: per-row and per-key codes, see _codes
     score: Any = None  # flex attention's score function, where it runs here (mosaic_score)
+    # A layout that is no band: the key blocks each query block visits (listed_walk)
+    listed: tuple[tuple[int, ...], ...] | None = None
 
 
 def _walk(lo, rows: int, left: int, right: int, limit: int, blk: int, n_blocks: int):
@@ -262,6 +268,42 @@ def _ranges(st: _Static, q_lo):
     return _walk(q_lo, BLOCK_Q, st.left, st.right, st.lk, BLOCK_K, st.nk)
 
 
+@functools.lru_cache(maxsize=64)
+def listed_walk(plan) -> tuple[tuple[int, int], tuple[tuple[int, ...], ...]] | None:
+    """A block-sparse layout's walk for the forward kernel: ``(band, rows)``, where row ``a``
+    is ``(n, n_masked, b_0, ..., b_{n-1}, 0, ...)``: query block ``a`` visits the ``n`` key
+    blocks ``b_t``, the first ``n_masked`` of them partial (masked by ``band``, ``i - left <=
+    j <= i + right`` and ``j < lk``), the rest whole; rows padded to one length. None when a
+    partial tile's mask is not that band (the Triton forward runs). Random and strided sparse
+    layouts (all tiles whole or empty) and their intersections with causal or sliding-window
+    masks qualify."""
+    from xformers_jax.kernels import FULL, PARTIAL
+
+    band = (_BIG, _BIG) if plan.band is None else tuple(min(int(x), _BIG) for x in plan.band)
+    bq, bk, lk = plan.block_q, plan.block_k, plan.lk
+    rows = []
+    for a in range(plan.nq):
+        r = np.arange(a * bq, min(a * bq + bq, plan.lq))
+        kinds = plan.kinds[a]
+        # Whole tiles reaching past lk are masked too (their keys past lk are padding).
+        full = np.flatnonzero((kinds == FULL) & ((np.arange(plan.nk) + 1) * bk <= lk))
+        part = np.flatnonzero((kinds == PARTIAL) | ((kinds == FULL) & ((np.arange(plan.nk) + 1)
+                                                                      * bk > lk)))
+        for b in part:
+            c = np.arange(b * bk, b * bk + bk)
+            if kinds[b] == FULL:
+                want = np.broadcast_to(c[None, :] < lk, (len(r), bk))
+            elif plan.band is not None:
+                want = _band_mask(r, c, plan.band, lk)
+            else:
+                want = plan.masks[plan.mask_index[a, b]][: len(r)]
+            if not np.array_equal(_band_mask(r, c, band, lk), want):
+                return None
+        rows.append((len(part) + len(full), len(part), *map(int, part), *map(int, full)))
+    width = max(len(r) for r in rows)
+    return band, tuple(r + (0,) * (width - len(r)) for r in rows)
+
+
 def ranges_host(st: _Static, q_lo: int) -> tuple[int, int, int, int]:
     """:func:`_ranges` evaluated on the host (tests compare it with the plan's tiles)."""
     return walk_host(_ranges, st, q_lo)
@@ -275,7 +317,7 @@ def _kernel_call(st: _Static, n_seq: int):
     scale2 = st.scale * _LOG2E
     num_q_tiles = st.lq // BLOCK_Q
 
-    def body(q_ref, k_ref, v_ref, qc_ref, kc_ref, out_ref, lse_ref, scoped):
+    def body(q_ref, k_ref, v_ref, qc_ref, kc_ref, walk_ref, out_ref, lse_ref, scoped):
         seq = lax.axis_index("seq")
         qt = lax.axis_index("q_tile")
         wg = lax.axis_index("wg")
@@ -283,7 +325,13 @@ def _kernel_call(st: _Static, n_seq: int):
             consumed, sched = scoped
         k_used, v_used = consumed
         cta_q0 = qt * BLOCK_Q
-        first, n, f_lo, full_n = _ranges(st, cta_q0)
+        if st.listed is None:  # a band: the run of key blocks in closed form
+            first, n, f_lo, full_n = _ranges(st, cta_q0)
+            block = lambda t: first + t  # noqa: E731
+        else:  # listed blocks, the partial ones first (listed_walk)
+            n, first, f_lo = walk_ref[qt, 0], 0, walk_ref[qt, 1]
+            full_n = n - f_lo
+            block = lambda t: walk_ref[qt, 2 + t]  # noqa: E731
 
         def schedule():
             if not _INTERPRET:  # the interpreter waits forever on this ping-pong
@@ -326,7 +374,7 @@ def _kernel_call(st: _Static, n_seq: int):
                             after=schedule)
                 plgpu.barrier_arrive(k_used.at[slot])
                 if masked or st.score is not None:
-                    k0 = (first + t) * bk
+                    k0 = block(t) * bk
                     i = q0 + _iota((ROWS_PER_WG, bk), 0)
                     j = k0 + _iota((ROWS_PER_WG, bk), 1)
                 if st.score is None:
@@ -384,7 +432,7 @@ def _kernel_call(st: _Static, n_seq: int):
             plgpu.set_max_registers(40, action="decrease")
 
             def fetch(t, slot):
-                rows = pl.ds((first + t) * bk, bk)
+                rows = pl.ds(block(t) * bk, bk)
                 if st.codes:
                     plgpu.copy_gmem_to_smem(kc_ref.at[seq, rows], code_smem[1].at[slot],
                                             code_full[1].at[slot])
@@ -398,7 +446,7 @@ def _kernel_call(st: _Static, n_seq: int):
             def _(t):
                 slot = lax.rem(t, jnp.int32(STAGES))
                 nxt = t + STAGES
-                rows = pl.ds((first + nxt) * bk, bk)
+                rows = pl.ds(block(nxt) * bk, bk)
                 plgpu.barrier_wait(k_used.at[slot])
                 if st.codes:
                     plgpu.copy_gmem_to_smem(kc_ref.at[seq, rows], code_smem[1].at[slot],
@@ -407,8 +455,16 @@ def _kernel_call(st: _Static, n_seq: int):
                 plgpu.barrier_wait(v_used.at[slot])
                 plgpu.copy_gmem_to_smem(v_ref.at[seq, rows], v_smem.at[slot], v_full.at[slot])
 
+            if _INTERPRET:  # the interpreter wants every phase of a barrier seen by its waiters
+                @pl.loop(jnp.maximum(n - STAGES, 0), n)
+                def _(t):
+                    slot = lax.rem(t, jnp.int32(STAGES))
+                    plgpu.barrier_wait(k_used.at[slot])
+                    plgpu.barrier_wait(v_used.at[slot])
+
     def entry(*refs):
         q_ref, k_ref, v_ref, *codes, out_ref, lse_ref = refs
+        walk_ref = codes.pop() if st.listed is not None else None
         qc_ref, kc_ref = codes if st.codes else (None, None)
         transforms = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
         smem = (
@@ -420,7 +476,8 @@ def _kernel_call(st: _Static, n_seq: int):
                plgpu.SMEM((STAGES, bk), jnp.int32)) if st.codes else ()),
         )
         pl.run_scoped(
-            lambda *scoped: body(q_ref, k_ref, v_ref, qc_ref, kc_ref, out_ref, lse_ref, scoped),
+            lambda *scoped: body(q_ref, k_ref, v_ref, qc_ref, kc_ref, walk_ref, out_ref, lse_ref,
+                                 scoped),
             smem,
             (plgpu.Barrier(num_barriers=STAGES), plgpu.Barrier(num_barriers=STAGES),
              plgpu.Barrier(num_barriers=COMPUTE_WGS),
@@ -451,6 +508,8 @@ def _run_nd(st: _Static, q, k, v, *codes):
     flat = lambda x, nd: jnp.broadcast_to(x, (*lead, *x.shape[x.ndim - nd:])).reshape(  # noqa: E731
         n, *x.shape[x.ndim - nd:])
     args = [flat(x, 2) for x in (q, k, v)] + [flat(c, 1) for c in codes]
+    if st.listed is not None:
+        args.append(jnp.asarray(np.array(st.listed, np.int32)))
     out, lse = _kernel_call(st, n)(*args)
     return out.reshape(*lead, *out.shape[-2:]), lse.reshape(*lead, lse.shape[-1])
 
@@ -492,7 +551,9 @@ def forward(cfg, plan, q, k, v, dyn):
     segment ids when ``MOSAIC_MASKS`` is off, and interpret mode (Pallas' own, for the
     Triton kernels) run the Triton forward on the backward's tiles."""
     kv_valid, segs, flex = dyn
-    band = whole_band(plan)
+    band, listed = whole_band(plan), None
+    if band is None and MOSAIC_SPARSE and (plan.block_q, plan.block_k) == (BLOCK_Q, BLOCK_K):
+        band, listed = listed_walk(plan) or (None, None)
     masked = kv_valid is not None or segs is not None
     score = mosaic_score(cfg.flex)
     if (cfg.interpret or (flex is not None and score is None) or (masked and not MOSAIC_MASKS)
@@ -501,7 +562,7 @@ def forward(cfg, plan, q, k, v, dyn):
         return _fallback(cfg, plan, q, k, v, dyn)
     st = _Static(lq=q.shape[0], lk=plan.lk, nk=plan.nk, left=band[0], right=band[1],
                  d=q.shape[1], scale=float(cfg.scale), dtype=jnp.dtype(q.dtype).name,
-                 codes=masked, score=score)
+                 codes=masked, score=score, listed=listed)
     codes = _codes(kv_valid, segs, q.shape[0], k.shape[0]) if masked else ()
     out, lse = _batched(st)(q, k, v, *codes)
     return out, lse.astype(STATS_DTYPE)
@@ -663,6 +724,7 @@ FLEX_UNLOWERED = _triton.FLEX_UNLOWERED
 # kernels take those calls.
 MOSAIC_MASKS = os.environ.get("XFORMERS_JAX_MOSAIC_MASKS", "1") != "0"
 MOSAIC_BACKWARD = os.environ.get("XFORMERS_JAX_MOSAIC_BACKWARD", "1") != "0"
+MOSAIC_SPARSE = os.environ.get("XFORMERS_JAX_MOSAIC_SPARSE", "1") != "0"
 
 
 @dataclasses.dataclass(frozen=True)

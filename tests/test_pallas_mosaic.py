@@ -22,6 +22,7 @@ from tests.tolerances import assert_close
 from xformers_jax import kernels
 from xformers_jax.attention import (
     alibi_score,
+    block_sparse_attention,
     flash_attention,
     flex_attention,
     multihead,
@@ -344,6 +345,96 @@ def test_interpreted_forward_with_documents_key_mask_and_soft_cap():
     np.testing.assert_allclose(np.asarray(lse[0]), want_lse, rtol=1e-5, atol=1e-5)
 
 
+def _sparse_layout(L, rng, causal):
+    """A random block layout of 128 x 128 tiles (about 40% kept, the diagonal always), with
+    ``causal`` only the tiles below the diagonal kept and the diagonal tiles causal."""
+    from xformers_jax.kernels import EMPTY, FULL, PARTIAL, BlockLayout
+
+    t = M.BLOCK_Q
+    n = -(-L // t)
+    kinds = np.where(rng.random((n, n)) < 0.4, FULL, EMPTY).astype(np.int8)
+    kinds[1, :] = EMPTY  # a query block that sees no key
+    kinds[np.arange(2, n), np.arange(2, n)] = FULL
+    masks = np.zeros((0, t, t), bool)
+    index = np.full((n, n), -1, np.int32)
+    if causal:
+        kinds = np.where(np.tri(n, n, -1, dtype=bool), kinds, EMPTY).astype(np.int8)
+        kinds[np.arange(2, n), np.arange(2, n)] = PARTIAL
+        index = np.where(kinds == PARTIAL, 0, -1).astype(np.int32)
+        masks = np.tri(t, t, dtype=bool)[None]
+    return BlockLayout(L, L, t, t, kinds, index, masks)
+
+
+@pytest.mark.parametrize("L,causal,packed", [(512, False, False), (600, True, False),
+                                             (450, False, False), (450, False, True)])
+def test_interpreted_forward_walks_listed_blocks(L, causal, packed):
+    """A block-sparse layout (no band) in the forward kernel, run in Mosaic GPU's interpreter:
+    each query block visits its listed key blocks (``listed_walk``: the causal diagonal and
+    tiles past the last key masked, the others whole) and nothing else; outputs and
+    log-sum-exp against float64 over the layout's dense mask (an empty query block included:
+    out 0, lse -inf), with packed rows and a key mask on top."""
+    rng = np.random.default_rng(L)
+    layout = _sparse_layout(L, rng, causal)
+    plan = kernels.plan(layout, M.BLOCK_Q, M.BLOCK_K)
+    assert M.whole_band(plan) is None
+    band, listed = M.listed_walk(plan)
+    lq = plan.nq * M.BLOCK_Q
+    st = M._Static(lq=lq, lk=L, nk=plan.nk, left=band[0], right=band[1], d=64,
+                   scale=64 ** -0.5, dtype="bfloat16", codes=packed, listed=listed)
+    q = jnp.asarray(rng.normal(size=(1, lq, 64)), jnp.bfloat16)
+    k, v = (jnp.asarray(rng.normal(size=(1, plan.nk * M.BLOCK_K, 64)), jnp.bfloat16)
+            for _ in range(2))
+    mask = layout.dense()[:L, :L]
+    codes = ()
+    if packed:
+        seg, valid = _packed(L, rng)
+        q_code, k_code = M._codes(jnp.asarray(valid), (jnp.asarray(seg), jnp.asarray(seg)), L, L)
+        codes = (kernels.pad_to(q_code, lq, 0, -1)[None],
+                 kernels.pad_to(k_code, plan.nk * M.BLOCK_K, 0, -2)[None])
+        mask = mask & (seg[:, None] == seg[None, :]) & valid[None, :]
+    with M.interpreted():
+        out, lse = M._kernel_call(st, 1)(q, k, v, *codes, jnp.asarray(listed, jnp.int32))
+    f64 = lambda x: np.asarray(x[0, :L], np.float64)  # noqa: E731
+    want, want_lse, _, _ = _reference(f64(q), f64(k), f64(v), f64(v), mask, st.scale, None)
+    assert not mask[M.BLOCK_Q:2 * M.BLOCK_Q].any()
+    assert _rel(out[0, :L], want) < 1e-2
+    np.testing.assert_allclose(np.asarray(lse[0, :L]), want_lse, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("sparse", [True, False])
+def test_sparse_layouts_lower_to_the_mosaic_forward(sparse, monkeypatch):
+    """A block-sparse layout lowers for CUDA to the Mosaic forward (its listed walk; Mosaic
+    GPU's lowering reads the walk's table from global memory) and the Triton backward;
+    ``XFORMERS_JAX_MOSAIC_SPARSE=0`` (``MOSAIC_SPARSE``) keeps it all on Triton."""
+    monkeypatch.setattr(M, "MOSAIC_SPARSE", sparse)
+    L, D = 600, 64
+    layout = _sparse_layout(L, np.random.default_rng(1), True)
+    kernel = PallasAttention("pallas_gpu_mosaic", "gpu", M)
+
+    def one(q, k, v):
+        return kernel(q, k, v, layout, scale=D ** -0.5)[0]
+
+    heads = jax.vmap(jax.vmap(one, in_axes=(1, 1, 1), out_axes=1))
+    f = jax.grad(lambda q, k, v: heads(q, k, v).astype(jnp.float32).sum(), argnums=(0, 1, 2))
+    x = jax.ShapeDtypeStruct((2, L, 3, D), jnp.bfloat16)
+    text = jax.jit(f).trace(x, x, x).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("custom_call @mosaic_gpu") == (1 if sparse else 0)
+    assert "__gpu$xla.gpu.triton" in text
+
+
+def test_listed_walk_refuses_other_partial_tiles():
+    """A partial tile whose mask is not the band (here a random one) keeps the Triton
+    forward."""
+    from xformers_jax.kernels import EMPTY, PARTIAL, BlockLayout
+
+    t = M.BLOCK_Q
+    kinds = np.full((2, 2), EMPTY, np.int8)
+    kinds[0, 1] = PARTIAL
+    masks = np.random.default_rng(0).random((1, t, t)) < 0.5
+    layout = BlockLayout(2 * t, 2 * t, t, t, kinds, np.where(kinds == PARTIAL, 0, -1), masks)
+    assert M.listed_walk(kernels.plan(layout, t, t)) is None
+
+
 @pytest.mark.parametrize("pattern,L,tiles,packed", [(P.Causal(), 256, (64, 2), True),
                                                     (P.Local(100, 30), 200, (128, 3), False)],
                          ids=repr)
@@ -527,3 +618,30 @@ def test_compiled_backward_tiles_equal_xla(tiles):
     for g, r in zip(grads(heads, jnp.bfloat16), grads(xla, jnp.float32)):
         err = float(jnp.linalg.norm(g.astype(jnp.float32) - r) / jnp.linalg.norm(r))
         assert err < 2e-2, err
+
+
+@pytest.mark.skipif(not ON_GPU, reason="needs a Hopper GPU")
+@pytest.mark.parametrize("L,causal", [(1000, True), (2048, False)])
+def test_compiled_sparse_forward_equals_xla(L, causal):
+    """A random block-sparse layout (the Mosaic forward's listed walk, the Triton backward)
+    compiled: outputs and gradients against the XLA path in float32, GQA."""
+    ks = jax.random.split(jax.random.PRNGKey(L), 4)
+    q = jax.random.normal(ks[0], (2, L, 4, 64), jnp.bfloat16)
+    k, v = (jax.random.normal(kk, (2, L, 2, 64), jnp.bfloat16) for kk in ks[1:3])
+    d_out = jax.random.normal(ks[3], (2, L, 4, 64), jnp.float32)
+    layout = _sparse_layout(L, np.random.default_rng(L), causal)
+    lifted = multihead(block_sparse_attention)
+
+    def loss(impl, dtype):
+        def f(q, k, v):
+            out = lifted(*(x.astype(dtype) for x in (q, k, v)), layout, implementation=impl)
+            return (out.astype(jnp.float32) * d_out).sum(), out
+        return jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2), has_aux=True))
+
+    (_, out), grads = loss("pallas_gpu_mosaic", jnp.bfloat16)(q, k, v)
+    (_, ref), ref_grads = loss("xla", jnp.float32)(q, k, v)
+    err = lambda a, b: float(jnp.linalg.norm(a.astype(jnp.float32) - b)  # noqa: E731
+                             / jnp.linalg.norm(b))
+    assert err(out, ref) < 1e-2, err(out, ref)
+    for g, r in zip(grads, ref_grads):
+        assert err(g, r) < 2e-2, err(g, r)

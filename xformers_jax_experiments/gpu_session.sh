@@ -72,8 +72,9 @@ if [ "${SKIP_PHASE1:-0}" != 1 ]; then
     if ! tail -1 "$OUT/tests.log" 2>/dev/null | grep -q "passed" \
         || grep -qE "^(FAILED|ERROR) .*test_pallas_mosaic.py::test_compiled_" "$OUT/tests.log"; then
       export XFORMERS_JAX_MOSAIC_BACKWARD=0 XFORMERS_JAX_MOSAIC_MASKS=0
-      log "Mosaic GPU tests did not all pass: timing with XFORMERS_JAX_MOSAIC_BACKWARD=0" \
-        "and XFORMERS_JAX_MOSAIC_MASKS=0"
+      export XFORMERS_JAX_MOSAIC_SPARSE=0
+      log "Mosaic GPU tests did not all pass: timing with XFORMERS_JAX_MOSAIC_BACKWARD=0," \
+        "XFORMERS_JAX_MOSAIC_MASKS=0 and XFORMERS_JAX_MOSAIC_SPARSE=0"
     fi;;
   esac
 fi
