@@ -30,10 +30,10 @@ codes are held beside its rows, the keys' streamed beside their tiles, and every
 where they differ. Flex attention's elementwise score functions (:func:`mosaic_score`) are
 applied to each tile, their derivative taken there. Block-sparse layouts whose partial tiles
 are a band (random and strided layouts, alone or intersected with causal or sliding-window
-masks) run the forward on a listed walk (:func:`listed_walk`: each query block's key blocks
-read from a table in global memory, partial ones first) and the Triton backward. Other
-layouts and flex calls run the Triton kernels (:func:`forward` and :func:`backward` fall
-back).
+masks) run on listed walks instead (:func:`listed_walk`, :func:`listed_walks`: each CTA's
+blocks read from a table in global memory, the masked ones first, in all three kernels).
+Other layouts and flex calls run the Triton kernels (:func:`forward` and :func:`backward`
+fall back).
 
 Testing without a GPU: the CUDA lowering on the CPU checks every layout, and Mosaic GPU's
 interpreter (:func:`interpreted`) runs the kernels themselves, their matrix products as dots.
@@ -268,40 +268,67 @@ def _ranges(st: _Static, q_lo):
     return _walk(q_lo, BLOCK_Q, st.left, st.right, st.lk, BLOCK_K, st.nk)
 
 
-@functools.lru_cache(maxsize=64)
-def listed_walk(plan) -> tuple[tuple[int, int], tuple[tuple[int, ...], ...]] | None:
-    """A block-sparse layout's walk for the forward kernel: ``(band, rows)``, where row ``a``
-    is ``(n, n_masked, b_0, ..., b_{n-1}, 0, ...)``: query block ``a`` visits the ``n`` key
-    blocks ``b_t``, the first ``n_masked`` of them partial (masked by ``band``, ``i - left <=
-    j <= i + right`` and ``j < lk``), the rest whole; rows padded to one length. None when a
-    partial tile's mask is not that band (the Triton forward runs). Random and strided sparse
-    layouts (all tiles whole or empty) and their intersections with causal or sliding-window
-    masks qualify."""
-    from xformers_jax.kernels import FULL, PARTIAL
+def _listed(plan, band, along_columns: bool = False):
+    """The rows of a listed walk of ``plan``'s tiles: for each query block (each key block
+    with ``along_columns``) ``(n, n_masked, x_0, ..., x_{n-1})``, the ``n`` key (query)
+    blocks it visits, the first ``n_masked`` to be masked by ``band`` (``i - left <= j <= i +
+    right``) and the real lengths, the rest whole; padded to one length. Masked: the partial
+    tiles, and whole tiles reaching past the last key (past the last query, along columns),
+    whose padding the kernels mask. None when a masked tile's mask is not the band's over its
+    real rows and columns."""
+    from xformers_jax.kernels import EMPTY, FULL
 
-    band = (_BIG, _BIG) if plan.band is None else tuple(min(int(x), _BIG) for x in plan.band)
-    bq, bk, lk = plan.block_q, plan.block_k, plan.lk
+    bq, bk, lq, lk = plan.block_q, plan.block_k, plan.lq, plan.lk
     rows = []
-    for a in range(plan.nq):
-        r = np.arange(a * bq, min(a * bq + bq, plan.lq))
-        kinds = plan.kinds[a]
-        # Whole tiles reaching past lk are masked too (their keys past lk are padding).
-        full = np.flatnonzero((kinds == FULL) & ((np.arange(plan.nk) + 1) * bk <= lk))
-        part = np.flatnonzero((kinds == PARTIAL) | ((kinds == FULL) & ((np.arange(plan.nk) + 1)
-                                                                      * bk > lk)))
-        for b in part:
-            c = np.arange(b * bk, b * bk + bk)
-            if kinds[b] == FULL:
-                want = np.broadcast_to(c[None, :] < lk, (len(r), bk))
+    for o in range(plan.nk if along_columns else plan.nq):
+        part, full = [], []
+        for x in range(plan.nq if along_columns else plan.nk):
+            a, b = (x, o) if along_columns else (o, x)
+            kind = plan.kinds[a, b]
+            if kind == EMPTY:
+                continue
+            past = (a + 1) * bq > lq if along_columns else (b + 1) * bk > lk
+            if kind == FULL and not past:
+                full.append(x)
+                continue
+            r = np.arange(a * bq, min(a * bq + bq, lq))
+            c = np.arange(b * bk, min(b * bk + bk, lk))
+            if kind == FULL:
+                want = np.ones((len(r), len(c)), bool)
             elif plan.band is not None:
                 want = _band_mask(r, c, plan.band, lk)
             else:
-                want = plan.masks[plan.mask_index[a, b]][: len(r)]
+                want = plan.masks[plan.mask_index[a, b]][: len(r), : len(c)]
             if not np.array_equal(_band_mask(r, c, band, lk), want):
                 return None
-        rows.append((len(part) + len(full), len(part), *map(int, part), *map(int, full)))
+            part.append(x)
+        rows.append((len(part) + len(full), len(part), *part, *full))
     width = max(len(r) for r in rows)
-    return band, tuple(r + (0,) * (width - len(r)) for r in rows)
+    return tuple(r + (0,) * (width - len(r)) for r in rows)
+
+
+def _bands(plan):
+    """The bands that may mask a listed walk's tiles: ``Plan.band`` describes the partial
+    tiles only (a causal layout's is ``(block - 1, 0)``), and a whole tile masked for its
+    padding must lie inside the band too, so each side is tried unbounded first."""
+    if plan.band is None:
+        return [(_BIG, _BIG)]
+    left, right = (min(int(x), _BIG) for x in plan.band)
+    return list(dict.fromkeys([(_BIG, _BIG), (_BIG, right), (left, _BIG), (left, right)]))
+
+
+@functools.lru_cache(maxsize=64)
+def listed_walk(plan) -> tuple[tuple[int, int], tuple[tuple[int, ...], ...]] | None:
+    """A block-sparse layout's walk for the forward kernel (tiles ``BLOCK_Q x BLOCK_K``):
+    ``(band, rows)``, row ``a`` of :func:`_listed` saying which key blocks query block ``a``
+    visits, the partial ones (masked by ``band``) first. None when no band is every masked
+    tile's mask (the Triton forward runs). Random and strided sparse layouts (all tiles whole
+    or empty) and their intersections with causal or sliding-window masks qualify."""
+    for band in _bands(plan):
+        rows = _listed(plan, band)
+        if rows is not None:
+            return band, rows
+    return None
 
 
 def ranges_host(st: _Static, q_lo: int) -> tuple[int, int, int, int]:
@@ -742,6 +769,25 @@ class _BwdStatic:
     stages: int = BWD_STAGES  # shared-memory ring depth
     codes: bool = False  # key masks or segment ids (``_codes``)
     score: Any = None  # flex attention's score function (mosaic_score)
+    # A layout that is no band: the dq and the dk/dv kernels' walks (listed_walks)
+    listed: tuple[tuple[tuple[int, ...], ...], tuple[tuple[int, ...], ...]] | None = None
+
+
+@functools.lru_cache(maxsize=64)
+def listed_walks(layout, block: int):
+    """``(band, dq_rows, dkv_rows)`` for a block-sparse layout's backward with streamed tiles
+    of ``block`` rows: a band that masks the forward's and both backward kernels' masked
+    tiles, the key blocks each dq CTA (``BWD_HELD`` query rows) visits and the query blocks
+    each dk/dv CTA (``BWD_HELD`` keys) visits (:func:`_listed`); None where there is none."""
+    fwd = kernels.plan(layout, BLOCK_Q, BLOCK_K)
+    if listed_walk(fwd) is None:
+        return None
+    for band in _bands(fwd):  # one band for the forward and both backward kernels
+        walks = (_listed(fwd, band), _listed(kernels.plan(layout, BWD_HELD, block), band),
+                 _listed(kernels.plan(layout, block, BWD_HELD), band, along_columns=True))
+        if None not in walks:
+            return band, walks[1], walks[2]
+    return None
 
 
 def dq_walk(st: _BwdStatic, q_lo):
@@ -808,6 +854,17 @@ def _stream(plgpu, n, stages, used, copies):
             plgpu.barrier_wait(used.at[lax.rem(t, jnp.int32(stages))])
 
 
+def _bwd_walk(st: _BwdStatic, walk_ref, cta, band_walk, lo):
+    """``(first, n, f_lo, full_n, block)`` of a backward CTA: a band's run in closed form
+    (``band_walk``), or its row of a listed walk (partial blocks first); ``block(t)`` is the
+    ``t``-th streamed block."""
+    if st.listed is None:
+        first, n, f_lo, full_n = band_walk(st, lo)
+        return first, n, f_lo, full_n, lambda t: first + t
+    n, f_lo = walk_ref[cta, 0], walk_ref[cta, 1]
+    return 0, n, f_lo, n - f_lo, lambda t: walk_ref[cta, 2 + t]
+
+
 def _dq_call(st: _BwdStatic, n_seq: int):
     plgpu = _plgpu()
     dtype = jnp.dtype(st.dtype)
@@ -815,13 +872,15 @@ def _dq_call(st: _BwdStatic, n_seq: int):
     row = _row_layout(plgpu)
     scale2 = st.scale * _LOG2E
 
-    def body(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qc_ref, kc_ref, dq_ref, scoped):
+    def body(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qc_ref, kc_ref, walk_ref, dq_ref,
+             scoped):
         seq = lax.axis_index("seq")
         wg = lax.axis_index("wg")
         (q_smem2, do_smem2, lse_smem2, delta_smem2, k_smem, v_smem, *code_smem), \
             (held, k_full, v_full, *code_full), used = scoped
         cta_q0 = lax.axis_index("q_tile") * BWD_HELD
-        first, n, f_lo, full_n = dq_walk(st, cta_q0)
+        first, n, f_lo, full_n, block = _bwd_walk(st, walk_ref, lax.axis_index("q_tile"),
+                                                  dq_walk, cta_q0)
 
         @pl.when(wg < COMPUTE_WGS)
         def _compute():
@@ -854,7 +913,7 @@ def _dq_call(st: _BwdStatic, n_seq: int):
                              [[(q_smem, k_smem.at[slot], True)],
                               [(do_smem, v_smem.at[slot], True)]])
                 if masked or st.score is not None:
-                    k0 = (first + t) * bk
+                    k0 = block(t) * bk
                     i = q0 + _iota((rows, bk), 0)
                     j = k0 + _iota((rows, bk), 1)
                 s, raw_grad = _scored(st, s, i, j) if st.score is not None else (s * scale2, None)
@@ -884,7 +943,7 @@ def _dq_call(st: _BwdStatic, n_seq: int):
             plgpu.set_max_registers(40, action="decrease")
 
             def copies(t):
-                blk = pl.ds((first + t) * bk, bk)
+                blk = pl.ds(block(t) * bk, bk)
                 out = ((k_ref.at[seq, blk], k_smem, k_full), (v_ref.at[seq, blk], v_smem, v_full))
                 if st.codes:
                     out += ((kc_ref.at[seq, blk], code_smem[1], code_full[0]),)
@@ -894,6 +953,8 @@ def _dq_call(st: _BwdStatic, n_seq: int):
 
     def entry(*refs):
         q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *codes, dq_ref = refs
+        walk_ref = codes[-2] if st.listed is not None else None  # (dq walk, dk/dv walk)
+        codes = codes[:-2] if st.listed is not None else codes
         qc_ref, kc_ref = codes if st.codes else (None, None)
         smem = (_smem_tiles(plgpu, (COMPUTE_WGS, rows, d), dtype),
                 _smem_tiles(plgpu, (COMPUTE_WGS, rows, d), dtype),
@@ -906,7 +967,7 @@ def _dq_call(st: _BwdStatic, n_seq: int):
         held = (5 if st.codes else 4) * COMPUTE_WGS
         pl.run_scoped(
             lambda *scoped: body(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qc_ref, kc_ref,
-                                 dq_ref, scoped),
+                                 walk_ref, dq_ref, scoped),
             smem,
             (plgpu.Barrier(num_barriers=held), plgpu.Barrier(num_barriers=st.stages),
              plgpu.Barrier(num_barriers=st.stages),
@@ -933,14 +994,15 @@ def _dkv_call(st: _BwdStatic, n_seq: int):
     col = _col_layout(plgpu)
     scale2 = st.scale * _LOG2E
 
-    def body(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qc_ref, kc_ref, dk_ref, dv_ref,
-             scoped):
+    def body(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qc_ref, kc_ref, walk_ref, dk_ref,
+             dv_ref, scoped):
         seq = lax.axis_index("seq")
         wg = lax.axis_index("wg")
         (k_smem2, v_smem2, q_smem, do_smem, lse_smem, delta_smem, *code_smem), (held, *fulls), \
             used = scoped
         cta_k0 = lax.axis_index("k_tile") * BWD_HELD
-        first, n, f_lo, full_n = dkv_walk(st, cta_k0)
+        first, n, f_lo, full_n, block = _bwd_walk(st, walk_ref, lax.axis_index("k_tile"),
+                                                  dkv_walk, cta_k0)
 
         @pl.when(wg < COMPUTE_WGS)
         def _compute():
@@ -971,7 +1033,7 @@ def _dkv_call(st: _BwdStatic, n_seq: int):
                 lse2 = _load(lse_smem.at[slot], col) * _LOG2E
                 delta = _load(delta_smem.at[slot], col)
                 if masked or st.score is not None:
-                    q0 = (first + t) * bq
+                    q0 = block(t) * bq
                     j = k0 + _iota((rows, bq), 0)
                     i = q0 + _iota((rows, bq), 1)
                 s, raw_grad = _scored(st, s, i, j) if st.score is not None else (s * scale2, None)
@@ -1004,7 +1066,7 @@ def _dkv_call(st: _BwdStatic, n_seq: int):
             plgpu.set_max_registers(40, action="decrease")
 
             def copies(t):
-                blk = pl.ds((first + t) * bq, bq)
+                blk = pl.ds(block(t) * bq, bq)
                 srcs = ((q_ref, q_smem), (do_ref, do_smem), (lse_ref, lse_smem),
                         (delta_ref, delta_smem))
                 if st.codes:
@@ -1016,6 +1078,8 @@ def _dkv_call(st: _BwdStatic, n_seq: int):
 
     def entry(*refs):
         q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *codes, dk_ref, dv_ref = refs
+        walk_ref = codes[-1] if st.listed is not None else None  # (dq walk, dk/dv walk)
+        codes = codes[:-2] if st.listed is not None else codes
         qc_ref, kc_ref = codes if st.codes else (None, None)
         smem = (_smem_tiles(plgpu, (COMPUTE_WGS, rows, d), dtype),
                 _smem_tiles(plgpu, (COMPUTE_WGS, rows, d), dtype),
@@ -1027,7 +1091,7 @@ def _dkv_call(st: _BwdStatic, n_seq: int):
                    plgpu.SMEM((st.stages, bq), jnp.int32)) if st.codes else ()))
         pl.run_scoped(
             lambda *scoped: body(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qc_ref, kc_ref,
-                                 dk_ref, dv_ref, scoped),
+                                 walk_ref, dk_ref, dv_ref, scoped),
             smem,
             (plgpu.Barrier(num_barriers=(3 if st.codes else 2) * COMPUTE_WGS),
              *(plgpu.Barrier(num_barriers=st.stages),) * (5 if st.codes else 4)),
@@ -1054,6 +1118,8 @@ def _run_bwd_nd(st: _BwdStatic, q, k, v, d_out, lse, delta, *codes):
     n = int(np.prod(lead)) if lead else 1
     flat = lambda x, nd: x.reshape(n, *x.shape[len(x.shape) - nd:])  # noqa: E731
     args = [flat(x, 2) for x in (q, k, v, d_out)] + [flat(x, 1) for x in (lse, delta, *codes)]
+    if st.listed is not None:
+        args += [jnp.asarray(np.array(rows, np.int32)) for rows in st.listed]
     dq = _dq_call(st, n)(*args)
     dk, dv = _dkv_call(st, n)(*args)
     return tuple(x.reshape(*lead, *x.shape[-2:]) for x in (dq, dk, dv))
@@ -1071,7 +1137,11 @@ def backward(cfg, plan, q, k, v, dyn, lse, delta, d_out):
     as codes); else the Triton backward kernels (``_gpu_blocksparse.backward``) on the
     backward plan."""
     kv_valid, segs, flex = dyn
-    band = whole_band(plan)
+    tiles = [x[1:] for x in cfg.extra if isinstance(x, tuple) and x[:1] == (BWD_TILES,)]
+    block, stages = tiles[-1] if tiles else (BWD_BLOCK, BWD_STAGES)
+    band, listed = whole_band(plan), None
+    if band is None and MOSAIC_SPARSE:
+        band, *listed = listed_walks(plan.layout, block) or (None,)
     masked = kv_valid is not None or segs is not None
     score = mosaic_score(cfg.flex)
     if (cfg.interpret or not MOSAIC_BACKWARD or TRITON_BACKWARD in cfg.extra
@@ -1080,12 +1150,12 @@ def backward(cfg, plan, q, k, v, dyn, lse, delta, d_out):
         return _triton.backward(cfg, plan, q, k, v, dyn, lse, delta, d_out)
     lq, lk = q.shape[0], k.shape[0]
     lq_p, lk_p = (-(-x // BWD_HELD) * BWD_HELD for x in (lq, lk))
-    tiles = [x[1:] for x in cfg.extra if isinstance(x, tuple) and x[:1] == (BWD_TILES,)]
-    block, stages = tiles[-1] if tiles else (BWD_BLOCK, BWD_STAGES)
+    if listed and (len(listed[0]), len(listed[1])) != (lq_p // BWD_HELD, lk_p // BWD_HELD):
+        return _triton.backward(cfg, plan, q, k, v, dyn, lse, delta, d_out)
     st = _BwdStatic(lq=lq_p, lk=lk_p, lq_real=min(plan.lq, lq), lk_real=min(plan.lk, lk),
                     left=band[0], right=band[1], d=q.shape[1], scale=float(cfg.scale),
                     dtype=jnp.dtype(q.dtype).name, block=block, stages=stages, codes=masked,
-                    score=score)
+                    score=score, listed=tuple(listed) if listed else None)
     pad = lambda x, n, value=0: kernels.pad_to(x, n, 0, value)  # noqa: E731
     codes = ()
     if masked:

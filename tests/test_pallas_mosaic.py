@@ -401,10 +401,44 @@ def test_interpreted_forward_walks_listed_blocks(L, causal, packed):
     np.testing.assert_allclose(np.asarray(lse[0, :L]), want_lse, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("L,causal,tiles", [(600, True, (64, 2)), (450, False, (128, 3))])
+def test_interpreted_backward_walks_listed_blocks(L, causal, tiles):
+    """The dq and dk/dv kernels on a block-sparse layout (``listed_walks``: each dq CTA's key
+    blocks and each dk/dv CTA's query blocks read from tables, the causal diagonal and the
+    tiles past the last key or query masked), run in Mosaic GPU's interpreter against the
+    softmax's gradients in float64 over the layout's dense mask (a query block that sees no
+    key included), at the default tiles and at 128-row tiles in three stages."""
+    D = 64
+    lp = -(-L // M.BWD_HELD) * M.BWD_HELD
+    rng = np.random.default_rng(L + 1)
+    layout = _sparse_layout(L, rng, causal)
+    band, dq_rows, dkv_rows = M.listed_walks(layout, tiles[0])
+    assert (len(dq_rows), len(dkv_rows)) == (lp // M.BWD_HELD,) * 2
+    st = M._BwdStatic(lq=lp, lk=lp, lq_real=L, lk_real=L, left=band[0], right=band[1], d=D,
+                      scale=D ** -0.5, dtype="bfloat16", block=tiles[0], stages=tiles[1],
+                      listed=(dq_rows, dkv_rows))
+    x = [np.where(np.arange(lp)[:, None] < L, rng.normal(size=(lp, D)) * 2, 0.0)
+         for _ in range(4)]
+    q, k, v, d_out = (jnp.asarray(a[None], jnp.bfloat16) for a in x)
+    mask = layout.dense()[:L, :L]
+    f64 = lambda a: np.asarray(a[0, :L], np.float64)  # noqa: E731
+    _, lse, want, delta = _reference(f64(q), f64(k), f64(v), f64(d_out), mask, st.scale, None)
+    lse = np.where(np.isfinite(lse), lse, np.inf)  # backward_stats: +inf where nothing seen
+    stats = [jnp.asarray(np.concatenate([a, np.full(lp - L, fill)])[None], jnp.float32)
+             for a, fill in ((lse, np.inf), (delta, 0.0))]
+    walks = [jnp.asarray(rows, jnp.int32) for rows in st.listed]
+    with M.interpreted():
+        dq = M._dq_call(st, 1)(q, k, v, d_out, *stats, *walks)
+        dk, dv = M._dkv_call(st, 1)(q, k, v, d_out, *stats, *walks)
+    for name, got, ref in zip(("dq", "dk", "dv"), (dq, dk, dv), want):
+        err = _rel(got[0, :L], ref)
+        assert err < 1e-2, (name, err)  # bf16 operands and outputs
+
+
 @pytest.mark.parametrize("sparse", [True, False])
-def test_sparse_layouts_lower_to_the_mosaic_forward(sparse, monkeypatch):
-    """A block-sparse layout lowers for CUDA to the Mosaic forward (its listed walk; Mosaic
-    GPU's lowering reads the walk's table from global memory) and the Triton backward;
+def test_sparse_layouts_lower_to_the_mosaic_kernels(sparse, monkeypatch):
+    """A block-sparse layout lowers for CUDA to the three Mosaic kernels (their listed
+    walks; Mosaic GPU's lowering reads the walks' tables from global memory), no Triton;
     ``XFORMERS_JAX_MOSAIC_SPARSE=0`` (``MOSAIC_SPARSE``) keeps it all on Triton."""
     monkeypatch.setattr(M, "MOSAIC_SPARSE", sparse)
     L, D = 600, 64
@@ -418,8 +452,8 @@ def test_sparse_layouts_lower_to_the_mosaic_forward(sparse, monkeypatch):
     f = jax.grad(lambda q, k, v: heads(q, k, v).astype(jnp.float32).sum(), argnums=(0, 1, 2))
     x = jax.ShapeDtypeStruct((2, L, 3, D), jnp.bfloat16)
     text = jax.jit(f).trace(x, x, x).lower(lowering_platforms=("cuda",)).as_text()
-    assert text.count("custom_call @mosaic_gpu") == (1 if sparse else 0)
-    assert "__gpu$xla.gpu.triton" in text
+    assert text.count("custom_call @mosaic_gpu") == (3 if sparse else 0)
+    assert ("__gpu$xla.gpu.triton" in text) != sparse
 
 
 def test_listed_walk_refuses_other_partial_tiles():
@@ -622,9 +656,9 @@ def test_compiled_backward_tiles_equal_xla(tiles):
 
 @pytest.mark.skipif(not ON_GPU, reason="needs a Hopper GPU")
 @pytest.mark.parametrize("L,causal", [(1000, True), (2048, False)])
-def test_compiled_sparse_forward_equals_xla(L, causal):
-    """A random block-sparse layout (the Mosaic forward's listed walk, the Triton backward)
-    compiled: outputs and gradients against the XLA path in float32, GQA."""
+def test_compiled_sparse_layout_equals_xla(L, causal):
+    """A random block-sparse layout (the Mosaic kernels' listed walks) compiled: outputs and
+    gradients against the XLA path in float32, GQA."""
     ks = jax.random.split(jax.random.PRNGKey(L), 4)
     q = jax.random.normal(ks[0], (2, L, 4, 64), jnp.bfloat16)
     k, v = (jax.random.normal(kk, (2, L, 2, 64), jnp.bfloat16) for kk in ks[1:3])

@@ -31,9 +31,8 @@ side by side in one run:
 - ``xla flash``: our XLA tiled path on the same GPU (the fallback), at 4K only;
 - ``pallas sparse 10%``: ``block_sparse_attention(..., implementation="pallas")`` over a fixed
   random layout keeping 10% of its 128 x 128 tiles (the diagonal included, so every query
-  sees a key), against ``pallas flash`` at the same size; on Hopper its forward is the Mosaic
-  kernel's listed walk (``_gpu_mosaic.listed_walk``, since 2026-11-29; the Triton forward
-  before), its backward Triton's;
+  sees a key), against ``pallas flash`` at the same size; on Hopper the Mosaic kernels'
+  listed walks (``_gpu_mosaic.listed_walks``, since 2026-11-29; the Triton kernels before);
 - ``pallas tiles BQxBK sN``: the kernel object called directly with one tiling and
   pipelining depth (``num_stages``) for all three kernels, at 8K, to pick the GPU defaults
   (the first per head dim is the default from before the forward had its own tiles);
