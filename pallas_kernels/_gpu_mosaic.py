@@ -237,6 +237,7 @@ class _Static:
     score: Any = None  # flex attention's score function, where it runs here (mosaic_score)
     # A layout that is no band: the key blocks each query block visits (listed_walk)
     listed: tuple[tuple[int, ...], ...] | None = None
+    reversed_q: bool = False  # query tiles launched last to first (REVERSED_Q)
 
 
 def _walk(lo, rows: int, left: int, right: int, limit: int, blk: int, n_blocks: int):
@@ -347,6 +348,8 @@ def _kernel_call(st: _Static, n_seq: int):
     def body(q_ref, k_ref, v_ref, qc_ref, kc_ref, walk_ref, out_ref, lse_ref, scoped):
         seq = lax.axis_index("seq")
         qt = lax.axis_index("q_tile")
+        if st.reversed_q:
+            qt = num_q_tiles - 1 - qt
         wg = lax.axis_index("wg")
         (qo_smem2, k_smem, v_smem, lse_smem2, *code_smem), (k_full, v_full, q_full, *code_full), \
             consumed, sched = scoped
@@ -589,7 +592,7 @@ def forward(cfg, plan, q, k, v, dyn):
         return _fallback(cfg, plan, q, k, v, dyn)
     st = _Static(lq=q.shape[0], lk=plan.lk, nk=plan.nk, left=band[0], right=band[1],
                  d=q.shape[1], scale=float(cfg.scale), dtype=jnp.dtype(q.dtype).name,
-                 codes=masked, score=score, listed=listed)
+                 codes=masked, score=score, listed=listed, reversed_q=REVERSED_Q in cfg.extra)
     codes = _codes(kv_valid, segs, q.shape[0], k.shape[0]) if masked else ()
     out, lse = _batched(st)(q, k, v, *codes)
     return out, lse.astype(STATS_DTYPE)
@@ -739,6 +742,10 @@ BWD_STAGES = 2
 # ``with_options(extra=(TRITON_BACKWARD,))`` (the gpu_attention suite's comparison); for every
 # call, XFORMERS_JAX_MOSAIC_BACKWARD=0 in the environment.
 TRITON_BACKWARD = "triton_backward"
+# Query tiles launched last to first in the forward and dq kernels (``extra=(REVERSED_Q,)``):
+# a causal layout's heaviest tiles first, so that the grid's last wave holds its lightest
+# (FlashAttention-2's ordering; a kernel option until a GPU run measures it).
+REVERSED_Q = "reversed_q_tiles"
 # Other streamed tiles for the backward (to measure them): the kernel option
 # ``extra=(("bwd_tiles", block, stages),)``, block 64 or 128 rows, 2 or 3 stages.
 BWD_TILES = "bwd_tiles"
@@ -771,6 +778,7 @@ class _BwdStatic:
     score: Any = None  # flex attention's score function (mosaic_score)
     # A layout that is no band: the dq and the dk/dv kernels' walks (listed_walks)
     listed: tuple[tuple[tuple[int, ...], ...], tuple[tuple[int, ...], ...]] | None = None
+    reversed_q: bool = False  # the dq kernel's query tiles launched last to first (REVERSED_Q)
 
 
 @functools.lru_cache(maxsize=64)
@@ -878,9 +886,11 @@ def _dq_call(st: _BwdStatic, n_seq: int):
         wg = lax.axis_index("wg")
         (q_smem2, do_smem2, lse_smem2, delta_smem2, k_smem, v_smem, *code_smem), \
             (held, k_full, v_full, *code_full), used = scoped
-        cta_q0 = lax.axis_index("q_tile") * BWD_HELD
-        first, n, f_lo, full_n, block = _bwd_walk(st, walk_ref, lax.axis_index("q_tile"),
-                                                  dq_walk, cta_q0)
+        qt = lax.axis_index("q_tile")
+        if st.reversed_q:
+            qt = st.lq // BWD_HELD - 1 - qt
+        cta_q0 = qt * BWD_HELD
+        first, n, f_lo, full_n, block = _bwd_walk(st, walk_ref, qt, dq_walk, cta_q0)
 
         @pl.when(wg < COMPUTE_WGS)
         def _compute():
@@ -1155,7 +1165,8 @@ def backward(cfg, plan, q, k, v, dyn, lse, delta, d_out):
     st = _BwdStatic(lq=lq_p, lk=lk_p, lq_real=min(plan.lq, lq), lk_real=min(plan.lk, lk),
                     left=band[0], right=band[1], d=q.shape[1], scale=float(cfg.scale),
                     dtype=jnp.dtype(q.dtype).name, block=block, stages=stages, codes=masked,
-                    score=score, listed=tuple(listed) if listed else None)
+                    score=score, listed=tuple(listed) if listed else None,
+                    reversed_q=REVERSED_Q in cfg.extra)
     pad = lambda x, n, value=0: kernels.pad_to(x, n, 0, value)  # noqa: E731
     codes = ()
     if masked:

@@ -163,10 +163,12 @@ def test_lowers_for_cuda(pattern, L, D, grad):
     assert "__gpu$xla.gpu.triton" not in text
 
 
-@pytest.mark.parametrize("tiles", [(128, 2), (64, 3)])
+@pytest.mark.parametrize("tiles", [(128, 2), (64, 3), "reversed"])
 def test_backward_tiles_lower(tiles):
-    """The backward's other streamed tiles (``BWD_TILES``, for measuring) lower for CUDA."""
-    text = _lowered(P.Causal(), 700, 64, True, extra=((M.BWD_TILES, *tiles),))
+    """The backward's other streamed tiles (``BWD_TILES``, for measuring) and the query tiles
+    launched last to first (``REVERSED_Q``) lower for CUDA."""
+    extra = (M.REVERSED_Q,) if tiles == "reversed" else ((M.BWD_TILES, *tiles),)
+    text = _lowered(P.Causal(), 700, 64, True, extra=extra)
     assert text.count("custom_call @mosaic_gpu") == 3
 
 
@@ -372,7 +374,8 @@ def test_interpreted_forward_walks_listed_blocks(L, causal, packed):
     each query block visits its listed key blocks (``listed_walk``: the causal diagonal and
     tiles past the last key masked, the others whole) and nothing else; outputs and
     log-sum-exp against float64 over the layout's dense mask (an empty query block included:
-    out 0, lse -inf), with packed rows and a key mask on top."""
+    out 0, lse -inf), with packed rows and a key mask on top; the causal layout with its
+    query tiles launched last to first (``REVERSED_Q``)."""
     rng = np.random.default_rng(L)
     layout = _sparse_layout(L, rng, causal)
     plan = kernels.plan(layout, M.BLOCK_Q, M.BLOCK_K)
@@ -380,7 +383,8 @@ def test_interpreted_forward_walks_listed_blocks(L, causal, packed):
     band, listed = M.listed_walk(plan)
     lq = plan.nq * M.BLOCK_Q
     st = M._Static(lq=lq, lk=L, nk=plan.nk, left=band[0], right=band[1], d=64,
-                   scale=64 ** -0.5, dtype="bfloat16", codes=packed, listed=listed)
+                   scale=64 ** -0.5, dtype="bfloat16", codes=packed, listed=listed,
+                   reversed_q=causal)
     q = jnp.asarray(rng.normal(size=(1, lq, 64)), jnp.bfloat16)
     k, v = (jnp.asarray(rng.normal(size=(1, plan.nk * M.BLOCK_K, 64)), jnp.bfloat16)
             for _ in range(2))
@@ -407,7 +411,8 @@ def test_interpreted_backward_walks_listed_blocks(L, causal, tiles):
     blocks and each dk/dv CTA's query blocks read from tables, the causal diagonal and the
     tiles past the last key or query masked), run in Mosaic GPU's interpreter against the
     softmax's gradients in float64 over the layout's dense mask (a query block that sees no
-    key included), at the default tiles and at 128-row tiles in three stages."""
+    key included), at the default tiles (the dq kernel's query tiles launched last to first,
+    ``REVERSED_Q``) and at 128-row tiles in three stages."""
     D = 64
     lp = -(-L // M.BWD_HELD) * M.BWD_HELD
     rng = np.random.default_rng(L + 1)
@@ -416,7 +421,7 @@ def test_interpreted_backward_walks_listed_blocks(L, causal, tiles):
     assert (len(dq_rows), len(dkv_rows)) == (lp // M.BWD_HELD,) * 2
     st = M._BwdStatic(lq=lp, lk=lp, lq_real=L, lk_real=L, left=band[0], right=band[1], d=D,
                       scale=D ** -0.5, dtype="bfloat16", block=tiles[0], stages=tiles[1],
-                      listed=(dq_rows, dkv_rows))
+                      listed=(dq_rows, dkv_rows), reversed_q=causal)
     x = [np.where(np.arange(lp)[:, None] < L, rng.normal(size=(lp, D)) * 2, 0.0)
          for _ in range(4)]
     q, k, v, d_out = (jnp.asarray(a[None], jnp.bfloat16) for a in x)

@@ -15,6 +15,8 @@ side by side in one run:
 - ``pallas mosaic bwd BxS``: the Mosaic backward with other streamed tiles (B rows, S
   shared-memory stages: ``_gpu_mosaic.BWD_TILES``) at 8K, fwd+bwd, to pick its defaults (64
   rows, 2 stages, the first choice);
+- ``pallas mosaic reversed``: the Mosaic kernels with their query tiles launched last to
+  first (``_gpu_mosaic.REVERSED_Q``; a causal layout's heaviest first), causal, at 8K-16K;
 - ``pallas flex soft-cap``: ``flex_attention(..., causal=True, implementation="pallas")`` with
   Gemma's soft-cap (50) as the score function (on Hopper the Mosaic kernels apply it in
   their tiles; rows measured before they did are the Triton kernels'), against ``pallas
@@ -163,6 +165,11 @@ def build(impl: str, L: int, D: int = 64, causal: bool = False, B: int = 4, H: i
         kernel = _gpu_kernel("pallas_gpu_mosaic").with_options(
             extra=(_gpu_mosaic.TRITON_BACKWARD,))
         fn = _direct(kernel, L, causal)
+    elif impl == "pallas mosaic reversed":
+        from pallas_kernels import _gpu_mosaic
+
+        kernel = _gpu_kernel("pallas_gpu_mosaic").with_options(extra=(_gpu_mosaic.REVERSED_Q,))
+        fn = _direct(kernel, L, causal)
     elif impl == "pallas mosaic bwd":
         from pallas_kernels import _gpu_mosaic
 
@@ -243,6 +250,9 @@ def cases(quick: bool) -> list[Case]:
                                 dict(impl="pallas mosaic bwd", L=TILE_L, D=D, causal=causal,
                                      bk=bk, stages=stages), ("fwdbwd",)))
         for L in FLEX_LENGTHS:
+            out.append(Case("pallas mosaic reversed", _BUILD,
+                            dict(impl="pallas mosaic reversed", L=L, D=D, causal=True)))
+        for L in FLEX_LENGTHS:
             out.append(Case("pallas flex soft-cap", _BUILD,
                             dict(impl="pallas flex soft-cap", L=L, D=D, causal=True)))
         for L in LENGTHS:
@@ -297,6 +307,11 @@ def checks(r: Results):
                     [(L, r.time("pallas mosaic triton bwd", mode, L=L, D=D, causal=causal),
                       r.time("pallas mosaic", mode, L=L, D=D, causal=causal))
                      for L in LENGTHS if L >= 4096], at_least=0.0))
+            out.append(_worst(
+                f"(why) query tiles last to first: time / pallas mosaic causal, D={D}, {mode}, "
+                f"L=8K-16K", [(L, r.time("pallas mosaic reversed", mode, L=L, D=D, causal=True),
+                               r.time("pallas mosaic", mode, L=L, D=D, causal=True))
+                              for L in FLEX_LENGTHS], at_least=0.0))
             out.append(_worst(
                 f"flex soft-cap (score function) time / pallas mosaic causal, D={D}, {mode}, "
                 f"L=8K-16K", [(L, r.time("pallas flex soft-cap", mode, L=L, D=D, causal=True),
