@@ -24,8 +24,8 @@ def _register_builtin() -> None:
     # Hopper GPUs first: from 4K on its forward took 0.63-0.87x the Triton forward's time and
     # its backward made fwd+bwd 1.13-1.54x faster than the Triton backward in the
     # gpu_attention suite (H200, 2026-11-28); it runs the Triton kernels itself for what it
-    # does not cover (float32, mask functions, sinks, flex score functions that are not
-    # elementwise, layouts that are not a band).
+    # does not cover (float32, flex mask functions, score functions that are not
+    # elementwise, block layouts whose partial tiles are not a band).
     mosaic = PallasAttention("pallas_gpu_mosaic", "gpu", _gpu_mosaic)
     for op in ("flash_attention", "block_sparse_attention"):
         register(op, mosaic)

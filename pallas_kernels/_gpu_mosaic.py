@@ -238,6 +238,7 @@ class _Static:
     # A layout that is no band: the key blocks each query block visits (listed_walk)
     listed: tuple[tuple[int, ...], ...] | None = None
     reversed_q: bool = False  # query tiles launched last to first (REVERSED_Q)
+    sink: bool = False  # a sink logit (one per sequence and head) in every row's softmax
 
 
 def _walk(lo, rows: int, left: int, right: int, limit: int, blk: int, n_blocks: int):
@@ -345,7 +346,7 @@ def _kernel_call(st: _Static, n_seq: int):
     scale2 = st.scale * _LOG2E
     num_q_tiles = st.lq // BLOCK_Q
 
-    def body(q_ref, k_ref, v_ref, qc_ref, kc_ref, walk_ref, out_ref, lse_ref, scoped):
+    def body(q_ref, k_ref, v_ref, qc_ref, kc_ref, walk_ref, sink_ref, out_ref, lse_ref, scoped):
         seq = lax.axis_index("seq")
         qt = lax.axis_index("q_tile")
         if st.reversed_q:
@@ -382,8 +383,13 @@ def _kernel_call(st: _Static, n_seq: int):
                 plgpu.barrier_wait(code_full[0].at[wg])
                 q_codes = _load(code_smem[0].at[wg], row)
             plgpu.barrier_wait(q_full.at[wg])
-            m = _cast(jnp.full((ROWS_PER_WG,), -jnp.inf, jnp.float32), row)
-            l = _cast(jnp.full((ROWS_PER_WG,), 0, jnp.float32), row)
+            if st.sink:  # the sink logit (base 2) with weight exp2(0) in every row
+                m = _cast(jnp.full((ROWS_PER_WG,), sink_ref[seq, 0, 0] * _LOG2E, jnp.float32),
+                          row)
+                l = _cast(jnp.full((ROWS_PER_WG,), 1, jnp.float32), row)
+            else:
+                m = _cast(jnp.full((ROWS_PER_WG,), -jnp.inf, jnp.float32), row)
+                l = _cast(jnp.full((ROWS_PER_WG,), 0, jnp.float32), row)
             acc = _cast(jnp.full((ROWS_PER_WG, d), 0, jnp.float32),
                                     plgpu.Layout.WGMMA)
 
@@ -495,6 +501,7 @@ def _kernel_call(st: _Static, n_seq: int):
     def entry(*refs):
         q_ref, k_ref, v_ref, *codes, out_ref, lse_ref = refs
         walk_ref = codes.pop() if st.listed is not None else None
+        sink_ref = codes.pop() if st.sink else None
         qc_ref, kc_ref = codes if st.codes else (None, None)
         transforms = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
         smem = (
@@ -506,8 +513,8 @@ def _kernel_call(st: _Static, n_seq: int):
                plgpu.SMEM((STAGES, bk), jnp.int32)) if st.codes else ()),
         )
         pl.run_scoped(
-            lambda *scoped: body(q_ref, k_ref, v_ref, qc_ref, kc_ref, walk_ref, out_ref, lse_ref,
-                                 scoped),
+            lambda *scoped: body(q_ref, k_ref, v_ref, qc_ref, kc_ref, walk_ref, sink_ref, out_ref,
+                                 lse_ref, scoped),
             smem,
             (plgpu.Barrier(num_barriers=STAGES), plgpu.Barrier(num_barriers=STAGES),
              plgpu.Barrier(num_barriers=COMPUTE_WGS),
@@ -537,7 +544,10 @@ def _run_nd(st: _Static, q, k, v, *codes):
     n = int(np.prod(lead)) if lead else 1
     flat = lambda x, nd: jnp.broadcast_to(x, (*lead, *x.shape[x.ndim - nd:])).reshape(  # noqa: E731
         n, *x.shape[x.ndim - nd:])
+    *codes, sink = codes if st.sink else (*codes, None)
     args = [flat(x, 2) for x in (q, k, v)] + [flat(c, 1) for c in codes]
+    if st.sink:
+        args.append(flat(sink, 2).astype(jnp.float32))
     if st.listed is not None:
         args.append(jnp.asarray(np.array(st.listed, np.int32)))
     out, lse = _kernel_call(st, n)(*args)
@@ -586,15 +596,18 @@ def forward(cfg, plan, q, k, v, dyn):
         band, listed = listed_walk(plan) or (None, None)
     masked = kv_valid is not None or segs is not None
     score = mosaic_score(cfg.flex)
-    if (cfg.interpret or (flex is not None and score is None) or (masked and not MOSAIC_MASKS)
+    if (cfg.interpret or not mosaic_flex(cfg.flex) or (masked and not MOSAIC_MASKS)
             or band is None or (plan.block_q, plan.block_k) != (BLOCK_Q, BLOCK_K)
             or dtype_problems(q.dtype)):
         return _fallback(cfg, plan, q, k, v, dyn)
+    sink = cfg.flex is not None and cfg.flex.has_sink
     st = _Static(lq=q.shape[0], lk=plan.lk, nk=plan.nk, left=band[0], right=band[1],
                  d=q.shape[1], scale=float(cfg.scale), dtype=jnp.dtype(q.dtype).name,
-                 codes=masked, score=score, listed=listed, reversed_q=REVERSED_Q in cfg.extra)
+                 codes=masked, score=score, listed=listed, reversed_q=REVERSED_Q in cfg.extra,
+                 sink=sink)
     codes = _codes(kv_valid, segs, q.shape[0], k.shape[0]) if masked else ()
-    out, lse = _batched(st)(q, k, v, *codes)
+    # flex's inputs (_common.flex_inputs): b and h, then the sink f32[1, 1]
+    out, lse = _batched(st)(q, k, v, *codes, *([flex[1]] if sink else []))
     return out, lse.astype(STATS_DTYPE)
 
 
@@ -620,13 +633,24 @@ def _scored(st, s, i, j):
     return out * _LOG2E, lambda ds: ds * slope
 
 
+def mosaic_flex(flex) -> bool:
+    """Whether these kernels run a flex attention call (None: no flex): no mask function, no
+    captured array, and a score function :func:`mosaic_score` accepts or none; a sink
+    (GPT-OSS's per-head logit) starts every row's softmax."""
+    if flex is None:
+        return True
+    if flex.mask_fn is not None or tuple(flex.counts) != (0, 0, 0):
+        return False
+    return flex.score_mod is None or mosaic_score(flex) is not None
+
+
 def mosaic_score(flex):
     """Flex attention's score function when these kernels can apply it in their tiles, else
-    None (the call runs the Triton kernels): a score function alone (no mask function, no
-    sink), elementwise (``kernels.orientation_free``), capturing no array and reading
-    neither the batch nor the head index (these kernels take neither as inputs). Gemma's
-    soft-cap and a bias of ``i - j`` qualify; ALiBi's per-head slopes do not."""
-    if (flex is None or flex.score_mod is None or flex.mask_fn is not None or flex.has_sink
+    None (the call runs the Triton kernels): with no mask function, elementwise
+    (``kernels.orientation_free``), capturing no array and reading neither the batch nor the
+    head index (these kernels take neither as inputs). Gemma's soft-cap and a bias of
+    ``i - j`` qualify; ALiBi's per-head slopes do not."""
+    if (flex is None or flex.score_mod is None or flex.mask_fn is not None
             or tuple(flex.counts) != (0, 0, 0)):
         return None
     fn = flex.score_mod
@@ -1155,7 +1179,7 @@ def backward(cfg, plan, q, k, v, dyn, lse, delta, d_out):
     masked = kv_valid is not None or segs is not None
     score = mosaic_score(cfg.flex)
     if (cfg.interpret or not MOSAIC_BACKWARD or TRITON_BACKWARD in cfg.extra
-            or (masked and not MOSAIC_MASKS) or (flex is not None and score is None)
+            or (masked and not MOSAIC_MASKS) or not mosaic_flex(cfg.flex)
             or band is None or dtype_problems(q.dtype) or q.shape[1] != v.shape[1]):
         return _triton.backward(cfg, plan, q, k, v, dyn, lse, delta, d_out)
     lq, lk = q.shape[0], k.shape[0]

@@ -303,14 +303,17 @@ def _packed(L, rng):
 CAP = 5.0  # Gemma's soft-cap, small enough to bend the scores of these inputs
 
 
-def _reference(q, k, v, d_out, mask, scale, cap=None):
+def _reference(q, k, v, d_out, mask, scale, cap=None, sink=None):
     """Softmax attention in float64 over ``mask`` (with ``cap``: of the soft-capped scores
-    ``cap tanh(s / cap)``): ``(out, lse, (dq, dk, dv), delta)``."""
+    ``cap tanh(s / cap)``; with ``sink``: a logit with no value in every row's softmax):
+    ``(out, lse, (dq, dk, dv), delta)``."""
     raw = q @ k.T * scale
     s = np.where(mask, raw if cap is None else cap * np.tanh(raw / cap), -np.inf)
     seen = mask.any(1)  # a row that sees no key: out 0, lse -inf
     mx = np.where(seen[:, None], s, 0.0).max(1, keepdims=True)
     lse = np.where(seen, np.log(np.exp(s - mx).sum(1)) + mx[:, 0], -np.inf)
+    if sink is not None:  # every row sees the sink: lse = log(exp(sink) + sum exp(s))
+        lse, seen = np.logaddexp(lse, sink), np.ones_like(seen)
     p = np.where(seen[:, None], np.exp(s - np.where(seen, lse, 0.0)[:, None]), 0.0)
     out = p @ v
     delta = (d_out * out).sum(1)
@@ -324,25 +327,31 @@ def _rel(got, want):
     return np.linalg.norm(np.asarray(got, np.float64) - want) / np.linalg.norm(want)
 
 
-def test_interpreted_forward_with_documents_key_mask_and_soft_cap():
+@pytest.mark.parametrize("sink", [None, 1.5])
+def test_interpreted_forward_with_documents_key_mask_and_soft_cap(sink):
     """The forward kernel in Mosaic GPU's interpreter (its schedule barrier skipped there),
     causal over three packed documents with keys masked out (``_codes``) and Gemma's
-    soft-cap as flex attention's score function, against float64: outputs and log-sum-exp."""
+    soft-cap as flex attention's score function, with and without a sink logit (the row that
+    sees no key then has out 0 and lse the sink), against float64: outputs and log-sum-exp."""
     L, D = 256, 64
     plan = _plan(P.Causal(), L)
     band = M.whole_band(plan)
     st = M._Static(lq=L, lk=L, nk=plan.nk, left=band[0], right=band[1], d=D, scale=D ** -0.5,
-                   dtype="bfloat16", codes=True, score=soft_cap_score(CAP))
+                   dtype="bfloat16", codes=True, score=soft_cap_score(CAP),
+                   sink=sink is not None)
     rng = np.random.default_rng(2)
     q, k, v = (jnp.asarray(rng.normal(size=(1, L, D)) * 2, jnp.bfloat16) for _ in range(3))
     seg, valid = _packed(L, rng)
     codes = M._codes(jnp.asarray(valid), (jnp.asarray(seg), jnp.asarray(seg)), L, L)
     with M.interpreted():
-        out, lse = M._kernel_call(st, 1)(q, k, v, *(c[None] for c in codes))
+        out, lse = M._kernel_call(st, 1)(
+            q, k, v, *(c[None] for c in codes),
+            *([jnp.full((1, 1, 1), sink, jnp.float32)] if sink is not None else []))
     i, j = np.arange(L)[:, None], np.arange(L)[None, :]
     mask = (j <= i) & (seg[:, None] == seg[None, :]) & valid[None, :]
     f64 = lambda x: np.asarray(x[0], np.float64)  # noqa: E731
-    want, want_lse, _, _ = _reference(f64(q), f64(k), f64(v), f64(v), mask, st.scale, CAP)
+    want, want_lse, _, _ = _reference(f64(q), f64(k), f64(v), f64(v), mask, st.scale, CAP,
+                                      sink)
     assert _rel(out[0], want) < 1e-2
     np.testing.assert_allclose(np.asarray(lse[0]), want_lse, rtol=1e-5, atol=1e-5)
 
@@ -534,22 +543,26 @@ def test_score_functions_these_kernels_apply():
     assert M.mosaic_score(flex(lambda s, b, h, i, j: s - s.max(1, keepdims=True))) is None
 
 
-@pytest.mark.parametrize("score,mosaic", [("soft-cap", True), ("by head", False)])
+@pytest.mark.parametrize("score,mosaic", [("soft-cap", True), ("by head", False),
+                                          ("sink", True), ("soft-cap and sink", True)])
 def test_flex_lowers_to_the_mosaic_kernels(score, mosaic):
-    """Flex attention with Gemma's soft-cap lowers for CUDA to the three Mosaic kernels;
-    with a bias that reads the head index, to the Triton ones."""
+    """Flex attention with Gemma's soft-cap, with a sink per head (GPT-OSS's), or both lowers
+    for CUDA to the three Mosaic kernels; with a bias that reads the head index, to the
+    Triton ones."""
     L, D = 512, 64
     layout = P.Causal().layout(L, L, M.BLOCK_Q, M.BLOCK_K)
     kernel = PallasAttention("pallas_gpu_mosaic", "gpu", M)
-    fn = (soft_cap_score(CAP) if score == "soft-cap"
-          else lambda s, b, h, i, j: s - 0.01 * h * jnp.abs(i - j))
+    fn = {"soft-cap": soft_cap_score(CAP), "sink": None, "soft-cap and sink": soft_cap_score(CAP),
+          "by head": lambda s, b, h, i, j: s - 0.01 * h * jnp.abs(i - j)}[score]
+    sinks = jnp.linspace(-1.0, 1.0, 3) if "sink" in score else None
 
-    def one(q, k, v, h):
-        return kernel(q, k, v, layout, scale=D ** -0.5, score_mod=fn, index=(0, h))[0]
+    def one(q, k, v, h, sink):
+        return kernel(q, k, v, layout, scale=D ** -0.5, score_mod=fn, index=(0, h),
+                      sink=sink)[0]
 
-    heads = jax.vmap(one, in_axes=(1, 1, 1, 0), out_axes=1)
-    f = jax.grad(lambda q, k, v: jax.vmap(heads, in_axes=(0, 0, 0, None))(
-        q, k, v, jnp.arange(3)).astype(jnp.float32).sum(), argnums=(0, 1, 2))
+    heads = jax.vmap(one, in_axes=(1, 1, 1, 0, None if sinks is None else 0), out_axes=1)
+    f = jax.grad(lambda q, k, v: jax.vmap(heads, in_axes=(0, 0, 0, None, None))(
+        q, k, v, jnp.arange(3), sinks).astype(jnp.float32).sum(), argnums=(0, 1, 2))
     x = jax.ShapeDtypeStruct((2, L, 3, D), jnp.bfloat16)
     text = jax.jit(f).trace(x, x, x).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("custom_call @mosaic_gpu") == (3 if mosaic else 0)
@@ -592,12 +605,13 @@ def test_packed_rows_lower_to_the_mosaic_kernels():
     (False, 2048, 64, None, False), (True, 1000, 128, None, False),
     (True, 2048, 128, None, False), (True, 1536, 64, 300, False), (True, 1000, 64, None, True),
     (True, 2048, 128, None, True), (True, 1000, 64, None, "soft-cap"),
-    (True, 2048, 128, None, "soft-cap")])
+    (True, 2048, 128, None, "soft-cap"), (True, 1000, 64, None, "sink")])
 def test_compiled_kernel_equals_xla(causal, L, D, window, packed):
     """bf16 inputs, 2 x 4 heads with 2 key/value heads (GQA): outputs and gradients against
     the XLA path in float32 on the same inputs; ``packed``: three documents per row
     (segment ids) and a key mask; ``"soft-cap"``: flex attention with Gemma's soft-cap as its
-    score function (applied in the Mosaic kernels' tiles)."""
+    score function (applied in the Mosaic kernels' tiles); ``"sink"``: flex attention with a
+    sink logit."""
     ks = jax.random.split(jax.random.PRNGKey(L + D), 4)
     q = jax.random.normal(ks[0], (2, L, 4, D), jnp.bfloat16)
     k, v = (jax.random.normal(kk, (2, L, 2, D), jnp.bfloat16) for kk in ks[1:3])
@@ -609,6 +623,9 @@ def test_compiled_kernel_equals_xla(causal, L, D, window, packed):
     if packed == "soft-cap":
         lifted = multihead(flex_attention)
         extra = dict(score_mod=soft_cap_score(CAP))
+    elif packed == "sink":
+        lifted = multihead(flex_attention)
+        extra = dict(sink=jnp.float32(1.5))
     elif packed:
         seg, valid = _packed(L, np.random.default_rng(L))
         extra = dict(segment_ids=jnp.asarray(np.stack([seg, seg[::-1]]), jnp.int32),
