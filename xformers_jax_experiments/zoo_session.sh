@@ -48,7 +48,7 @@ args=(--grid="${GRID:-full}" --workdir="$WORK" --num_processes="$PROCS" --result
 timeout -k 30 "$LIMIT" $PY -m xformers_jax_experiments.studies.zoo.run "${args[@]}" \
   ${ZOO_ARGS:-} >> "$OUT/session.log" 2>&1
 echo "[$(( $(date +%s) - t0 )) s] sweep exited with $?" >> "$OUT/session.log"
-pkill -TERM -f xformers_jax_experiments.train 2> /dev/null
+pkill -TERM -f "xformers_jax_experiments.train .*--workdir=$WORK/" 2> /dev/null  # this part's
 # The finished runs (a test accuracy recorded), without their checkpoints.
 (cd "$WORK" && grep -l '"test_accuracy"' --include=metrics.jsonl -r . | xargs -r -n1 dirname \
   | while read -r d; do for f in run.json config.json metrics.jsonl train.log; do
