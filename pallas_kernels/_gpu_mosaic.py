@@ -587,9 +587,10 @@ def _batched(st: _Static):
 
 def forward(cfg, plan, q, k, v, dyn):
     """``(out [Lq_p, D], lse f32 [Lq_p])`` of one sequence and head (padded inputs, the
-    forward plan's tiles). Layouts that are not a band, flex functions, key masks and
-    segment ids when ``MOSAIC_MASKS`` is off, and interpret mode (Pallas' own, for the
-    Triton kernels) run the Triton forward on the backward's tiles."""
+    forward plan's tiles): a band's walk in closed form, or a block-sparse layout's listed
+    walk (:func:`listed_walk`). Other layouts, flex calls :func:`mosaic_flex` refuses, key
+    masks and segment ids when ``MOSAIC_MASKS`` is off, and interpret mode (Pallas' own, for
+    the Triton kernels) run the Triton forward on the backward's tiles."""
     kv_valid, segs, flex = dyn
     band, listed = whole_band(plan), None
     if band is None and MOSAIC_SPARSE and (plan.block_q, plan.block_k) == (BLOCK_Q, BLOCK_K):
@@ -1166,10 +1167,11 @@ def _batched_bwd(st: _BwdStatic):
 
 
 def backward(cfg, plan, q, k, v, dyn, lse, delta, d_out):
-    """``(dq, dk, dv, [])``: the Mosaic GPU dq and dk/dv kernels where the forward's band
-    walk applies (16-bit inputs, a band layout, no flex functions; key masks and segment ids
-    as codes); else the Triton backward kernels (``_gpu_blocksparse.backward``) on the
-    backward plan."""
+    """``(dq, dk, dv, [])``: the Mosaic GPU dq and dk/dv kernels for 16-bit inputs on a band
+    or a block-sparse layout's listed walks (:func:`listed_walks`), with the flex calls
+    :func:`mosaic_flex` accepts (a sink needs only the log-sum-exp here) and key masks and
+    segment ids as codes; else the Triton backward kernels (``_gpu_blocksparse.backward``)
+    on the backward plan."""
     kv_valid, segs, flex = dyn
     tiles = [x[1:] for x in cfg.extra if isinstance(x, tuple) and x[:1] == (BWD_TILES,)]
     block, stages = tiles[-1] if tiles else (BWD_BLOCK, BWD_STAGES)
