@@ -357,8 +357,9 @@ def test_interpreted_forward_with_documents_key_mask_and_soft_cap(sink):
 
 
 def _sparse_layout(L, rng, causal):
-    """A random block layout of 128 x 128 tiles (about 40% kept, the diagonal always), with
-    ``causal`` only the tiles below the diagonal kept and the diagonal tiles causal."""
+    """A random block layout of 128 x 128 tiles (about 40% kept, the diagonal from the third
+    block on, none in the second row: a query block that sees no key), with ``causal`` only
+    the tiles below the diagonal kept and the diagonal tiles causal."""
     from xformers_jax.kernels import EMPTY, FULL, PARTIAL, BlockLayout
 
     t = M.BLOCK_Q
