@@ -377,7 +377,7 @@ def _sparse_layout(L, rng, causal):
     return BlockLayout(L, L, t, t, kinds, index, masks)
 
 
-@pytest.mark.parametrize("L,causal,packed", [(600, True, False), (450, False, False),
+@pytest.mark.parametrize("L,causal,packed", [(400, True, False), (450, False, False),
                                              (512, False, True)])
 def test_interpreted_forward_walks_listed_blocks(L, causal, packed):
     """A block-sparse layout (no band) in the forward kernel, run in Mosaic GPU's interpreter:
@@ -415,7 +415,7 @@ def test_interpreted_forward_walks_listed_blocks(L, causal, packed):
     np.testing.assert_allclose(np.asarray(lse[0, :L]), want_lse, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("L,causal,tiles", [(600, True, (64, 2)), (330, False, (128, 3))])
+@pytest.mark.parametrize("L,causal,tiles", [(400, True, (64, 2)), (330, False, (128, 3))])
 def test_interpreted_backward_walks_listed_blocks(L, causal, tiles):
     """The dq and dk/dv kernels on a block-sparse layout (``listed_walks``: each dq CTA's key
     blocks and each dk/dv CTA's query blocks read from tables, the causal diagonal and the
