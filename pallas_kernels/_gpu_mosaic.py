@@ -281,29 +281,27 @@ def _listed(plan, band, along_columns: bool = False):
     from xformers_jax.kernels import EMPTY, FULL
 
     bq, bk, lq, lk = plan.block_q, plan.block_k, plan.lq, plan.lk
+    kinds = plan.kinds
+    past = ((np.arange(plan.nq) + 1) * bq > lq)[:, None] if along_columns else \
+        ((np.arange(plan.nk) + 1) * bk > lk)[None, :]
+    whole = (kinds == FULL) & ~past
+    masked = (kinds != EMPTY) & ~whole
+    for a, b in zip(*np.nonzero(masked)):
+        r = np.arange(a * bq, min(a * bq + bq, lq))
+        c = np.arange(b * bk, min(b * bk + bk, lk))
+        if kinds[a, b] == FULL:
+            want = np.ones((len(r), len(c)), bool)
+        elif plan.band is not None:
+            want = _band_mask(r, c, plan.band, lk)
+        else:
+            want = plan.masks[plan.mask_index[a, b]][: len(r), : len(c)]
+        if not np.array_equal(_band_mask(r, c, band, lk), want):
+            return None
+    if along_columns:
+        whole, masked = whole.T, masked.T
     rows = []
-    for o in range(plan.nk if along_columns else plan.nq):
-        part, full = [], []
-        for x in range(plan.nq if along_columns else plan.nk):
-            a, b = (x, o) if along_columns else (o, x)
-            kind = plan.kinds[a, b]
-            if kind == EMPTY:
-                continue
-            past = (a + 1) * bq > lq if along_columns else (b + 1) * bk > lk
-            if kind == FULL and not past:
-                full.append(x)
-                continue
-            r = np.arange(a * bq, min(a * bq + bq, lq))
-            c = np.arange(b * bk, min(b * bk + bk, lk))
-            if kind == FULL:
-                want = np.ones((len(r), len(c)), bool)
-            elif plan.band is not None:
-                want = _band_mask(r, c, plan.band, lk)
-            else:
-                want = plan.masks[plan.mask_index[a, b]][: len(r), : len(c)]
-            if not np.array_equal(_band_mask(r, c, band, lk), want):
-                return None
-            part.append(x)
+    for w, m in zip(whole, masked):
+        part, full = np.flatnonzero(m).tolist(), np.flatnonzero(w).tolist()
         rows.append((len(part) + len(full), len(part), *part, *full))
     width = max(len(r) for r in rows)
     return tuple(r + (0,) * (width - len(r)) for r in rows)
