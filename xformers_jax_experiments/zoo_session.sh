@@ -47,7 +47,8 @@ args=(--grid="${GRID:-full}" --workdir="$WORK" --num_processes="$PROCS" --result
 # shellcheck disable=SC2086
 timeout -k 30 "$LIMIT" $PY -m xformers_jax_experiments.studies.zoo.run "${args[@]}" \
   ${ZOO_ARGS:-} >> "$OUT/session.log" 2>&1
-echo "[$(( $(date +%s) - t0 )) s] sweep exited with $?" >> "$OUT/session.log"
+rc=$?  # 124: the time limit
+echo "[$(( $(date +%s) - t0 )) s] sweep exited with $rc" >> "$OUT/session.log"
 pkill -TERM -f "xformers_jax_experiments.train .*--workdir=$WORK/" 2> /dev/null  # this part's
 # The finished runs (a test accuracy recorded), without their checkpoints.
 (cd "$WORK" && grep -l '"test_accuracy"' --include=metrics.jsonl -r . | xargs -r -n1 dirname \
