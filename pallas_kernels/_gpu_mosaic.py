@@ -331,6 +331,17 @@ def listed_walk(plan) -> tuple[tuple[int, int], tuple[tuple[int, ...], ...]] | N
     return None
 
 
+def _cta_walk(st, walk_ref, cta, band_walk, lo):
+    """``(first, n, f_lo, full_n, block)`` of a CTA (any of the three kernels, ``st`` its
+    static part): a band's run in closed form (``band_walk(st, lo)``), or row ``cta`` of a
+    listed walk (the masked blocks first); ``block(t)`` is the ``t``-th streamed block."""
+    if st.listed is None:
+        first, n, f_lo, full_n = band_walk(st, lo)
+        return first, n, f_lo, full_n, lambda t: first + t
+    n, f_lo = walk_ref[cta, 0], walk_ref[cta, 1]
+    return 0, n, f_lo, n - f_lo, lambda t: walk_ref[cta, 2 + t]
+
+
 def ranges_host(st: _Static, q_lo: int) -> tuple[int, int, int, int]:
     """:func:`_ranges` evaluated on the host (tests compare it with the plan's tiles)."""
     return walk_host(_ranges, st, q_lo)
@@ -354,13 +365,7 @@ def _kernel_call(st: _Static, n_seq: int):
             consumed, sched = scoped
         k_used, v_used = consumed
         cta_q0 = qt * BLOCK_Q
-        if st.listed is None:  # a band: the run of key blocks in closed form
-            first, n, f_lo, full_n = _ranges(st, cta_q0)
-            block = lambda t: first + t  # noqa: E731
-        else:  # listed blocks, the partial ones first (listed_walk)
-            n, first, f_lo = walk_ref[qt, 0], 0, walk_ref[qt, 1]
-            full_n = n - f_lo
-            block = lambda t: walk_ref[qt, 2 + t]  # noqa: E731
+        first, n, f_lo, full_n, block = _cta_walk(st, walk_ref, qt, _ranges, cta_q0)
 
         def schedule():
             if not _INTERPRET:  # the interpreter waits forever on this ping-pong
@@ -885,17 +890,6 @@ def _stream(plgpu, n, stages, used, copies):
             plgpu.barrier_wait(used.at[lax.rem(t, jnp.int32(stages))])
 
 
-def _bwd_walk(st: _BwdStatic, walk_ref, cta, band_walk, lo):
-    """``(first, n, f_lo, full_n, block)`` of a backward CTA: a band's run in closed form
-    (``band_walk``), or its row of a listed walk (partial blocks first); ``block(t)`` is the
-    ``t``-th streamed block."""
-    if st.listed is None:
-        first, n, f_lo, full_n = band_walk(st, lo)
-        return first, n, f_lo, full_n, lambda t: first + t
-    n, f_lo = walk_ref[cta, 0], walk_ref[cta, 1]
-    return 0, n, f_lo, n - f_lo, lambda t: walk_ref[cta, 2 + t]
-
-
 def _dq_call(st: _BwdStatic, n_seq: int):
     plgpu = _plgpu()
     dtype = jnp.dtype(st.dtype)
@@ -913,7 +907,7 @@ def _dq_call(st: _BwdStatic, n_seq: int):
         if st.reversed_q:
             qt = st.lq // BWD_HELD - 1 - qt
         cta_q0 = qt * BWD_HELD
-        first, n, f_lo, full_n, block = _bwd_walk(st, walk_ref, qt, dq_walk, cta_q0)
+        first, n, f_lo, full_n, block = _cta_walk(st, walk_ref, qt, dq_walk, cta_q0)
 
         @pl.when(wg < COMPUTE_WGS)
         def _compute():
@@ -1034,7 +1028,7 @@ def _dkv_call(st: _BwdStatic, n_seq: int):
         (k_smem2, v_smem2, q_smem, do_smem, lse_smem, delta_smem, *code_smem), (held, *fulls), \
             used = scoped
         cta_k0 = lax.axis_index("k_tile") * BWD_HELD
-        first, n, f_lo, full_n, block = _bwd_walk(st, walk_ref, lax.axis_index("k_tile"),
+        first, n, f_lo, full_n, block = _cta_walk(st, walk_ref, lax.axis_index("k_tile"),
                                                   dkv_walk, cta_k0)
 
         @pl.when(wg < COMPUTE_WGS)

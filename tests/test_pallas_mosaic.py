@@ -432,22 +432,10 @@ def test_interpreted_backward_walks_listed_blocks(L, causal, tiles):
     st = M._BwdStatic(lq=lp, lk=lp, lq_real=L, lk_real=L, left=band[0], right=band[1], d=D,
                       scale=D ** -0.5, dtype="bfloat16", block=tiles[0], stages=tiles[1],
                       listed=(dq_rows, dkv_rows), reversed_q=causal)
-    x = [np.where(np.arange(lp)[:, None] < L, rng.normal(size=(lp, D)) * 2, 0.0)
-         for _ in range(4)]
-    q, k, v, d_out = (jnp.asarray(a[None], jnp.bfloat16) for a in x)
+    q, k, v, d_out = _backward_inputs(L, lp, D, rng)
     mask = layout.dense()[:L, :L]
-    f64 = lambda a: np.asarray(a[0, :L], np.float64)  # noqa: E731
-    _, lse, want, delta = _reference(f64(q), f64(k), f64(v), f64(d_out), mask, st.scale, None)
-    lse = np.where(np.isfinite(lse), lse, np.inf)  # backward_stats: +inf where nothing seen
-    stats = [jnp.asarray(np.concatenate([a, np.full(lp - L, fill)])[None], jnp.float32)
-             for a, fill in ((lse, np.inf), (delta, 0.0))]
     walks = [jnp.asarray(rows, jnp.int32) for rows in st.listed]
-    with M.interpreted():
-        dq = M._dq_call(st, 1)(q, k, v, d_out, *stats, *walks)
-        dk, dv = M._dkv_call(st, 1)(q, k, v, d_out, *stats, *walks)
-    for name, got, ref in zip(("dq", "dk", "dv"), (dq, dk, dv), want):
-        err = _rel(got[0, :L], ref)
-        assert err < 1e-2, (name, err)  # bf16 operands and outputs
+    _check_interpreted_backward(st, L, (q, k, v, d_out), mask, None, walks)
 
 
 @pytest.mark.parametrize("sparse", [True, False])
@@ -484,6 +472,32 @@ def test_listed_walk_refuses_other_partial_tiles():
     assert M.listed_walk(kernels.plan(layout, t, t)) is None
 
 
+def _backward_inputs(L, lp, d, rng):
+    """``q, k, v, d_out`` ``bf16[1, lp, d]``: normal draws (times 2) on the first ``L`` rows,
+    zeros on the padding."""
+    x = [np.where(np.arange(lp)[:, None] < L, rng.normal(size=(lp, d)) * 2, 0.0)
+         for _ in range(4)]
+    return tuple(jnp.asarray(a[None], jnp.bfloat16) for a in x)
+
+
+def _check_interpreted_backward(st, L, inputs, mask, cap, extra):
+    """The dq and dk/dv kernels of ``st`` in Mosaic GPU's interpreter on ``inputs`` (and the
+    kernels' ``extra`` inputs: codes or walks) against float64 gradients over ``mask``."""
+    q, k, v, d_out = inputs
+    lp = q.shape[1]
+    f64 = lambda a: np.asarray(a[0, :L], np.float64)  # noqa: E731
+    _, lse, want, delta = _reference(f64(q), f64(k), f64(v), f64(d_out), mask, st.scale, cap)
+    lse = np.where(np.isfinite(lse), lse, np.inf)  # backward_stats: +inf where nothing seen
+    stats = [jnp.asarray(np.concatenate([a, np.full(lp - L, fill)])[None], jnp.float32)
+             for a, fill in ((lse, np.inf), (delta, 0.0))]
+    with M.interpreted():
+        dq = M._dq_call(st, 1)(q, k, v, d_out, *stats, *extra)
+        dk, dv = M._dkv_call(st, 1)(q, k, v, d_out, *stats, *extra)
+    for name, got, ref in zip(("dq", "dk", "dv"), (dq, dk, dv), want):
+        err = _rel(got[0, :L], ref)
+        assert err < 1e-2, (name, err)  # bf16 operands and outputs
+
+
 @pytest.mark.parametrize("pattern,L,tiles,packed", [(P.Causal(), 256, (64, 2), True),
                                                     (P.Local(100, 30), 200, (128, 3), False)],
                          ids=repr)
@@ -501,9 +515,7 @@ def test_interpreted_backward_equals_the_gradients(pattern, L, tiles, packed):
                       scale=D ** -0.5, dtype="bfloat16", block=tiles[0], stages=tiles[1],
                       codes=packed, score=soft_cap_score(CAP) if packed else None)
     rng = np.random.default_rng(L)
-    x = [np.where(np.arange(lp)[:, None] < L, rng.normal(size=(lp, D)) * 2, 0.0)
-         for _ in range(4)]
-    q, k, v, d_out = (jnp.asarray(a[None], jnp.bfloat16) for a in x)
+    q, k, v, d_out = _backward_inputs(L, lp, D, rng)
     i, j = np.arange(L)[:, None], np.arange(L)[None, :]
     mask = pattern.mask(i, j, L, L)
     codes = ()
@@ -514,18 +526,7 @@ def test_interpreted_backward_equals_the_gradients(pattern, L, tiles, packed):
                                   L)
         codes = tuple(kernels.pad_to(c, lp, 0, fill)[None]
                       for c, fill in ((q_code, -1), (k_code, -2)))
-    f64 = lambda a: np.asarray(a[0, :L], np.float64)  # noqa: E731
-    _, lse, want, delta = _reference(f64(q), f64(k), f64(v), f64(d_out), mask, st.scale,
-                                     CAP if packed else None)
-    lse = np.where(np.isfinite(lse), lse, np.inf)  # backward_stats: +inf where nothing seen
-    stats = [jnp.asarray(np.concatenate([a, np.full(lp - L, fill)])[None], jnp.float32)
-             for a, fill in ((lse, np.inf), (delta, 0.0))]
-    with M.interpreted():
-        dq = M._dq_call(st, 1)(q, k, v, d_out, *stats, *codes)
-        dk, dv = M._dkv_call(st, 1)(q, k, v, d_out, *stats, *codes)
-    for name, got, ref in zip(("dq", "dk", "dv"), (dq, dk, dv), want):
-        err = _rel(got[0, :L], ref)
-        assert err < 1e-2, (name, err)  # bf16 operands and outputs
+    _check_interpreted_backward(st, L, (q, k, v, d_out), mask, CAP if packed else None, codes)
 
 
 def test_score_functions_these_kernels_apply():
