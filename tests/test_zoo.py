@@ -193,9 +193,13 @@ def test_zoo_hyperparameters_fill_every_causal_kind():
     # Input positions as Zoology gives them: the attention slot's, none for the token mixers.
     assert Z.get_config("mqar,attention,based,64").model.positions == "sinusoidal"
     assert Z.get_config("selective_copy,mixer,mamba,256").model.positions == "none"
-    # and where sinusoids are added, the tokens scaled by sqrt(d) (Vaswani et al. 2017)
-    assert Z.get_config("induction,attention,dot_product,256").model.scale_embeddings
+    # and where sinusoids are added, the tokens scaled by sqrt(d) (Vaswani et al. 2017), on
+    # induction heads the table drawn N(0, 1) instead; the token mixers' tables as drawn
+    assert Z.get_config("mqar,attention,dot_product,64").model.scale_embeddings
+    induction = Z.get_config("induction,attention,dot_product,256").model
+    assert induction.embed_std == 1.0 and not induction.get("scale_embeddings", False)
     assert not Z.get_config("mqar,mixer,mamba2,64").model.get("scale_embeddings", False)
+    assert not Z.get_config("induction,mixer,mamba,256").model.get("embed_std")
 
 
 def test_tiny_sweep_end_to_end(tmp_path):

@@ -46,10 +46,10 @@ class CausalLM(eqx.Module):
 
     def __init__(self, vocab_size, dim, num_layers, num_heads, hidden, *, positions=None,
                  max_len=512, block=None, stack=None, tie_embeddings=False,
-                 scale_embeddings=False, key):
+                 scale_embeddings=False, embed_std=None, key):
         k1, k2, k3 = jax.random.split(key, 3)
         self.embed = Embedder(dim, vocab_size=vocab_size, positions=positions,
-                              scale_tokens=scale_embeddings, key=k1)
+                              scale_tokens=scale_embeddings, table_std=embed_std, key=k1)
         self.layers, self.final_norm = transformer_stack(
             dim, num_layers, num_heads, hidden, causal=True, max_len=max_len, block=block,
             stack=stack, key=k2)
@@ -217,7 +217,8 @@ INPUT_POSITIONS = {"sinusoidal": SinusoidalPositions, "none": NoPositions}
 
 @register_model("causal_lm", serves=("language_model",),
                 defaults=dict(TRUNK, **SLOTS, tie_embeddings=False, scan_layers=True,
-                              positions="sinusoidal", scale_embeddings=False),
+                              positions="sinusoidal", scale_embeddings=False,
+                              embed_std=0.0),
                 loss_weights=AUX_WEIGHTS, packs=True, logits_at=True)
 def causal_lm(config, task, key):
     """The decoder-only language model (:class:`CausalLM`; ``positions``: the input
@@ -226,6 +227,8 @@ def causal_lm(config, task, key):
     H3, Hyena; Zoology for every kind but softmax attention) add no positions to the tokens;
     ``scale_embeddings``: the token embeddings times ``sqrt(dim)`` before the positions are
     added (Vaswani et al. 2017, section 3.4; ``nn.Embedder``'s ``scale_tokens``);
+    ``embed_std``: the embedding table's initial standard deviation (``nn.Embedder``'s
+    ``table_std``; ``0.0``, the default: ``1 / sqrt(dim)``);
     ``tie_embeddings``: the output layer is the input embedding table, as in Zoology;
     ``scan_layers``: the layers run as one ``lax.scan`` (one compiled block, the default) or
     unrolled (``False``: for a few small layers on a CPU, where the scan's stacked residuals
@@ -239,4 +242,5 @@ def causal_lm(config, task, key):
                     max_len=task.seq_len, block=block_kwargs(config),
                     tie_embeddings=config.tie_embeddings,
                     scale_embeddings=config.get("scale_embeddings", False),
+                    embed_std=config.get("embed_std") or None,
                     stack=dict(scan=config.get("scan_layers", True)), key=key)

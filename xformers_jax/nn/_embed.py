@@ -27,7 +27,12 @@ class Embedder(eqx.Module):
     positions are added (Vaswani et al. 2017, section 3.4). The table is drawn N(0, 1/dim), so
     its rows have norm about 1 while a sinusoid adds about ``sqrt(dim / 2)``; scaled, a token
     is not drowned by its own position. The table (which a tied output layer reads) is left
-    as it is."""
+    as it is.
+
+    ``table_std``: the table's initial standard deviation (default ``1 / sqrt(dim)``, rows of
+    norm about 1); ``1.0`` is PyTorch's ``nn.Embedding`` default, rows of norm about
+    ``sqrt(dim)``, which scales the tokens against their positions and a tied output layer's
+    logits together."""
 
     table: jax.Array | None = X.param(X.VOCAB, X.EMBED)
     proj: jax.Array | None = X.param(None, X.EMBED)
@@ -37,13 +42,18 @@ class Embedder(eqx.Module):
 
     def __init__(self, dim: int, *, vocab_size: int | None = None,
                  input_dim: int | None = None, cls_token: bool = False,
-                 positions: InputScheme | None = None, scale_tokens: bool = False, key):
+                 positions: InputScheme | None = None, scale_tokens: bool = False,
+                 table_std: float | None = None, key):
         if (vocab_size is None) == (input_dim is None):
             raise ValueError("Embedder: give exactly one of vocab_size (token ids) or input_dim "
                              "(continuous inputs)")
         k1, k2 = jax.random.split(key)
-        self.table = (jax.random.normal(k1, (vocab_size, dim)) / math.sqrt(dim)
-                      if vocab_size is not None else None)
+        if vocab_size is None:
+            self.table = None
+        elif table_std is None:
+            self.table = jax.random.normal(k1, (vocab_size, dim)) / math.sqrt(dim)
+        else:
+            self.table = jax.random.normal(k1, (vocab_size, dim)) * table_std
         self.proj = (jax.random.normal(k1, (input_dim, dim)) / math.sqrt(input_dim)
                      if input_dim is not None else None)
         self.cls = 0.02 * jax.random.normal(k2, (dim,)) if cls_token else None

@@ -75,12 +75,12 @@ def build(kind: str, positions: str, tied: bool, scale: float | None, seq_len: i
     ``scale_tokens`` (``causal_lm``'s ``scale_embeddings``)."""
     c = Z.get_config(f"{task},{slot},{kind},{seq_len}")
     c.unlock()
+    # the table N(0, 1/d) times scale: its standard deviation scale / sqrt(d)
+    std = 1.0 if scale is None else scale / math.sqrt(c.model.dim)
     c.model.update(dict(positions=positions, tie_embeddings=tied,
-                        scale_embeddings=scale_tokens))
+                        scale_embeddings=scale_tokens, embed_std=std))
     spec = type("Task", (), dict(vocab_size=vocab, seq_len=seq_len))()
-    model = models.get_model("causal_lm").build(c.model, spec, key)
-    scale = math.sqrt(c.model.dim) if scale is None else scale
-    return eqx.tree_at(lambda m: m.embed.table, model, model.embed.table * scale)
+    return models.get_model("causal_lm").build(c.model, spec, key)
 
 
 def train(model, source, *, steps: int, every: int, batch_size: int, learning_rate: float):
