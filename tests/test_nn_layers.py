@@ -127,3 +127,9 @@ def test_models():
     assert out.shape == (2, 10, 20)
     with pytest.raises(ValueError, match="exactly one of vocab_size"):
         nn.Embedder(32, key=KEY)
+    # The table's initial scale: 1 / sqrt(dim) unless given; a given one must be positive.
+    drawn = nn.Embedder(32, vocab_size=20, key=KEY).table
+    unit = nn.Embedder(32, vocab_size=20, table_std=1.0, key=KEY).table
+    assert_close(unit, drawn * np.sqrt(32), EXACT)
+    with pytest.raises(ValueError, match="table_std must be positive.*got -1.0"):
+        nn.Embedder(32, vocab_size=20, table_std=-1.0, key=KEY)

@@ -47,6 +47,9 @@ class Embedder(eqx.Module):
         if (vocab_size is None) == (input_dim is None):
             raise ValueError("Embedder: give exactly one of vocab_size (token ids) or input_dim "
                              "(continuous inputs)")
+        if table_std is not None and not table_std > 0:
+            raise ValueError(f"Embedder: table_std must be positive (or None for "
+                             f"1 / sqrt(dim)), got {table_std}")
         k1, k2 = jax.random.split(key)
         if vocab_size is None:
             self.table = None

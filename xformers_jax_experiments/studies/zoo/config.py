@@ -133,7 +133,7 @@ def get_config(arg=None):
     # default: the tokens as large, and the tied output layer's logits sqrt(d) times larger):
     # with the tokens scaled, softmax attention stayed at chance at L = 128 for 3000 steps and
     # at L = 256 for 5400, while with the table scaled it learnt L = 128 by step 2000
-    # (README.md, positions.py).
+    # (README.md, positions.py; at L = 256 under the trainer it has not yet left chance).
     c.model.update(dict(dim=64, num_layers=2, num_heads=2, hidden=256, tie_embeddings=True,
                         scan_layers=False,
                         positions="sinusoidal" if slot == "attention" else "none"))
