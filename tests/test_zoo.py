@@ -429,6 +429,25 @@ def test_results_add_up_across_invocations_and_machines():
     assert next(r for r in merged if r["kind"] == "h3").get("test_accuracy") is None
 
 
+def test_best_rows_prefer_finished_runs_then_validation():
+    """Over learning rates, a finished run beats every unfinished one whatever its
+    validation, and among unfinished runs the one with the higher validation is shown."""
+    from xformers_jax_experiments.studies.zoo import run as R
+
+    def row(lr, **extra):
+        return dict(task="selective_copy", slot="mixer", kind="mamba", L=256, d=64, lr=lr,
+                    **extra)
+
+    unfinished = [row(3e-3, validation_accuracy=0.764), row(1e-3, validation_accuracy=0.892)]
+    (best,) = R.best_rows(unfinished).values()
+    assert best["lr"] == 1e-3
+    (best,) = R.best_rows(unfinished[::-1]).values()
+    assert best["lr"] == 1e-3
+    finished = unfinished + [row(1e-2, test_accuracy=0.5, validation_accuracy=0.5)]
+    (best,) = R.best_rows(finished).values()
+    assert best["lr"] == 1e-2
+
+
 def test_unrolled_layers_equal_the_scanned_stack():
     """``scan_layers=False`` (the zoo's two layers unrolled) computes what the scanned stack
     does, with the same parameters: logits and gradients."""

@@ -186,13 +186,21 @@ def _kib(size: int) -> str:
     return f"{size / 1024:.0f} KiB" if size < 1024 ** 2 else f"{size / 1024 ** 2:.1f} MiB"
 
 
+def _rank(row):
+    """A finished row (with a test accuracy) above every unfinished one; among unfinished
+    rows, the higher last validation accuracy."""
+    if row.get("test_accuracy") is not None:
+        return (1, row["test_accuracy"])
+    return (0, row.get("validation_accuracy") or -1.0)
+
+
 def best_rows(rows):
-    """The best test accuracy over learning rates per (task, slot, kind, L, d)."""
+    """The best test accuracy over learning rates per (task, slot, kind, L, d); where no
+    rate has finished, the unfinished run furthest along by validation."""
     best = {}
     for r in rows:
         key = (r["task"], r["slot"], r["kind"], r["L"], r["d"])
-        acc = r.get("test_accuracy")
-        if key not in best or (acc is not None and acc > (best[key].get("test_accuracy") or -1)):
+        if key not in best or _rank(r) > _rank(best[key]):
             best[key] = r
     return best
 
