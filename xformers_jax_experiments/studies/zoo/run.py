@@ -196,7 +196,7 @@ def _rank(row):
 
 def best_rows(rows):
     """The best test accuracy over learning rates per (task, slot, kind, L, d); where no
-    rate has finished, the unfinished run furthest along by validation."""
+    rate has finished, the unfinished run with the higher last validation accuracy."""
     best = {}
     for r in rows:
         key = (r["task"], r["slot"], r["kind"], r["L"], r["d"])
