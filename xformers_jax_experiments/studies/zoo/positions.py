@@ -25,6 +25,7 @@ have norm about 1: at d = 64 a token is about a sixth of its own input.
 from __future__ import annotations
 
 import math
+import sys
 
 import equinox as eqx
 import jax
@@ -110,6 +111,8 @@ def train(model, source, *, steps: int, every: int, batch_size: int, learning_ra
                                  batch["scored"])
         if i % every == 0:
             out[i] = float(acc)
+            # progress of a long study, apart from the table on stdout
+            print(f"step {i}: batch accuracy {out[i]:.3f}", file=sys.stderr, flush=True)
     return out
 
 
